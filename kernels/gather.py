@@ -1,0 +1,243 @@
+"""Row gather: ``out[i, :] = table[ids[i], c0:c1] (* scale)`` in the caller's current CUDA stream.
+
+One kernel serves every table placement: a ``HostTable`` (pinned, mapped host memory read over PCIe
+through UVA), a pinned/registered CPU tensor, or a CUDA tensor in HBM. Under ``TRITON_INTERPRET=1`` the
+same source runs on CPU tensors, which is how CI checks indexing, masking, rounding and edge cases.
+
+Work split: program ``(i, j)`` copies column tile ``j`` of row ``ids[i]``. Tile width comes from
+:func:`uvaple.kernels.heuristics.launch_config` (bytes per tile and warps, by row bytes).
+
+Out-of-range ids (negative, >= rows, any int64) never form an address outside the table: the id is
+replaced by 0 before any pointer arithmetic, then
+  * ``oob="zero"``: the row's loads are masked off and the output row is +0.0 (scale or not);
+  * ``oob="row0"``: the row reads row 0 (what Gemma 3n's embedding path does for such ids).
+
+Rounding: with ``scale``, the result is bit-identical to HF Gemma 3n's ``emb * scale.to(weight.dtype)``:
+the scale is rounded to the table dtype on the host, the product is formed in fp32 and rounded once to
+the table dtype with round-to-nearest-even, then converted to the output dtype. The fp32 -> bf16 rounding
+is written out with integer ops because Triton's interpreter rounds half away from zero (and the GPU's
+``cvt.rn.bf16.f32`` gives the same bits as this), so CPU and GPU agree.
+
+Hot path: no host synchronisation, no allocation when ``out`` is given, launch on the current stream only;
+capturable in a CUDA graph and replayable with new ids written into the captured ids buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .heuristics import launch_config
+
+__all__ = ["gather_rows", "OOB_POLICIES", "TABLE_DTYPES", "OUT_DTYPES"]
+
+OOB_POLICIES = ("zero", "row0")
+TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OUT_DTYPES = FLOAT_DTYPES
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+@triton.jit
+def _f32_to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even; NaN stays a quiet NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _round_f32(x, DTYPE: tl.constexpr):
+    """Round an fp32 tile to ``DTYPE`` exactly as torch does (one RNE rounding)."""
+    if DTYPE == tl.bfloat16:
+        return _f32_to_bf16_rne(x)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+@triton.jit
+def _gather_rows_kernel(
+    table_ptr,  # *Pointer* to row 0 of the table (host memory through UVA, or HBM)
+    ids_ptr,  # *Pointer* to the flattened ids, int32 or int64
+    out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
+    n_rows,  # rows in the table: valid ids are 0 <= id < n_rows
+    table_stride,  # elements between two table rows (>= the row length, padded)
+    col_start,  # first column of the range to copy
+    n_cols,  # columns to copy per row
+    scale,  # fp32 scale, already rounded to the table dtype (ignored without HAS_SCALE)
+    HAS_SCALE: tl.constexpr,  # multiply by scale with the model's rounding
+    CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
+    OOB_ROW0: tl.constexpr,  # out-of-range ids read row 0 (else they give a zero row)
+    BLOCK: tl.constexpr,  # columns per program
+):
+    pid = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    row = tl.load(ids_ptr + pid).to(tl.int64)
+    valid = (row >= 0) & (row < n_rows)
+    row = tl.where(valid, row, 0)  # never an address outside the table
+    if OOB_ROW0:
+        limit = n_cols
+    else:
+        limit = tl.where(valid, n_cols, 0)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    load_mask = cols < limit
+    x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
+    if CONVERT:
+        v = x.to(tl.float32)
+        if HAS_SCALE:
+            v = _round_f32(v * scale, table_ptr.dtype.element_ty)
+            v = v.to(tl.float32)
+        v = _round_f32(v, out_ptr.dtype.element_ty)
+        if not OOB_ROW0:
+            v = tl.where(load_mask, v, 0.0)  # +0.0 even when scale < 0
+        y = v.to(out_ptr.dtype.element_ty)
+    else:
+        y = x
+    tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
+
+
+def _table_tensor(table) -> tuple[torch.Tensor, bool]:
+    """(2-D tensor to hand Triton, whether it is a registered host table)."""
+    from ..uva.host_table import HostTable
+
+    if isinstance(table, HostTable):
+        return table.tensor, table.registered
+    if isinstance(table, torch.Tensor):
+        return table, False
+    raise TypeError(f"table must be a HostTable or a 2-D torch.Tensor, got {type(table).__name__}")
+
+
+def _columns(columns, cols: int) -> tuple[int, int]:
+    if columns is None:
+        return 0, cols
+    if isinstance(columns, slice):
+        if columns.step not in (None, 1):
+            raise ValueError(f"columns must be a contiguous range, got step {columns.step}")
+        c0, c1 = columns.start or 0, cols if columns.stop is None else columns.stop
+    else:
+        try:
+            c0, c1 = columns
+        except (TypeError, ValueError):
+            raise ValueError(f"columns must be None, (start, stop) or a slice, got {columns!r}") from None
+    if not (isinstance(c0, int) and isinstance(c1, int)) or not 0 <= c0 < c1 <= cols:
+        raise ValueError(f"columns {columns!r} is not a non-empty range inside 0..{cols}")
+    return c0, c1
+
+
+def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None, *, scale, oob: str,
+               out_dtype, c0: int, c1: int, host_registered: bool) -> torch.dtype:
+    """Validate a gather; returns the output dtype. Raises TypeError/ValueError naming what is wrong."""
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError(f"table must be 2-D with unit column stride, got shape {tuple(table.shape)} "
+                         f"strides {table.stride()}")
+    if table.dtype not in TABLE_DTYPES:
+        raise TypeError(f"table dtype {table.dtype} is not supported")
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be an int32 or int64 tensor, got "
+                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if oob not in OOB_POLICIES:
+        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
+    if scale is not None:
+        if table.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"scale needs a float table, this one is {table.dtype}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+    if out is not None:
+        dtype = out.dtype
+        if out_dtype is not None and out_dtype != dtype:
+            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
+    else:
+        dtype = out_dtype or table.dtype
+    if dtype != table.dtype and (dtype not in OUT_DTYPES or table.dtype not in FLOAT_DTYPES):
+        raise TypeError(f"cannot convert a {table.dtype} table to {dtype} output; "
+                        f"supported outputs are {OUT_DTYPES} from float tables")
+    if out is not None:
+        want = (*ids.shape, c1 - c0)
+        if tuple(out.shape) != want:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} ([*ids.shape, columns])")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if out.device != ids.device:
+            raise ValueError(f"out is on {out.device} but ids are on {ids.device}")
+    if ids.device.type == "cuda":
+        if table.device.type == "cpu" and not host_registered and not table.is_pinned():
+            raise ValueError("the table is an ordinary CPU tensor; the GPU can only read a HostTable or "
+                             "registered/pinned host memory (use uvaple.uva.HostTable.from_tensor)")
+        if table.device.type == "cuda" and table.device != ids.device:
+            raise ValueError(f"table is on {table.device} but ids are on {ids.device}")
+    elif table.device.type != "cpu":
+        raise ValueError(f"ids are on {ids.device} but the table is on {table.device}")
+    return dtype
+
+
+def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: float | None, col_start: int,
+           oob_row0: bool) -> None:
+    """Launch the gather kernel (arguments already validated; ``out`` is ``[*ids.shape, ncols]``)."""
+    n = ids.numel()
+    ncols = out.shape[-1] if out.dim() else 0
+    if n == 0 or ncols == 0:
+        return
+    cfg = launch_config(ncols * table.element_size(), table.element_size(), n)
+    convert = scale is not None or out.dtype != table.dtype
+    scale_f = 1.0
+    if scale is not None:
+        # HF: embedding * embed_scale.to(weight.dtype): round the scale to the table dtype first.
+        scale_f = float(torch.tensor(float(scale), dtype=torch.float32).to(table.dtype).item())
+    if not convert:
+        # A plain copy moves bits: give the kernel same-width integers (fp8 and friends need no support).
+        as_int = _INT_OF_SIZE[table.element_size()]
+        table, out = table.view(as_int), out.view(as_int)
+    grid = (n, triton.cdiv(ncols, cfg.block))
+    _gather_rows_kernel[grid](
+        table, ids, out, table.shape[0], table.stride(0), col_start, ncols, scale_f,
+        HAS_SCALE=scale is not None, CONVERT=convert, OOB_ROW0=oob_row0, BLOCK=cfg.block,
+        num_warps=cfg.num_warps,
+    )
+
+
+def gather_rows(table, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
+                columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Gather rows ``table[ids, columns]`` (optionally scaled) into ``out`` on the current stream.
+
+    Parameters
+    ----------
+    table : HostTable or torch.Tensor
+        ``[rows, cols]``: a registered ``HostTable``, a pinned/registered CPU tensor, or a CUDA tensor.
+        Under the Triton interpreter (no GPU) a plain CPU tensor.
+    ids : torch.Tensor
+        int32/int64 ids of any shape on the compute device.
+    out : torch.Tensor, optional
+        ``[*ids.shape, ncols]`` contiguous, written in place. Allocated when omitted.
+    scale : float, optional
+        Multiply rows by ``scale`` with the model's rounding (bit-identical to
+        ``rows * torch.tensor(scale).to(table.dtype)``).
+    columns : (start, stop) or slice, optional
+        A contiguous column range, e.g. one layer's 256 values of a PLE row.
+    oob : {"zero", "row0"}
+        What out-of-range ids produce: a zero row, or row 0.
+    out_dtype : torch.dtype, optional
+        bf16/fp16/fp32 output for float tables (default: the table's dtype).
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``: ``[*ids.shape, ncols]``.
+    """
+    tensor, registered = _table_tensor(table)
+    c0, c1 = _columns(columns, tensor.shape[1] if tensor.dim() == 2 else 0)
+    dtype = check_args(tensor, ids, out, scale=scale, oob=oob, out_dtype=out_dtype, c0=c0, c1=c1,
+                       host_registered=registered)
+    if out is None:
+        out = torch.empty((*ids.shape, c1 - c0), dtype=dtype, device=ids.device)
+    ids_flat = ids if ids.is_contiguous() else ids.contiguous()
+    if torch.compiler.is_compiling():
+        torch.ops.uvaple.gather_rows(tensor, ids_flat, out, scale, c0, oob == "row0")
+    else:
+        launch(tensor, ids_flat, out, scale, c0, oob == "row0")
+    return out

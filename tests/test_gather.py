@@ -1,0 +1,258 @@
+"""The gather kernel (Triton interpreter on CPU here, compiled on CUDA): exactness, policies, bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from uvaple.kernels import gather_rows, launch_config, reference_gather
+from uvaple.uva import HostTable, TableClosedError
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def rand(rows, cols, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype in (torch.int8, torch.uint8):
+        return torch.randint(0, 127, (rows, cols), generator=g, dtype=torch.int32).to(dtype)
+    return (torch.randn(rows, cols, generator=g) * 4).to(dtype)
+
+
+def bits(t):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def poisoned(shape, dtype, device):
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        out.fill_(float("nan"))
+    else:
+        out.fill_(0x5A)
+    return out
+
+
+def check(table_t, host, ids, device, **kw):
+    ids = ids.to(device)
+    out_dtype = kw.get("out_dtype") or table_t.dtype
+    from uvaple.kernels.gather import _columns
+
+    c0, c1 = _columns(kw.get("columns"), table_t.shape[1])
+    out = poisoned((*ids.shape, c1 - c0), out_dtype, device)
+    got = gather_rows(host, ids, out, **kw)
+    assert got is out
+    ref = reference_gather(table_t, ids, **kw)
+    assert torch.equal(bits(got), bits(ref)), (got, ref)
+
+
+@pytest.fixture(scope="module")
+def tables():
+    cache = {}
+
+    def get(rows, cols, dtype):
+        key = (rows, cols, dtype)
+        if key not in cache:
+            t = rand(rows, cols, dtype, seed=rows * 31 + cols)
+            cache[key] = (t, HostTable.from_tensor(t))
+        return cache[key]
+
+    yield get
+    for _, h in cache.values():
+        h.close()
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cols", [1, 7, 255, 8960, 65537])
+def test_dtypes_and_odd_columns(tables, device, dtype, cols):
+    rows = 37 if cols < 60000 else 5
+    t, h = tables(rows, cols, dtype)
+    ids = torch.tensor([rows - 1, 0, 3 % rows, rows // 2], dtype=torch.int64)
+    check(t, h, ids, device)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (2, 3), (2, 1, 4)])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_id_shapes_and_widths(tables, device, shape, id_dtype):
+    t, h = tables(101, 33, torch.bfloat16)
+    g = torch.Generator().manual_seed(len(shape))
+    ids = torch.randint(0, 101, shape, generator=g).to(id_dtype)
+    check(t, h, ids, device)
+
+
+BAD_IDS = [-1, -2**31, 101, 2**31 - 1, 2**40, 2**63 - 1, -2**63]
+
+
+@pytest.mark.parametrize("oob", ["zero", "row0"])
+@pytest.mark.parametrize("scale", [None, 16.0, -3.3])
+def test_out_of_range_policies(tables, device, oob, scale):
+    t, h = tables(101, 48, torch.bfloat16)
+    ids = torch.tensor([5] + BAD_IDS + [100, 0], dtype=torch.int64)
+    check(t, h, ids, device, oob=oob, scale=scale)
+    out = gather_rows(h, ids.to(device), oob=oob, scale=scale).cpu()
+    if oob == "zero":
+        # +0.0 exactly (bits), even with a negative scale.
+        assert not bits(out[1:1 + len(BAD_IDS)]).any()
+    else:
+        ref0 = reference_gather(t, torch.tensor([0]), scale=scale)[0]
+        assert torch.equal(bits(out[1:1 + len(BAD_IDS)]), bits(ref0.expand(len(BAD_IDS), -1)))
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_out_of_range_int32(tables, device, id_dtype):
+    t, h = tables(64, 16, torch.float32)
+    ids = torch.tensor([-1, 64, 2**31 - 1, -2**31, 7], dtype=id_dtype)
+    check(t, h, ids, device, oob="zero")
+    check(t, h, ids, device, oob="row0")
+
+
+@pytest.mark.parametrize("columns", [(0, 256), (256, 512), (1792, 1920), (3, 10), (1919, 1920)])
+def test_column_ranges(tables, device, columns):
+    t, h = tables(70, 7 * 256 + 128, torch.bfloat16)  # one row: 7 layers x 256 (+ odd tail)
+    ids = torch.tensor([[1, 69], [35, -4]])
+    check(t, h, ids, device, columns=columns)
+    check(t, h, ids, device, columns=slice(*columns), scale=16.0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("scale", [16.0, math.sqrt(256), 1.7, -0.3, 1e-3, 3.0e4, 1.0 / 3.0])
+def test_scale_matches_model_rounding(tables, device, dtype, scale):
+    """Bit-identical to HF Gemma 3n: ``emb * embed_scale.to(weight.dtype)``."""
+    t, h = tables(128, 96, dtype)
+    ids = torch.arange(128).flip(0)
+    check(t, h, ids, device, scale=scale)
+    # The reference really is the HF expression.
+    emb = torch.nn.functional.embedding(ids, t)
+    hf = emb * torch.tensor(scale).to(t.dtype)
+    assert torch.equal(bits(reference_gather(t, ids, scale=scale)), bits(hf))
+
+
+@pytest.mark.parametrize("src,dst", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                     (torch.float16, torch.bfloat16), (torch.float32, torch.float16),
+                                     (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("scale", [None, 1.7])
+def test_output_dtype(tables, device, src, dst, scale):
+    t, h = tables(50, 40, src)
+    check(t, h, torch.tensor([0, 49, 7, -1]), device, out_dtype=dst, scale=scale)
+
+
+def test_tie_rounding_is_to_even(device):
+    """Products that land exactly halfway between two bf16 values round to the even one."""
+    vals = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 2**-130 + 2**-138],
+                        dtype=torch.float32)
+    t = vals.reshape(1, 4).to(torch.float32)
+    with HostTable.from_tensor(t) as h:
+        out = gather_rows(h, torch.zeros(1, dtype=torch.int64, device=device), out_dtype=torch.bfloat16)
+        assert torch.equal(bits(out), bits(t.to(torch.bfloat16)))
+
+
+def test_empty_ids_write_nothing(tables, device):
+    _, h = tables(10, 8, torch.float32)
+    ids = torch.empty(0, dtype=torch.int64, device=device)
+    out = gather_rows(h, ids)
+    assert out.shape == (0, 8)
+
+
+def test_plain_tensor_table_and_allocation(device):
+    t = rand(20, 9, torch.float16, 5).to(device)
+    ids = torch.tensor([3, 19, 0], device=device)
+    out = gather_rows(t, ids)
+    assert out.shape == (3, 9) and out.dtype == torch.float16
+    assert torch.equal(bits(out), bits(reference_gather(t, ids)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), n=st.integers(0, 12),
+       dtype=st.sampled_from(FLOATS), oob=st.sampled_from(["zero", "row0"]),
+       scale=st.one_of(st.none(), st.floats(-100, 100, allow_nan=False, width=32)),
+       data=st.data())
+def test_property_random(device, rows, cols, n, dtype, oob, scale, data):
+    t = rand(rows, cols, dtype, seed=rows * 7 + cols)
+    ids = torch.tensor(data.draw(st.lists(st.integers(-5, rows + 5), min_size=n, max_size=n)),
+                       dtype=torch.int64)
+    c0 = data.draw(st.integers(0, cols - 1))
+    c1 = data.draw(st.integers(c0 + 1, cols))
+    with HostTable.from_tensor(t) as h:
+        check(t, h, ids, device, oob=oob, scale=scale, columns=(c0, c1))
+
+
+# ------------------------------------------------------------------ bad inputs
+def test_bad_inputs_are_named(tables, device):
+    t, h = tables(10, 8, torch.float32)
+    ids = torch.tensor([1, 2], device=device)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        gather_rows(h, ids.float())
+    with pytest.raises(TypeError, match="int32 or int64"):
+        gather_rows(h, [1, 2])
+    with pytest.raises(ValueError, match="expected"):
+        gather_rows(h, ids, torch.empty(2, 9, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_rows(h, ids, torch.empty(8, 2, device=device).t())
+    with pytest.raises(TypeError, match="out_dtype"):
+        gather_rows(h, ids, torch.empty(2, 8, device=device), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="range"):
+        gather_rows(h, ids, columns=(4, 9))
+    with pytest.raises(ValueError, match="range"):
+        gather_rows(h, ids, columns=(5, 5))
+    with pytest.raises(ValueError, match="contiguous range"):
+        gather_rows(h, ids, columns=slice(0, 8, 2))
+    with pytest.raises(ValueError, match="oob"):
+        gather_rows(h, ids, oob="clamp")
+    with pytest.raises(TypeError, match="scale must be"):
+        gather_rows(h, ids, scale=True)
+    with pytest.raises(TypeError, match="scale must be"):
+        gather_rows(h, ids, scale=torch.tensor(2.0))
+    with pytest.raises(TypeError, match="HostTable or a 2-D"):
+        gather_rows("table", ids)
+    with pytest.raises(ValueError, match="2-D"):
+        gather_rows(torch.zeros(10), ids)
+    with pytest.raises(ValueError, match="unit column stride"):
+        gather_rows(torch.zeros(8, 10).t(), ids)
+    _, hi = tables(10, 8, torch.int8)
+    with pytest.raises(TypeError, match="float table"):
+        gather_rows(hi, ids, scale=2.0)
+    with pytest.raises(TypeError, match="cannot convert"):
+        gather_rows(hi, ids, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="not supported"):
+        gather_rows(torch.zeros(4, 4, dtype=torch.float64), ids)
+
+
+def test_closed_table_refused(device):
+    h = HostTable.from_tensor(torch.randn(4, 4))
+    h.close()
+    with pytest.raises(TableClosedError):
+        gather_rows(h, torch.tensor([0], device=device))
+
+
+# ------------------------------------------------------------------ op, compile, heuristics
+def test_custom_op_schema_and_fake(tables, device):
+    t, h = tables(30, 24, torch.bfloat16)
+    tensor = h.tensor if device.type == "cpu" else t.to(device)
+    ids = torch.tensor([0, 29, -1], device=device)
+    out = poisoned((3, 24), torch.bfloat16, device)
+    torch.library.opcheck(torch.ops.uvaple.gather_rows.default, (tensor, ids, out, 16.0, 0, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.ops.uvaple.gather_rows(tensor, ids, out, 16.0, 0, False)
+    assert torch.equal(bits(out), bits(reference_gather(t, ids, scale=16.0)))
+
+
+def test_torch_compile_treats_gather_as_opaque(tables, device):
+    t, h = tables(30, 24, torch.bfloat16)
+
+    def f(ids):
+        return gather_rows(h, ids, scale=16.0, columns=(8, 24)) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    ids = torch.tensor([[1, 2], [29, 40]], device=device)
+    got = compiled(ids)
+    assert torch.equal(bits(got), bits(reference_gather(t, ids, scale=16.0, columns=(8, 24)) * 2))
+
+
+@pytest.mark.parametrize("row_bytes,itemsize,block", [(2, 2, 1), (14, 2, 8), (15360, 2, 2048),
+                                                      (17920, 2, 2048), (131072, 2, 2048), (64, 4, 16),
+                                                      (8960, 1, 4096)])
+def test_launch_config(row_bytes, itemsize, block):
+    cfg = launch_config(row_bytes, itemsize, 1024)
+    assert cfg.block == block
+    assert cfg.block & (cfg.block - 1) == 0 and 1 <= cfg.num_warps <= 8

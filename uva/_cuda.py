@@ -1,0 +1,141 @@
+"""CUDA runtime calls for host registration, through cuda-python (``cuda.bindings.runtime``).
+
+Every call's return code is checked and turned into a named exception. The import is lazy: a machine
+without cuda-python or without a GPU can still build, load and share host tables (unregistered).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .errors import DeviceCapabilityError, RegistrationError
+
+# cudaHostRegister flags (driver_types.h)
+HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_MAPPED = 0x02
+HOST_REGISTER_READ_ONLY = 0x08
+
+
+@functools.lru_cache(maxsize=1)
+def runtime():
+    """The ``cuda.bindings.runtime`` module, or None where cuda-python is not importable."""
+    try:
+        from cuda.bindings import runtime as rt  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart as rt  # older cuda-python layout
+        except ImportError:
+            return None
+    return rt
+
+
+def _name(err) -> str:
+    return getattr(err, "name", str(err))
+
+
+def _ok(err) -> bool:
+    return int(err) == 0
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device and cuda-python can talk to it."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    rt = runtime()
+    if rt is None:
+        return False
+    err, n = rt.cudaGetDeviceCount()
+    return _ok(err) and n > 0
+
+
+def check(result, what: str, exc=RegistrationError, hint: str = ""):
+    """Unpack a cuda-python result tuple, raising ``exc`` with the error's name if it failed."""
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if not _ok(err):
+        msg = f"{what} failed: {_name(err)} ({int(err)})"
+        if hint:
+            msg += f". {hint}"
+        raise exc(msg)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def device_attribute(attr_name: str, device: int) -> int:
+    rt = runtime()
+    attr = getattr(rt.cudaDeviceAttr, attr_name)
+    return int(check(rt.cudaDeviceGetAttribute(attr, device), f"cudaDeviceGetAttribute({attr_name})",
+                     DeviceCapabilityError))
+
+
+def ensure_context(device: int) -> None:
+    """Make ``device`` current and its primary context live (the one torch and Triton use)."""
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    rt = runtime()
+    check(rt.cudaSetDevice(device), f"cudaSetDevice({device})", DeviceCapabilityError)
+    check(rt.cudaFree(0), "creating the CUDA primary context (cudaFree(0))", DeviceCapabilityError)
+
+
+def require_host_pointer_access(device: int) -> None:
+    """Fail clearly where the GPU cannot dereference registered host memory through the host pointer."""
+    checks = [
+        ("cudaDevAttrUnifiedAddressing", "unified virtual addressing"),
+        ("cudaDevAttrCanMapHostMemory", "mapping host memory"),
+        ("cudaDevAttrCanUseHostPointerForRegisteredMem", "using the host pointer of registered memory"),
+    ]
+    for attr, what in checks:
+        if device_attribute(attr, device) != 1:
+            raise DeviceCapabilityError(
+                f"GPU {device} does not support {what} ({attr} = 0); the UVA path cannot read a host table "
+                f"there. Use the 'copy' backend (make_backend('copy', table)) on this machine.")
+
+
+def read_only_register_supported(device: int) -> bool:
+    try:
+        return device_attribute("cudaDevAttrHostRegisterReadOnlySupported", device) == 1
+    except (AttributeError, DeviceCapabilityError):
+        return False
+
+
+def host_register(ptr: int, nbytes: int, flags: int) -> None:
+    rt = runtime()
+    err = rt.cudaHostRegister(ptr, nbytes, flags)
+    err = err[0] if isinstance(err, tuple) else err
+    if not _ok(err):
+        # cudaHostRegister leaves a sticky last error; clear it so later launches are not blamed.
+        rt.cudaGetLastError()
+        raise RegistrationError(f"{_name(err)} ({int(err)})")
+
+
+def host_unregister(ptr: int) -> None:
+    rt = runtime()
+    err = rt.cudaHostUnregister(ptr)
+    err = err[0] if isinstance(err, tuple) else err
+    if not _ok(err):
+        rt.cudaGetLastError()
+        raise RegistrationError(f"cudaHostUnregister failed: {_name(err)} ({int(err)})")
+
+
+def host_device_pointer(ptr: int) -> int:
+    rt = runtime()
+    return int(check(rt.cudaHostGetDevicePointer(ptr, 0), "cudaHostGetDevicePointer"))
+
+
+def device_synchronize() -> None:
+    rt = runtime()
+    check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def current_device() -> int:
+    rt = runtime()
+    return int(check(rt.cudaGetDevice(), "cudaGetDevice", DeviceCapabilityError))

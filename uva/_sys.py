@@ -1,0 +1,105 @@
+"""Thin, checked wrappers over the few libc calls host tables need (mmap, madvise, munmap).
+
+Python's ``mmap`` module cannot map at an aligned address, cannot ask for ``MADV_POPULATE_WRITE`` on a
+sub-range from several threads, and refuses to unmap while views exist; the table needs all three, so it
+calls libc through ctypes. ctypes drops the GIL around foreign calls, which is what lets several threads
+populate one mapping at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+
+PROT_NONE = 0x0
+PROT_READ = 0x1
+PROT_WRITE = 0x2
+MAP_SHARED = 0x01
+MAP_PRIVATE = 0x02
+MAP_ANONYMOUS = 0x20
+MAP_NORESERVE = 0x4000
+MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22  # Linux >= 5.14
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+HUGE_PAGE_SIZE = 2 << 20
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.memset.restype = ctypes.c_void_p
+_libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def mmap(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0, addr: int | None = None) -> int:
+    """``mmap(2)``; returns the address or raises ``OSError`` with errno."""
+    ptr = _libc.mmap(addr, length, prot, flags, fd, offset)
+    if ptr is None or ptr == MAP_FAILED:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap of {length} bytes failed: {os.strerror(e)}")
+    return int(ptr)
+
+
+def munmap(addr: int, length: int) -> None:
+    if _libc.munmap(addr, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"munmap failed: {os.strerror(e)}")
+
+
+def madvise(addr: int, length: int, advice: int) -> int:
+    """``madvise(2)``; returns 0 or the errno (never raises: callers choose a fallback)."""
+    if _libc.madvise(addr, length, advice) != 0:
+        return ctypes.get_errno() or errno.EINVAL
+    return 0
+
+
+def memset(addr: int, value: int, length: int) -> None:
+    _libc.memset(addr, value, length)
+
+
+def map_anonymous_aligned(length: int, alignment: int = HUGE_PAGE_SIZE) -> int:
+    """Map ``length`` bytes of private anonymous memory starting on an ``alignment`` boundary.
+
+    Over-maps by one alignment unit and trims head and tail, so transparent huge pages can back the
+    whole table. ``MAP_NORESERVE``: pages are committed by the explicit populate step, where a shortage
+    is reported as an error instead of a later OOM kill in the middle of a forward pass.
+    """
+    raw = mmap(length + alignment, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+    start = round_up(raw, alignment)
+    head = start - raw
+    tail = alignment - head
+    if head:
+        munmap(raw, head)
+    if tail:
+        munmap(start + length, tail)
+    return start
+
+
+def mem_available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo, or None where the file does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memlock_limit() -> tuple[int, int]:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)

@@ -1,0 +1,228 @@
+"""Streaming one tensor of a safetensors checkpoint into a ``HostTable``.
+
+The safetensors header is parsed here (8-byte little-endian length, then JSON), every field checked
+against the file, and the rows read with ``os.preadv`` straight into the table's memory by several
+threads in blocks (``pread`` drops the GIL). When the table's row stride equals the file's row size and
+dtypes agree, bytes go from the page cache into the table with no intermediate buffer; otherwise each
+thread reuses one bounded staging block (at most ``_BLOCK_BYTES``) to re-stride or cast. Nothing is ever
+staged through the GPU, and peak extra memory is ``threads x _BLOCK_BYTES`` whatever the table size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+# Largest header we accept: real checkpoints have headers of a few hundred KiB.
+_MAX_HEADER_BYTES = 100 << 20
+# Rows per read: 64 MiB blocks keep 16 threads busy and bound the staging memory.
+_BLOCK_BYTES = 64 << 20
+
+__all__ = ["TensorInfo", "locate_tensor", "read_header", "stream_into"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, dtype, shape and absolute byte range of its data."""
+
+    path: str
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first byte
+    end: int  # absolute file offset one past the last byte
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """Parse and validate a safetensors header; returns (entries, data start offset)."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, too short for a header")
+            (n,) = struct.unpack("<Q", raw)
+            if n <= 0 or n > _MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{path} has a corrupt or truncated safetensors header (length {n}, file {size} bytes); "
+                    f"re-download or re-save the checkpoint")
+            body = f.read(n)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint file {path} does not exist") from e
+    except IsADirectoryError as e:
+        raise CheckpointError(f"{path} is a directory, expected a .safetensors file") from e
+    try:
+        header = json.loads(body)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} has a corrupt safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _entry(path: str, name: str, header: dict, data_start: int) -> TensorInfo:
+    size = os.path.getsize(path)
+    e = header[name]
+    try:
+        dtype_name, shape, (lo, hi) = e["dtype"], tuple(int(s) for s in e["shape"]), e["data_offsets"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: entry {name!r} is malformed ({err})") from err
+    if dtype_name not in _DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype_name!r}")
+    dtype = _DTYPES[dtype_name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for s in shape:
+        n *= s
+    if hi - lo != n * itemsize or lo < 0:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} claims shape {list(shape)} {dtype_name} ({n * itemsize} bytes) but its "
+            f"data range is {lo}..{hi}; the checkpoint is corrupt")
+    if data_start + hi > size:
+        raise CheckpointError(
+            f"{path} is truncated: tensor {name!r} ends at byte {data_start + hi} but the file has {size}; "
+            f"re-download or re-save the checkpoint")
+    return TensorInfo(path, name, dtype, shape, data_start + lo, data_start + hi)
+
+
+def _suggest(name: str, names) -> str:
+    """Names that end like ``name`` (e.g. a checkpoint with a different module prefix)."""
+    tail = ".".join(name.split(".")[-2:])
+    close = sorted(k for k in names if k.endswith(tail))
+    return (" Tensors with a similar name: " + ", ".join(close[:5])) if close else ""
+
+
+def locate_tensor(path: str | os.PathLike, name: str) -> TensorInfo:
+    """Find tensor ``name`` in a safetensors file or a checkpoint directory (sharded or not).
+
+    In a directory, ``model.safetensors.index.json`` names the shard; without one every ``*.safetensors``
+    file's header is searched. The tensor must be 2-D ``[rows, cols]``.
+    """
+    p = Path(path)
+    if p.is_dir():
+        index = p / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index} is corrupt: {e}") from e
+            if name not in weight_map:
+                raise CheckpointError(f"tensor {name!r} is not in {index}.{_suggest(name, weight_map)}")
+            file = p / weight_map[name]
+        else:
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no .safetensors files in {p}")
+            all_names: list[str] = []
+            file = None
+            for f in files:
+                header, _ = read_header(f)
+                if name in header:
+                    file = f
+                    break
+                all_names.extend(header)
+            if file is None:
+                raise CheckpointError(f"tensor {name!r} is in none of the {len(files)} files in {p}."
+                                      f"{_suggest(name, all_names)}")
+    else:
+        file = p
+    header, data_start = read_header(file)
+    if name not in header:
+        raise CheckpointError(f"tensor {name!r} is not in {file}.{_suggest(name, header)}")
+    info = _entry(str(file), name, header, data_start)
+    if len(info.shape) != 2 or info.shape[0] == 0 or info.shape[1] == 0:
+        raise CheckpointError(f"tensor {name!r} in {file} has shape {list(info.shape)}; a table must be 2-D")
+    return info
+
+
+def _read_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    want = sum(v.nbytes for v in views)
+    got = 0
+    while got < want:
+        # Advance through the view list past what was already read.
+        skip, rest = got, []
+        for v in views:
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + got)
+        if n == 0:
+            raise CheckpointError(f"{path} ended early at byte {offset + got} (file changed while loading?)")
+        got += n
+
+
+def stream_into(table, info: TensorInfo, *, threads: int) -> None:
+    """Read ``info``'s rows into ``table`` (same shape; cast when the table's dtype differs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows, cols = info.shape
+    if (rows, cols) != (table.rows, table.cols):
+        raise CheckpointError(f"tensor {info.name!r} is {rows}x{cols}, the table is {table.rows}x{table.cols}")
+    if info.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                          torch.float8_e4m3fn, torch.float8_e5m2) and info.dtype != table.dtype:
+        raise CheckpointError(f"tensor {info.name!r} has dtype {info.dtype}, which cannot be cast into a table")
+    src_row = info.row_bytes
+    direct = info.dtype == table.dtype and src_row == table.stride_bytes
+    block_rows = max(1, _BLOCK_BYTES // max(src_row, table.stride_bytes))
+    raw = memoryview(table._raw_buffer()).cast("B")
+    dst_bytes = table.bytes_view()
+    dst_tensor = table.tensor
+    fd = os.open(info.path, os.O_RDONLY)
+    try:
+        try:
+            os.posix_fadvise(fd, info.begin, info.end - info.begin, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+
+        def load(r0: int, n: int) -> None:
+            offset = info.begin + r0 * src_row
+            if direct:
+                _read_exact(fd, [raw[r0 * src_row:(r0 + n) * src_row]], offset, info.path)
+                return
+            staging = bytearray(n * src_row)
+            _read_exact(fd, [memoryview(staging)], offset, info.path)
+            if info.dtype == table.dtype:
+                import numpy as np
+
+                src = np.frombuffer(staging, dtype=np.uint8).reshape(n, src_row)
+                dst_bytes[r0:r0 + n, :src_row] = src
+            else:
+                src = torch.frombuffer(staging, dtype=info.dtype).view(n, cols)
+                dst_tensor[r0:r0 + n].copy_(src)
+
+        ranges = [(r, min(block_rows, rows - r)) for r in range(0, rows, block_rows)]
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="uvaple-load") as pool:
+            for f in [pool.submit(load, *r) for r in ranges]:
+                f.result()
+    finally:
+        os.close(fd)
