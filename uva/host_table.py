@@ -40,6 +40,7 @@ import os
 import re
 import struct
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -208,6 +209,7 @@ class HostTable:
         self._lock = threading.Lock()
         self._tensor: torch.Tensor | None = None
         self._buffer = None
+        self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
         _track(self)
 
     @classmethod
@@ -409,6 +411,13 @@ class HostTable:
 
     # ------------------------------------------------------------------ population and registration
     def _populate(self, threads: int, write: bool = True) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._populate_ranges(threads, write)
+        finally:
+            self.timings["populate"] = time.perf_counter() - t0
+
+    def _populate_ranges(self, threads: int, write: bool) -> None:
         advice = _sys.MADV_POPULATE_WRITE if write else _sys.MADV_POPULATE_READ
         base, total = self._base, self._map_bytes
 
@@ -440,6 +449,13 @@ class HostTable:
             raise DeviceCapabilityError(
                 "register=True needs a CUDA GPU visible to torch and cuda-python (`pip install cuda-python`); "
                 "none is usable here. Use register='auto' to build an unregistered table")
+        t0 = time.perf_counter()
+        try:
+            self._register_chunks(read_only=read_only, device=device)
+        finally:
+            self.timings["register"] = time.perf_counter() - t0
+
+    def _register_chunks(self, *, read_only: bool, device: int | None) -> None:
         if device is None:
             device = torch.cuda.current_device()
         _cuda.ensure_context(device)
@@ -651,7 +667,9 @@ class HostTable:
             raise TypeError(f"unexpected arguments: {', '.join(kw)}")
         table = cls._allocate(rows, cols, dtype, name=name, threads=threads, check_memory=check_memory)
         try:
+            t0 = time.perf_counter()
             fill(table)
+            table.timings["fill"] = time.perf_counter() - t0
             table._register(register, read_only=read_only, device=device)
             if name is not None:
                 table._mark_ready()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, doctor, the whole test suite on CUDA, the tile sweep, table
+# readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
+# run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
+#   usage: bash perf/gpu_check.sh [steps...]   steps: doctor tests tiles ready bench e2e (default: all)
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+R=$OUT/r
+mkdir -p "$R"
+STEPS=${*:-doctor tests tiles ready bench e2e}
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1
+step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv
+grep -E "MemTotal|MemAvailable|HugePages_Total|AnonHugePages" /proc/meminfo
+cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null
+nproc; ulimit -l; git log --oneline -1 2>/dev/null
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" | tail -3
+
+if has doctor; then
+  step "uvaple doctor"
+  uvaple doctor | tee "$R/doctor.txt"; echo "doctor exit: ${PIPESTATUS[0]}"
+fi
+if has tests; then
+  step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; 1000 equivalence schedules)"
+  UVAPLE_EQUIV_SCHEDULES=1000 timeout 330 python3 -m pytest -q -ra --timeout 300 -p no:cacheprovider \
+    tests 2>&1 | tee "$R/pytest.log" | tail -40
+fi
+if has tiles; then
+  step "tile sweep"
+  timeout 120 python3 -m uvaple.perf.tune_gather --out "$R/tiles.log" | tail -60
+fi
+if has ready; then
+  step "64 GiB table readiness"
+  timeout 120 python3 -m uvaple.perf.table_ready --gib 64 --threads 16 | tee "$R/ready.log"
+fi
+if has bench; then
+  step "uvaple bench ${BENCH_ARGS:---full}"
+  timeout 480 uvaple bench ${BENCH_ARGS:---full} --out "$R/bench" 2>&1 | tail -80
+fi
+if has e2e; then
+  step "Gemma 3n E2B end to end"
+  timeout 300 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" 2>&1 | tail -60
+fi
+step "done"
+tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$R"
+ls -la "$OUT"
