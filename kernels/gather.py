@@ -24,6 +24,8 @@ capturable in a CUDA graph and replayable with new ids written into the captured
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -176,6 +178,12 @@ def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None,
     return dtype
 
 
+@functools.lru_cache(maxsize=64)
+def _rounded_scale(scale: float, dtype: torch.dtype) -> float:
+    """HF: ``embedding * embed_scale.to(weight.dtype)``: the scale is rounded to the table dtype first."""
+    return float(torch.tensor(scale, dtype=torch.float32).to(dtype).item())
+
+
 def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: float | None, col_start: int,
            oob_row0: bool) -> None:
     """Launch the gather kernel (arguments already validated; ``out`` is ``[*ids.shape, ncols]``)."""
@@ -185,10 +193,7 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: flo
         return
     cfg = launch_config(ncols * table.element_size(), table.element_size(), n)
     convert = scale is not None or out.dtype != table.dtype
-    scale_f = 1.0
-    if scale is not None:
-        # HF: embedding * embed_scale.to(weight.dtype): round the scale to the table dtype first.
-        scale_f = float(torch.tensor(float(scale), dtype=torch.float32).to(table.dtype).item())
+    scale_f = 1.0 if scale is None else _rounded_scale(float(scale), table.dtype)
     if not convert:
         # A plain copy moves bits: give the kernel same-width integers (fp8 and friends need no support).
         as_int = _INT_OF_SIZE[table.element_size()]

@@ -1,8 +1,11 @@
 """Sweep the gather's tile width and warps on a registered host table; justifies kernels/heuristics.py.
 
 Usage: python -m uvaple.perf.tune_gather [--table-gib 4] [--out FILE]
-Prints one line per (row bytes, rows, tile, warps): median us, GB/s, ratio to the pinned-memcpy ceiling of
+Prints one line per (row bytes, rows, variant): median us, GB/s, ratio to the pinned-memcpy ceiling of
 the same byte count measured in the same run. Random ids over the whole table, rotated among 8 id sets.
+Times are CUDA-graph replays of 8 gathers (one per id set) divided by 8, so launch overhead on the host
+is excluded (it is reported separately by ``uvaple bench``). Variants: the shipped kernel at several tile
+widths and warps; the same with loads that bypass L1 (``.cg``); and a TMA (tensor-descriptor) gather.
 """
 
 from __future__ import annotations
@@ -11,6 +14,58 @@ import argparse
 import sys
 
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cg_gather_kernel(table_ptr, ids_ptr, out_ptr, n_rows, stride, n_cols, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids_ptr + pid).to(tl.int64)
+    valid = (row >= 0) & (row < n_rows)
+    row = tl.where(valid, row, 0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(table_ptr + row * stride + cols, mask=cols < tl.where(valid, n_cols, 0), other=0,
+                cache_modifier=".cg")
+    tl.store(out_ptr + pid * n_cols + cols, x, mask=cols < n_cols, cache_modifier=".cs")
+
+
+@triton.jit
+def _tma_gather_kernel(desc, ids_ptr, out_ptr, n_rows, n_cols, BOX: tl.constexpr, BOXES: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids_ptr + pid)
+    row = tl.where((row >= 0) & (row < n_rows), row, 0).to(tl.int32)
+    for k in tl.static_range(BOXES):
+        c = (tl.program_id(1) * BOXES + k) * BOX
+        x = desc.load([row, c])
+        offs = c + tl.arange(0, BOX)
+        tl.store(out_ptr + pid * n_cols + offs[None, :], x, mask=offs[None, :] < n_cols)
+
+
+def graph_time_ms(fns, reps: int = 20) -> float:
+    """Median time of one call, from CUDA-graph replays of all ``fns`` in sequence (launch gaps removed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / len(fns))
+    times.sort()
+    return times[len(times) // 2]
 
 
 def main(argv=None) -> int:
@@ -26,11 +81,11 @@ def main(argv=None) -> int:
         print("tune_gather needs a CUDA GPU", file=sys.stderr)
         return 1
     import triton.testing
-
     from uvaple.kernels import gather_rows, heuristics
     from uvaple.uva import HostTable
 
     lines = []
+    saved = (heuristics.TILE_BYTES, heuristics.NUM_WARPS)
 
     def emit(s):
         print(s, flush=True)
@@ -38,7 +93,7 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda")
     emit(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    emit(f"{'row_B':>7} {'n':>6} {'tile':>6} {'warps':>5} {'us':>9} {'GB/s':>7} {'xceil':>6}")
+    emit(f"{'row_B':>7} {'n':>6} {'variant':>9} {'us':>9} {'GB/s':>7} {'xceil':>6}")
     for row_bytes in a.row_bytes:
         cols = row_bytes // 2
         rows = int(a.table_gib * (1 << 30)) // row_bytes
@@ -50,33 +105,49 @@ def main(argv=None) -> int:
                     continue
                 src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-                ceil_ms = triton.testing.do_bench(lambda: dst.copy_(src, non_blocking=True), warmup=25, rep=100,
-                                                  return_mode="median")
+                ceil_ms = graph_time_ms([lambda d=dst, h=src: d.copy_(h, non_blocking=True)] * 4)
                 ceil_gbps = nbytes / ceil_ms / 1e6
-                emit(f"{row_bytes:>7} {n:>6} {'memcpy':>6} {'-':>5} {ceil_ms * 1e3:>9.1f} {ceil_gbps:>7.1f} "
-                     f"{1.0:>6.2f}")
+                emit(f"{row_bytes:>7} {n:>6} {'memcpy':>9} {ceil_ms * 1e3:>9.1f} {ceil_gbps:>7.1f} {1.0:>6.2f}")
                 id_sets = [torch.randint(0, rows, (n,), device=dev) for _ in range(8)]
                 out = torch.empty(n, cols, dtype=torch.bfloat16, device=dev)
-                for tile in a.tiles:
-                    for warps in a.warps:
-                        heuristics.TILE_BYTES = tile or (1 << 30)
-                        heuristics.NUM_WARPS = warps
-                        heuristics._config.cache_clear()
-                        k = [0]
-
-                        def run():
-                            k[0] = (k[0] + 1) % 8
-                            gather_rows(t, id_sets[k[0]], out)
-
-                        ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
-                        gbps = nbytes / ms / 1e6
-                        emit(f"{row_bytes:>7} {n:>6} {tile or 'row':>6} {warps:>5} {ms * 1e3:>9.1f} "
-                             f"{gbps:>7.1f} {gbps / ceil_gbps:>6.2f}")
-                del src, dst
+                variants = [(f"{tile or 'row'}/{warps}w", tile, warps) for tile in a.tiles for warps in a.warps]
+                variants += [("cg4K/4w", "cg", 4), ("tma4K", "tma", 4)]
+                for label, tile, warps in variants:
+                    try:
+                        fns = make_fns(t, id_sets, out, tile, warps, heuristics, gather_rows)
+                        ms = graph_time_ms(fns)
+                    except Exception as e:  # noqa: BLE001 - report the variant, keep sweeping
+                        emit(f"{row_bytes:>7} {n:>6} {label:>9} failed: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    gbps = nbytes / ms / 1e6
+                    emit(f"{row_bytes:>7} {n:>6} {label:>9} {ms * 1e3:>9.1f} {gbps:>7.1f} {gbps / ceil_gbps:>6.2f}")
+    heuristics.TILE_BYTES, heuristics.NUM_WARPS = saved
+    heuristics._config.cache_clear()
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0
+
+
+def make_fns(t, id_sets, out, tile, warps, heuristics, gather_rows):
+    """One callable per id set for a variant (see the module docstring)."""
+    n, cols = out.shape
+    if tile == "cg":
+        grid = (n, triton.cdiv(cols, 2048))
+        return [lambda ids=ids: _cg_gather_kernel[grid](t.tensor, ids, out, t.rows, t.stride, cols, BLOCK=2048,
+                                                         num_warps=warps) for ids in id_sets]
+    if tile == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        box = 256
+        desc = TensorDescriptor(t.tensor, [t.rows, cols], [t.stride, 1], [1, box])
+        grid = (n, triton.cdiv(cols, box * 8))
+        return [lambda ids=ids: _tma_gather_kernel[grid](desc, ids, out, t.rows, cols, BOX=box, BOXES=8,
+                                                          num_warps=warps) for ids in id_sets]
+    heuristics.TILE_BYTES = tile or (1 << 30)
+    heuristics.NUM_WARPS = warps
+    heuristics._config.cache_clear()
+    return [lambda ids=ids: gather_rows(t, ids, out) for ids in id_sets]
 
 
 if __name__ == "__main__":
