@@ -28,6 +28,16 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile the table never moves: CUDA graphs must not copy it in before each replay."""
+    if t.is_cuda:
+        try:
+            torch._dynamo.mark_static_address(t)
+        except Exception:  # noqa: BLE001 - an optimisation hint only; absent on some torch builds
+            pass
+    return t
+
+
 class Backend:
     """A table lookup: ``lookup(ids) -> rows`` on ``device`` (see :func:`uvaple.kernels.gather_rows`)."""
 
@@ -84,7 +94,7 @@ class UvaBackend(Backend):
 
     kind = "uva"
 
-    def __init__(self, table: HostTable, device=None, *, owns_table: bool = False, view: str = "host"):
+    def __init__(self, table: HostTable, device=None, *, owns_table: bool = False, view: str = "cuda"):
         super().__init__(table, device, owns_table)
         if self.device.type == "cuda" and not table.registered:
             raise ValueError("the uva backend needs a registered HostTable (build it with register=True on a "
@@ -92,8 +102,12 @@ class UvaBackend(Backend):
         if view not in ("host", "cuda"):
             raise ValueError(f"view must be 'host' or 'cuda', got {view!r}")
         # Triton reads the table through either a CPU tensor over the registered pages (the host pointer
-        # is valid on the device) or a CUDA tensor aliasing the same memory; both are the same bytes.
-        self._arg = table if (view == "host" or self.device.type != "cuda") else table.cuda_view(self.device.index)
+        # is valid on the device) or a CUDA tensor aliasing the same memory; both are the same bytes. The
+        # CUDA view is the default: torch.compile then sees only CUDA inputs and keeps CUDA graphs on.
+        if view == "cuda" and self.device.type == "cuda":
+            self._arg = _static(table.cuda_view(self.device.index))
+        else:
+            self._arg = table
 
     def lookup(self, ids, out=None, *, scale=None, columns=None, oob="zero", out_dtype=None):
         return gather_rows(self._arg, ids, out, scale=scale, columns=columns, oob=oob, out_dtype=out_dtype)
@@ -106,7 +120,7 @@ class DeviceBackend(Backend):
 
     def __init__(self, table: HostTable, device=None, *, owns_table: bool = False):
         super().__init__(table, device, owns_table)
-        self.weight = table.tensor.to(self.device, copy=True).contiguous()
+        self.weight = _static(table.tensor.to(self.device, copy=True).contiguous())
 
     def lookup(self, ids, out=None, *, scale=None, columns=None, oob="zero", out_dtype=None):
         return gather_rows(self.weight, ids, out, scale=scale, columns=columns, oob=oob, out_dtype=out_dtype)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from uvaple.integration import make_backend
 from uvaple.kernels import gather_rows, reference_gather
 from uvaple.uva import HostTable, host_table
@@ -182,9 +181,9 @@ def test_backends_on_gpu(e4b, kind):
             assert b.device_bytes() == h.rows * h.cols * 2
 
 
-def test_uva_backend_cuda_view_mode(e4b):
+def test_uva_backend_host_view_mode(e4b):
     t, h = e4b
-    with make_backend("uva", h, view="cuda") as b:
+    with make_backend("uva", h, view="host") as b:
         ids = torch.randint(0, h.rows, (77,), device=DEV)
         assert torch.equal(bits(b.lookup(ids)), bits(reference_gather(t, ids)))
 

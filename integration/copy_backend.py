@@ -1,0 +1,920 @@
+"""``CopyBackend``: the classic copy-based PLE path, built correctly.
+
+The baseline every UVA claim is compared against, and the fallback where host memory cannot be mapped
+into the GPU. ``lookup`` has the semantics of :func:`uvaple.kernels.gather_rows` and gives bit-identical
+results (:func:`uvaple.kernels.reference_gather` is the definition).
+
+Design
+------
+One worker thread per backend takes admitted jobs, gathers their rows on the CPU with a numba kernel
+(a byte copy over ``HostTable.bytes_view()``, columns as a byte range, out-of-range ids as a zero row or
+row 0) into the job's pinned staging slot, and launches the host-to-device copy on a dedicated copy
+stream. The consumer's stream waits on that job's own event; nothing synchronises the host with the GPU
+on the hot path. Pipelined use: ``job = backend.submit(ids, out)`` early, ``job.wait()`` when the model
+needs the rows; ``lookup`` is both at once (small CPU-ids lookups do the gather and launch on the
+caller's thread, which blocks for them anyway: same protocol, two thread hand-offs fewer).
+
+Streams. Device-to-host copies of CUDA ids get their own stream. On the copy stream, pass B's ids copy
+(waiting for B's submit point) would sit in front of pass A's rows copy, and B's submit point may come
+after the model waited for A's rows: seed 000's circular wait. The ids stream holds only ids copies, each
+behind its own pass's submit point, and the worker never launches a copy ahead of its ids.
+
+Exactness. Rows are copied as bytes; ``scale`` is a device ``mul_`` by the scale rounded to the table
+dtype (HF's ``emb * scale.to(weight.dtype)``: one fp32 product, one rounding); ``out_dtype`` is a device
+cast after it. Zero rows (``oob="zero"``) are staged as -0.0 when the scale is negative, so that the
+product is +0.0 like ``gather_rows``' zero rows; an inf/NaN scale (0 * inf = NaN) is applied on the CPU
+by torch (rare path), followed by re-zeroing the out-of-range rows.
+
+    caller stream  ──record S_j──────────────────────────────wait D_j── model reads out
+                           │                                      ▲
+    (CUDA ids) d2h stream  └─wait S_j─ ids → slot.ids ─record I_j │
+    worker (CPU)                        poll I_j ─ gather → slot.staging
+    copy stream                    wait S_j ─ staging → out [× scale, cast] ─record D_j
+
+How the five rules of seed 000 (and seed 004's WAR rule) are met
+----------------------------------------------------------------
+1. Admission. There are exactly ``max_in_flight`` slots; a job is admitted only with a free slot, so the
+   internal job list can never overflow (no ``queue.Full``). With no free slot ``submit`` polls (bounded
+   by ``admission_timeout``) for an earlier job's copy to complete on the GPU — which needs no action of
+   the caller, so the wait cannot deadlock — then raises :class:`CopyBackendOverloaded`. All checks and
+   the admission happen before anything is mutated: a refused job has recorded no event, touched no
+   buffer and queued nothing.
+2. Events. Each slot owns its events (submit, ids-ready, copy-done); a slot belongs to one job at a time
+   and is reused only after every event recorded for its previous job has completed, so no event is ever
+   shared by two jobs in flight. ``wait()`` checks, under the lock, that the event still belongs to the job.
+3. Ownership. CPU ids are snapshotted into the slot at submit (the caller may reuse its ids tensor at
+   once); CUDA ids, the caller's ``out`` and the slot's staging/device buffers are referenced by the job
+   until its copy-done event has completed. Completion is observed with ``event.query()`` (by ``submit``
+   looking for a slot, by the worker, by ``close``) — the worker never blocks on the GPU.
+4. Failures. Every job has its own result slot and ``threading.Event``; an exception in job B's gather or
+   launch is stored on B and raised by ``B.wait()``, whatever state A is in. Jobs whose ids are not ready
+   yet do not block later jobs (the worker takes the first ready job). A crashing worker fails every
+   pending job and closes the backend.
+5. Cancellation and shutdown. ``job.cancel()`` fails a job that has not launched its copy with
+   :class:`CopyJobCancelled`; ``close()`` fails pending jobs with :class:`BackendClosed`, joins the worker
+   with a bounded timeout and releases slots as their events complete (bounded; pinned blocks still read
+   by a copy are protected by torch's caching host allocator, which records the copy's event).
+   Every wait is bounded and raises :class:`CopyTimeout` when it runs out.
+WAR (seed 004). The copy into the caller's ``out`` runs on the copy stream after a wait on an event
+recorded on the caller's stream at submit, so it cannot overwrite ``out`` while work enqueued before the
+submit (the previous pass's readers) still reads it. Contract: reuse an ``out`` buffer only for a job
+submitted after the previous job using it was waited on and its readers were enqueued.
+
+Testing. The stream/event operations sit behind ``_DeviceOps`` (``_CudaOps``; ``_CpuOps``, synchronous,
+for CPU-only runs); the tests inject a fake whose copies complete only when the test says
+(``CopyBackend(..., _ops=fake)``), so ownership, WAR, failure delivery, admission and shutdown are
+checked deterministically on CPU. ``backend._fault_hook = fn`` (private) runs ``fn(job)`` in the worker
+before each gather: tests use it to delay or fail a chosen job.
+
+Costs. CUDA ids cost a device→host dependency: the ids copy waits for the caller's stream to reach the
+submit point and the worker polls for it (``ids_timeout``); pass CPU ids (the scheduler has them) when
+possible. ``out=None`` allocates the result; pass ``out=`` on the hot path. A request larger than
+``max_rows`` raises :class:`CopyRequestTooLarge`. Staging is one pinned block of
+``max_in_flight * max_rows * row_bytes`` bytes (``torch.empty(pin_memory=True)``, which rounds up to a
+power of two). ``submit`` is not CUDA-graph capturable (it is host work by nature).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kernels.gather import FLOAT_DTYPES, OUT_DTYPES, TABLE_DTYPES, _columns
+from ..uva import HostTable
+from .backends import Backend
+from .errors import (
+    BackendClosed,
+    CopyBackendOverloaded,
+    CopyJobCancelled,
+    CopyJobFailed,
+    CopyRequestTooLarge,
+    CopyTimeout,
+)
+
+log = logging.getLogger("uvaple.integration.copy")
+
+__all__ = ["CopyBackend", "CopyJob"]
+
+# Async scheduling keeps up to two passes in flight (seed 000: the overlap that broke the depth-1 queue);
+# four covers that with margin for pipelined prefetch. Derive it from your runtime's bound.
+DEFAULT_MAX_IN_FLIGHT = 4
+# vLLM's usual max_num_batched_tokens; one slot stages this many rows.
+DEFAULT_MAX_ROWS = 8192
+# Default bounds of the waits (seconds). They are far above any healthy forward pass (ms); hitting one
+# means the GPU or the caller stopped making progress, and the named error says which wait it was.
+DEFAULT_ADMISSION_TIMEOUT_S = 10.0
+DEFAULT_WAIT_TIMEOUT_S = 60.0
+DEFAULT_IDS_TIMEOUT_S = 60.0
+DEFAULT_CLOSE_TIMEOUT_S = 10.0
+# Polling of GPU completion (no callback exists without cudaLaunchHostFunc): back off from 20 us, about
+# the cost of a Python sleep round trip, to 1 ms, well under a forward pass.
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+# Below this many gathered bytes the serial numba gather is used: thread fan-out costs more than the copy.
+# Placeholder (not yet swept); tune with `uvaple bench` and record it in perf/results/.
+_PARALLEL_MIN_BYTES = 256 << 10
+# Staging slots start on 4 KiB boundaries (page aligned DMA sources, any dtype view is aligned).
+_SLOT_ALIGN = 4096
+# Concurrent calls of a parallel numba function from several threads abort under numba's default
+# "workqueue" threading layer; one process-wide lock serialises gathers of several backends (each gather
+# already uses every core).
+_GATHER_LOCK = threading.Lock()
+
+
+# --------------------------------------------------------------------------- CPU gather (numba)
+@functools.lru_cache(maxsize=1)
+def _gather_kernels() -> tuple[Callable, Callable]:
+    """(serial, parallel) numba byte-gather kernels, compiled lazily (numba imports slowly)."""
+    import numba
+
+    def gather(table, ids, out, byte_start, oob_row0, zero):
+        # table: uint8 [rows, stride_bytes]; ids: int32/int64 [n]; out: uint8 [n, nbytes];
+        # zero: uint8 [itemsize], the element written for out-of-range ids under oob="zero"
+        rows = table.shape[0]
+        nbytes = out.shape[1]
+        isz = zero.shape[0]
+        for i in numba.prange(ids.shape[0]):
+            r = ids[i]
+            if r < 0 or r >= rows:
+                if oob_row0:
+                    out[i, :] = table[0, byte_start:byte_start + nbytes]
+                else:
+                    for j in range(nbytes):
+                        out[i, j] = zero[j % isz]
+            else:
+                out[i, :] = table[r, byte_start:byte_start + nbytes]
+
+    serial = numba.njit(parallel=False, nogil=True, cache=False)(gather)
+    parallel = numba.njit(parallel=True, nogil=True, cache=False)(gather)
+    return serial, parallel
+
+
+def _cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: int, oob_row0: bool,
+                zero: np.ndarray) -> None:
+    serial, parallel = _gather_kernels()
+    fn = parallel if out.size >= _PARALLEL_MIN_BYTES else serial
+    with _GATHER_LOCK:
+        fn(table, ids, out, byte_start, oob_row0, zero)
+
+
+# --------------------------------------------------------------------------- device operations
+class _DeviceOps:
+    """The few stream/event operations the backend uses, so the protocol is testable without a GPU.
+
+    ``enqueue(stream, fn)`` runs ``fn`` (which issues device work, e.g. ``dst.copy_(src)``) in the order
+    of ``stream``. Implementations: :class:`_CudaOps` (real streams and events), :class:`_CpuOps`
+    (everything synchronous; CPU tensors), and in the tests a fake whose work runs only when told.
+    """
+
+    device: torch.device
+
+    def current_stream(self) -> Any:
+        raise NotImplementedError
+
+    def new_stream(self) -> Any:
+        raise NotImplementedError
+
+    def new_event(self) -> Any:
+        raise NotImplementedError
+
+    def record(self, event: Any, stream: Any) -> None:
+        raise NotImplementedError
+
+    def query(self, event: Any) -> bool:
+        """True when all work before the event's latest record has completed (or it was never recorded)."""
+        raise NotImplementedError
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Work enqueued on ``stream`` after this call waits for the event's latest record."""
+        raise NotImplementedError
+
+    def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def needs_d2h(self, ids: torch.Tensor) -> bool:
+        """True when ``ids`` live on the device and must be copied to the host before the CPU gather."""
+        raise NotImplementedError
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_device(self, t: torch.Tensor, what: str) -> None:
+        if t.device != self.device:
+            raise ValueError(f"{what} is on {t.device}, the backend on {self.device}; move it there")
+
+
+class _CudaOps(_DeviceOps):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event(enable_timing=False, blocking=False)
+
+    def record(self, event: Any, stream: Any) -> None:
+        with torch.cuda.device(self.device):
+            event.record(stream)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            fn()
+
+    def needs_d2h(self, ids: torch.Tensor) -> bool:
+        return ids.device.type == "cuda"
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def check_device(self, t: torch.Tensor, what: str) -> None:
+        if t.device.type != "cuda" or t.device.index != self.device.index:
+            raise ValueError(f"{what} is on {t.device}, the backend on {self.device}; move it there")
+
+
+class _CpuOps(_DeviceOps):
+    """Synchronous stand-in: the 'device' is the CPU, every enqueued operation runs at once."""
+
+    device = torch.device("cpu")
+
+    def current_stream(self) -> Any:
+        return None
+
+    def new_stream(self) -> Any:
+        return None
+
+    def new_event(self) -> Any:
+        return None
+
+    def record(self, event: Any, stream: Any) -> None:
+        pass
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
+        fn()
+
+    def needs_d2h(self, ids: torch.Tensor) -> bool:
+        return False
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+
+def _ops_for(device: torch.device | str | int | None) -> _DeviceOps:
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return _CudaOps(device)
+    if device.type == "cpu":
+        return _CpuOps()
+    raise ValueError(f"CopyBackend supports cuda and cpu devices, not {device}")
+
+
+# --------------------------------------------------------------------------- jobs and slots
+_PENDING, _RUNNING, _LAUNCHING, _LAUNCHED, _FAILED = "pending", "running", "launching", "launched", "failed"
+
+
+class _Slot:
+    """Preallocated resources of one job in flight: staging rows, ids, events, device buffer."""
+
+    def __init__(self, index: int, staging: torch.Tensor, ids_buf: torch.Tensor, ops: _DeviceOps) -> None:
+        self.index = index
+        self.staging = staging  # uint8 [max_rows * row_bytes], pinned
+        self.staging_np = staging.numpy()
+        self.ids_buf = ids_buf  # uint8 [max_rows * 8], pinned (int32/int64 views)
+        self.ids_np = ids_buf.numpy()
+        self.submit_event = ops.new_event()  # recorded on the caller's stream at submit
+        self.ids_event = ops.new_event()  # recorded on the d2h stream after the ids copy (CUDA ids)
+        self.done_event = ops.new_event()  # recorded on the copy stream after the job's last copy
+        self.device_buf: torch.Tensor | None = None  # table-dtype rows for casts / strided out, lazily
+        self.job: CopyJob | None = None
+
+
+class CopyJob:
+    """One admitted lookup. ``wait()`` returns its rows; ``cancel()`` abandons it before its copy."""
+
+    def __init__(self, backend: CopyBackend, seq: int) -> None:
+        self._backend = backend
+        self.seq = seq
+        self._state = _PENDING
+        self._exc: BaseException | None = None
+        self._host_done = threading.Event()
+        self._slot: _Slot | None = None
+        self._recorded: list[Any] = []  # events recorded for this job (all must complete before reuse)
+        self._copy_complete = False  # set when the slot was reclaimed (all events completed)
+        self._cancel_requested = False
+        self._submitted_at = time.monotonic()
+        # request
+        self._ids_shape: tuple[int, ...] = ()
+        self._n = 0
+        self._ids_dtype: torch.dtype = torch.int64
+        self._device_ids: tuple | None = None  # CUDA ids (and their flat view), held until copied
+        self._ids_deadline = 0.0
+        self._out: torch.Tensor | None = None
+        self._byte_start = 0
+        self._ncols = 0
+        self._scale: torch.Tensor | None = None
+        self._scale_on_cpu = False
+        self._oob_row0 = False
+        self._inference = False  # the submitter's inference mode (thread-local): the launch runs in it
+
+    @property
+    def done(self) -> bool:
+        """True once the job's copy was launched (``wait`` will not block) or it failed."""
+        return self._host_done.is_set()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Wait (on the host, bounded) until the job's copy was launched; return ``out`` ``[*ids.shape, ncols]``.
+
+        Makes the *current* stream wait on this job's copy-done event: no host/GPU synchronisation.
+        Raises the job's own failure (:class:`CopyJobFailed`, :class:`CopyJobCancelled`,
+        :class:`BackendClosed`, :class:`CopyTimeout` for its ids) or :class:`CopyTimeout` when the worker did
+        not launch it within ``timeout`` seconds (default: the backend's ``wait_timeout``); the job then
+        stays in flight — ``cancel()`` it or wait again.
+        """
+        b = self._backend
+        t = b.wait_timeout if timeout is None else timeout
+        if not self._host_done.wait(t):
+            raise CopyTimeout(
+                f"copy job {self.seq} was not launched within {t:.3g} s (state {self._state}); the copy "
+                f"worker is stuck or overloaded — check CopyBackend.stats(), cancel() the job or wait again")
+        if self._exc is not None:
+            raise self._exc
+        with b._cond:
+            if not self._copy_complete:
+                slot = self._slot
+                assert slot is not None and slot.job is self
+                b._ops.wait_event(b._ops.current_stream(), slot.done_event)
+        assert self._out is not None
+        return self._out
+
+    def cancel(self) -> bool:
+        """Abandon the job if its copy was not launched yet (True); False when it was launched or failed.
+
+        A cancelled job's ``wait()`` raises :class:`CopyJobCancelled`; its slot is released once every
+        event recorded for it has completed.
+        """
+        b = self._backend
+        with b._cond:
+            if self._state == _PENDING:
+                b._pending.remove(self)
+                b._fail_locked(self, CopyJobCancelled(f"copy job {self.seq} was cancelled"))
+                b._counts["cancelled"] += 1
+                return True
+            if self._state == _RUNNING:
+                self._cancel_requested = True  # the worker fails it before launching the copy
+                return True
+            return False
+
+    def __repr__(self) -> str:
+        return f"CopyJob(seq={self.seq}, state={self._state}, n={self._n})"
+
+
+# --------------------------------------------------------------------------- the backend
+class CopyBackend(Backend):
+    """PLE rows through a CPU gather into pinned staging and an async host-to-device copy.
+
+    Parameters
+    ----------
+    table : HostTable (shared, not closed unless ``owns_table``), or a 2-D CPU tensor ``[rows, cols]``,
+        copied into a HostTable the backend owns.
+    device : target device of the rows (``cuda``/``cuda:i``, or ``cpu`` for a synchronous CPU run).
+        Default: the current CUDA device, else CPU.
+    max_in_flight : jobs admitted and not yet finished on the GPU (one staging slot each).
+    max_rows : most ids per request (staging slot size).
+    admission_timeout : seconds ``submit`` waits for a slot before :class:`CopyBackendOverloaded`; 0 fails
+        at once.
+    wait_timeout, ids_timeout, close_timeout : bounds (seconds) of ``CopyJob.wait``, of the wait for
+        CUDA ids to reach the host, and of ``close``.
+    warmup : compile the numba gather now, not on the first lookup.
+    """
+
+    kind = "copy"
+
+    def __init__(self, table, device: torch.device | str | int | None = None, *, owns_table: bool = False,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, max_rows: int = DEFAULT_MAX_ROWS,
+                 admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S,
+                 wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S, ids_timeout: float = DEFAULT_IDS_TIMEOUT_S,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT_S, warmup: bool = True,
+                 _ops: _DeviceOps | None = None) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        if _ops is not None:
+            device = _ops.device
+        if isinstance(table, torch.Tensor):
+            if table.dtype not in TABLE_DTYPES:
+                raise TypeError(f"table dtype {table.dtype} is not supported")
+            table, owns_table = HostTable.from_tensor(table), True
+        elif not isinstance(table, HostTable):
+            raise TypeError(f"table must be a HostTable or a 2-D tensor, got {type(table).__name__}")
+        super().__init__(table, device, owns_table)
+        self._table_tensor = table.tensor
+        self._bytes = table.bytes_view()  # uint8 [rows, stride_bytes]
+        if self.dtype not in TABLE_DTYPES:
+            raise TypeError(f"table dtype {self.dtype} is not supported")
+        self._itemsize = table.itemsize
+        self._ops = _ops if _ops is not None else _ops_for(self.device)
+        self.max_in_flight = int(max_in_flight)
+        self.max_rows = int(max_rows)
+        self.admission_timeout = float(admission_timeout)
+        self.wait_timeout = float(wait_timeout)
+        self.ids_timeout = float(ids_timeout)
+        self.close_timeout = float(close_timeout)
+        self._fault_hook: Callable[[CopyJob], None] | None = None  # tests: delay/raise before a gather
+
+        row_bytes = self.cols * self._itemsize
+        staging_bytes = _round_up(self.max_rows * row_bytes, _SLOT_ALIGN)
+        ids_bytes = _round_up(self.max_rows * 8, _SLOT_ALIGN)
+        per_slot = staging_bytes + ids_bytes
+        self._host_block = self._ops.alloc_host(per_slot * self.max_in_flight)
+        self._slots = []
+        for i in range(self.max_in_flight):
+            base = i * per_slot
+            self._slots.append(_Slot(i, self._host_block[base: base + staging_bytes],
+                                     self._host_block[base + staging_bytes: base + per_slot], self._ops))
+        self._free: list[_Slot] = list(reversed(self._slots))
+        self._copy_stream = self._ops.new_stream()
+        self._d2h_stream = self._ops.new_stream()
+        self._scales: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+        # +0.0 and -0.0 of the table dtype as bytes: zero rows are written as -0.0 when a negative scale
+        # follows on the device, so that (-0.0) * scale = +0.0, the zero row of gather_rows.
+        self._zero_pos = np.zeros(self._itemsize, dtype=np.uint8)
+        self._zero_neg = self._zero_pos.copy()
+        if self.dtype.is_floating_point:
+            self._zero_neg[-1] = 0x80  # little-endian sign bit
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: collections.deque[CopyJob] = collections.deque()
+        self._seq = 0
+        self._closing = False  # close() began (Backend._closed is set when it has finished)
+        self._broken: BaseException | None = None
+        self._counts = collections.Counter()
+        self._abandoned = 0  # slots whose copy had not completed when close() gave up waiting
+        if warmup:
+            self._warmup()
+        self._worker = threading.Thread(target=self._worker_main, name="uvaple-copy-worker", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
+               columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> CopyJob:
+        """Admit a lookup of ``ids`` (int32/int64, any shape, CPU or on the backend's device).
+
+        Returns at once with a :class:`CopyJob`; rows land in ``out`` ``[*ids.shape, ncols]`` (allocated
+        when None) in stream order. Raises :class:`CopyBackendOverloaded` (no slot within
+        ``admission_timeout``), :class:`CopyRequestTooLarge`, :class:`BackendClosed`, or
+        ``ValueError``/``TypeError`` for bad arguments — in every case before anything was mutated.
+        """
+        return self._submit(ids, out, scale, columns, oob, out_dtype, inline=False)
+
+    def _submit(self, ids, out, scale, columns, oob, out_dtype, *, inline: bool) -> CopyJob:
+        # ---- checks (nothing mutated)
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
+        device_ids = self._ops.needs_d2h(ids)
+        if ids.device.type != "cpu" and not device_ids:
+            raise ValueError(f"ids are on {ids.device}; pass CPU ids or ids on {self.device}")
+        if device_ids:
+            self._ops.check_device(ids, "ids")
+        if oob not in ("zero", "row0"):
+            raise ValueError(f"oob must be one of ('zero', 'row0'), got {oob!r}")
+        c0, c1 = _columns(columns, self.cols)
+        ncols = c1 - c0
+        if scale is not None:
+            if self.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"scale needs a float table, this one is {self.dtype}")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+        if out is not None:
+            dtype = out.dtype
+            if out_dtype is not None and out_dtype != dtype:
+                raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
+        else:
+            dtype = out_dtype or self.dtype
+        if dtype != self.dtype and (dtype not in OUT_DTYPES or self.dtype not in FLOAT_DTYPES):
+            raise TypeError(f"cannot convert a {self.dtype} table to {dtype} output; "
+                            f"supported outputs are {OUT_DTYPES} from float tables")
+        shape = (*ids.shape, ncols)
+        if out is not None:
+            if tuple(out.shape) != shape:
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape} ([*ids.shape, columns])")
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+            self._ops.check_device(out, "out")
+        n = ids.numel()
+        if n > self.max_rows:
+            raise CopyRequestTooLarge(
+                f"{n} ids in one request, but staging slots hold max_rows={self.max_rows}; construct the "
+                f"CopyBackend with max_rows >= {n} or split the request")
+        scale_t = self._scale_tensor(float(scale)) if scale is not None else None
+        # A device multiply cannot give +0.0 zero rows for an inf/NaN scale (0 * inf = NaN): such scales
+        # are applied on the CPU in the worker (rare path), finite ones on the device.
+        scale_on_cpu = scale_t is not None and not math.isfinite(float(scale_t))
+        # ---- admission
+        slot, job = self._admit()
+        # ---- from here the job owns the slot; failures release it through the normal path
+        try:
+            job._ids_shape = tuple(ids.shape)
+            job._n = n
+            job._ids_dtype = ids.dtype
+            job._byte_start = c0 * self._itemsize
+            job._ncols = ncols
+            job._scale = scale_t
+            job._scale_on_cpu = scale_on_cpu
+            job._oob_row0 = oob == "row0"
+            job._inference = torch.is_inference_mode_enabled()
+            if out is None:
+                out = torch.empty(shape, dtype=dtype, device=self.device)
+            job._out = out
+            ops = self._ops
+            # flatten before the submit event: a non-contiguous ids tensor is copied on the caller's stream
+            flat = ids.reshape(-1)
+            caller = ops.current_stream()
+            ops.record(slot.submit_event, caller)
+            job._recorded.append(slot.submit_event)
+            isz = ids.element_size()
+            ids_dst = slot.ids_buf[: n * isz].view(ids.dtype)
+            if device_ids:
+                job._device_ids = (ids, flat)  # owned by the job until the ids copy has completed
+
+                def d2h(dst=ids_dst, src=flat) -> None:
+                    dst.copy_(src, non_blocking=True)
+
+                ops.wait_event(self._d2h_stream, slot.submit_event)
+                ops.enqueue(self._d2h_stream, d2h)
+                ops.record(slot.ids_event, self._d2h_stream)
+                job._recorded.append(slot.ids_event)
+                job._ids_deadline = time.monotonic() + self.ids_timeout
+            elif n:
+                ids_dst.copy_(flat)  # snapshot: the caller may reuse its ids at once
+        except BaseException as e:
+            with self._cond:
+                self._fail_locked(job, CopyJobFailed(f"copy job {job.seq} failed at submit: {e}"))
+            raise
+        with self._cond:
+            if self._closing:
+                self._fail_locked(job, BackendClosed("the CopyBackend was closed while this job was submitted"))
+                return job
+            self._counts["submitted"] += 1
+            # inline only for small CPU-ids requests (serial gather): there the two thread hand-offs
+            # dominate; large ones stay on the worker, so one thread drives numba's parallel pool
+            if inline and not device_ids and n * ncols * self._itemsize < _PARALLEL_MIN_BYTES:
+                job._state = _RUNNING  # never queued: the worker does not see it
+            else:
+                self._pending.append(job)
+                self._cond.notify_all()
+                return job
+        self._run(job)  # inline: the caller's thread gathers and launches, as the worker would
+        return job
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
+               columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``submit(...).wait()``: rows ``[*ids.shape, ncols]`` ready in the current stream's order.
+
+        For small requests with CPU ids the caller's thread does the job's gather and launch itself (it
+        blocks for them anyway), saving two thread hand-offs; the job protocol (slot, events, WAR wait)
+        is the same.
+        """
+        return self._submit(ids, out, scale, columns, oob, out_dtype, inline=True).wait()
+
+    def stats(self) -> dict:
+        """Progress counters for health checks: a growing ``oldest_pending_s`` means no progress."""
+        with self._cond:
+            self._reclaim_locked()
+            now = time.monotonic()
+            oldest = min((j._submitted_at for j in self._pending), default=None)
+            busy = self._abandoned if self._closed else self.max_in_flight - len(self._free)
+            return dict(self._counts, pending=len(self._pending),
+                        slots_busy=busy, slots_free=self.max_in_flight - busy,
+                        oldest_pending_s=0.0 if oldest is None else now - oldest,
+                        worker_alive=self._worker.is_alive(), closed=self._closed,
+                        abandoned_at_close=self._abandoned)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has finished."""
+        return self._closed
+
+    def close(self, timeout: float | None = None) -> None:
+        """Fail pending jobs with :class:`BackendClosed`, stop the worker and release the slots (bounded).
+
+        Jobs whose copy was launched keep their result. Raises :class:`CopyTimeout` when the worker does
+        not stop within ``timeout`` (default ``close_timeout``); the table is then left open (the worker
+        may still read it). Idempotent.
+        """
+        t = self.close_timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            while self._pending:
+                job = self._pending.popleft()
+                self._fail_locked(job, BackendClosed(f"copy job {job.seq}: the CopyBackend was closed"))
+            self._cond.notify_all()
+        if threading.current_thread() is not self._worker:
+            self._worker.join(max(0.0, deadline - time.monotonic()))
+        worker_stuck = self._worker.is_alive()
+        delay = _POLL_MIN_S
+        with self._cond:
+            while True:
+                self._reclaim_locked()
+                if len(self._free) == self.max_in_flight or time.monotonic() >= deadline:
+                    break
+                self._cond.wait(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+            busy = self.max_in_flight - len(self._free)
+            self._abandoned = busy
+            self._scales.clear()
+            self._cond.notify_all()
+        if worker_stuck:
+            raise CopyTimeout(f"the copy worker did not stop within {t:.3g} s (a gather is stuck); pending "
+                              "jobs were failed with BackendClosed and the table was left open")
+        if busy:
+            log.warning("CopyBackend closed with %d copies not completed after %.3g s; their pinned staging "
+                        "stays referenced by their jobs (and torch's host allocator)", busy, t)
+        # drop the preallocated memory (a copy still running holds its own references via its job)
+        self._slots = []
+        self._free = []
+        self._host_block = None
+        super().close()
+
+    def __enter__(self) -> CopyBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"CopyBackend({self.rows}x{self.cols} {str(self.dtype).replace('torch.', '')} -> "
+                f"{self.device}, max_in_flight={self.max_in_flight}, max_rows={self.max_rows})")
+
+    # ------------------------------------------------------------------ admission and reclaim
+    def _admit(self) -> tuple[_Slot, CopyJob]:
+        deadline = time.monotonic() + self.admission_timeout
+        delay = _POLL_MIN_S
+        with self._cond:
+            while True:
+                self._check_open_locked()
+                if not self._free:
+                    self._reclaim_locked()
+                if self._free:
+                    slot = self._free.pop()
+                    self._seq += 1
+                    job = CopyJob(self, self._seq)
+                    job._slot = slot
+                    slot.job = job
+                    return slot, job
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._counts["overloaded"] += 1
+                    raise CopyBackendOverloaded(
+                        f"all {self.max_in_flight} copy slots stayed busy for {self.admission_timeout:.3g} s "
+                        f"({len(self._pending)} jobs waiting for the CPU gather, the rest for their GPU "
+                        "copy); raise max_in_flight to the runtime's bound on passes in flight, or "
+                        "admission_timeout to wait for the GPU longer")
+                # slot release is observed by polling events (no callback); the lock is released here
+                self._cond.wait(min(delay, remaining))
+                delay = min(delay * 2, _POLL_MAX_S)
+
+    def _check_open_locked(self) -> None:
+        if self._broken is not None:
+            raise BackendClosed(f"the copy worker died ({self._broken!r}); build a new CopyBackend") \
+                from self._broken
+        if self._closing or self._closed:
+            raise BackendClosed("the CopyBackend is closed; build a new one")
+
+    def _reclaim_locked(self) -> None:
+        """Release slots whose job is finished on the host and whose every recorded event has completed."""
+        for slot in self._slots:
+            job = slot.job
+            if job is None or job._state not in (_LAUNCHED, _FAILED):
+                continue
+            if all(self._ops.query(ev) for ev in job._recorded):
+                job._copy_complete = True
+                job._device_ids = None
+                slot.job = None
+                self._free.append(slot)
+                self._counts["reclaimed"] += 1
+                self._cond.notify_all()
+
+    def _fail_locked(self, job: CopyJob, exc: BaseException) -> None:
+        job._state = _FAILED
+        job._exc = exc
+        job._host_done.set()
+        self._counts["failed"] += 1
+        self._cond.notify_all()
+
+    def _scale_tensor(self, scale: float) -> torch.Tensor:
+        key = (scale, self.dtype)
+        t = self._scales.get(key)
+        if t is None:
+            # HF Gemma 3n: embedding * embed_scale.to(weight.dtype); a CPU 0-dim tensor is a scalar operand
+            t = self._scales[key] = torch.tensor(scale, dtype=torch.float32).to(self.dtype)
+        return t
+
+    # ------------------------------------------------------------------ worker
+    def _worker_main(self) -> None:
+        job = None
+        try:
+            while True:
+                job = self._next_job()
+                if job is None:
+                    return
+                self._run(job)
+        except BaseException as e:  # a bug in the worker: fail everyone rather than hang them
+            log.exception("uvaple copy worker died")
+            with self._cond:
+                self._broken = e
+                if job is not None and not job._host_done.is_set():
+                    self._fail_locked(job, CopyJobFailed(f"copy job {job.seq}: the copy worker died: {e!r}"))
+                while self._pending:
+                    job = self._pending.popleft()
+                    self._fail_locked(job, CopyJobFailed(f"copy job {job.seq}: the copy worker died: {e!r}"))
+
+    def _next_job(self) -> CopyJob | None:
+        delay = _POLL_MIN_S
+        with self._cond:
+            while True:
+                if self._closing:
+                    return None
+                waiting_for_ids = False
+                for job in self._pending:
+                    if job._device_ids is not None and not self._ops.query(self._slot_of(job).ids_event):
+                        if time.monotonic() > job._ids_deadline:
+                            self._pending.remove(job)
+                            self._fail_locked(job, CopyTimeout(
+                                f"copy job {job.seq}: CUDA ids did not reach the host within "
+                                f"{self.ids_timeout:.3g} s (the caller's stream did not reach the submit "
+                                "point); pass CPU ids or check the model stream"))
+                            break  # the deque changed; rescan
+                        waiting_for_ids = True
+                        continue
+                    self._pending.remove(job)
+                    job._state = _RUNNING
+                    return job
+                else:
+                    if waiting_for_ids:
+                        self._cond.wait(delay)
+                        delay = min(delay * 2, _POLL_MAX_S)
+                    else:
+                        delay = _POLL_MIN_S
+                        self._cond.wait(0.5)  # woken by submit/close; the bound only re-checks state
+
+    @staticmethod
+    def _slot_of(job: CopyJob) -> _Slot:
+        assert job._slot is not None
+        return job._slot
+
+    def _run(self, job: CopyJob) -> None:
+        slot = self._slot_of(job)
+        try:
+            if self._fault_hook is not None:
+                self._fault_hook(job)
+            n, isz = job._n, job._ids_dtype.itemsize
+            nbytes = job._ncols * self._itemsize
+            ids_np = slot.ids_np[: n * isz].view(np.int32 if isz == 4 else np.int64)
+            staged = slot.staging_np[: n * nbytes].reshape(n, nbytes)
+            scale = job._scale
+            neg = scale is not None and not job._scale_on_cpu and math.copysign(1.0, float(scale)) < 0
+            if n:
+                _cpu_gather(self._bytes, ids_np, staged, job._byte_start, job._oob_row0,
+                            self._zero_neg if neg else self._zero_pos)
+            if n and job._scale_on_cpu:  # inf/NaN scale: multiply here, then restore +0.0 zero rows
+                rows_t = slot.staging[: n * nbytes].view(self.dtype).view(n, job._ncols)
+                rows_t.mul_(scale)
+                if not job._oob_row0:
+                    bad = np.flatnonzero((ids_np < 0) | (ids_np >= self.rows))
+                    rows_t[torch.from_numpy(bad)] = 0
+        except BaseException as e:
+            with self._cond:
+                self._fail_locked(job, self._wrap(job, "CPU gather", e))
+            return
+        with self._cond:
+            if self._closing:
+                self._fail_locked(job, BackendClosed(f"copy job {job.seq}: the CopyBackend was closed"))
+                return
+            if job._cancel_requested:
+                self._fail_locked(job, CopyJobCancelled(f"copy job {job.seq} was cancelled"))
+                self._counts["cancelled"] += 1
+                return
+            job._state = _LAUNCHING
+        try:
+            self._launch(job, slot, n, nbytes)
+        except BaseException as e:
+            with self._cond:
+                self._fail_locked(job, self._wrap(job, "copy launch", e))
+            return
+        with self._cond:
+            job._state = _LAUNCHED
+            job._host_done.set()
+            self._counts["launched"] += 1
+            self._cond.notify_all()
+
+    @staticmethod
+    def _wrap(job: CopyJob, stage: str, e: BaseException) -> BaseException:
+        err = CopyJobFailed(f"copy job {job.seq} failed in its {stage}: {e!r}")
+        err.__cause__ = e
+        return err
+
+    def _launch(self, job: CopyJob, slot: _Slot, n: int, nbytes: int) -> None:
+        """Enqueue the job's device work on the copy stream; record its done event (always, once begun)."""
+        ops, stream = self._ops, self._copy_stream
+        out = job._out
+        assert out is not None
+        ncols = job._ncols
+        src = slot.staging[: n * nbytes].view(self.dtype).view(n, ncols)  # [n, ncols], pinned
+        direct = out.dtype == self.dtype and out.is_contiguous()
+        if not direct and slot.device_buf is None:
+            # first conversion: a table-dtype buffer for every slot at once, so none is allocated later
+            # (under the lock: inline lookups of several threads may launch concurrently)
+            with self._cond:
+                for sl in self._slots:
+                    if sl.device_buf is None:
+                        sl.device_buf = ops.alloc_device(self.max_rows * self.cols, self.dtype, stream)
+        scale = None if job._scale_on_cpu else job._scale
+        dev_rows = out.view(n, ncols) if direct else slot.device_buf[: n * ncols].view(n, ncols)
+
+        def device_work() -> None:
+            if n == 0:
+                return
+            dev_rows.copy_(src, non_blocking=True)
+            if scale is not None:
+                dev_rows.mul_(scale)
+            if not direct:
+                out.copy_(dev_rows.view(out.shape))
+
+        ops.wait_event(stream, slot.submit_event)  # WAR: after every reader enqueued before submit
+        try:
+            # in the submitter's inference mode (an inference-mode `out` may only be written inside it);
+            # no autograd: this is a lookup
+            with torch.inference_mode(job._inference), torch.no_grad():
+                ops.enqueue(stream, device_work)
+        finally:
+            ops.record(slot.done_event, stream)
+            job._recorded.append(slot.done_event)
+
+    def device_bytes(self) -> int:
+        """Device memory held for conversions (``out_dtype`` differing from the table's), in bytes."""
+        return sum(sl.device_buf.numel() * sl.device_buf.element_size()
+                   for sl in self._slots if sl.device_buf is not None and sl.device_buf.is_cuda)
+
+    def _warmup(self) -> None:
+        out = np.empty((1, 8), dtype=np.uint8)
+        serial, parallel = _gather_kernels()
+        for dt in (np.int32, np.int64):
+            ids = np.zeros(1, dtype=dt)
+            with _GATHER_LOCK:
+                serial(self._bytes, ids, out[:, : min(8, self._bytes.shape[1])], 0, False, self._zero_pos)
+                parallel(self._bytes, ids, out[:, : min(8, self._bytes.shape[1])], 0, False, self._zero_pos)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m

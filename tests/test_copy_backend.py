@@ -1,0 +1,702 @@
+"""CopyBackend on CPU: exact results, and the job protocol (seed 000's five rules, seed 004's WAR rule).
+
+Numerics run the real worker with the synchronous CPU device operations. The protocol tests swap in
+``FakeAsyncOps``: streams are queues whose work (copies, event records, waits) runs only when the test
+says, in an order that respects every wait — so slot ownership, the WAR wait, failure delivery, admission
+and shutdown are checked deterministically, without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+import torch
+from uvaple.integration.copy_backend import CopyBackend, _DeviceOps
+from uvaple.integration.errors import (
+    BackendClosed,
+    BackendError,
+    CopyBackendOverloaded,
+    CopyJobCancelled,
+    CopyJobFailed,
+    CopyRequestTooLarge,
+    CopyTimeout,
+)
+from uvaple.kernels import reference_gather
+from uvaple.uva.errors import UvapleError
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BITS = {2: torch.int16, 4: torch.int32, 1: torch.uint8}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(BITS[t.element_size()])
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    g, w = bits(got.cpu()), bits(want.cpu())
+    if not torch.equal(g, w):
+        bad = (g != w).nonzero()[:5].tolist()
+        raise AssertionError(f"bits differ at {bad} ({(g != w).sum().item()} elements)")
+
+
+def random_table(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g, dtype=torch.float32) * 3
+    t = t.to(dtype)
+    t[t == 0] = 1.5  # never zeros: a zero row must come from the oob policy, not the data
+    return t
+
+
+def random_ids(shape, rows: int, dtype: torch.dtype, seed: int, oob: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows, shape, generator=g, dtype=torch.int64)
+    if oob and ids.numel():
+        flat = ids.view(-1)
+        bad = [-1, rows, rows + 7, -(2**31)] + ([2**40, -(2**62), 2**63 - 1] if dtype == torch.int64 else [])
+        for k, pos in enumerate(torch.randperm(flat.numel(), generator=g)[: len(bad)].tolist()):
+            flat[pos] = bad[k % len(bad)]
+    return ids.to(dtype)
+
+
+def poisoned(shape, dtype) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype)
+    bits(out).fill_(0x7F0F if out.element_size() == 2 else 0x7F80F0F0)  # NaN-ish garbage
+    return out
+
+
+# ------------------------------------------------------------------------------ fake device operations
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ops: collections.deque = collections.deque()
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name}, {len(self.ops)} ops)"
+
+
+class FakeRecord:
+    def __init__(self) -> None:
+        self.done = False
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.latest: FakeRecord | None = None
+
+
+class FakeAsyncOps(_DeviceOps):
+    """Asynchronous stand-in for CUDA: work queued on streams runs only in ``run``/``step``."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.streams: list[FakeStream] = []
+        self.caller = self.new_stream("caller")
+        self.device_ids: list[torch.Tensor] = []  # ids tensors to treat as living on the device
+
+    def current_stream(self):
+        return self.caller
+
+    def new_stream(self, name: str | None = None):
+        with self.lock:
+            s = FakeStream(name or f"s{len(self.streams)}")
+            self.streams.append(s)
+            return s
+
+    def new_event(self):
+        return FakeEvent()
+
+    def record(self, event, stream) -> None:
+        with self.lock:
+            rec = FakeRecord()
+            event.latest = rec
+            stream.ops.append(("record", rec))
+
+    def query(self, event) -> bool:
+        with self.lock:
+            return event.latest is None or event.latest.done
+
+    def wait_event(self, stream, event) -> None:
+        with self.lock:
+            if event.latest is not None:
+                stream.ops.append(("wait", event.latest))
+
+    def enqueue(self, stream, fn) -> None:
+        with self.lock:
+            stream.ops.append(("fn", fn))
+
+    def needs_d2h(self, ids) -> bool:
+        return any(t is ids for t in self.device_ids)
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alloc_device(self, numel, dtype, stream) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    # test control
+    def step(self, stream: FakeStream) -> bool:
+        with self.lock:
+            if not stream.ops:
+                return False
+            kind, arg = stream.ops[0]
+            if kind == "wait" and not arg.done:
+                return False
+            stream.ops.popleft()
+            if kind == "record":
+                arg.done = True
+            elif kind == "fn":
+                arg()
+            return True
+
+    def run(self, *order: FakeStream) -> None:
+        """Run everything runnable; streams in ``order`` first and as far as they go (eager copies)."""
+        streams = list(order) + [s for s in self.streams if s not in order]
+        progress = True
+        while progress:
+            progress = False
+            for s in streams:
+                while self.step(s):
+                    progress = True
+
+    def pending(self) -> int:
+        with self.lock:
+            return sum(len(s.ops) for s in self.streams)
+
+
+def until(pred, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def fake():
+    return FakeAsyncOps()
+
+
+def fake_backend(fake: FakeAsyncOps, rows=64, cols=9, dtype=torch.bfloat16, **kw) -> CopyBackend:
+    kw.setdefault("max_in_flight", 2)
+    kw.setdefault("max_rows", 32)
+    kw.setdefault("admission_timeout", 0.0)
+    kw.setdefault("close_timeout", 5.0)
+    return CopyBackend(random_table(rows, cols, dtype, seed=rows + cols), _ops=fake, **kw)
+
+
+# ------------------------------------------------------------------------------ numerics (CPU ops)
+@pytest.fixture(scope="module")
+def cpu_backends():
+    made = {}
+
+    def get(dtype, cols, rows=97):
+        key = (dtype, cols, rows)
+        if key not in made:
+            made[key] = CopyBackend(random_table(rows, cols, dtype, seed=cols), device="cpu", max_rows=64,
+                                    max_in_flight=3, owns_table=True)
+        return made[key]
+
+    yield get
+    for b in made.values():
+        b.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 7, 255])
+@pytest.mark.parametrize("oob", ["zero", "row0"])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_exact_rows(cpu_backends, dtype, cols, oob, ids_dtype):
+    b = cpu_backends(dtype, cols)
+    for k, shape in enumerate([(), (1,), (13,), (3, 5), (2, 1, 4), (0,)]):
+        ids = random_ids(shape, b.rows, ids_dtype, seed=k)
+        out = poisoned((*shape, cols), dtype)
+        got = b.lookup(ids, out, oob=oob)
+        assert got is out
+        assert_bits_equal(got, reference_gather(b.table.tensor, ids, oob=oob))
+        assert_bits_equal(b.lookup(ids, oob=oob), reference_gather(b.table.tensor, ids, oob=oob))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [16.0, -0.5, 3.3, 1e-30, -0.0, float("inf"), 2.0**0.5 * 1e38])
+@pytest.mark.parametrize("oob", ["zero", "row0"])
+def test_scale_exact(cpu_backends, dtype, scale, oob):
+    b = cpu_backends(dtype, 7)
+    ids = random_ids((4, 6), b.rows, torch.int64, seed=3)
+    for out_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+        want = reference_gather(b.table.tensor, ids, scale=scale, oob=oob, out_dtype=out_dtype)
+        out = poisoned(want.shape, want.dtype)
+        got = b.lookup(ids, out, scale=scale, oob=oob, out_dtype=out_dtype)
+        assert_bits_equal(got, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("columns", [(0, 1), (3, 7), slice(2, 5), slice(None, 4), (6, 7)])
+def test_column_ranges(cpu_backends, dtype, columns):
+    b = cpu_backends(dtype, 7)
+    ids = random_ids((9,), b.rows, torch.int32, seed=5)
+    for scale, out_dtype in [(None, None), (16.0, None), (-2.5, torch.float32)]:
+        want = reference_gather(b.table.tensor, ids, scale=scale, columns=columns, out_dtype=out_dtype)
+        got = b.lookup(ids, poisoned(want.shape, want.dtype), scale=scale, columns=columns,
+                       out_dtype=out_dtype)
+        assert_bits_equal(got, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_rows_8960(cpu_backends, dtype):
+    b = cpu_backends(dtype, 8960, rows=11)
+    ids = torch.tensor([[3, -1, 10], [11, 0, 2**33]], dtype=torch.int64)
+    for oob in ("zero", "row0"):
+        want = reference_gather(b.table.tensor, ids, scale=16.0, oob=oob, columns=(256, 8960 - 3))
+        got = b.lookup(ids, poisoned(want.shape, dtype), scale=16.0, oob=oob, columns=(256, 8960 - 3))
+        assert_bits_equal(got, want)
+        assert_bits_equal(b.lookup(ids, oob=oob), reference_gather(b.table.tensor, ids, oob=oob))
+
+
+@pytest.mark.timeout(60)
+def test_parallel_gather_path(cpu_backends):
+    """A request above the serial threshold goes through the parallel numba kernel."""
+    b = cpu_backends(torch.float32, 255, rows=300)
+    ids = random_ids((64,), 300, torch.int64, seed=9)
+    with CopyBackend(b.table, device="cpu", max_rows=512) as big:
+        ids = random_ids((512,), 300, torch.int64, seed=9)  # 512 * 1020 B > 256 KiB
+        assert_bits_equal(big.lookup(ids), reference_gather(b.table.tensor, ids))
+    assert not b.table.closed  # shared table, not owned
+
+
+@pytest.mark.timeout(60)
+def test_cpu_ids_are_snapshotted(cpu_backends):
+    b = cpu_backends(torch.bfloat16, 7)
+    ids = random_ids((10,), b.rows, torch.int64, seed=1, oob=False)
+    want = reference_gather(b.table.tensor, ids)
+    job = b.submit(ids)
+    ids.fill_(0)  # the caller reuses its ids buffer at once
+    assert_bits_equal(job.wait(timeout=5), want)
+
+
+@pytest.mark.timeout(60)
+def test_argument_errors_mutate_nothing(fake):
+    b = fake_backend(fake)
+    ids = torch.tensor([1, 2])
+    bad = [
+        dict(ids=ids.float()),
+        dict(ids=ids, oob="clamp"),
+        dict(ids=ids, columns=(5, 3)),
+        dict(ids=ids, columns=(0, 10)),
+        dict(ids=ids, out=torch.empty(2, 8, dtype=torch.bfloat16)),
+        dict(ids=ids, out=torch.empty(2, 9, dtype=torch.float32), out_dtype=torch.float16),
+        dict(ids=ids, out=torch.empty(9, 2, dtype=torch.bfloat16).t()),
+        dict(ids=ids, out_dtype=torch.int8),
+        dict(ids=ids, scale="2"),
+    ]
+    for kw in bad:
+        with pytest.raises((TypeError, ValueError)):
+            b.submit(**kw)
+    with pytest.raises(CopyRequestTooLarge, match="max_rows"):
+        b.submit(torch.zeros(33, dtype=torch.int64))
+    assert fake.pending() == 0 and b.stats()["slots_free"] == 2 and b.stats().get("submitted", 0) == 0
+    b.close()
+
+
+def test_error_hierarchy():
+    for e in (CopyBackendOverloaded, CopyTimeout, BackendClosed, CopyJobFailed, CopyJobCancelled,
+              CopyRequestTooLarge):
+        assert issubclass(e, BackendError) and issubclass(BackendError, UvapleError)
+
+
+# ------------------------------------------------------------------------------ protocol (fake async ops)
+@pytest.mark.timeout(30)
+def test_admission_overload_is_deliberate_and_mutates_nothing(fake):
+    b = fake_backend(fake, max_in_flight=2)
+    j1 = b.submit(torch.tensor([1, 2]))
+    j2 = b.submit(torch.tensor([3]))
+    until(lambda: j1.done and j2.done)
+    queued = fake.pending()
+    with pytest.raises(CopyBackendOverloaded, match="max_in_flight"):
+        b.submit(torch.tensor([4]))
+    assert fake.pending() == queued  # no event recorded, nothing queued by the refused job
+    assert b.stats()["overloaded"] == 1 and b.stats()["slots_busy"] == 2
+    fake.run()
+    j3 = b.submit(torch.tensor([4]))  # slots reclaimed once the copies completed
+    until(lambda: j3.done)
+    fake.run()
+    for job, ids in ((j1, [1, 2]), (j2, [3]), (j3, [4])):
+        assert_bits_equal(job.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor(ids)))
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_admission_waits_bounded_for_a_slot(fake):
+    b = fake_backend(fake, max_in_flight=1, admission_timeout=5.0)
+    j1 = b.submit(torch.tensor([1]))
+    until(lambda: j1.done)
+    timer = threading.Timer(0.2, fake.run)
+    timer.start()
+    t0 = time.monotonic()
+    j2 = b.submit(torch.tensor([2]))  # waits for j1's copy to complete, then gets its slot
+    assert 0.15 < time.monotonic() - t0 < 4.0
+    timer.join()
+    until(lambda: j2.done)
+    fake.run()
+    assert_bits_equal(j2.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([2])))
+    b.admission_timeout = 0.2
+    j3 = b.submit(torch.tensor([3]))
+    t0 = time.monotonic()
+    with pytest.raises(CopyBackendOverloaded):
+        b.submit(torch.tensor([4]))
+    assert time.monotonic() - t0 < 2.0
+    until(lambda: j3.done)
+    fake.run()
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_slot_owned_until_its_copy_completes(fake):
+    """Staging of job A is not reused while A's copy has not run, even when B, C... come along."""
+    b = fake_backend(fake, max_in_flight=2)
+    ref = lambda ids: reference_gather(b.table.tensor, torch.tensor(ids))  # noqa: E731
+    outs = [poisoned((3, 9), torch.bfloat16) for _ in range(4)]
+    ja = b.submit(torch.tensor([1, 2, 3]), outs[0])
+    jb = b.submit(torch.tensor([4, 5, 6]), outs[1])
+    until(lambda: ja.done and jb.done)
+    assert ja._slot is not jb._slot
+    with pytest.raises(CopyBackendOverloaded):
+        b.submit(torch.tensor([7, 8, 9]), outs[2])
+    # complete A's copy only: A's slot comes back, B's stays owned by B
+    copy = b._copy_stream
+    assert fake.step(fake.caller)  # A's submit point
+    for _ in range(3):  # wait(S_A), A's copy, record(D_A)
+        assert fake.step(copy)
+    assert fake.query(ja._slot.done_event) and not fake.query(jb._slot.done_event)
+    slot_a, slot_b = ja._slot, jb._slot
+    jc = b.submit(torch.tensor([7, 8, 9]), outs[2])
+    assert jc._slot is slot_a and jb._slot is slot_b
+    until(lambda: jc.done)
+    fake.run()
+    assert_bits_equal(outs[0], ref([1, 2, 3]))
+    assert_bits_equal(outs[1], ref([4, 5, 6]))
+    assert_bits_equal(outs[2], ref([7, 8, 9]))
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_each_job_has_its_own_event(fake):
+    b = fake_backend(fake, max_in_flight=3)
+    jobs = [b.submit(torch.tensor([i])) for i in range(3)]
+    until(lambda: all(j.done for j in jobs))
+    events = [j._slot.done_event for j in jobs]
+    assert len({id(e) for e in events}) == 3
+    recs = [e.latest for e in events]
+    assert len({id(r) for r in recs}) == 3 and not any(r.done for r in recs)
+    fake.run()
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_war_copy_waits_for_readers_enqueued_before_submit(fake):
+    """Seed 004: a reused ``out`` is not overwritten while the model stream still reads it."""
+    b = fake_backend(fake, max_in_flight=2)
+    out = poisoned((2, 9), torch.bfloat16)
+    ids_a, ids_b = torch.tensor([1, 2]), torch.tensor([3, 4])
+    seen = []
+    ja = b.submit(ids_a, out)
+    ja.wait(timeout=5)  # the caller stream now waits on A's copy
+    fake.enqueue(fake.caller, lambda: seen.append(out.clone()))  # a slow reader of A's rows
+    jb = b.submit(ids_b, out)  # pass B reuses the buffer
+    until(lambda: jb.done)
+    fake.run(b._copy_stream)  # copies as eager as they can be: B's copy must still wait for the reader
+    fake.run(b._copy_stream)
+    jb.wait(timeout=5)
+    fake.enqueue(fake.caller, lambda: seen.append(out.clone()))
+    fake.run(b._copy_stream)
+    assert len(seen) == 2
+    assert_bits_equal(seen[0], reference_gather(b.table.tensor, ids_a))
+    assert_bits_equal(seen[1], reference_gather(b.table.tensor, ids_b))
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_failure_delivered_to_its_job_while_earlier_job_is_stuck(fake):
+    b = fake_backend(fake, max_in_flight=3)
+    ja = b.submit(torch.tensor([1]))
+    until(lambda: ja.done)  # A launched; its copy never completes (stuck GPU)
+
+    def hook(job):
+        if job.seq == 2:
+            raise RuntimeError("injected gather failure")
+
+    b._fault_hook = hook
+    jb = b.submit(torch.tensor([2]))
+    t0 = time.monotonic()
+    with pytest.raises(CopyJobFailed, match="injected") as ei:
+        jb.wait(timeout=5)
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    assert time.monotonic() - t0 < 4.0
+    assert not fake.query(ja._slot.done_event)  # A still stuck
+    out_a = ja.wait(timeout=5)  # A's own result is fine
+    jc = b.submit(torch.tensor([3]))
+    until(lambda: jc.done)
+    fake.run()
+    assert_bits_equal(out_a, reference_gather(b.table.tensor, torch.tensor([1])))
+    assert_bits_equal(jc.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([3])))
+    until(lambda: b.stats()["slots_free"] == 3)  # B's slot was released too
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_launch_failure_delivered_and_slot_released(fake):
+    b = fake_backend(fake, max_in_flight=1)
+    real = b._launch
+
+    def broken(job, *a):
+        if job.seq == 1:
+            raise RuntimeError("injected launch failure")
+        return real(job, *a)
+
+    b._launch = broken
+    with pytest.raises(CopyJobFailed, match="launch"):
+        b.submit(torch.tensor([1])).wait(timeout=5)
+    fake.run()
+    j2 = b.submit(torch.tensor([2]))
+    until(lambda: j2.done)
+    fake.run()
+    assert_bits_equal(j2.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([2])))
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_device_ids_stuck_do_not_block_later_jobs(fake):
+    """A job whose (device) ids have not reached the host does not hold up later jobs' failures/results."""
+    b = fake_backend(fake, max_in_flight=3, ids_timeout=30.0)
+    ids_a = torch.tensor([5, -1, 6])
+    fake.device_ids.append(ids_a)
+    ja = b.submit(ids_a)
+    b._fault_hook = lambda job: (_ for _ in ()).throw(RuntimeError("boom")) if job.seq == 2 else None
+    jb = b.submit(torch.tensor([1]))
+    jc = b.submit(torch.tensor([2]))
+    with pytest.raises(CopyJobFailed, match="boom"):
+        jb.wait(timeout=5)
+    until(lambda: jc.done)
+    assert not ja.done
+    fake.run()  # caller stream reaches the submit point: A's ids arrive
+    until(lambda: ja.done)
+    fake.run()
+    assert_bits_equal(ja.wait(timeout=5), reference_gather(b.table.tensor, ids_a))
+    assert_bits_equal(jc.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([2])))
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_device_ids_timeout_is_bounded_and_slot_kept_until_copy_done(fake):
+    b = fake_backend(fake, max_in_flight=1, ids_timeout=0.2)
+    ids = torch.tensor([1, 2])
+    fake.device_ids.append(ids)
+    job = b.submit(ids)
+    with pytest.raises(CopyTimeout, match="CUDA ids"):
+        job.wait(timeout=5)
+    assert b.stats()["slots_busy"] == 1  # the pending ids copy still owns the slot's ids buffer
+    fake.run()
+    until(lambda: b.stats()["slots_free"] == 1)
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_wait_is_bounded(fake):
+    b = fake_backend(fake)
+    gate = threading.Event()
+    b._fault_hook = lambda job: gate.wait(10)
+    job = b.submit(torch.tensor([1]))
+    t0 = time.monotonic()
+    with pytest.raises(CopyTimeout, match="not launched"):
+        job.wait(timeout=0.2)
+    assert time.monotonic() - t0 < 2.0
+    gate.set()
+    until(lambda: job.done)
+    fake.run()
+    assert_bits_equal(job.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([1])))
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_cancel(fake):
+    b = fake_backend(fake, max_in_flight=3)
+    gate, entered = threading.Event(), threading.Event()
+
+    def hook(job):
+        if job.seq == 1:
+            entered.set()
+            gate.wait(10)
+
+    b._fault_hook = hook
+    out1 = poisoned((1, 9), torch.bfloat16)
+    j1 = b.submit(torch.tensor([1]), out1)  # held in the gather
+    j2 = b.submit(torch.tensor([2]))  # pending
+    assert entered.wait(5)
+    assert j2.cancel() is True
+    with pytest.raises(CopyJobCancelled):
+        j2.wait(timeout=5)
+    assert j1.cancel() is True  # running: fails before launching its copy
+    gate.set()
+    with pytest.raises(CopyJobCancelled):
+        j1.wait(timeout=5)
+    j3 = b.submit(torch.tensor([3]))
+    until(lambda: j3.done)
+    assert j3.cancel() is False  # launched: too late
+    fake.run()
+    assert torch.equal(bits(out1), bits(poisoned((1, 9), torch.bfloat16)))  # never written
+    until(lambda: b.stats()["slots_free"] == 3)
+    assert b.stats()["cancelled"] == 2
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_close_with_pending_jobs_releases_everything(fake):
+    b = fake_backend(fake, max_in_flight=4)
+    gate, entered = threading.Event(), threading.Event()
+    want0 = reference_gather(b.table.tensor, torch.tensor([7]))
+    j0 = b.submit(torch.tensor([7]))
+    until(lambda: j0.done)  # launched, copy pending
+
+    def hook(job):
+        if job.seq == 2:
+            entered.set()
+            gate.wait(10)
+
+    b._fault_hook = hook
+    j1 = b.submit(torch.tensor([1]))  # will be in the gather at close
+    j2 = b.submit(torch.tensor([2]))
+    j3 = b.submit(torch.tensor([3]))
+    assert entered.wait(5)
+    closer = threading.Thread(target=b.close)
+    closer.start()
+    for j in (j2, j3):
+        with pytest.raises(BackendClosed):
+            j.wait(timeout=5)
+    gate.set()
+    with pytest.raises(BackendClosed):
+        j1.wait(timeout=5)
+    time.sleep(0.05)
+    fake.run()  # j0's copy completes: its slot can be released
+    closer.join(10)
+    assert not closer.is_alive()
+    st = b.stats()
+    assert st["closed"] and not st["worker_alive"] and st["slots_busy"] == 0 and st["abandoned_at_close"] == 0
+    assert b._host_block is None and b.table.closed  # the backend owned its table
+    assert_bits_equal(j0.wait(timeout=5), want0)  # launched before close: keeps its result
+    with pytest.raises(BackendClosed):
+        b.submit(torch.tensor([1]))
+    b.close()  # idempotent
+
+
+@pytest.mark.timeout(30)
+def test_close_is_bounded_when_gpu_or_worker_is_stuck(fake):
+    b = fake_backend(fake, max_in_flight=2)
+    j0 = b.submit(torch.tensor([1]))
+    until(lambda: j0.done)
+    gate = threading.Event()
+    b._fault_hook = lambda job: gate.wait(10)
+    j1 = b.submit(torch.tensor([2]))
+    until(lambda: j1.state == "running")
+    t0 = time.monotonic()
+    with pytest.raises(CopyTimeout, match="did not stop"):
+        b.close(timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert not b.table.closed  # the stuck worker may still read it
+    gate.set()
+    with pytest.raises(BackendClosed):
+        j1.wait(timeout=5)
+    b._worker.join(5)
+    assert not b._worker.is_alive()
+    b.table.close()
+
+
+@pytest.mark.timeout(30)
+def test_close_gives_up_on_copies_that_never_complete(fake):
+    b = fake_backend(fake, max_in_flight=2)
+    j0 = b.submit(torch.tensor([1]))
+    until(lambda: j0.done)
+    t0 = time.monotonic()
+    b.close(timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert b.stats()["abandoned_at_close"] == 1 and b.closed
+    fake.run()  # the stuck copy finishes later: its job still holds what it reads and writes
+    assert j0._out is not None
+
+
+@pytest.mark.timeout(30)
+def test_worker_crash_fails_jobs_instead_of_hanging(fake):
+    b = fake_backend(fake, max_in_flight=2)
+
+    def crash(job):
+        raise SystemExit("worker bug")  # not an Exception: escapes the per-job handler's intent
+
+    b._run = crash
+    job = b.submit(torch.tensor([1]))
+    with pytest.raises(CopyJobFailed, match="worker died"):
+        job.wait(timeout=5)
+    with pytest.raises(BackendClosed, match="died"):
+        b.submit(torch.tensor([1]))
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_make_backend_copy():
+    from uvaple.integration import make_backend
+
+    t = random_table(50, 7, torch.float16, seed=4)
+    with make_backend("copy", t, device="cpu", max_rows=16) as b:
+        assert b.kind == "copy" and b.rows == 50 and b.cols == 7 and b.dtype == torch.float16
+        ids = random_ids((4, 4), 50, torch.int32, seed=1)
+        assert_bits_equal(b.lookup(ids, scale=16.0), reference_gather(t, ids, scale=16.0))
+    assert b.table.closed
+
+
+@pytest.mark.timeout(30)
+def test_inline_lookup_keeps_the_protocol(fake):
+    """Small CPU-ids lookups run on the caller's thread: still no GPU wait, own slot, WAR wait."""
+    b = fake_backend(fake, max_in_flight=2)
+    out = poisoned((2, 9), torch.bfloat16)
+    ids_a, ids_b = torch.tensor([1, 2]), torch.tensor([3, -4])
+    seen = []
+    got = b.lookup(ids_a, out)  # returns with the copy still queued (no host wait on the "GPU")
+    assert got is out and fake.pending() > 0
+    fake.enqueue(fake.caller, lambda: seen.append(out.clone()))
+    b.lookup(ids_b, out)
+    fake.enqueue(fake.caller, lambda: seen.append(out.clone()))
+    with pytest.raises(CopyBackendOverloaded):  # both slots owned until their copies complete
+        b.lookup(ids_a)
+    fake.run(b._copy_stream)
+    assert_bits_equal(seen[0], reference_gather(b.table.tensor, ids_a))
+    assert_bits_equal(seen[1], reference_gather(b.table.tensor, ids_b))
+    b._fault_hook = lambda job: (_ for _ in ()).throw(RuntimeError("inline boom"))
+    with pytest.raises(CopyJobFailed, match="inline boom"):
+        b.lookup(ids_a)
+    assert b.stats()["launched"] == 2
+    fake.run()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("big", [False, True], ids=["inline", "worker"])
+def test_inference_mode_outputs(big):
+    """Under torch.inference_mode an inference-tensor ``out`` is written by the worker thread too."""
+    t = random_table(300, 255, torch.float32, seed=6)
+    with CopyBackend(t, device="cpu", max_rows=512) as b:
+        n = 400 if big else 5  # 400 * 1020 B: above the inline limit, gathered by the worker
+        ids = random_ids((n,), 300, torch.int64, seed=2)
+        with torch.inference_mode():
+            out = torch.empty(n, 255)
+            assert_bits_equal(b.lookup(ids, out, scale=16.0), reference_gather(t, ids, scale=16.0))
+            assert_bits_equal(b.submit(ids, scale=-2.0).wait(timeout=10), reference_gather(t, ids, scale=-2.0))
+            got = b.lookup(ids, out_dtype=torch.bfloat16)
+            assert got.is_inference()
+            assert_bits_equal(got, reference_gather(t, ids, out_dtype=torch.bfloat16))
