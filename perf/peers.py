@@ -1,0 +1,109 @@
+"""Peer implementations the benchmark measures ``uva`` against.
+
+Three peers, each as good as we can make it (DESIGN.md, "Baselines are built to win"):
+
+* :func:`row_gather` — one Triton program per id that loads the whole row as one masked tile
+  (``BLOCK = next_power_of_2(cols)``). This is the shape of vLLM's UVA PLE kernel (PR 54371); the code
+  here is our own.
+* :func:`embedding_gather` — ``torch.nn.functional.embedding`` over :meth:`HostTable.cuda_view`, a CUDA
+  view of the same pinned, mapped memory.
+* :func:`memcpy_ceiling` — a pinned host→device ``copy_`` (``non_blocking`` from a pinned buffer) of the
+  same number of bytes: what PCIe gives a contiguous transfer, the ceiling every gather is held to.
+
+This module imports Triton at import time: import it lazily, after ``TRITON_INTERPRET`` is settled
+(``uvaple.perf.bench`` does), because Triton decides interpretation when a kernel is decorated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["row_gather", "embedding_gather", "memcpy_ceiling", "row_gather_num_warps"]
+
+# Elements one thread holds at most: 64 bf16 values are 32 registers, far below the 255 a thread may use,
+# so the whole-row tile never spills (vLLM sizes its one-program-per-row kernel the same way: whole row,
+# one program). 4 warps is Triton's default and the floor; 32 warps (1024 threads) is the hardware cap.
+_ELEMS_PER_THREAD = 64
+_MIN_WARPS = 4
+_MAX_WARPS = 32
+
+
+@triton.jit
+def _row_gather_kernel(
+    table_ptr,  # *Pointer* to row 0 of the table [rows, stride] (host-mapped or device memory)
+    ids_ptr,  # *Pointer* to the ids [n] (int32 or int64)
+    out_ptr,  # *Pointer* to the output [n, out_stride]
+    rows,  # number of table rows; ids outside [0, rows) give a zero row
+    cols,  # values per row
+    table_stride,  # elements between table rows
+    out_stride,  # elements between output rows
+    BLOCK: tl.constexpr,  # next_power_of_2(cols): the whole row is one tile
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids_ptr + pid).to(tl.int64)
+    valid = (row >= 0) & (row < rows)
+    row = tl.where(valid, row, 0)
+    offs = tl.arange(0, BLOCK)
+    # Invalid ids load nothing (mask all false) and store zeros.
+    load_mask = offs < tl.where(valid, cols, 0)
+    vals = tl.load(table_ptr + row * table_stride + offs, mask=load_mask, other=0)
+    tl.store(out_ptr + pid * out_stride + offs, vals, mask=offs < cols)
+
+
+def row_gather_num_warps(cols: int) -> int:
+    """Warps for a whole-row tile of ``cols`` values (at most ``_ELEMS_PER_THREAD`` per thread)."""
+    block = triton.next_power_of_2(max(1, cols))
+    warps = block // (32 * _ELEMS_PER_THREAD)
+    return int(min(_MAX_WARPS, max(_MIN_WARPS, triton.next_power_of_2(max(1, warps)))))
+
+
+def row_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Gather ``table[ids]`` into ``out`` with one Triton program per id (whole-row tile).
+
+    Parameters
+    ----------
+    table : torch.Tensor
+        ``[rows, cols]`` with unit column stride: a CPU tensor over registered host memory (read through
+        UVA), a CUDA tensor, or — under ``TRITON_INTERPRET=1`` — any CPU tensor.
+    ids : torch.Tensor
+        ``[n]`` int32/int64 on the compute device. Ids outside ``[0, rows)`` give zero rows.
+    out : torch.Tensor
+        ``[n, cols]``, same dtype as ``table``, unit column stride; written in place.
+
+    Launches on the current stream; no allocation, no synchronisation (CUDA-graph capturable).
+    """
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError(f"table must be 2-D with unit column stride, got shape {tuple(table.shape)} "
+                         f"strides {table.stride()}")
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
+    rows, cols = table.shape
+    n = ids.shape[0]
+    if out.shape != (n, cols) or out.dtype != table.dtype or (n and out.stride(1) != 1):
+        raise ValueError(f"out must be [{n}, {cols}] {table.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if n == 0:
+        return out
+    block = triton.next_power_of_2(cols)
+    _row_gather_kernel[(n,)](
+        table, ids, out, rows, cols, table.stride(0), out.stride(0),
+        BLOCK=block, num_warps=row_gather_num_warps(cols),
+    )
+    return out
+
+
+def embedding_gather(view: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, view)``: ``view`` is ``HostTable.cuda_view()`` (or a CPU table without CUDA).
+
+    Allocates its output (``F.embedding`` has no ``out=``): that is the peer as people use it.
+    """
+    return torch.nn.functional.embedding(ids, view)
+
+
+def memcpy_ceiling(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src`` (pinned host, contiguous) into ``dst`` (device) with ``non_blocking=True``."""
+    return dst.copy_(src, non_blocking=True)
