@@ -27,8 +27,8 @@ if has doctor; then
 fi
 if has tests; then
   step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; 1000 equivalence schedules)"
-  UVAPLE_EQUIV_SCHEDULES=1000 timeout 330 python3 -m pytest -q -ra --timeout 300 -p no:cacheprovider \
-    tests 2>&1 | tee "$R/pytest.log" | tail -40
+  UVAPLE_EQUIV_SCHEDULES=1000 timeout 420 python3 -m pytest -q -ra --timeout 400 --durations=15 -p no:cacheprovider \
+    ${TESTS:-tests} 2>&1 | tee "$R/pytest.log" | tail -40
 fi
 if has tiles; then
   step "tile sweep"
@@ -40,11 +40,11 @@ if has ready; then
 fi
 if has bench; then
   step "uvaple bench ${BENCH_ARGS:---full}"
-  timeout 480 uvaple bench ${BENCH_ARGS:---full} --out "$R/bench" 2>&1 | tail -80
+  timeout 540 uvaple bench ${BENCH_ARGS:---full} --out "$R/bench" 2>&1 | tail -80
 fi
 if has e2e; then
   step "Gemma 3n E2B end to end"
-  timeout 300 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" 2>&1 | tail -60
+  timeout 400 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
 fi
 step "done"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$R"
