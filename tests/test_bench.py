@@ -119,7 +119,7 @@ def _row(**kw):
 def test_format_table_lines():
     rows = [
         _row(us_median=28.04, us_p20=27.5, us_p80=29.25, gbps=40.96, x_ceiling=0.8, x_uva=1.0,
-             graph_us_median=20.5, cpu_s_per_lookup=12e-6, gpu_mem_bytes=0),
+             graph_us_median=20.5, graph_x_ceiling=0.93, cpu_s_per_lookup=12e-6, gpu_mem_bytes=0),
         _row(provider="device", check="skipped", error="skipped: the table does not fit"),
         {"kind": "readiness", "method": "HostTable.empty", "table_gib": 1.0, "seconds": 0.5, "gib_per_s": 2.0,
          "check": "ok", "error": ""},
@@ -131,7 +131,7 @@ def test_format_table_lines():
     assert head[:6] == ["provider", "table", "row_B", "n", "us_med", "p20-p80"]
     first = lines[1].split()
     assert first[:9] == ["uva", "8GiB", str(E4B), "64", "28.0", "27.5-29.2", "40.96", "0.80", "1.00"]
-    assert first[9:12] == ["20.50", "12.0", "0"] and first[-1] == "ok"
+    assert first[9:13] == ["20.50", "0.93", "12.0", "0"] and first[-1] == "ok"
     second = lines[2]
     assert second.split()[4] == "-" and "[skipped: the table does not fit]" in second
     ready = bench.format_readiness_table(rows).splitlines()

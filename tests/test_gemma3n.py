@@ -67,6 +67,11 @@ def prompts(device, *, low=0, high=VOCAB_PLE, shape=(3, 11), seed=1):
     return torch.randint(low, high, shape, generator=g).to(device)
 
 
+def _version(v: str) -> tuple[int, int]:
+    major, minor = v.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def reference_logits(ref, ids):
     """HF's logits with what transformers >= 5.24 does for ids outside the PLE table (read row 0)."""
     inner = ref.model
@@ -150,6 +155,12 @@ def test_out_of_range_matches_installed_reference_when_it_accepts_them(device, r
     ref = ref32.to(device)
     model, patch = patched_copy(ref)
     ids = prompts(device, low=VOCAB_PLE, high=VOCAB, shape=(2, 9), seed=5)
+    if device.type == "cuda" and _version(transformers.__version__) < (5, 24):
+        # Before 5.24 the text model indexes the table with these ids: on CUDA that is a device-side
+        # assert, which would poison the context for every later test. Probe only where it is an error.
+        patch.revert()
+        pytest.skip(f"transformers {transformers.__version__}'s text model rejects ids >= "
+                    "vocab_size_per_layer_input (covered against the 5.24 rule above)")
     with torch.no_grad():
         try:
             want = ref(ids).logits  # transformers >= 5.24 maps them to row 0
