@@ -88,7 +88,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels.gather import FLOAT_DTYPES, OUT_DTYPES, TABLE_DTYPES, _columns
+from ..kernels.gather import TABLE_DTYPES, _columns, check_request
 from ..uva import HostTable
 from .backends import Backend
 from .errors import (
@@ -523,30 +523,11 @@ class CopyBackend(Backend):
             raise ValueError(f"ids are on {ids.device}; pass CPU ids or ids on {self.device}")
         if device_ids:
             self._ops.check_device(ids, "ids")
-        if oob not in ("zero", "row0"):
-            raise ValueError(f"oob must be one of ('zero', 'row0'), got {oob!r}")
         c0, c1 = _columns(columns, self.cols)
         ncols = c1 - c0
-        if scale is not None:
-            if self.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"scale needs a float table, this one is {self.dtype}")
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-                raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
-        if out is not None:
-            dtype = out.dtype
-            if out_dtype is not None and out_dtype != dtype:
-                raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-        else:
-            dtype = out_dtype or self.dtype
-        if dtype != self.dtype and (dtype not in OUT_DTYPES or self.dtype not in FLOAT_DTYPES):
-            raise TypeError(f"cannot convert a {self.dtype} table to {dtype} output; "
-                            f"supported outputs are {OUT_DTYPES} from float tables")
+        dtype = check_request(self.dtype, ids, out, scale=scale, oob=oob, out_dtype=out_dtype, ncols=ncols)
         shape = (*ids.shape, ncols)
         if out is not None:
-            if tuple(out.shape) != shape:
-                raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape} ([*ids.shape, columns])")
-            if not out.is_contiguous():
-                raise ValueError("out must be contiguous")
             self._ops.check_device(out, "out")
         n = ids.numel()
         if n > self.max_rows:

@@ -132,6 +132,37 @@ def _columns(columns, cols: int) -> tuple[int, int]:
     return c0, c1
 
 
+def check_request(table_dtype: torch.dtype, ids: torch.Tensor, out: torch.Tensor | None, *, scale, oob: str,
+                  out_dtype, ncols: int) -> torch.dtype:
+    """The checks every backend shares: policy, scale, output dtype, ``out``'s shape and layout.
+
+    Returns the output dtype; raises TypeError/ValueError naming what is wrong.
+    """
+    if oob not in OOB_POLICIES:
+        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
+    if scale is not None:
+        if table_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"scale needs a float table, this one is {table_dtype}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+    if out is not None:
+        dtype = out.dtype
+        if out_dtype is not None and out_dtype != dtype:
+            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
+    else:
+        dtype = out_dtype or table_dtype
+    if dtype != table_dtype and (dtype not in OUT_DTYPES or table_dtype not in FLOAT_DTYPES):
+        raise TypeError(f"cannot convert a {table_dtype} table to {dtype} output; "
+                        f"supported outputs are {OUT_DTYPES} from float tables")
+    if out is not None:
+        want = (*ids.shape, ncols)
+        if tuple(out.shape) != want:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} ([*ids.shape, columns])")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    return dtype
+
+
 def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None, *, scale, oob: str,
                out_dtype, c0: int, c1: int, host_registered: bool) -> torch.dtype:
     """Validate a gather; returns the output dtype. Raises TypeError/ValueError naming what is wrong."""
@@ -143,28 +174,8 @@ def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None,
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ids must be an int32 or int64 tensor, got "
                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    if oob not in OOB_POLICIES:
-        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
-    if scale is not None:
-        if table.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"scale needs a float table, this one is {table.dtype}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+    dtype = check_request(table.dtype, ids, out, scale=scale, oob=oob, out_dtype=out_dtype, ncols=c1 - c0)
     if out is not None:
-        dtype = out.dtype
-        if out_dtype is not None and out_dtype != dtype:
-            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    else:
-        dtype = out_dtype or table.dtype
-    if dtype != table.dtype and (dtype not in OUT_DTYPES or table.dtype not in FLOAT_DTYPES):
-        raise TypeError(f"cannot convert a {table.dtype} table to {dtype} output; "
-                        f"supported outputs are {OUT_DTYPES} from float tables")
-    if out is not None:
-        want = (*ids.shape, c1 - c0)
-        if tuple(out.shape) != want:
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} ([*ids.shape, columns])")
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
         if out.device != ids.device:
             raise ValueError(f"out is on {out.device} but ids are on {ids.device}")
     if ids.device.type == "cuda":
