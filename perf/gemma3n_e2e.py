@@ -153,6 +153,56 @@ def decode_step_ms(model, batch, *, prompt_len, steps, warm, high, device, seed=
 
 
 @torch.no_grad()
+def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm, high, device) -> dict:
+    """Median decode-step ms per (backend, batch), backends interleaved step by step in rotating order.
+
+    One prebuilt backend per kind is swapped into the patched module between steps; each kind decodes its
+    own DynamicCache from the same prompt and tokens. Each step starts from an idle GPU and is timed to
+    completion (host launch + device work).
+    """
+    from transformers import DynamicCache
+    from uvaple.integration import make_backend
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    prebuilt = {k: make_backend(k, module.table, device=device) for k in kinds}
+
+    def use(kind):
+        module._backends = {(device.type, device.index): prebuilt[kind]}
+        module._last_device, module._last_backend = device, prebuilt[kind]
+        module.backend_kind = kind
+
+    out: dict = {k: {} for k in kinds}
+    try:
+        for b in batches:
+            ids = random_ids(b, prompt_len, high, device, 11)
+            toks = random_ids(warm + steps, b, high, device, 12)
+            caches = {}
+            for k in kinds:
+                use(k)
+                caches[k] = DynamicCache(config=model.config)
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: caches[k]})
+            times: dict = {k: [] for k in kinds}
+            for i in range(warm + steps):
+                order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]
+                for k in order:
+                    use(k)
+                    sync(device)
+                    t = time.perf_counter()
+                    model(input_ids=toks[i].view(b, 1), use_cache=True, logits_to_keep=1, **{key: caches[k]})
+                    sync(device)
+                    if i >= warm:
+                        times[k].append((time.perf_counter() - t) * 1e3)
+            for k in kinds:
+                out[k][b] = statistics.median(times[k])
+    finally:
+        module._backends = {}
+        module._last_device, module._last_backend = None, None
+        for backend in prebuilt.values():
+            backend.close()
+    return out
+
+
+@torch.no_grad()
 def lookup_ms(module, batch, *, steps, warm, high, device) -> float:
     ids = random_ids(warm + steps, batch, high, device, 7)
     timer = Timer(device)
@@ -190,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--backends", default="uva,device,copy")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time decode steps with the backends interleaved step by step")
     ap.add_argument("--compile-backends", default="uva,hf,uva-hostview,device",
                     help="static-cache + torch.compile generate runs, in priority order ('' to skip)")
     ap.add_argument("--compile-tokens", type=int, default=32)
@@ -301,6 +353,21 @@ def main(argv=None) -> int:
             record_error(f"eager {kind}", e)
     module.set_backend("uva")
 
+    # ---------------------------------------------------------------- decode, interleaved
+    # Eager decode is host-bound and drifts with the host: time the backends step by step in rotating order
+    # (each step from an idle GPU, wall clock to completion), so drift hits them alike.
+    if args.interleave:
+        try:
+            res["decode_interleaved_ms"] = decode_interleaved(
+                model, module, backends, batches, prompt_len=args.prompt_len, steps=args.steps, warm=args.warm,
+                high=v_ple, device=device)
+            for b in batches:
+                row = {k: res["decode_interleaved_ms"][k][b] for k in backends}
+                log.info("interleaved decode b=%d: %s", b, ", ".join(f"{k} {v:.3f} ms" for k, v in row.items()))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            record_error("eager interleaved decode", e)
+        module.set_backend("uva")
+
     # ---------------------------------------------------------------- static cache + torch.compile
     compiled_tokens = {}
     plan = [c for c in args.compile_backends.split(",") if c]
@@ -381,6 +448,14 @@ def main(argv=None) -> int:
         ratio = row.get(batches[-1], float("nan")) / base.get(batches[-1], float("nan")) if base else float("nan")
         lines.append(f"{kind:<8}" + "".join(f"{row.get(b, float('nan')):>14.3f}" for b in batches)
                      + "".join(f"{look.get(b, float('nan')):>12.4f}" for b in batches) + f"{ratio:>14.3f}")
+    inter = res.get("decode_interleaved_ms")
+    if inter:
+        lines.append("")
+        lines.append("decode step, backends interleaved step by step (ms, medians; ratio to device):")
+        for kind, row in inter.items():
+            dev = inter.get("device", {})
+            lines.append(f"  {kind:<8}" + "".join(
+                f"  b={b}: {v:8.3f}" + (f" ({v / dev[b]:.3f}x)" if dev.get(b) else "") for b, v in row.items()))
     if res["compiled"]:
         lines.append("")
         lines.append("static cache + torch.compile (reduce-overhead), batch 1:")
