@@ -164,12 +164,17 @@ def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm
     from uvaple.integration import make_backend
 
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if device.type == "cuda" and device.index is None:
+        # The module looks backends up by the ids' device, which always carries an index ("cuda:0"): a key
+        # without one would miss, and the module would rebuild a backend (an HBM copy, a copy thread) per step.
+        device = torch.device("cuda", torch.cuda.current_device())
     prebuilt = {k: make_backend(k, module.table, device=device) for k in kinds}
 
     def use(kind):
         module._backends = {(device.type, device.index): prebuilt[kind]}
         module._last_device, module._last_backend = device, prebuilt[kind]
         module.backend_kind = kind
+        assert module._backend_for(device) is prebuilt[kind]  # no rebuild behind the timing
 
     out: dict = {k: {} for k in kinds}
     try:
