@@ -171,6 +171,8 @@ def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None,
                          f"strides {table.stride()}")
     if table.dtype not in TABLE_DTYPES:
         raise TypeError(f"table dtype {table.dtype} is not supported")
+    if table.shape[0] == 0:
+        raise ValueError("table has no rows: there is no row to read, not even row 0 for out-of-range ids")
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ids must be an int32 or int64 tensor, got "
                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")

@@ -256,3 +256,10 @@ def test_launch_config(row_bytes, itemsize, block):
     cfg = launch_config(row_bytes, itemsize, 1024)
     assert cfg.block == block
     assert cfg.block & (cfg.block - 1) == 0 and 1 <= cfg.num_warps <= 8
+
+
+def test_table_without_rows_is_refused(device):
+    ids = torch.tensor([0, -1, 5], device=device)
+    for oob in ("zero", "row0"):
+        with pytest.raises(ValueError, match="no rows"):
+            gather_rows(torch.randn(64, 8)[64:].to(device), ids, oob=oob)

@@ -200,6 +200,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(_cuda, "host_unregister", unregister)
     monkeypatch.setattr(_cuda, "host_device_pointer", lambda ptr: ptr)
     monkeypatch.setattr(_cuda, "device_synchronize", sync)
+    monkeypatch.setattr(_cuda, "synchronize_devices", sync)
     return state
 
 
@@ -548,3 +549,86 @@ def test_cuda_view_needs_registration():
     with HostTable.empty(4, 4, torch.float32, register=False) as t:
         with pytest.raises(DeviceCapabilityError, match="registered"):
             t.cuda_view()
+
+
+# ------------------------------------------------------------------ lifetime hardening
+def test_views_keep_the_table_alive():
+    """A view outliving every reference to its table keeps the memory mapped (no use-after-unmap)."""
+    import gc
+
+    src = random_table(300, 40, torch.float32, 31)
+    view = HostTable.from_tensor(src).tensor
+    arr = HostTable.from_tensor(src).bytes_view()
+    gc.collect()
+    assert torch.equal(view, src)
+    assert arr.shape == (300, 256) and arr[:, :160].copy().view(np.float32).tolist() == src.tolist()
+
+
+def test_leased_table_survives_exit_handling():
+    t = HostTable.from_tensor(random_table(20, 8, torch.float32, 32))
+    addr = t.ptr
+    t.acquire()
+    host_table._close_all_at_exit()
+    assert mapped(addr) and not t.closed  # a host reader may still run: left for the OS
+    t.release()
+    host_table._close_all_at_exit()
+    assert t.closed and not mapped(addr)
+
+
+def test_leased_table_exit_in_a_process():
+    code = textwrap.dedent("""
+        import threading, time, torch
+        from uvaple.uva import HostTable
+        t = HostTable.from_tensor(torch.randn(2000, 256))
+        t.acquire()
+        view = t.bytes_view()
+        def reader():
+            while True:
+                int(view.sum())  # a host thread still reading while the interpreter exits
+        threading.Thread(target=reader, daemon=True).start()
+        time.sleep(0.2)
+        print("exiting")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "exiting"
+
+
+def test_synchronize_devices_covers_live_contexts_and_restores(monkeypatch):
+    calls = []
+
+    class FakeRuntime:
+        current = 1
+
+        def cudaGetDevice(self):
+            return (0, self.current)
+
+        def cudaGetDeviceCount(self):
+            return (0, 3)
+
+        def cudaSetDevice(self, d):
+            calls.append(("set", d))
+            self.current = d
+            return (0,)
+
+        def cudaDeviceSynchronize(self):
+            calls.append(("sync", self.current))
+            return (0,)
+
+    rt = FakeRuntime()
+    monkeypatch.setattr(_cuda, "runtime", lambda: rt)
+    monkeypatch.setattr(_cuda, "_context_active", lambda d: d != 2)
+    _cuda.synchronize_devices()
+    assert [c for c in calls if c[0] == "sync"] == [("sync", 0), ("sync", 1)]
+    assert rt.current == 1
+
+
+def test_attach_mmap_failure_is_named(monkeypatch):
+    name = shm_name()
+    with HostTable.empty(4, 16, torch.float32, name=name):
+        def refuse(*a, **k):
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(_sys, "mmap", refuse)
+        with pytest.raises(SharedSegmentError, match="mapping shared table"):
+            HostTable.attach(name)

@@ -136,6 +136,40 @@ def device_synchronize() -> None:
     check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
 
+def _context_active(device: int) -> bool:
+    """Whether ``device``'s primary context exists (no kernel can run on a device without one)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return True
+    try:
+        err, dev = driver.cuDeviceGet(device)
+        if int(err) != 0:
+            return True
+        err, _flags, active = driver.cuDevicePrimaryCtxGetState(dev)
+        return bool(active) if int(err) == 0 else True
+    except Exception:  # noqa: BLE001 - when in doubt, synchronise
+        return True
+
+
+def synchronize_devices() -> None:
+    """``cudaDeviceSynchronize`` on every GPU with a live context, then restore the current device.
+
+    Host registration is portable, so kernels on any GPU may be reading a table that is about to be released.
+    """
+    rt = runtime()
+    current = int(check(rt.cudaGetDevice(), "cudaGetDevice"))
+    count = int(check(rt.cudaGetDeviceCount(), "cudaGetDeviceCount"))
+    try:
+        for d in range(count):
+            if d != current and not _context_active(d):
+                continue
+            check(rt.cudaSetDevice(d), f"cudaSetDevice({d})")
+            check(rt.cudaDeviceSynchronize(), f"cudaDeviceSynchronize on GPU {d}")
+    finally:
+        rt.cudaSetDevice(current)
+
+
 def current_device() -> int:
     rt = runtime()
     return int(check(rt.cudaGetDevice(), "cudaGetDevice", DeviceCapabilityError))

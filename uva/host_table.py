@@ -114,6 +114,11 @@ def default_threads() -> int:
 def _close_all_at_exit() -> None:
     for table in list(_live_tables):
         try:
+            if table._leases:
+                # A CPU thread (a copy backend's worker) may still be reading it: unregister (after a device
+                # sync) but leave the pages mapped; the OS frees them when the process ends.
+                table._release_device_side()
+                continue
             table.close()
         except Exception as e:  # noqa: BLE001 - never raise from atexit
             log.warning("closing a host table at exit failed: %s", e)
@@ -210,6 +215,7 @@ class HostTable:
         self._tensor: torch.Tensor | None = None
         self._buffer = None
         self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
+        self._leases = 0  # host-side readers (copy backends) that must stop before the memory is unmapped
         _track(self)
 
     @classmethod
@@ -395,7 +401,10 @@ class HostTable:
             if size < map_bytes:
                 raise SharedSegmentError(
                     f"shared table {name!r} is truncated: {size} bytes, header says {map_bytes}")
-            base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, fd)
+            try:
+                base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, fd)
+            except OSError as e:
+                raise SharedSegmentError(f"mapping shared table {name!r} failed: {e.strerror}") from e
             table = cls(_layout=layout, _base=base, _map_bytes=map_bytes, _data_offset=_SHM_DATA_OFFSET,
                         _name=name, _owner=False, _fd=fd)
             # Map the existing pages into this process's page tables now, not on the GPU's first reads.
@@ -456,8 +465,14 @@ class HostTable:
             self.timings["register"] = time.perf_counter() - t0
 
     def _register_chunks(self, *, read_only: bool, device: int | None) -> None:
-        if device is None:
-            device = torch.cuda.current_device()
+        previous = torch.cuda.current_device()
+        try:
+            self._register_on(read_only=read_only, device=previous if device is None else device)
+        finally:
+            if torch.cuda.current_device() != previous:
+                torch.cuda.set_device(previous)  # registering on another GPU must not move the caller
+
+    def _register_on(self, *, read_only: bool, device: int) -> None:
         _cuda.ensure_context(device)
         _cuda.require_host_pointer_access(device)
         flags = _cuda.HOST_REGISTER_PORTABLE | _cuda.HOST_REGISTER_MAPPED
@@ -485,6 +500,7 @@ class HostTable:
                     f"({self._base + off:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
 
     def _unregister(self) -> None:
+        self._read_only_registered = False
         while self._registered_chunks:
             off, _ = self._registered_chunks.pop()
             try:
@@ -568,7 +584,12 @@ class HostTable:
     # ------------------------------------------------------------------ views
     def _raw_buffer(self):
         if self._buffer is None:
-            self._buffer = (ctypes_char * self._layout.data_bytes).from_address(self._base + self._data_offset)
+            # A subclass of the ctypes array type so the buffer can hold the table: any tensor or array view
+            # keeps the buffer, hence the table, alive, so garbage collection never unmaps under a view.
+            kind = type("_TableBuffer", (ctypes_char * self._layout.data_bytes,), {})
+            buf = kind.from_address(self._base + self._data_offset)
+            buf.owner = self
+            self._buffer = buf
         return self._buffer
 
     @property
@@ -679,6 +700,28 @@ class HostTable:
         return table
 
     # ------------------------------------------------------------------ lifetime
+    def acquire(self) -> None:
+        """Declare a host-side reader (e.g. a copy backend's worker). Until the matching :meth:`release`,
+        interpreter exit leaves the mapping in place instead of unmapping it under that reader."""
+        self._live()
+        with self._lock:
+            self._leases += 1
+
+    def release(self) -> None:
+        """End a lease taken with :meth:`acquire`."""
+        with self._lock:
+            self._leases = max(0, self._leases - 1)
+
+    def _release_device_side(self) -> None:
+        """Synchronise the devices and unregister, keeping the mapping (exit with a host reader alive)."""
+        with self._lock:
+            if self._registered_chunks:
+                try:
+                    _cuda.synchronize_devices()
+                except UvapleError as e:
+                    log.warning("device synchronise before releasing a host table failed: %s", e)
+                self._unregister()
+
     def close(self) -> None:
         """Wait until the device cannot be reading, then unregister, unmap and (owner) unlink. Idempotent."""
         with self._lock:
@@ -689,7 +732,8 @@ class HostTable:
             self._buffer = None
             if self._registered_chunks:
                 try:
-                    _cuda.device_synchronize()
+                    # Registration is portable: kernels on any GPU may be reading, not only the current one.
+                    _cuda.synchronize_devices()
                 except UvapleError as e:
                     log.warning("device synchronise before releasing a host table failed: %s", e)
                 self._unregister()
@@ -698,7 +742,10 @@ class HostTable:
             except OSError as e:
                 log.warning("munmap of a host table failed: %s", e)
             if self._fd is not None:
-                os.close(self._fd)
+                try:
+                    os.close(self._fd)
+                except OSError as e:
+                    log.warning("closing a shared table's descriptor failed: %s", e)
                 self._fd = None
             if self._name is not None and self._owner:
                 _unlink_quietly(self._segment_path(self._name))
