@@ -25,9 +25,9 @@ cast after it. Zero rows (``oob="zero"``) are staged as -0.0 when the scale is n
 product is +0.0 like ``gather_rows``' zero rows; an inf/NaN scale (0 * inf = NaN) is applied on the CPU
 by torch (rare path), followed by re-zeroing the out-of-range rows.
 
-    caller stream  ──record S_j──────────────────────────────wait D_j── model reads out
-                           │                                      ▲
-    (CUDA ids) d2h stream  └─wait S_j─ ids → slot.ids ─record I_j │
+    caller stream  ──record S_j─────────────────(CUDA ids) wait I_j──────wait D_j── model reads out
+                           │                                ▲            ▲
+    (CUDA ids) d2h stream  └─wait S_j─ ids → slot.ids ─record I_j        │
     worker (CPU)                        poll I_j ─ gather → slot.staging
     copy stream                    wait S_j ─ staging → out [× scale, cast] ─record D_j
 
@@ -43,18 +43,44 @@ How the five rules of seed 000 (and seed 004's WAR rule) are met
    and is reused only after every event recorded for its previous job has completed, so no event is ever
    shared by two jobs in flight. ``wait()`` checks, under the lock, that the event still belongs to the job.
 3. Ownership. CPU ids are snapshotted into the slot at submit (the caller may reuse its ids tensor at
-   once); CUDA ids, the caller's ``out`` and the slot's staging/device buffers are referenced by the job
-   until its copy-done event has completed. Completion is observed with ``event.query()`` (by ``submit``
-   looking for a slot, by the worker, by ``close``) — the worker never blocks on the GPU.
+   once). CUDA ids are copied to the host on the d2h stream after the submit point, i.e. later than the
+   caller's stream: ``submit`` therefore makes the caller's current stream wait on the job's ids-copy
+   event (``wait_event``, no host sync), so work the caller enqueues after ``submit`` — the next pass
+   rewriting a persistent ``input_ids`` buffer — is ordered after the copy and the job gathers the ids
+   as they were at submit (write-after-read). Chosen over a snapshot into a per-slot device buffer on
+   the caller's stream: no device memory, no extra kernel; the cost is that the caller's later work
+   waits for an ``n * 8``-byte device-to-host copy (microseconds). It cannot deadlock: the ids copy
+   depends only on earlier submit points, never on the worker or on a rows copy. CUDA ids, the caller's
+   ``out`` and the slot's staging/device buffers are referenced by the job until every event recorded
+   for it has completed. Completion is observed with ``event.query()`` (by ``submit`` looking for a
+   slot, by the worker, by ``close``) — the worker never blocks on the GPU. When recording an event
+   fails after the job's device work was queued, nothing can tell when that work is done: the slot
+   stays owned by the job for the backend's lifetime (``stats()['slots_leaked']``) rather than being
+   reused under a copy that may still run.
 4. Failures. Every job has its own result slot and ``threading.Event``; an exception in job B's gather or
    launch is stored on B and raised by ``B.wait()``, whatever state A is in. Jobs whose ids are not ready
    yet do not block later jobs (the worker takes the first ready job). A crashing worker fails every
-   pending job and closes the backend.
-5. Cancellation and shutdown. ``job.cancel()`` fails a job that has not launched its copy with
-   :class:`CopyJobCancelled`; ``close()`` fails pending jobs with :class:`BackendClosed`, joins the worker
-   with a bounded timeout and releases slots as their events complete (bounded; pinned blocks still read
-   by a copy are protected by torch's caching host allocator, which records the copy's event).
+   pending job and closes the backend; a job whose submit overlaps the worker's death is failed at
+   once with :class:`BackendClosed` (``__cause__``: the worker's error), not left to time out. A
+   ``KeyboardInterrupt``/``SystemExit`` in a gather the caller's thread runs (inline ``lookup``) fails
+   that job and propagates as itself.
+5. Cancellation and shutdown. ``job.cancel()`` fails a job whose gather has not started with
+   :class:`CopyJobCancelled` (True); a job already being gathered, launched or failed is not cancelled
+   (False). ``close()`` fails pending jobs with :class:`BackendClosed`, joins the worker and waits for
+   gathers running on callers' threads (inline lookups, counted under the lock; one starting after
+   closing began fails with :class:`BackendClosed`), all with one bounded timeout, then releases slots
+   as their events complete (bounded; pinned blocks still read by a copy are protected by torch's
+   caching host allocator, which records the copy's event). If the worker or an inline gather is still
+   running when the time is up, ``close`` raises :class:`CopyTimeout` and leaves everything (table,
+   slots) in place; closing has begun (no new jobs) but the release has not, and a later ``close()``
+   re-checks and finishes it. ``close()`` called on the worker thread itself (e.g. from a callback)
+   cannot join it: it begins closing and returns; the worker finishes the release when it stops.
    Every wait is bounded and raises :class:`CopyTimeout` when it runs out.
+   Table lifetime: the backend holds a lease on its table (``HostTable.acquire``) from construction to
+   the end of a successful release, so interpreter exit never unmaps a table under a running gather.
+   At exit a hook (registered at the first backend, so it runs before the table's exit hook) closes
+   live backends with a short bounded timeout; a backend whose worker does not stop in time keeps its
+   lease and its table stays mapped until the process is gone.
 WAR (seed 004). The copy into the caller's ``out`` runs on the copy stream after a wait on an event
 recorded on the caller's stream at submit, so it cannot overwrite ``out`` while work enqueued before the
 submit (the previous pass's readers) still reads it. Contract: reuse an ``out`` buffer only for a job
@@ -76,12 +102,14 @@ power of two). ``submit`` is not CUDA-graph capturable (it is host work by natur
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -128,6 +156,42 @@ _SLOT_ALIGN = 4096
 # "workqueue" threading layer; one process-wide lock serialises gathers of several backends (each gather
 # already uses every core).
 _GATHER_LOCK = threading.Lock()
+# Interpreter exit: total seconds the exit hook waits for the workers of live backends to stop. Short: a
+# backend that does not stop in time keeps its table lease, so its table stays mapped (no crash).
+_EXIT_CLOSE_TIMEOUT_S = 2.0
+_live_backends: weakref.WeakSet[CopyBackend] = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _register_for_exit(backend: CopyBackend) -> None:
+    """Track a live backend; register the exit hook once per process.
+
+    Registered at the first backend, hence after the HostTable exit hook (registered at the first table,
+    which exists before any backend): atexit runs hooks last-in first-out, so backends are closed first.
+    """
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if not _exit_hook_registered:
+            atexit.register(_close_backends_at_exit)
+            _exit_hook_registered = True
+        _live_backends.add(backend)
+
+
+def _close_backends_at_exit() -> None:
+    backends = list(_live_backends)
+    deadline = time.monotonic() + _EXIT_CLOSE_TIMEOUT_S
+    for b in backends:  # stop every worker at once, then wait for them within one budget
+        try:
+            with b._cond:
+                b._begin_close_locked()
+        except Exception as e:  # noqa: BLE001 - never raise from atexit
+            log.warning("closing %r at exit failed: %s", b, e)
+    for b in backends:
+        try:
+            b.close(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - never raise from atexit
+            log.warning("closing %r at exit failed (its table stays mapped until the process ends): %s", b, e)
 
 
 # --------------------------------------------------------------------------- CPU gather (numba)
@@ -326,6 +390,9 @@ class _Slot:
         self.done_event = ops.new_event()  # recorded on the copy stream after the job's last copy
         self.device_buf: torch.Tensor | None = None  # table-dtype rows for casts / strided out, lazily
         self.job: CopyJob | None = None
+        # an event record failed after device work was queued: that work's end is unknowable, so the slot
+        # is never reused (owned by its last job for the backend's lifetime)
+        self.leaked = False
 
 
 class CopyJob:
@@ -340,7 +407,6 @@ class CopyJob:
         self._slot: _Slot | None = None
         self._recorded: list[Any] = []  # events recorded for this job (all must complete before reuse)
         self._copy_complete = False  # set when the slot was reclaimed (all events completed)
-        self._cancel_requested = False
         self._submitted_at = time.monotonic()
         # request
         self._ids_shape: tuple[int, ...] = ()
@@ -391,20 +457,18 @@ class CopyJob:
         return self._out
 
     def cancel(self) -> bool:
-        """Abandon the job if its copy was not launched yet (True); False when it was launched or failed.
+        """Abandon the job if its gather has not started (True); False when it is being gathered, was
+        launched or failed (it then completes or fails as it would have).
 
         A cancelled job's ``wait()`` raises :class:`CopyJobCancelled`; its slot is released once every
         event recorded for it has completed.
         """
         b = self._backend
         with b._cond:
-            if self._state == _PENDING:
+            if self._state == _PENDING and self in b._pending:
                 b._pending.remove(self)
                 b._fail_locked(self, CopyJobCancelled(f"copy job {self.seq} was cancelled"))
                 b._counts["cancelled"] += 1
-                return True
-            if self._state == _RUNNING:
-                self._cancel_requested = True  # the worker fails it before launching the copy
                 return True
             return False
 
@@ -458,47 +522,63 @@ class CopyBackend(Backend):
         self._bytes = table.bytes_view()  # uint8 [rows, stride_bytes]
         if self.dtype not in TABLE_DTYPES:
             raise TypeError(f"table dtype {self.dtype} is not supported")
-        self._itemsize = table.itemsize
-        self._ops = _ops if _ops is not None else _ops_for(self.device)
-        self.max_in_flight = int(max_in_flight)
-        self.max_rows = int(max_rows)
-        self.admission_timeout = float(admission_timeout)
-        self.wait_timeout = float(wait_timeout)
-        self.ids_timeout = float(ids_timeout)
-        self.close_timeout = float(close_timeout)
-        self._fault_hook: Callable[[CopyJob], None] | None = None  # tests: delay/raise before a gather
+        # A lease for the backend's lifetime: interpreter exit must not unmap the table under the worker (or
+        # an inline gather). Released at the end of a successful close(), or here if construction fails.
+        table.acquire()
+        try:
+            self._itemsize = table.itemsize
+            self._ops = _ops if _ops is not None else _ops_for(self.device)
+            self.max_in_flight = int(max_in_flight)
+            self.max_rows = int(max_rows)
+            self.admission_timeout = float(admission_timeout)
+            self.wait_timeout = float(wait_timeout)
+            self.ids_timeout = float(ids_timeout)
+            self.close_timeout = float(close_timeout)
+            self._fault_hook: Callable[[CopyJob], None] | None = None  # tests: delay/raise before a gather
 
-        row_bytes = self.cols * self._itemsize
-        staging_bytes = _round_up(self.max_rows * row_bytes, _SLOT_ALIGN)
-        ids_bytes = _round_up(self.max_rows * 8, _SLOT_ALIGN)
-        per_slot = staging_bytes + ids_bytes
-        self._host_block = self._ops.alloc_host(per_slot * self.max_in_flight)
-        self._slots = []
-        for i in range(self.max_in_flight):
-            base = i * per_slot
-            self._slots.append(_Slot(i, self._host_block[base: base + staging_bytes],
-                                     self._host_block[base + staging_bytes: base + per_slot], self._ops))
-        self._free: list[_Slot] = list(reversed(self._slots))
-        self._copy_stream = self._ops.new_stream()
-        self._d2h_stream = self._ops.new_stream()
-        self._scales: dict[tuple[float, torch.dtype], torch.Tensor] = {}
-        # +0.0 and -0.0 of the table dtype as bytes: zero rows are written as -0.0 when a negative scale
-        # follows on the device, so that (-0.0) * scale = +0.0, the zero row of gather_rows.
-        self._zero_pos = np.zeros(self._itemsize, dtype=np.uint8)
-        self._zero_neg = self._zero_pos.copy()
-        if self.dtype.is_floating_point:
-            self._zero_neg[-1] = 0x80  # little-endian sign bit
-        self._cond = threading.Condition(threading.Lock())
-        self._pending: collections.deque[CopyJob] = collections.deque()
-        self._seq = 0
-        self._closing = False  # close() began (Backend._closed is set when it has finished)
-        self._broken: BaseException | None = None
-        self._counts = collections.Counter()
-        self._abandoned = 0  # slots whose copy had not completed when close() gave up waiting
-        if warmup:
-            self._warmup()
-        self._worker = threading.Thread(target=self._worker_main, name="uvaple-copy-worker", daemon=True)
-        self._worker.start()
+            row_bytes = self.cols * self._itemsize
+            staging_bytes = _round_up(self.max_rows * row_bytes, _SLOT_ALIGN)
+            ids_bytes = _round_up(self.max_rows * 8, _SLOT_ALIGN)
+            per_slot = staging_bytes + ids_bytes
+            self._host_block = self._ops.alloc_host(per_slot * self.max_in_flight)
+            self._slots = []
+            for i in range(self.max_in_flight):
+                base = i * per_slot
+                self._slots.append(_Slot(i, self._host_block[base: base + staging_bytes],
+                                         self._host_block[base + staging_bytes: base + per_slot], self._ops))
+            self._free: list[_Slot] = list(reversed(self._slots))
+            self._copy_stream = self._ops.new_stream()
+            self._d2h_stream = self._ops.new_stream()
+            self._scales: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+            # +0.0 and -0.0 of the table dtype as bytes: zero rows are written as -0.0 when a negative scale
+            # follows on the device, so that (-0.0) * scale = +0.0, the zero row of gather_rows.
+            self._zero_pos = np.zeros(self._itemsize, dtype=np.uint8)
+            self._zero_neg = self._zero_pos.copy()
+            if self.dtype.is_floating_point:
+                self._zero_neg[-1] = 0x80  # little-endian sign bit
+            self._cond = threading.Condition(threading.Lock())
+            self._pending: collections.deque[CopyJob] = collections.deque()
+            self._seq = 0
+            # Shutdown states: _closing (close() began: no new jobs, the worker stops), _releasing (one
+            # thread is releasing slots/lease/table), Backend._closed (released). A close() that timed out
+            # leaves _closing set and nothing released; a later close() re-checks and finishes.
+            self._closing = False
+            self._releasing = False
+            self._release_on_worker_exit: float | None = None  # close() ran on the worker thread: timeout
+            # jobs gathered/launched on callers' threads (inline lookups) right now; a set, so that its
+            # removal in a `finally` is idempotent (an interrupt anywhere cannot leave a stale count)
+            self._inline_jobs: set[CopyJob] = set()
+            self._broken: BaseException | None = None
+            self._counts = collections.Counter()
+            self._abandoned = 0  # slots whose copy had not completed when close() gave up waiting
+            if warmup:
+                self._warmup()
+            self._worker = threading.Thread(target=self._worker_main, name="uvaple-copy-worker", daemon=True)
+            self._worker.start()
+        except BaseException:
+            table.release()
+            raise
+        _register_for_exit(self)
 
     # ------------------------------------------------------------------ public API
     def submit(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
@@ -569,9 +649,14 @@ class CopyBackend(Backend):
                     dst.copy_(src, non_blocking=True)
 
                 ops.wait_event(self._d2h_stream, slot.submit_event)
-                ops.enqueue(self._d2h_stream, d2h)
-                ops.record(slot.ids_event, self._d2h_stream)
-                job._recorded.append(slot.ids_event)
+                try:
+                    ops.enqueue(self._d2h_stream, d2h)
+                finally:
+                    self._record(job, slot, slot.ids_event, self._d2h_stream)
+                # WAR on the caller's ids: the copy above runs after the submit point, later than the
+                # caller's stream; order the caller's later work (e.g. the next pass rewriting its
+                # input_ids buffer) after it. Device-side only; depends on no worker action.
+                ops.wait_event(caller, slot.ids_event)
                 job._ids_deadline = time.monotonic() + self.ids_timeout
             elif n:
                 ids_dst.copy_(flat)  # snapshot: the caller may reuse its ids at once
@@ -579,21 +664,36 @@ class CopyBackend(Backend):
             with self._cond:
                 self._fail_locked(job, CopyJobFailed(f"copy job {job.seq} failed at submit: {e}"))
             raise
-        with self._cond:
-            if self._closing:
-                self._fail_locked(job, BackendClosed("the CopyBackend was closed while this job was submitted"))
-                return job
-            self._counts["submitted"] += 1
-            # inline only for small CPU-ids requests (serial gather): there the two thread hand-offs
-            # dominate; large ones stay on the worker, so one thread drives numba's parallel pool
-            if inline and not device_ids and n * ncols * self._itemsize < _PARALLEL_MIN_BYTES:
-                job._state = _RUNNING  # never queued: the worker does not see it
-            else:
-                self._pending.append(job)
-                self._cond.notify_all()
-                return job
-        self._run(job)  # inline: the caller's thread gathers and launches, as the worker would
-        return job
+        try:
+            with self._cond:
+                # the worker may have died or close() begun since _admit: fail now, do not leave the job to
+                # time out in a queue nobody serves
+                if self._broken is not None:
+                    err = BackendClosed(f"copy job {job.seq}: the copy worker died ({self._broken!r}); build a "
+                                        "new CopyBackend")
+                    err.__cause__ = self._broken
+                    self._fail_locked(job, err)
+                    return job
+                if self._closing:
+                    self._fail_locked(job, BackendClosed("the CopyBackend was closed while this job was submitted"))
+                    return job
+                self._counts["submitted"] += 1
+                # inline only for small CPU-ids requests (serial gather): there the two thread hand-offs
+                # dominate; large ones stay on the worker, so one thread drives numba's parallel pool
+                if inline and not device_ids and n * ncols * self._itemsize < _PARALLEL_MIN_BYTES:
+                    job._state = _RUNNING  # never queued: the worker does not see it
+                    self._inline_jobs.add(job)  # close() waits for it before releasing the table
+                else:
+                    self._pending.append(job)
+                    self._cond.notify_all()
+                    return job
+            self._run(job, inline=True)  # the caller's thread gathers and launches, as the worker would
+            return job
+        finally:
+            if inline:
+                with self._cond:
+                    self._inline_jobs.discard(job)
+                    self._cond.notify_all()
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
                columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -615,57 +715,99 @@ class CopyBackend(Backend):
             return dict(self._counts, pending=len(self._pending),
                         slots_busy=busy, slots_free=self.max_in_flight - busy,
                         oldest_pending_s=0.0 if oldest is None else now - oldest,
-                        worker_alive=self._worker.is_alive(), closed=self._closed,
-                        abandoned_at_close=self._abandoned)
+                        worker_alive=self._worker.is_alive(), closed=self._closed, closing=self._closing,
+                        inline_running=len(self._inline_jobs), abandoned_at_close=self._abandoned)
 
     @property
     def closed(self) -> bool:
-        """True once ``close()`` has finished."""
+        """True once ``close()`` has finished (released slots, table lease and an owned table)."""
         return self._closed
 
     def close(self, timeout: float | None = None) -> None:
         """Fail pending jobs with :class:`BackendClosed`, stop the worker and release the slots (bounded).
 
-        Jobs whose copy was launched keep their result. Raises :class:`CopyTimeout` when the worker does
-        not stop within ``timeout`` (default ``close_timeout``); the table is then left open (the worker
-        may still read it). Idempotent.
+        Jobs whose copy was launched keep their result. Raises :class:`CopyTimeout` when the worker or a
+        gather on a caller's thread (inline ``lookup``) does not stop within ``timeout`` (default
+        ``close_timeout``); nothing is released then (the table stays open: they may still read it), and
+        calling ``close()`` again re-checks and finishes the release. Called on the worker thread itself,
+        it begins closing and returns; the worker releases when it stops. Idempotent.
         """
         t = self.close_timeout if timeout is None else timeout
         deadline = time.monotonic() + t
+        on_worker = threading.current_thread() is self._worker
         with self._cond:
-            if self._closing:
+            if self._closed:
                 return
-            self._closing = True
-            while self._pending:
-                job = self._pending.popleft()
-                self._fail_locked(job, BackendClosed(f"copy job {job.seq}: the CopyBackend was closed"))
-            self._cond.notify_all()
-        if threading.current_thread() is not self._worker:
-            self._worker.join(max(0.0, deadline - time.monotonic()))
-        worker_stuck = self._worker.is_alive()
+            self._begin_close_locked()
+            if on_worker:
+                # joining ourselves would deadlock; gathering continues after we return, so the table
+                # must stay mapped until this thread has left its loop: it releases then
+                self._release_on_worker_exit = t
+                return
+        self._worker.join(max(0.0, deadline - time.monotonic()))
+        self._release(deadline, t, on_worker=False)
+
+    def _begin_close_locked(self) -> None:
+        """Closing begins (once): no new jobs, pending jobs fail, the worker leaves its loop."""
+        if self._closing:
+            return
+        self._closing = True
+        while self._pending:
+            job = self._pending.popleft()
+            self._fail_locked(job, BackendClosed(f"copy job {job.seq}: the CopyBackend was closed"))
+        self._cond.notify_all()
+
+    def _release(self, deadline: float, t: float, *, on_worker: bool) -> None:
+        """Second half of close(): once nothing runs a gather, release slots, the table lease and the table."""
         delay = _POLL_MIN_S
         with self._cond:
+            # inline gathers read the table (and launch from the slots) like the worker: wait for them
+            while self._inline_jobs and time.monotonic() < deadline:
+                self._cond.wait(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, _POLL_MAX_S)
+            worker_stuck = not on_worker and self._worker.is_alive()
+            runners = len(self._inline_jobs)
+            if worker_stuck or runners:
+                what = "the copy worker" if worker_stuck else f"{runners} inline lookup(s)"
+                raise CopyTimeout(
+                    f"{what} did not stop within {t:.3g} s (a gather is stuck); pending jobs were failed "
+                    "with BackendClosed and the table was left open; call close() again to finish")
+            while self._releasing:  # another thread is releasing: wait for it (bounded)
+                if self._closed or time.monotonic() >= deadline:
+                    return
+                self._cond.wait(_POLL_MAX_S)
+            if self._closed:
+                return
+            self._releasing = True
+            delay = _POLL_MIN_S
             while True:
                 self._reclaim_locked()
-                if len(self._free) == self.max_in_flight or time.monotonic() >= deadline:
+                leaked = sum(1 for sl in self._slots if sl.leaked)
+                if len(self._free) + leaked == self.max_in_flight or time.monotonic() >= deadline:
                     break
                 self._cond.wait(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
             busy = self.max_in_flight - len(self._free)
             self._abandoned = busy
             self._scales.clear()
+            # drop the preallocated memory (a copy still running holds its own references via its job)
+            self._slots = []
+            self._free = []
+            self._host_block = None
             self._cond.notify_all()
-        if worker_stuck:
-            raise CopyTimeout(f"the copy worker did not stop within {t:.3g} s (a gather is stuck); pending "
-                              "jobs were failed with BackendClosed and the table was left open")
-        if busy:
-            log.warning("CopyBackend closed with %d copies not completed after %.3g s; their pinned staging "
-                        "stays referenced by their jobs (and torch's host allocator)", busy, t)
-        # drop the preallocated memory (a copy still running holds its own references via its job)
-        self._slots = []
-        self._free = []
-        self._host_block = None
-        super().close()
+        try:
+            if busy:
+                log.warning("CopyBackend closed with %d copies not completed after %.3g s (%d leaked slots); "
+                            "their pinned staging stays referenced by their jobs (and torch's host allocator)",
+                            busy, t, leaked)
+            # nothing reads the table any more (worker stopped, no inline runner, closing refuses new ones)
+            self.table.release()
+            _live_backends.discard(self)
+            super().close()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
 
     def __enter__(self) -> CopyBackend:
         return self
@@ -716,7 +858,7 @@ class CopyBackend(Backend):
         """Release slots whose job is finished on the host and whose every recorded event has completed."""
         for slot in self._slots:
             job = slot.job
-            if job is None or job._state not in (_LAUNCHED, _FAILED):
+            if job is None or slot.leaked or job._state not in (_LAUNCHED, _FAILED):
                 continue
             if all(self._ops.query(ev) for ev in job._recorded):
                 job._copy_complete = True
@@ -759,6 +901,14 @@ class CopyBackend(Backend):
                 while self._pending:
                     job = self._pending.popleft()
                     self._fail_locked(job, CopyJobFailed(f"copy job {job.seq}: the copy worker died: {e!r}"))
+        finally:
+            with self._cond:
+                timeout = self._release_on_worker_exit
+            if timeout is not None:  # close() ran on this thread: it could not join it, so finish here
+                try:
+                    self._release(time.monotonic() + timeout, timeout, on_worker=True)
+                except Exception as e:  # noqa: BLE001 - a later close() retries
+                    log.warning("CopyBackend close requested on its worker thread did not finish: %s", e)
 
     def _next_job(self) -> CopyJob | None:
         delay = _POLL_MIN_S
@@ -794,7 +944,12 @@ class CopyBackend(Backend):
         assert job._slot is not None
         return job._slot
 
-    def _run(self, job: CopyJob) -> None:
+    def _run(self, job: CopyJob, inline: bool = False) -> None:
+        """Gather and launch ``job`` (on the worker, or inline on the caller's thread).
+
+        Failures are stored on the job. Inline, a ``KeyboardInterrupt``/``SystemExit`` (any non-``Exception``)
+        also fails the job (its slot is released as usual) and then propagates to the caller as itself.
+        """
         slot = self._slot_of(job)
         try:
             if self._fault_hook is not None:
@@ -817,14 +972,12 @@ class CopyBackend(Backend):
         except BaseException as e:
             with self._cond:
                 self._fail_locked(job, self._wrap(job, "CPU gather", e))
+            if inline and not isinstance(e, Exception):
+                raise
             return
         with self._cond:
             if self._closing:
                 self._fail_locked(job, BackendClosed(f"copy job {job.seq}: the CopyBackend was closed"))
-                return
-            if job._cancel_requested:
-                self._fail_locked(job, CopyJobCancelled(f"copy job {job.seq} was cancelled"))
-                self._counts["cancelled"] += 1
                 return
             job._state = _LAUNCHING
         try:
@@ -832,6 +985,8 @@ class CopyBackend(Backend):
         except BaseException as e:
             with self._cond:
                 self._fail_locked(job, self._wrap(job, "copy launch", e))
+            if inline and not isinstance(e, Exception):
+                raise
             return
         with self._cond:
             job._state = _LAUNCHED
@@ -879,8 +1034,22 @@ class CopyBackend(Backend):
             with torch.inference_mode(job._inference), torch.no_grad():
                 ops.enqueue(stream, device_work)
         finally:
-            ops.record(slot.done_event, stream)
-            job._recorded.append(slot.done_event)
+            self._record(job, slot, slot.done_event, stream)
+
+    def _record(self, job: CopyJob, slot: _Slot, event: Any, stream: Any) -> None:
+        """Record ``event`` for ``job`` after device work that uses the slot was (maybe) queued on ``stream``.
+
+        If the record fails, nothing tells when that work ends: the slot is marked leaked and never reused
+        (reclaiming it on the event's previous, completed record would hand a live buffer to the next job).
+        """
+        try:
+            self._ops.record(event, stream)
+        except BaseException:
+            with self._cond:
+                slot.leaked = True
+                self._counts["slots_leaked"] += 1
+            raise
+        job._recorded.append(event)
 
     def device_bytes(self) -> int:
         """Device memory held for conversions (``out_dtype`` differing from the table's), in bytes."""

@@ -9,6 +9,9 @@ and shutdown are checked deterministically, without a GPU.
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -25,6 +28,7 @@ from uvaple.integration.errors import (
     CopyTimeout,
 )
 from uvaple.kernels import reference_gather
+from uvaple.uva import HostTable
 from uvaple.uva.errors import UvapleError
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -544,17 +548,18 @@ def test_cancel(fake):
     assert j2.cancel() is True
     with pytest.raises(CopyJobCancelled):
         j2.wait(timeout=5)
-    assert j1.cancel() is True  # running: fails before launching its copy
+    # being gathered: too late to cancel (only jobs not yet started can be); it completes normally
+    assert j1.cancel() is False
     gate.set()
-    with pytest.raises(CopyJobCancelled):
-        j1.wait(timeout=5)
+    until(lambda: j1.done)
     j3 = b.submit(torch.tensor([3]))
     until(lambda: j3.done)
     assert j3.cancel() is False  # launched: too late
     fake.run()
-    assert torch.equal(bits(out1), bits(poisoned((1, 9), torch.bfloat16)))  # never written
+    assert_bits_equal(j1.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([1])))
+    assert j1.wait(timeout=5) is out1
     until(lambda: b.stats()["slots_free"] == 3)
-    assert b.stats()["cancelled"] == 2
+    assert b.stats()["cancelled"] == 1
     b.close()
 
 
@@ -700,3 +705,288 @@ def test_inference_mode_outputs(big):
             got = b.lookup(ids, out_dtype=torch.bfloat16)
             assert got.is_inference()
             assert_bits_equal(got, reference_gather(t, ids, out_dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------ concurrency regressions
+@pytest.mark.timeout(30)
+def test_cuda_ids_rewritten_after_submit_are_gathered_as_submitted(fake):
+    """WAR on CUDA ids: the next pass rewriting a persistent input_ids buffer on the caller's stream
+    (after submit) must not change the rows the job gathers, however far the caller's stream runs ahead."""
+    b = fake_backend(fake, max_in_flight=2, ids_timeout=30.0)
+    ids = torch.tensor([5, 6, 7])  # "CUDA" ids: a persistent input_ids buffer
+    fake.device_ids.append(ids)
+    want = reference_gather(b.table.tensor, ids.clone())
+    job = b.submit(ids)
+    fake.enqueue(fake.caller, lambda: ids.copy_(torch.tensor([1, 1, 1])))  # the next pass's input_ids
+    fake.run(fake.caller)  # the caller's stream as eager as it can be: its rewrite must wait for the copy
+    assert torch.equal(ids, torch.tensor([1, 1, 1]))  # the rewrite did run (nothing blocks the caller)
+    until(lambda: job.done)
+    fake.run()
+    assert_bits_equal(job.wait(timeout=5), want)
+    b.close()
+    assert b.closed
+
+
+@pytest.mark.timeout(30)
+def test_close_waits_for_an_inline_lookup_and_can_be_retried(fake):
+    """close() must not release (unmap) the table under a running inline gather: bounded wait, then
+    CopyTimeout with everything left in place; a later close() finishes."""
+    table = HostTable.from_tensor(random_table(64, 9, torch.bfloat16, seed=3))  # shared: never unmapped here
+    b = CopyBackend(table, _ops=fake, max_in_flight=2, max_rows=32, admission_timeout=0.0)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hook(job):
+        if threading.current_thread().name == "inline-caller":
+            entered.set()
+            gate.wait(10)
+
+    b._fault_hook = hook
+    res = {}
+
+    def caller():
+        try:
+            res["out"] = b.lookup(torch.tensor([1, 2]))
+        except BaseException as e:  # noqa: BLE001
+            res["exc"] = e
+
+    th = threading.Thread(target=caller, name="inline-caller")
+    th.start()
+    try:
+        assert entered.wait(5)
+        t0 = time.monotonic()
+        with pytest.raises(CopyTimeout, match="inline"):
+            b.close(timeout=0.3)
+        assert time.monotonic() - t0 < 3.0
+        assert not b.closed and b._host_block is not None and table._leases == 1  # nothing released
+        assert b.stats()["inline_running"] == 1
+        with pytest.raises(BackendClosed):  # an inline lookup starting after closing began
+            b.lookup(torch.tensor([3]))
+    finally:
+        gate.set()
+        th.join(5)
+    assert isinstance(res.get("exc"), BackendClosed), res  # its gather ended after closing began
+    fake.run()
+    b.close()  # retry: nothing runs any more, the release completes
+    assert b.closed and b._host_block is None and table._leases == 0
+    assert not table.closed  # shared table: released, not closed
+    table.close()
+
+
+@pytest.mark.timeout(30)
+def test_inline_lookup_admitted_while_closing_fails_with_backend_closed(fake):
+    """A submitter between admission and the start of its inline gather when close() runs: it must not
+    gather (the table may be gone), its job fails with BackendClosed."""
+
+    class Ops(FakeAsyncOps):
+        def __init__(self):
+            super().__init__()
+            self.in_window, self.go = threading.Event(), threading.Event()
+
+        def record(self, event, stream):
+            if stream is self.caller and threading.current_thread().name == "late":
+                self.in_window.set()
+                self.go.wait(10)
+            super().record(event, stream)
+
+    ops = Ops()
+    b = fake_backend(ops, max_in_flight=2)
+    gathered = []
+    b._fault_hook = gathered.append
+    res = {}
+
+    def late():
+        try:
+            res["out"] = b.lookup(torch.tensor([1]))
+        except BaseException as e:  # noqa: BLE001
+            res["exc"] = e
+
+    th = threading.Thread(target=late, name="late")
+    th.start()
+    try:
+        assert ops.in_window.wait(5)
+        b.close(timeout=0.3)  # nothing gathers: releases (the in-window slot is abandoned at the deadline)
+        assert b.closed
+    finally:
+        ops.go.set()
+        th.join(5)
+    assert isinstance(res.get("exc"), BackendClosed) and gathered == [], res
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import torch
+    from uvaple.integration.copy_backend import CopyBackend
+    torch.manual_seed(0)
+    t = torch.randn(20000, 2048).to(torch.bfloat16)
+    b = CopyBackend(t, device="cpu", max_rows=8192)  # owns its table
+    for _ in range(4):
+        b.submit(torch.randint(0, 20000, (8192,)))  # big gathers still running/pending at exit
+    print("main exits", flush=True)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_interpreter_exit_without_close_is_clean():
+    """Exit with the worker in a big gather: the table must not be unmapped under it (was a segfault)."""
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", EXIT_SCRIPT], capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert "main exits" in r.stdout
+    assert "Traceback" not in r.stderr and "Fatal Python error" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.timeout(30)
+def test_close_after_a_timeout_finishes_the_release(fake):
+    b = fake_backend(fake, max_in_flight=2)
+    gate = threading.Event()
+    b._fault_hook = lambda job: gate.wait(10)
+    j1 = b.submit(torch.tensor([2]))
+    until(lambda: j1.state == "running")
+    try:
+        with pytest.raises(CopyTimeout, match="did not stop"):
+            b.close(timeout=0.2)
+        assert not b.closed and not b.table.closed and b.table._leases == 1
+    finally:
+        gate.set()
+    b._worker.join(5)
+    assert not b._worker.is_alive()
+    with pytest.raises(BackendClosed):
+        j1.wait(timeout=5)
+    fake.run()
+    b.close()  # the worker stopped: the retry releases everything
+    st = b.stats()
+    assert b.closed and st["closed"] and st["slots_busy"] == 0 and st["abandoned_at_close"] == 0
+    assert b._host_block is None and b.table.closed and b.table._leases == 0  # owned table: closed
+    b.close()  # idempotent
+
+
+@pytest.mark.timeout(30)
+def test_close_on_the_worker_thread_does_not_deadlock_or_raise(fake):
+    b = fake_backend(fake, max_in_flight=2)
+    res = {}
+
+    def hook(job):
+        fake.run()  # the job's submit point: its slot can be released at once
+        try:
+            res["ret"] = b.close(timeout=5.0)  # e.g. from a callback running on the worker
+        except BaseException as e:  # noqa: BLE001
+            res["exc"] = e
+
+    b._fault_hook = hook
+    job = b.submit(torch.tensor([1]))
+    with pytest.raises(BackendClosed):
+        job.wait(timeout=5)
+    assert "exc" not in res, res
+    until(lambda: b.closed)  # the worker finished the release when it stopped
+    assert not b._worker.is_alive() or b._worker is not threading.current_thread()
+    b._worker.join(5)
+    assert b.table.closed and b.table._leases == 0 and b._host_block is None
+    b.close()  # idempotent
+
+
+@pytest.mark.timeout(30)
+def test_submit_overlapping_worker_death_fails_at_once():
+    """The worker dies while a submitter is between admission and queueing its job: the job must fail
+    with BackendClosed (cause: the worker's error) at once, not wait out wait_timeout."""
+
+    class Ops(FakeAsyncOps):
+        def __init__(self):
+            super().__init__()
+            self.in_window, self.go = threading.Event(), threading.Event()
+
+        def record(self, event, stream):
+            if stream is self.caller and threading.current_thread().name == "submitter":
+                self.in_window.set()
+                self.go.wait(10)
+            super().record(event, stream)
+
+    ops = Ops()
+    b = fake_backend(ops, max_in_flight=2, wait_timeout=2.0)
+
+    def run(job):
+        ops.in_window.wait(10)  # the worker dies while the submitter is in its window
+        raise SystemExit("worker bug")
+
+    b._run = run
+    j1 = b.submit(torch.tensor([1]))
+    res = {}
+    th = threading.Thread(target=lambda: res.setdefault("job", b.submit(torch.tensor([2]))), name="submitter")
+    th.start()
+    until(lambda: b._broken is not None)
+    ops.go.set()
+    th.join(5)
+    with pytest.raises(CopyJobFailed, match="worker died"):
+        j1.wait(timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(BackendClosed, match="died") as ei:
+        res["job"].wait(timeout=1.5)
+    assert time.monotonic() - t0 < 1.0
+    assert isinstance(ei.value.__cause__, SystemExit)
+    assert b.stats()["pending"] == 0
+    ops.run()
+    until(lambda: b.stats()["slots_free"] == 2)  # the slot was released
+    b.close()
+    assert b.closed
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("which", ["ids", "done"])
+def test_failed_event_record_after_queued_work_keeps_the_slot(which):
+    """If recording a job's event fails after its device work was queued, nothing says when that work
+    ends: the slot must stay owned (never reused under a copy that may still run)."""
+
+    class Ops(FakeAsyncOps):
+        fail_on: FakeStream | None = None
+
+        def record(self, event, stream):
+            if stream is self.fail_on:
+                self.fail_on = None
+                raise RuntimeError("injected record failure")
+            super().record(event, stream)
+
+    ops = Ops()
+    b = fake_backend(ops, max_in_flight=2, ids_timeout=30.0)
+    ids = torch.tensor([1, 2])
+    if which == "ids":
+        ops.device_ids.append(ids)
+        ops.fail_on = b._d2h_stream
+        with pytest.raises(RuntimeError, match="injected"):
+            b.submit(ids)
+    else:
+        ops.fail_on = b._copy_stream
+        with pytest.raises(CopyJobFailed, match="launch"):
+            b.submit(ids).wait(timeout=5)
+    ops.run()  # the queued work completes; the slot must still not come back
+    time.sleep(0.05)
+    st = b.stats()
+    assert st["slots_free"] == 1 and st["slots_leaked"] == 1, st
+    for k in range(3):  # the other slot keeps working
+        j = b.submit(torch.tensor([k]))
+        until(lambda j=j: j.done)
+        ops.run()
+        assert_bits_equal(j.wait(timeout=5), reference_gather(b.table.tensor, torch.tensor([k])))
+    t0 = time.monotonic()
+    b.close(timeout=5.0)  # does not wait out the timeout for the leaked slot
+    assert time.monotonic() - t0 < 2.0
+    assert b.closed and b.stats()["abandoned_at_close"] == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_in_inline_gather_propagates_as_itself(fake, exc):
+    b = fake_backend(fake, max_in_flight=2)
+
+    def hook(job):
+        raise exc("interrupted")
+
+    b._fault_hook = hook
+    with pytest.raises(exc):
+        b.lookup(torch.tensor([1]))
+    b._fault_hook = None
+    fake.run()
+    until(lambda: b.stats()["slots_free"] == 2)  # the interrupted job's slot was released
+    assert b.stats()["inline_running"] == 0
+    got = b.lookup(torch.tensor([4]))
+    fake.run()
+    assert_bits_equal(got, reference_gather(b.table.tensor, torch.tensor([4])))
+    b.close()
+    assert b.closed
