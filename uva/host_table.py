@@ -715,12 +715,16 @@ class HostTable:
     def _release_device_side(self) -> None:
         """Synchronise the devices and unregister, keeping the mapping (exit with a host reader alive)."""
         with self._lock:
-            if self._registered_chunks:
-                try:
-                    _cuda.synchronize_devices()
-                except UvapleError as e:
-                    log.warning("device synchronise before releasing a host table failed: %s", e)
-                self._unregister()
+            self._sync_and_unregister_locked()
+
+    def _sync_and_unregister_locked(self) -> None:
+        if self._registered_chunks:
+            try:
+                # Registration is portable: kernels on any GPU may be reading, not only the current one.
+                _cuda.synchronize_devices()
+            except UvapleError as e:
+                log.warning("device synchronise before releasing a host table failed: %s", e)
+            self._unregister()
 
     def close(self) -> None:
         """Wait until the device cannot be reading, then unregister, unmap and (owner) unlink. Idempotent."""
@@ -730,13 +734,7 @@ class HostTable:
             self._closed = True
             self._tensor = None
             self._buffer = None
-            if self._registered_chunks:
-                try:
-                    # Registration is portable: kernels on any GPU may be reading, not only the current one.
-                    _cuda.synchronize_devices()
-                except UvapleError as e:
-                    log.warning("device synchronise before releasing a host table failed: %s", e)
-                self._unregister()
+            self._sync_and_unregister_locked()
             try:
                 _sys.munmap(self._base, self._map_bytes)
             except OSError as e:
