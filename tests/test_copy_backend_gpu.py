@@ -139,6 +139,27 @@ def test_gpu_cuda_ids_wait_for_the_producer(stream):
 
 
 @pytest.mark.timeout(300)
+def test_gpu_cuda_ids_rewritten_after_submit_are_gathered_as_submitted(stream):
+    """Write-after-read on the ids: a pipelined caller rewrites its persistent ids buffer right after
+    submit (the next pass). The job must gather the ids as they were at submit."""
+    data = random_table(500, 256, torch.bfloat16, seed=5)
+    with CopyBackend(data, device="cuda", max_rows=64, max_in_flight=4) as b, torch.cuda.stream(stream):
+        ids_buf = torch.empty(64, dtype=torch.int64, device="cuda")  # one buffer reused by every pass
+        jobs, true_ids = [], []
+        for p in range(4):
+            ids = random_ids(64, 500, seed=300 + p)
+            true_ids.append(ids)
+            torch.cuda._sleep(SLEEP_CYCLES)  # the ids copy of this pass lags behind the model stream
+            ids_buf.copy_(ids.cuda(), non_blocking=True)
+            jobs.append(b.submit(ids_buf, scale=16.0))
+        ids_buf.fill_(0)  # the next pass's write, after the last submit
+        results = [j.wait(timeout=60) for j in jobs]
+        stream.synchronize()
+        for p, r in enumerate(results):
+            assert_bits_equal(r, reference_gather(data, true_ids[p], scale=16.0), f"pass {p}")
+
+
+@pytest.mark.timeout(300)
 def test_gpu_failure_delivered_while_earlier_copy_is_stuck(stream):
     data = random_table(300, 128, torch.bfloat16, seed=5)
     with CopyBackend(data, device="cuda", max_rows=32, max_in_flight=3) as b, torch.cuda.stream(stream):
