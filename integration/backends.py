@@ -13,6 +13,8 @@ bits for the same ids (``tests/test_equivalence.py``).
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from ..kernels import gather_rows
@@ -38,7 +40,7 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class Backend:
+class Backend(abc.ABC):
     """A table lookup: ``lookup(ids) -> rows`` on ``device`` (see :func:`uvaple.kernels.gather_rows`)."""
 
     kind = "base"
@@ -63,10 +65,10 @@ class Backend:
     def dtype(self) -> torch.dtype:
         return self.table.dtype
 
+    @abc.abstractmethod
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
                columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``table[ids, columns]`` (optionally scaled) in ``out`` ``[*ids.shape, ncols]``."""
-        raise NotImplementedError
 
     def device_bytes(self) -> int:
         """Bytes of device memory this backend holds for the table."""

@@ -102,14 +102,13 @@ power of two). ``submit`` is not CUDA-graph capturable (it is host work by natur
 
 from __future__ import annotations
 
-import atexit
+import abc
 import collections
 import functools
 import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +117,7 @@ import torch
 
 from ..kernels.gather import TABLE_DTYPES, _columns, check_request
 from ..uva import HostTable
+from ..uva._lifetime import ExitRegistry
 from .backends import Backend
 from .errors import (
     BackendClosed,
@@ -159,27 +159,8 @@ _GATHER_LOCK = threading.Lock()
 # Interpreter exit: total seconds the exit hook waits for the workers of live backends to stop. Short: a
 # backend that does not stop in time keeps its table lease, so its table stays mapped (no crash).
 _EXIT_CLOSE_TIMEOUT_S = 2.0
-_live_backends: weakref.WeakSet[CopyBackend] = weakref.WeakSet()
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def _register_for_exit(backend: CopyBackend) -> None:
-    """Track a live backend; register the exit hook once per process.
-
-    Registered at the first backend, hence after the HostTable exit hook (registered at the first table,
-    which exists before any backend): atexit runs hooks last-in first-out, so backends are closed first.
-    """
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if not _exit_hook_registered:
-            atexit.register(_close_backends_at_exit)
-            _exit_hook_registered = True
-        _live_backends.add(backend)
-
-
 def _close_backends_at_exit() -> None:
-    backends = list(_live_backends)
+    backends = _live_backends.items()
     deadline = time.monotonic() + _EXIT_CLOSE_TIMEOUT_S
     for b in backends:  # stop every worker at once, then wait for them within one budget
         try:
@@ -192,6 +173,11 @@ def _close_backends_at_exit() -> None:
             b.close(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - never raise from atexit
             log.warning("closing %r at exit failed (its table stays mapped until the process ends): %s", b, e)
+
+
+# Registered at the first backend, hence after the HostTable exit hook (registered at the first table,
+# which exists before any backend): atexit runs hooks last-in first-out, so backends are closed first.
+_live_backends = ExitRegistry(_close_backends_at_exit)
 
 
 # --------------------------------------------------------------------------- CPU gather (numba)
@@ -231,7 +217,7 @@ def _cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start:
 
 
 # --------------------------------------------------------------------------- device operations
-class _DeviceOps:
+class _DeviceOps(abc.ABC):
     """The few stream/event operations the backend uses, so the protocol is testable without a GPU.
 
     ``enqueue(stream, fn)`` runs ``fn`` (which issues device work, e.g. ``dst.copy_(src)``) in the order
@@ -241,38 +227,48 @@ class _DeviceOps:
 
     device: torch.device
 
+    @abc.abstractmethod
     def current_stream(self) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def new_stream(self) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def new_event(self) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def record(self, event: Any, stream: Any) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def query(self, event: Any) -> bool:
         """True when all work before the event's latest record has completed (or it was never recorded)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def wait_event(self, stream: Any, event: Any) -> None:
         """Work enqueued on ``stream`` after this call waits for the event's latest record."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def needs_d2h(self, ids: torch.Tensor) -> bool:
         """True when ``ids`` live on the device and must be copied to the host before the CPU gather."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
     def check_device(self, t: torch.Tensor, what: str) -> None:
         if t.device != self.device:
@@ -578,7 +574,7 @@ class CopyBackend(Backend):
         except BaseException:
             table.release()
             raise
-        _register_for_exit(self)
+        _live_backends.add(self)
 
     # ------------------------------------------------------------------ public API
     def submit(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,

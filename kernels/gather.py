@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..uva.host_table import HostTable
 from .heuristics import launch_config
 
 __all__ = ["gather_rows", "OOB_POLICIES", "TABLE_DTYPES", "OUT_DTYPES"]
@@ -106,8 +107,6 @@ def _gather_rows_kernel(
 
 def _table_tensor(table) -> tuple[torch.Tensor, bool]:
     """(2-D tensor to hand Triton, whether it is a registered host table)."""
-    from ..uva.host_table import HostTable
-
     if isinstance(table, HostTable):
         return table.tensor, table.registered
     if isinstance(table, torch.Tensor):

@@ -31,6 +31,7 @@ tensors: a correctness run whose times are interpreter times, not GPU figures (t
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import csv
@@ -510,7 +511,7 @@ def _make_backend(kind: str, table: Any, cfg: BenchConfig, **options: Any) -> An
     return make_backend(kind, table, device=torch.device("cpu"), **options)
 
 
-class _Provider:
+class _Provider(abc.ABC):
     """One provider bound to one table: ``run(ids, out)`` gathers ``table[ids]``; returns the output."""
 
     name = ""
@@ -520,11 +521,12 @@ class _Provider:
     def __init__(self) -> None:
         self.gpu_mem_bytes = 0  # persistent device memory allocated when the provider was built
 
+    @abc.abstractmethod
     def run(self, ids: torch.Tensor, ids_cpu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Gather ``table[ids]`` into ``out`` (``ids_cpu``: the same ids on the host) and return it."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - most providers hold nothing to release
+        """Release what the provider holds (default: nothing)."""
 
 
 class _BackendProvider(_Provider):
@@ -556,34 +558,18 @@ class _CopyProvider(_BackendProvider):
         return self.backend.lookup(ids_cpu if self.ids_on_host else ids, out=out)
 
 
-class _PeerRowProvider(_Provider):
-    name = "peer-row-triton"
+class _PeerProvider(_Provider):
+    """A peer that reads the same table view: ``gather(view, ids, out)`` (see :mod:`uvaple.perf.peers`)."""
+
     capturable = True
 
-    def __init__(self, table_tensor: torch.Tensor) -> None:
+    def __init__(self, name: str, gather: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 view: torch.Tensor) -> None:
         super().__init__()
-        from . import peers
-
-        self._gather = peers.row_gather
-        self.table = table_tensor
+        self.name, self._gather, self.view = name, gather, view
 
     def run(self, ids, ids_cpu, out):
-        return self._gather(self.table, ids, out)
-
-
-class _EmbeddingProvider(_Provider):
-    name = "torch-embedding-uva"
-    capturable = True
-
-    def __init__(self, view: torch.Tensor) -> None:
-        super().__init__()
-        from . import peers
-
-        self._embed = peers.embedding_gather
-        self.view = view
-
-    def run(self, ids, ids_cpu, out):
-        return self._embed(self.view, ids)
+        return self._gather(self.view, ids, out)
 
 
 class _CeilingProvider(_Provider):
@@ -673,11 +659,12 @@ def _build_provider(name: str, table: Any, cfg: BenchConfig, device: torch.devic
             prov = _CopyProvider(name, backend, ids_on_host=True)
         else:
             prov = _PipelinedCopyProvider(backend, backend.max_in_flight, ids_on_host=True)
-    elif name == "peer-row-triton":
-        # Like vLLM's kernel, the peer reads a CUDA view of the pinned table (same bytes, device pointer).
-        prov = _PeerRowProvider(table.cuda_view() if cfg.cuda else table.tensor)
-    elif name == "torch-embedding-uva":
-        prov = _EmbeddingProvider(table.cuda_view() if cfg.cuda else table.tensor)
+    elif name in ("peer-row-triton", "torch-embedding-uva"):
+        from . import peers
+
+        # Like vLLM's kernel, the peers read a CUDA view of the pinned table (same bytes, device pointer).
+        gather = peers.row_gather if name == "peer-row-triton" else (lambda v, i, o: peers.embedding_gather(v, i))
+        prov = _PeerProvider(name, gather, table.cuda_view() if cfg.cuda else table.tensor)
     elif name == CEILING:
         if ceiling_src is None:
             raise RuntimeError("no pinned source buffer for the memcpy ceiling")

@@ -32,7 +32,6 @@ unlinks. It is idempotent. Tensor and array views taken from the table are inval
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import json
 import logging
@@ -41,7 +40,6 @@ import re
 import struct
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,6 +47,7 @@ import numpy as np
 import torch
 
 from . import _cuda, _sys
+from ._lifetime import ExitRegistry
 from .errors import (
     DeviceCapabilityError,
     HostMemoryError,
@@ -92,9 +91,6 @@ _POPULATE_CHUNK_BYTES = 64 << 20
 
 ctypes_char = ctypes.c_ubyte
 
-_live_tables: weakref.WeakSet[HostTable] = weakref.WeakSet()
-_atexit_registered = False
-_atexit_lock = threading.Lock()
 
 
 def row_stride_bytes(row_bytes: int) -> int:
@@ -112,7 +108,7 @@ def default_threads() -> int:
 
 
 def _close_all_at_exit() -> None:
-    for table in list(_live_tables):
+    for table in _live_tables.items():
         try:
             if table._leases:
                 # A CPU thread (a copy backend's worker) may still be reading it: unregister (after a device
@@ -124,13 +120,7 @@ def _close_all_at_exit() -> None:
             log.warning("closing a host table at exit failed: %s", e)
 
 
-def _track(table: HostTable) -> None:
-    global _atexit_registered
-    with _atexit_lock:
-        if not _atexit_registered:
-            atexit.register(_close_all_at_exit)
-            _atexit_registered = True
-    _live_tables.add(table)
+_live_tables = ExitRegistry(_close_all_at_exit)
 
 
 @dataclass(frozen=True)
@@ -216,7 +206,7 @@ class HostTable:
         self._buffer = None
         self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
         self._leases = 0  # host-side readers (copy backends) that must stop before the memory is unmapped
-        _track(self)
+        _live_tables.add(self)
 
     @classmethod
     def empty(cls, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, *, name: str | None = None,
