@@ -9,13 +9,23 @@ What it checks and measures (one run, one process; every figure below comes from
    are suppressed: transformers < 5.24's text model device-asserts on them.
 2. Memory. ``torch.cuda.memory_allocated`` before and after the patch (after ``empty_cache``): the
    drop should be the table's size (3.75 GiB for E2B in bf16). Reserved memory is reported too.
-3. Speed. Decode-step time (one token per sequence with a DynamicCache, CUDA events, median) at batch
-   1 / 8 / 64 for the stock model and each backend, and the PLE lookup alone at the same batch. Then,
-   as far as the budget allows, ``generate(cache_implementation="static")``, which transformers
-   compiles with ``mode="reduce-overhead"`` (CUDA graphs) on CUDA: ms per token and whether CUDA graphs
-   were skipped (inductor counter). Failures are caught and reported, never fatal.
+3. Speed. Decode-step time at batch 1 / 8 / 64 for the stock model and each backend:
 
-Usage (H200, ~4 min)::
+   * eager (one token per sequence with a DynamicCache, CUDA events, median), sequential and with the
+     backends interleaved step by step. HF's eager Gemma 3n decode is bound by the host's launch rate,
+     so these times say little about the table;
+   * one decode step (StaticCache) captured in a CUDA graph and replayed (:func:`decode_graph`): the GPU
+     time of the step, launch overhead gone, each replay checked against the eager step. This is the
+     comparison that decides "uva within x% of device". The copy backend cannot be captured (its lookup
+     runs host code) and is reported as such;
+   * the PLE lookup alone at the same batch;
+   * as far as the budget allows, ``generate(cache_implementation="static")``, which transformers
+     compiles with ``mode="reduce-overhead"`` (CUDA graphs) on CUDA: ms per token and whether CUDA graphs
+     were skipped (inductor counter).
+
+   Failures are caught and reported, never fatal.
+
+Usage (H200, ~7 min with two compiled runs)::
 
     python perf/gemma3n_e2e.py --out perf/results/gemma3n_e2e_$(date +%Y%m%d)
 
@@ -207,6 +217,161 @@ def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm
     return out
 
 
+class HostConstants:
+    """Serve a forward's tiny host-built constants from device tensors recorded one forward earlier.
+
+    HF's Gemma 3n text model builds two constants on the host at every forward: the activation-sparsity
+    target (``torch.tensor(..., device=cuda)``) and an epsilon (``torch.tensor(1e-5).to(cuda)``). Each is
+    a synchronous host-to-device copy, which CUDA graph capture refuses. Inside ``record()`` an eager
+    forward runs as usual and each such constant (a CPU value of at most ``MAX_NUMEL`` elements bound for
+    ``device``) is kept by value; inside ``serve()`` (the captured forward) the kept tensor is returned
+    instead, the constant folding torch.compile does. Everything else the capture holds is the model's own
+    kernels; :func:`decode_graph` checks a replay against an eager step bit for bit.
+    """
+
+    MAX_NUMEL = 64
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.kept: dict = {}
+        self._mode = None
+
+    def _key(self, kind, values, dtype, target):
+        return kind, values, dtype, str(target)
+
+    def _freeze(self, data):
+        if isinstance(data, (bool, int, float)):
+            return (type(data).__name__, data)
+        if isinstance(data, (list, tuple)) and len(data) <= self.MAX_NUMEL and all(
+                isinstance(v, (bool, int, float)) for v in data):
+            return (type(data).__name__, tuple(data))
+        return None
+
+    def _bound_here(self, target) -> bool:
+        if target is None:
+            return False
+        target = torch.device(target)
+        return target.type == self.device.type and (target.index in (None, self.device.index))
+
+    def _serve(self, key, make):
+        if self._mode == "record":
+            if key not in self.kept:
+                self.kept[key] = make()
+            return self.kept[key]
+        if key not in self.kept:
+            raise RuntimeError(f"host constant {key!r} first built during capture; run one forward under "
+                               f"record() with the same shapes first")
+        return self.kept[key]
+
+    def _patched(self, mode):
+        import contextlib
+
+        orig_tensor, orig_to = torch.tensor, torch.Tensor.to
+        me = self
+
+        def tensor(data, *args, **kwargs):
+            frozen = me._freeze(data)
+            if args or frozen is None or not me._bound_here(kwargs.get("device")) or kwargs.get("requires_grad"):
+                return orig_tensor(data, *args, **kwargs)
+            key = me._key("tensor", frozen, kwargs.get("dtype"), torch.device(kwargs["device"]))
+            return me._serve(key, lambda: orig_tensor(data, *args, **kwargs))
+
+        def to(self, *args, **kwargs):
+            if self.device.type != "cpu" or self.numel() > me.MAX_NUMEL or self.requires_grad:
+                return orig_to(self, *args, **kwargs)
+            try:
+                target, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - not a form we fold; torch reports it
+                return orig_to(self, *args, **kwargs)
+            if not me._bound_here(target):
+                return orig_to(self, *args, **kwargs)
+            key = me._key("to", (str(self.dtype), tuple(self.shape), tuple(self.flatten().tolist())), dtype, target)
+            return me._serve(key, lambda: orig_to(self, *args, **kwargs))
+
+        @contextlib.contextmanager
+        def cm():
+            me._mode = mode
+            torch.tensor, torch.Tensor.to = tensor, to
+            try:
+                yield me
+            finally:
+                torch.tensor, torch.Tensor.to = orig_tensor, orig_to
+                me._mode = None
+
+        return cm()
+
+    def record(self):
+        return self._patched("record")
+
+    def serve(self):
+        return self._patched("serve")
+
+
+def _cache_counters(cache) -> list:
+    """The positions a static cache keeps: each layer's device counter and, for sliding layers, its int."""
+    return [(layer, layer.cumulative_length.clone() if isinstance(getattr(layer, "cumulative_length", None),
+                                                                  torch.Tensor) else None,
+             getattr(layer, "cumulative_length_int", None)) for layer in cache.layers]
+
+
+def _rewind(counters) -> None:
+    for layer, dev, n in counters:
+        if dev is not None:
+            layer.cumulative_length.copy_(dev)
+        if n is not None:
+            layer.cumulative_length_int = n
+
+
+@torch.no_grad()
+def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21) -> dict:
+    """One decode step (StaticCache) captured in a CUDA graph, replayed and timed with CUDA events.
+
+    Prefill, one eager step (which records the host constants, see :class:`HostConstants`), capture. The
+    cache counters are rewound before every replay, so each replay decodes position ``prompt_len + 1``
+    from the same state with new token ids; a replay is checked against the eager step from that state bit
+    for bit. Returns ``{"ms": median replay ms, "replay_equals_eager": bool}``.
+    """
+    from transformers import StaticCache
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = random_ids(batch, prompt_len, high, device, seed)
+    toks = random_ids(warm + steps + 2, batch, high, device, seed + 1)
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + 8)
+
+    def step(x):
+        return model(input_ids=x, use_cache=True, logits_to_keep=1, **{key: cache}).logits
+
+    step(ids)
+    static_ids = toks[0].view(batch, 1).clone()
+    consts = HostConstants(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), consts.record():
+        step(static_ids)
+    torch.cuda.current_stream(device).wait_stream(side)
+    counters = _cache_counters(cache)
+    graph = torch.cuda.CUDAGraph()
+    with consts.serve(), torch.cuda.graph(graph):
+        out = step(static_ids)
+    try:
+        _rewind(counters)
+        static_ids.copy_(toks[1].view(batch, 1))
+        graph.replay()
+        replayed = out.clone()
+        _rewind(counters)
+        eager = step(toks[1].view(batch, 1).clone())
+        same = bool(torch.equal(replayed, eager))
+        timer = Timer(device)
+        for i in range(warm + steps):
+            static_ids.copy_(toks[2 + i].view(batch, 1))
+            _rewind(counters)
+            timer(graph.replay)
+        return {"ms": timer.median(skip=warm), "replay_equals_eager": same}
+    finally:
+        del graph, out
+        _rewind(counters)
+
+
 @torch.no_grad()
 def lookup_ms(module, batch, *, steps, warm, high, device) -> float:
     ids = random_ids(warm + steps, batch, high, device, 7)
@@ -247,7 +412,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="uva,device,copy")
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                     help="also time decode steps with the backends interleaved step by step")
-    ap.add_argument("--compile-backends", default="uva,hf,uva-hostview,device",
+    ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                    help="time decode steps captured in CUDA graphs (hf, device, uva; CUDA only)")
+    ap.add_argument("--compile-backends", default="device,uva,hf",
                     help="static-cache + torch.compile generate runs, in priority order ('' to skip)")
     ap.add_argument("--compile-tokens", type=int, default=32)
     ap.add_argument("--compile-backend", default="inductor",
@@ -259,8 +426,23 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "gemma3n_e2e.log")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
-                        handlers=[logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stdout)])
+    # The run's own handlers on the module's logger: the log file is written whoever configured logging.
+    handlers = [logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stdout)]
+    for h in handlers:
+        h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        return _run(args, log_path)
+    finally:
+        for h in handlers:
+            log.removeHandler(h)
+            h.close()
+        log.propagate = True
+
+
+def _run(args, log_path: str) -> int:
     budget = Budget(args.budget)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -279,7 +461,8 @@ def main(argv=None) -> int:
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 "host_cpus": os.cpu_count(), "config": "tiny" if args.tiny else "E2B-shaped (random weights)",
                 "dtype": args.dtype, "args": vars(args)},
-        "correctness": {}, "memory": {}, "decode_ms": {}, "lookup_ms": {}, "compiled": {}, "errors": [],
+        "correctness": {}, "memory": {}, "decode_ms": {}, "lookup_ms": {}, "decode_graph": {}, "compiled": {},
+        "errors": [],
     }
 
     def record_error(where, e):
@@ -311,6 +494,25 @@ def main(argv=None) -> int:
     for b in batches:
         res["decode_ms"].setdefault("hf", {})[b] = decode_step_ms(
             model, b, prompt_len=args.prompt_len, steps=args.steps, warm=args.warm, high=v_ple, device=device)
+    graph_on = args.graph and device.type == "cuda"
+    if args.graph and not graph_on:
+        res["decode_graph"]["skipped"] = "CUDA graphs need a CUDA device"
+
+    def graph_point(kind):
+        for b in batches:
+            try:
+                r = decode_graph(model, b, prompt_len=args.prompt_len, steps=args.steps, warm=args.warm,
+                                 high=v_ple, device=device)
+                res["decode_graph"].setdefault(kind, {})[b] = r
+                log.info("graph decode %-6s b=%-3d %.3f ms, replay equals eager: %s", kind, b, r["ms"],
+                         r["replay_equals_eager"])
+            except Exception as e:  # noqa: BLE001 - report and go on
+                record_error(f"graph {kind} b={b}", e)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    if graph_on:
+        graph_point("hf")
     hf_module = model.model.embed_tokens_per_layer
     for b in batches:
         res["lookup_ms"].setdefault("hf", {})[b] = lookup_ms(hf_module, b, steps=args.steps, warm=args.warm,
@@ -357,6 +559,17 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - report and go on
             record_error(f"eager {kind}", e)
     module.set_backend("uva")
+
+    # ---------------------------------------------------------------- decode, CUDA graphs
+    # The copy backend runs host code (a CPU gather on its worker thread) inside every lookup, which a CUDA
+    # graph cannot replay: it is timed eager only.
+    if graph_on:
+        for kind in [k for k in backends if k != "copy"]:
+            module.set_backend(kind)
+            graph_point(kind)
+        if "copy" in backends:
+            res["decode_graph"]["copy"] = "not capturable: each lookup runs a CPU gather on the worker thread"
+        module.set_backend("uva")
 
     # ---------------------------------------------------------------- decode, interleaved
     # Eager decode is host-bound and drifts with the host: time the backends step by step in rotating order
@@ -461,6 +674,18 @@ def main(argv=None) -> int:
             dev = inter.get("device", {})
             lines.append(f"  {kind:<8}" + "".join(
                 f"  b={b}: {v:8.3f}" + (f" ({v / dev[b]:.3f}x)" if dev.get(b) else "") for b, v in row.items()))
+    graph = {k: v for k, v in res["decode_graph"].items() if isinstance(v, dict)}
+    if graph:
+        lines.append("")
+        lines.append("decode step captured in a CUDA graph (StaticCache; ms, medians of replays; ratio to device):")
+        dev = graph.get("device", {})
+        for kind, row in graph.items():
+            lines.append(f"  {kind:<8}" + "".join(
+                f"  b={b}: {r['ms']:8.3f}" + (f" ({r['ms'] / dev[b]['ms']:.3f}x)" if b in dev else "")
+                + ("" if r["replay_equals_eager"] else " REPLAY!=EAGER") for b, r in row.items()))
+    for kind, why in res["decode_graph"].items():
+        if isinstance(why, str):
+            lines.append(f"  {kind:<8}  {why}")
     if res["compiled"]:
         lines.append("")
         lines.append("static cache + torch.compile (reduce-overhead), batch 1:")
@@ -471,7 +696,8 @@ def main(argv=None) -> int:
         lines.append("errors: " + "; ".join(f"{e['where']}: {e['error'][:160]}" for e in res["errors"]))
     lines.append(f"\nall eager backends correct: {ok}; elapsed {res['elapsed_s']:.0f} s; log {log_path}")
     log.info("\n".join(lines))
-    return 0 if ok and not any(e["where"].startswith("eager") for e in res["errors"]) else 1
+    graph_ok = all(r["replay_equals_eager"] for row in graph.values() for r in row.values())
+    return 0 if ok and graph_ok and not any(e["where"].startswith(("eager", "graph")) for e in res["errors"]) else 1
 
 
 if __name__ == "__main__":

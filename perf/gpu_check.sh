@@ -44,7 +44,7 @@ if has bench; then
 fi
 if has e2e; then
   step "Gemma 3n E2B end to end"
-  timeout 400 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
+  timeout 500 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
 fi
 step "done"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$R"

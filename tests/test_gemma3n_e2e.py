@@ -1,0 +1,92 @@
+"""The Gemma 3n end-to-end harness (``uvaple.perf.gemma3n_e2e``): its host-constant folding for CUDA graph
+capture, the graph-captured decode step against the eager one, and a whole tiny run on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'uvaple[hf]')")
+from test_gemma3n import VOCAB_PLE, build_reference, patched_copy  # noqa: E402
+from uvaple.perf import gemma3n_e2e as e2e  # noqa: E402
+
+
+def test_host_constants_record_then_serve_the_same_tensors():
+    consts = e2e.HostConstants(torch.device("cpu"))
+    orig_tensor, orig_to = torch.tensor, torch.Tensor.to
+    with consts.record():
+        a = torch.tensor([0.95, 0.0], dtype=torch.float32, device="cpu")
+        eps = torch.tensor(1e-5).to("cpu")
+        free = torch.tensor([1.0, 2.0])  # no device: not a constant bound for the device, never kept
+    assert len(consts.kept) == 2
+    with consts.serve():
+        assert torch.tensor([0.95, 0.0], dtype=torch.float32, device="cpu") is a
+        assert torch.tensor(1e-5).to("cpu") is eps
+        assert torch.tensor([1.0, 2.0]) is not free
+        # a constant seen for the first time during capture is named, with what to do
+        with pytest.raises(RuntimeError, match=r"first built during capture.*record\(\)"):
+            torch.tensor([0.5], device="cpu")
+        # values are part of the key: a different value is a different constant
+        with pytest.raises(RuntimeError, match="first built during capture"):
+            torch.tensor(2e-5).to("cpu")
+    assert torch.tensor is orig_tensor and torch.Tensor.to is orig_to  # restored
+
+
+def test_host_constants_restore_torch_after_an_error():
+    orig_tensor, orig_to = torch.tensor, torch.Tensor.to
+    consts = e2e.HostConstants(torch.device("cpu"))
+    with pytest.raises(RuntimeError), consts.serve():
+        torch.tensor([3.0], device="cpu")
+    assert torch.tensor is orig_tensor and torch.Tensor.to is orig_to
+
+
+def test_host_constants_leave_other_devices_and_big_tensors_alone():
+    consts = e2e.HostConstants(torch.device("cuda", 0))
+    big = torch.arange(e2e.HostConstants.MAX_NUMEL + 1, dtype=torch.float32)
+    with consts.record():
+        x = torch.tensor([1.0], device="cpu")  # bound for the CPU, not the capture device
+        y = big.to(torch.float64)  # a dtype change on the host
+    assert not consts.kept and x.device.type == "cpu" and y.dtype == torch.float64
+
+
+def test_cache_counters_rewind():
+    from transformers import StaticCache
+
+    model = build_reference(torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB_PLE, (2, 5)), past_key_values=cache, use_cache=True)
+    counters = e2e._cache_counters(cache)
+    before = cache.get_seq_length()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB_PLE, (2, 1)), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == before + 1
+    e2e._rewind(counters)
+    assert cache.get_seq_length() == before
+    assert all(int(layer.cumulative_length) == int(dev) for layer, dev, _ in counters if dev is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hf", "uva", "device"])
+def test_graph_decode_step_replays_the_eager_step_gpu(backend):
+    ref = build_reference(torch.bfloat16, device="cuda")
+    model = ref
+    if backend != "hf":
+        model, _ = patched_copy(ref, backend)
+    for batch in (1, 5):
+        r = e2e.decode_graph(model, batch, prompt_len=7, steps=4, warm=1, high=VOCAB_PLE, device=torch.device("cuda"))
+        assert r["replay_equals_eager"] and r["ms"] > 0
+
+
+def test_tiny_run_on_cpu(tmp_path):
+    rc = e2e.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--prompts", "2", "--prompt-len", "5",
+                   "--new-tokens", "3", "--batches", "1,3", "--steps", "2", "--warm", "1", "--compile-backends", ""])
+    assert rc == 0
+    res = json.loads((tmp_path / "gemma3n_e2e.json").read_text())
+    for kind in ("uva", "device", "copy"):
+        assert res["correctness"][kind] == {"prefill_logits_bit_identical": True, "generate_tokens_identical": True}
+        assert set(res["decode_interleaved_ms"][kind]) == {"1", "3"}
+    assert res["decode_graph"] == {"skipped": "CUDA graphs need a CUDA device"}
+    assert "all eager backends correct: True" in (tmp_path / "gemma3n_e2e.log").read_text()
