@@ -248,10 +248,12 @@ class HostConstants:
         return None
 
     def _bound_here(self, target) -> bool:
+        """Whether ``target`` is the capture device; a device without an index ("cuda") matches any index."""
         if target is None:
             return False
         target = torch.device(target)
-        return target.type == self.device.type and (target.index in (None, self.device.index))
+        return target.type == self.device.type and (
+            target.index is None or self.device.index is None or target.index == self.device.index)
 
     def _serve(self, key, make):
         if self._mode == "record":

@@ -42,6 +42,14 @@ def test_host_constants_restore_torch_after_an_error():
     assert torch.tensor is orig_tensor and torch.Tensor.to is orig_to
 
 
+def test_host_constants_match_a_device_with_or_without_its_index():
+    plain, first, second = (e2e.HostConstants(torch.device(d)) for d in ("cuda", "cuda:0", "cuda:1"))
+    assert plain._bound_here("cuda:0") and plain._bound_here("cuda:1") and plain._bound_here("cuda")
+    assert first._bound_here("cuda") and first._bound_here(torch.device("cuda", 0))
+    assert not first._bound_here("cuda:1") and not second._bound_here("cuda:0")
+    assert not first._bound_here("cpu") and not first._bound_here(None)
+
+
 def test_host_constants_leave_other_devices_and_big_tensors_alone():
     consts = e2e.HostConstants(torch.device("cuda", 0))
     big = torch.arange(e2e.HostConstants.MAX_NUMEL + 1, dtype=torch.float32)
@@ -80,13 +88,21 @@ def test_graph_decode_step_replays_the_eager_step_gpu(backend):
         assert r["replay_equals_eager"] and r["ms"] > 0
 
 
-def test_tiny_run_on_cpu(tmp_path):
-    rc = e2e.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--prompts", "2", "--prompt-len", "5",
+def test_tiny_run(tmp_path, device):
+    """The whole harness on a toy config: on CPU (interpreter), or on CUDA with the graph-captured steps."""
+    rc = e2e.main(["--tiny", "--device", str(device), "--out", str(tmp_path), "--prompts", "2", "--prompt-len", "5",
                    "--new-tokens", "3", "--batches", "1,3", "--steps", "2", "--warm", "1", "--compile-backends", ""])
     assert rc == 0
     res = json.loads((tmp_path / "gemma3n_e2e.json").read_text())
+    assert not res["errors"]
     for kind in ("uva", "device", "copy"):
         assert res["correctness"][kind] == {"prefill_logits_bit_identical": True, "generate_tokens_identical": True}
         assert set(res["decode_interleaved_ms"][kind]) == {"1", "3"}
-    assert res["decode_graph"] == {"skipped": "CUDA graphs need a CUDA device"}
+    if device.type == "cuda":
+        for kind in ("hf", "uva", "device"):
+            points = res["decode_graph"][kind]
+            assert set(points) == {"1", "3"} and all(p["replay_equals_eager"] and p["ms"] > 0 for p in points.values())
+        assert res["decode_graph"]["copy"].startswith("not capturable")
+    else:
+        assert res["decode_graph"] == {"skipped": "CUDA graphs need a CUDA device"}
     assert "all eager backends correct: True" in (tmp_path / "gemma3n_e2e.log").read_text()
