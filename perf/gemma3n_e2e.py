@@ -328,13 +328,20 @@ def _rewind(counters) -> None:
 def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21) -> dict:
     """One decode step (StaticCache) captured in a CUDA graph, replayed and timed with CUDA events.
 
-    Prefill, one eager step (which records the host constants, see :class:`HostConstants`), capture. The
-    cache counters are rewound before every replay, so each replay decodes position ``prompt_len + 1``
-    from the same state with new token ids; a replay is checked against the eager step from that state bit
-    for bit. Returns ``{"ms": median replay ms, "replay_equals_eager": bool}``.
+    Prefill, then one eager step (which records the host constants, see :class:`HostConstants`) and the
+    capture, both from the same cache state: the cache counters are rewound after the eager step and
+    before every replay, so the capture takes the branches the eager step took and each replay decodes
+    position ``prompt_len`` from the same state with new token ids. A replay is checked against the eager
+    step from that state bit for bit. The position must stay inside the sliding window: past it the cache
+    rolls its contents, which no rewind undoes. Returns ``{"ms": median replay ms,
+    "replay_equals_eager": bool}``.
     """
     from transformers import StaticCache
 
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and prompt_len + 1 > window:
+        raise ValueError(f"decode_graph decodes position {prompt_len}, past the sliding window ({window}); "
+                         f"use a prompt of at most {window - 1} tokens")
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = random_ids(batch, prompt_len, high, device, seed)
     toks = random_ids(warm + steps + 2, batch, high, device, seed + 1)
@@ -344,6 +351,7 @@ def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21
         return model(input_ids=x, use_cache=True, logits_to_keep=1, **{key: cache}).logits
 
     step(ids)
+    counters = _cache_counters(cache)
     static_ids = toks[0].view(batch, 1).clone()
     consts = HostConstants(device)
     side = torch.cuda.Stream(device)
@@ -351,7 +359,7 @@ def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21
     with torch.cuda.stream(side), consts.record():
         step(static_ids)
     torch.cuda.current_stream(device).wait_stream(side)
-    counters = _cache_counters(cache)
+    _rewind(counters)
     graph = torch.cuda.CUDAGraph()
     with consts.serve(), torch.cuda.graph(graph):
         out = step(static_ids)

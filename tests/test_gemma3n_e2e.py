@@ -88,6 +88,12 @@ def test_graph_decode_step_replays_the_eager_step_gpu(backend):
         assert r["replay_equals_eager"] and r["ms"] > 0
 
 
+def test_graph_decode_refuses_a_position_past_the_sliding_window():
+    model = build_reference(torch.float32)  # sliding window 8
+    with pytest.raises(ValueError, match=r"past the sliding window \(8\); use a prompt of at most 7 tokens"):
+        e2e.decode_graph(model, 1, prompt_len=8, steps=1, warm=0, high=VOCAB_PLE, device=torch.device("cpu"))
+
+
 def test_tiny_run(tmp_path, device):
     """The whole harness on a toy config: on CPU (interpreter), or on CUDA with the graph-captured steps."""
     rc = e2e.main(["--tiny", "--device", str(device), "--out", str(tmp_path), "--prompts", "2", "--prompt-len", "5",
