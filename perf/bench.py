@@ -1535,39 +1535,36 @@ def plot_results(rows: Sequence[dict[str, Any]], out_dir: Path, meta: dict[str, 
             if ceil:
                 ax.axhline(max(ceil), color="grey", linestyle=":", linewidth=1,
                            label=f"ceiling max {max(ceil):.1f} GB/s")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("rows per lookup (n)")
-            ax.set_ylabel("GB/s (n × row bytes / median time)")
-            ax.set_title(f"{row_label(rb)} rows ({rb} B), table {_fmt_gib(biggest)}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        path = out_dir / "gather_gbps.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written["plot_gather"] = path
+            _log_log_axes(ax, "rows per lookup (n)", "GB/s (n × row bytes / median time)",
+                          f"{row_label(rb)} rows ({rb} B), table {_fmt_gib(biggest)}")
+        written["plot_gather"] = _save_figure(plt, fig, title, 9, out_dir / "gather_gbps.png")
     ready = [r for r in rows if r.get("kind") == "readiness" and r.get("seconds")]
     if ready:
         fig, ax = plt.subplots(figsize=(7.5, 5))
         for method in dict.fromkeys(r["method"] for r in ready):
             sel = sorted((r for r in ready if r["method"] == method), key=lambda r: r["table_gib"])
             ax.plot([r["table_gib"] for r in sel], [r["seconds"] for r in sel], marker="o", label=method)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("table size (GiB)")
-        ax.set_ylabel("seconds until usable")
-        ax.set_title("table readiness", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.suptitle(title, fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "readiness.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written["plot_readiness"] = path
+        _log_log_axes(ax, "table size (GiB)", "seconds until usable", "table readiness", title_size=10)
+        written["plot_readiness"] = _save_figure(plt, fig, title, 8, out_dir / "readiness.png")
     return written
+
+
+def _log_log_axes(ax, xlabel: str, ylabel: str, title: str, title_size=None) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, **({"fontsize": title_size} if title_size else {}))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save_figure(plt, fig, title: str, title_size: int, path: Path) -> Path:
+    fig.suptitle(title, fontsize=title_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
