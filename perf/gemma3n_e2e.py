@@ -37,6 +37,7 @@ checkpoint, nothing downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -143,6 +144,12 @@ def random_ids(n_seq, length, high, device, seed):
     return torch.randint(0, high, (n_seq, length), generator=g).to(device)
 
 
+def cache_kwarg(model) -> str:
+    """The name forward() takes the KV cache under: transformers >= 5.24 renamed ``past_key_values`` to
+    ``cache`` (the old name warns until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def decode_step_ms(model, batch, *, prompt_len, steps, warm, high, device, seed=0) -> float:
     """Median time of one decode forward (1 new token per sequence, DynamicCache) at ``batch``."""
@@ -151,8 +158,7 @@ def decode_step_ms(model, batch, *, prompt_len, steps, warm, high, device, seed=
     ids = random_ids(batch, prompt_len, high, device, seed)
     toks = random_ids(warm + steps, batch, high, device, seed + 1)
     cache = DynamicCache(config=model.config)
-    # transformers >= 5.24 renamed forward's past_key_values to cache (the old name warns until 5.40)
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    key = cache_kwarg(model)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache})
     timer = Timer(device)
     for i in range(warm + steps):
@@ -173,7 +179,7 @@ def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm
     from transformers import DynamicCache
     from uvaple.integration import make_backend
 
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    key = cache_kwarg(model)
     if device.type == "cuda" and device.index is None:
         # The module looks backends up by the ids' device, which always carries an index ("cuda:0"): a key
         # without one would miss, and the module would rebuild a backend (an HBM copy, a copy thread) per step.
@@ -236,9 +242,6 @@ class HostConstants:
         self.kept: dict = {}
         self._mode = None
 
-    def _key(self, kind, values, dtype, target):
-        return kind, values, dtype, str(target)
-
     def _freeze(self, data):
         if isinstance(data, (bool, int, float)):
             return (type(data).__name__, data)
@@ -266,8 +269,6 @@ class HostConstants:
         return self.kept[key]
 
     def _patched(self, mode):
-        import contextlib
-
         orig_tensor, orig_to = torch.tensor, torch.Tensor.to
         me = self
 
@@ -275,7 +276,7 @@ class HostConstants:
             frozen = me._freeze(data)
             if args or frozen is None or not me._bound_here(kwargs.get("device")) or kwargs.get("requires_grad"):
                 return orig_tensor(data, *args, **kwargs)
-            key = me._key("tensor", frozen, kwargs.get("dtype"), torch.device(kwargs["device"]))
+            key = ("tensor", frozen, kwargs.get("dtype"), str(torch.device(kwargs["device"])))
             return me._serve(key, lambda: orig_tensor(data, *args, **kwargs))
 
         def to(self, *args, **kwargs):
@@ -287,7 +288,7 @@ class HostConstants:
                 return orig_to(self, *args, **kwargs)
             if not me._bound_here(target):
                 return orig_to(self, *args, **kwargs)
-            key = me._key("to", (str(self.dtype), tuple(self.shape), tuple(self.flatten().tolist())), dtype, target)
+            key = ("to", (str(self.dtype), tuple(self.shape), tuple(self.flatten().tolist())), dtype, str(target))
             return me._serve(key, lambda: orig_to(self, *args, **kwargs))
 
         @contextlib.contextmanager
@@ -342,7 +343,7 @@ def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21
     if window is not None and prompt_len + 1 > window:
         raise ValueError(f"decode_graph decodes position {prompt_len}, past the sliding window ({window}); "
                          f"use a prompt of at most {window - 1} tokens")
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    key = cache_kwarg(model)
     ids = random_ids(batch, prompt_len, high, device, seed)
     toks = random_ids(warm + steps + 2, batch, high, device, seed + 1)
     cache = StaticCache(config=model.config, max_cache_len=prompt_len + 8)

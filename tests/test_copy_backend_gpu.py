@@ -32,6 +32,14 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> 
     assert torch.equal(g, w), f"{what}: {(g != w).sum().item()} elements differ"
 
 
+def assert_passes_gathered(jobs, stream, data, true_ids, *, scale) -> None:
+    """Every pipelined job's rows, once the caller's stream is done, are the reference gather of its ids."""
+    results = [j.wait(timeout=60) for j in jobs]
+    stream.synchronize()
+    for p, r in enumerate(results):
+        assert_bits_equal(r, reference_gather(data, true_ids[p], scale=scale), f"pass {p}")
+
+
 def random_table(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     t = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
@@ -132,10 +140,7 @@ def test_gpu_cuda_ids_wait_for_the_producer(stream):
             ids_dev.add_(1000)  # the producer: final ids only after the sleep, in stream order
             jobs.append(b.submit(ids_dev, scale=16.0))
             del ids_dev  # the job owns the ids until its copy is done
-        results = [j.wait(timeout=60) for j in jobs]
-        stream.synchronize()
-        for p, r in enumerate(results):
-            assert_bits_equal(r, reference_gather(data, true_ids[p], scale=16.0), f"pass {p}")
+        assert_passes_gathered(jobs, stream, data, true_ids, scale=16.0)
 
 
 @pytest.mark.timeout(300)
@@ -153,10 +158,7 @@ def test_gpu_cuda_ids_rewritten_after_submit_are_gathered_as_submitted(stream):
             ids_buf.copy_(ids.cuda(), non_blocking=True)
             jobs.append(b.submit(ids_buf, scale=16.0))
         ids_buf.fill_(0)  # the next pass's write, after the last submit
-        results = [j.wait(timeout=60) for j in jobs]
-        stream.synchronize()
-        for p, r in enumerate(results):
-            assert_bits_equal(r, reference_gather(data, true_ids[p], scale=16.0), f"pass {p}")
+        assert_passes_gathered(jobs, stream, data, true_ids, scale=16.0)
 
 
 @pytest.mark.timeout(300)
