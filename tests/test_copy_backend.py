@@ -186,6 +186,22 @@ def fake():
     return FakeAsyncOps()
 
 
+class PausedCallerRecord(FakeAsyncOps):
+    """Fake ops that hold thread ``thread_name`` inside its event record on the caller's stream: ``in_window``
+    is set once it is there, and it goes on when the test sets ``go``."""
+
+    def __init__(self, thread_name: str):
+        super().__init__()
+        self.thread_name = thread_name
+        self.in_window, self.go = threading.Event(), threading.Event()
+
+    def record(self, event, stream):
+        if stream is self.caller and threading.current_thread().name == self.thread_name:
+            self.in_window.set()
+            self.go.wait(10)
+        super().record(event, stream)
+
+
 def fake_backend(fake: FakeAsyncOps, rows=64, cols=9, dtype=torch.bfloat16, **kw) -> CopyBackend:
     kw.setdefault("max_in_flight", 2)
     kw.setdefault("max_rows", 32)
@@ -777,18 +793,7 @@ def test_inline_lookup_admitted_while_closing_fails_with_backend_closed(fake):
     """A submitter between admission and the start of its inline gather when close() runs: it must not
     gather (the table may be gone), its job fails with BackendClosed."""
 
-    class Ops(FakeAsyncOps):
-        def __init__(self):
-            super().__init__()
-            self.in_window, self.go = threading.Event(), threading.Event()
-
-        def record(self, event, stream):
-            if stream is self.caller and threading.current_thread().name == "late":
-                self.in_window.set()
-                self.go.wait(10)
-            super().record(event, stream)
-
-    ops = Ops()
+    ops = PausedCallerRecord("late")
     b = fake_backend(ops, max_in_flight=2)
     gathered = []
     b._fault_hook = gathered.append
@@ -888,18 +893,7 @@ def test_submit_overlapping_worker_death_fails_at_once():
     """The worker dies while a submitter is between admission and queueing its job: the job must fail
     with BackendClosed (cause: the worker's error) at once, not wait out wait_timeout."""
 
-    class Ops(FakeAsyncOps):
-        def __init__(self):
-            super().__init__()
-            self.in_window, self.go = threading.Event(), threading.Event()
-
-        def record(self, event, stream):
-            if stream is self.caller and threading.current_thread().name == "submitter":
-                self.in_window.set()
-                self.go.wait(10)
-            super().record(event, stream)
-
-    ops = Ops()
+    ops = PausedCallerRecord("submitter")
     b = fake_backend(ops, max_in_flight=2, wait_timeout=2.0)
 
     def run(job):
