@@ -76,11 +76,13 @@ How the five rules of seed 000 (and seed 004's WAR rule) are met
    re-checks and finishes it. ``close()`` called on the worker thread itself (e.g. from a callback)
    cannot join it: it begins closing and returns; the worker finishes the release when it stops.
    Every wait is bounded and raises :class:`CopyTimeout` when it runs out.
-   Table lifetime: the backend holds a lease on its table (``HostTable.acquire``) from construction to
-   the end of a successful release, so interpreter exit never unmaps a table under a running gather.
-   At exit a hook (registered at the first backend, so it runs before the table's exit hook) closes
-   live backends with a short bounded timeout; a backend whose worker does not stop in time keeps its
-   lease and its table stays mapped until the process is gone.
+   Table lifetime: the backend holds views of its table (``tensor``, ``bytes_view()``), and a view keeps
+   the table's memory mapped (``uvaple.uva.host_table``): a table closed under the backend, or the
+   interpreter exiting while a gather runs, never unmaps memory the worker reads. At exit a hook closes
+   live backends with a short bounded timeout, so no worker writes pinned staging torch is freeing.
+   A backend dropped without ``close()`` is freed: the worker holds it only weakly between jobs (it
+   looks again at least every ``_IDLE_WAIT_S``), so the backend is collected, its staging with it, and
+   the worker then stops.
 WAR (seed 004). The copy into the caller's ``out`` runs on the copy stream after a wait on an event
 recorded on the caller's stream at submit, so it cannot overwrite ``out`` while work enqueued before the
 submit (the previous pass's readers) still reads it. Contract: reuse an ``out`` buffer only for a job
@@ -109,6 +111,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -157,8 +160,12 @@ _SLOT_ALIGN = 4096
 # already uses every core).
 _GATHER_LOCK = threading.Lock()
 # Interpreter exit: total seconds the exit hook waits for the workers of live backends to stop. Short: a
-# backend that does not stop in time keeps its table lease, so its table stays mapped (no crash).
+# worker that does not stop in time is a daemon thread reading memory that stays mapped (no crash).
 _EXIT_CLOSE_TIMEOUT_S = 2.0
+# The idle worker lets go of its backend this often (seconds), so a backend dropped without close() is
+# collected and its worker stops within about this long.
+_IDLE_WAIT_S = 0.5
+_IDLE = object()  # _next_job: nothing to do this turn
 def _close_backends_at_exit() -> None:
     backends = _live_backends.items()
     deadline = time.monotonic() + _EXIT_CLOSE_TIMEOUT_S
@@ -175,9 +182,16 @@ def _close_backends_at_exit() -> None:
             log.warning("closing %r at exit failed (its table stays mapped until the process ends): %s", b, e)
 
 
-# Registered at the first backend, hence after the HostTable exit hook (registered at the first table,
-# which exists before any backend): atexit runs hooks last-in first-out, so backends are closed first.
 _live_backends = ExitRegistry(_close_backends_at_exit)
+
+
+def _worker_loop(ref: weakref.ref) -> None:
+    """The worker thread: turns of ``CopyBackend._worker_turn``, holding the backend only during a turn."""
+    while True:
+        backend = ref()
+        if backend is None or not backend._worker_turn():
+            return
+        del backend
 
 
 # --------------------------------------------------------------------------- CPU gather (numba)
@@ -518,9 +532,6 @@ class CopyBackend(Backend):
         self._bytes = table.bytes_view()  # uint8 [rows, stride_bytes]
         if self.dtype not in TABLE_DTYPES:
             raise TypeError(f"table dtype {self.dtype} is not supported")
-        # A lease for the backend's lifetime: interpreter exit must not unmap the table under the worker (or
-        # an inline gather). Released at the end of a successful close(), or here if construction fails.
-        table.acquire()
         try:
             self._itemsize = table.itemsize
             self._ops = _ops if _ops is not None else _ops_for(self.device)
@@ -569,10 +580,13 @@ class CopyBackend(Backend):
             self._abandoned = 0  # slots whose copy had not completed when close() gave up waiting
             if warmup:
                 self._warmup()
-            self._worker = threading.Thread(target=self._worker_main, name="uvaple-copy-worker", daemon=True)
+            # the worker holds the backend weakly between jobs: dropping the backend frees it (see above)
+            self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self),),
+                                            name="uvaple-copy-worker", daemon=True)
             self._worker.start()
         except BaseException:
-            table.release()
+            if owns_table:
+                table.close()
             raise
         _live_backends.add(self)
 
@@ -716,7 +730,7 @@ class CopyBackend(Backend):
 
     @property
     def closed(self) -> bool:
-        """True once ``close()`` has finished (released slots, table lease and an owned table)."""
+        """True once ``close()`` has finished (released slots and an owned table)."""
         return self._closed
 
     def close(self, timeout: float | None = None) -> None:
@@ -754,7 +768,7 @@ class CopyBackend(Backend):
         self._cond.notify_all()
 
     def _release(self, deadline: float, t: float, *, on_worker: bool) -> None:
-        """Second half of close(): once nothing runs a gather, release slots, the table lease and the table."""
+        """Second half of close(): once nothing runs a gather, release the slots and an owned table."""
         delay = _POLL_MIN_S
         with self._cond:
             # inline gathers read the table (and launch from the slots) like the worker: wait for them
@@ -797,7 +811,6 @@ class CopyBackend(Backend):
                             "their pinned staging stays referenced by their jobs (and torch's host allocator)",
                             busy, t, leaked)
             # nothing reads the table any more (worker stopped, no inline runner, closing refuses new ones)
-            self.table.release()
             _live_backends.discard(self)
             super().close()
         finally:
@@ -880,15 +893,21 @@ class CopyBackend(Backend):
         return t
 
     # ------------------------------------------------------------------ worker
-    def _worker_main(self) -> None:
+    def _worker_turn(self) -> bool:
+        """One turn of the worker: run the next ready job, or wait up to ``_IDLE_WAIT_S``. False: stop."""
         job = None
+        stop = False
         try:
-            while True:
-                job = self._next_job()
-                if job is None:
-                    return
-                self._run(job)
-        except BaseException as e:  # a bug in the worker: fail everyone rather than hang them
+            job = self._next_job()
+            if job is _IDLE:
+                return True
+            if job is None:
+                stop = True
+                return False
+            self._run(job)
+            return True
+        except BaseException as e:
+            stop = True  # a bug in the worker: fail everyone rather than hang them
             log.exception("uvaple copy worker died")
             with self._cond:
                 self._broken = e
@@ -897,16 +916,22 @@ class CopyBackend(Backend):
                 while self._pending:
                     job = self._pending.popleft()
                     self._fail_locked(job, CopyJobFailed(f"copy job {job.seq}: the copy worker died: {e!r}"))
+            return False
         finally:
-            with self._cond:
-                timeout = self._release_on_worker_exit
-            if timeout is not None:  # close() ran on this thread: it could not join it, so finish here
-                try:
-                    self._release(time.monotonic() + timeout, timeout, on_worker=True)
-                except Exception as e:  # noqa: BLE001 - a later close() retries
-                    log.warning("CopyBackend close requested on its worker thread did not finish: %s", e)
+            if stop:
+                self._worker_stopped()
 
-    def _next_job(self) -> CopyJob | None:
+    def _worker_stopped(self) -> None:
+        with self._cond:
+            timeout = self._release_on_worker_exit
+        if timeout is not None:  # close() ran on this thread: it could not join it, so finish here
+            try:
+                self._release(time.monotonic() + timeout, timeout, on_worker=True)
+            except Exception as e:  # noqa: BLE001 - a later close() retries
+                log.warning("CopyBackend close requested on its worker thread did not finish: %s", e)
+
+    def _next_job(self) -> CopyJob | object | None:
+        """The next job whose ids are ready; None when closing; ``_IDLE`` after an idle wait."""
         delay = _POLL_MIN_S
         with self._cond:
             while True:
@@ -932,8 +957,8 @@ class CopyBackend(Backend):
                         self._cond.wait(delay)
                         delay = min(delay * 2, _POLL_MAX_S)
                     else:
-                        delay = _POLL_MIN_S
-                        self._cond.wait(0.5)  # woken by submit/close; the bound only re-checks state
+                        self._cond.wait(_IDLE_WAIT_S)  # woken by submit/close
+                        return _IDLE  # let go of the backend between turns (a dropped one is freed)
 
     @staticmethod
     def _slot_of(job: CopyJob) -> _Slot:

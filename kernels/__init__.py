@@ -10,14 +10,9 @@ if __name__ != "uvaple.kernels":
 
     sys.modules[__name__] = importlib.import_module("uvaple.kernels")
 else:
-    from . import (
-        _runtime,  # noqa: F401  (selects GPU or interpreter before any kernel is defined)
-        ops,  # noqa: F401  (registers torch.ops.uvaple.gather_rows)
-    )
+    from . import ops  # noqa: F401  (registers torch.ops.uvaple.gather_rows)
     from .gather import OOB_POLICIES, gather_rows
     from .heuristics import launch_config
     from .reference import reference_gather
 
-    INTERPRETED = _runtime.INTERPRETED
-
-    __all__ = ["gather_rows", "reference_gather", "launch_config", "OOB_POLICIES", "INTERPRETED"]
+    __all__ = ["gather_rows", "reference_gather", "launch_config", "OOB_POLICIES"]

@@ -2,7 +2,8 @@
 
 One kernel serves every table placement: a ``HostTable`` (pinned, mapped host memory read over PCIe
 through UVA), a pinned/registered CPU tensor, or a CUDA tensor in HBM. Under ``TRITON_INTERPRET=1`` the
-same source runs on CPU tensors, which is how CI checks indexing, masking, rounding and edge cases.
+same source runs on CPU tensors (the interpreter is chosen per call, for CPU tensors: see
+:mod:`uvaple.kernels._jit`), which is how CI checks indexing, masking, rounding and edge cases.
 
 Work split: program ``(i, j)`` copies column tile ``j`` of row ``ids[i]``. Tile width comes from
 :func:`uvaple.kernels.heuristics.launch_config` (bytes per tile and warps, by row bytes).
@@ -13,8 +14,10 @@ replaced by 0 before any pointer arithmetic, then
   * ``oob="row0"``: the row reads row 0 (what Gemma 3n's embedding path does for such ids).
 
 Rounding: with ``scale``, the result is bit-identical to HF Gemma 3n's ``emb * scale.to(weight.dtype)``:
-the scale is rounded to the table dtype on the host, the product is formed in fp32 and rounded once to
-the table dtype with round-to-nearest-even, then converted to the output dtype. The fp32 -> bf16 rounding
+the scale is rounded to the table dtype on the host (and passed as its fp32 bits, so -0.0 and subnormals
+arrive intact), the product is formed in fp32 and rounded once to the table dtype with
+round-to-nearest-even, then converted to the output dtype. NaN results are NaN; their sign and payload
+are the device's (torch on the CPU and a GPU disagree there too). The fp32 -> bf16 rounding
 is written out with integer ops because Triton's interpreter rounds half away from zero (and the GPU's
 ``cvt.rn.bf16.f32`` gives the same bits as this), so CPU and GPU agree.
 
@@ -25,12 +28,13 @@ capturable in a CUDA graph and replayable with new ids written into the captured
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 import triton
-import triton.language as tl
 
 from ..uva.host_table import HostTable
+from . import _capture, _gather_triton, _jit
 from .heuristics import launch_config
 
 __all__ = ["gather_rows", "OOB_POLICIES", "TABLE_DTYPES", "OUT_DTYPES"]
@@ -41,68 +45,6 @@ TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-
-
-@triton.jit
-def _f32_to_bf16_rne(x):
-    """fp32 -> bf16, round to nearest even; NaN stays a quiet NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    lsb = (bits >> 16) & 1
-    rounded = (bits + 0x7FFF + lsb) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _round_f32(x, DTYPE: tl.constexpr):
-    """Round an fp32 tile to ``DTYPE`` exactly as torch does (one RNE rounding)."""
-    if DTYPE == tl.bfloat16:
-        return _f32_to_bf16_rne(x)
-    elif DTYPE == tl.float16:
-        return x.to(tl.float16)
-    else:
-        return x
-
-
-@triton.jit
-def _gather_rows_kernel(
-    table_ptr,  # *Pointer* to row 0 of the table (host memory through UVA, or HBM)
-    ids_ptr,  # *Pointer* to the flattened ids, int32 or int64
-    out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
-    n_rows,  # rows in the table: valid ids are 0 <= id < n_rows
-    table_stride,  # elements between two table rows (>= the row length, padded)
-    col_start,  # first column of the range to copy
-    n_cols,  # columns to copy per row
-    scale,  # fp32 scale, already rounded to the table dtype (ignored without HAS_SCALE)
-    HAS_SCALE: tl.constexpr,  # multiply by scale with the model's rounding
-    CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
-    OOB_ROW0: tl.constexpr,  # out-of-range ids read row 0 (else they give a zero row)
-    BLOCK: tl.constexpr,  # columns per program
-):
-    pid = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    row = tl.load(ids_ptr + pid).to(tl.int64)
-    valid = (row >= 0) & (row < n_rows)
-    row = tl.where(valid, row, 0)  # never an address outside the table
-    if OOB_ROW0:
-        limit = n_cols
-    else:
-        limit = tl.where(valid, n_cols, 0)
-    cols = tile * BLOCK + tl.arange(0, BLOCK)
-    load_mask = cols < limit
-    x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
-    if CONVERT:
-        v = x.to(tl.float32)
-        if HAS_SCALE:
-            v = _round_f32(v * scale, table_ptr.dtype.element_ty)
-            v = v.to(tl.float32)
-        v = _round_f32(v, out_ptr.dtype.element_ty)
-        if not OOB_ROW0:
-            v = tl.where(load_mask, v, 0.0)  # +0.0 even when scale < 0
-        y = v.to(out_ptr.dtype.element_ty)
-    else:
-        y = x
-    tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
 
 
 def _table_tensor(table) -> tuple[torch.Tensor, bool]:
@@ -190,10 +132,20 @@ def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None,
     return dtype
 
 
-@functools.lru_cache(maxsize=64)
-def _rounded_scale(scale: float, dtype: torch.dtype) -> float:
-    """HF: ``embedding * embed_scale.to(weight.dtype)``: the scale is rounded to the table dtype first."""
-    return float(torch.tensor(scale, dtype=torch.float32).to(dtype).item())
+def scale_bits(scale: float, dtype: torch.dtype) -> int:
+    """The kernel's scale argument: the bits (signed int32) of ``torch.tensor(scale).to(dtype)`` as fp32.
+
+    HF: ``embedding * embed_scale.to(weight.dtype)``: the scale is rounded to fp32, then to the table
+    dtype. Cached by the scale's own bits, so -0.0 and +0.0 (equal as floats) are distinct keys.
+    """
+    return _scale_bits(struct.pack("<d", float(scale)), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
+    (value,) = struct.unpack("<d", key)
+    rounded = torch.tensor(value, dtype=torch.float32).to(dtype).to(torch.float32)
+    return int(rounded.view(torch.int32).item())
 
 
 def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: float | None, col_start: int,
@@ -205,14 +157,17 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: flo
         return
     cfg = launch_config(ncols * table.element_size(), table.element_size(), n)
     convert = scale is not None or out.dtype != table.dtype
-    scale_f = 1.0 if scale is None else _rounded_scale(float(scale), table.dtype)
+    bits = 0 if scale is None else scale_bits(scale, table.dtype)
+    if _capture.capturing(ids):
+        _capture.keep_for_graph(table)
     if not convert:
         # A plain copy moves bits: give the kernel same-width integers (fp8 and friends need no support).
         as_int = _INT_OF_SIZE[table.element_size()]
         table, out = table.view(as_int), out.view(as_int)
     grid = (n, triton.cdiv(ncols, cfg.block))
-    _gather_rows_kernel[grid](
-        table, ids, out, table.shape[0], table.stride(0), col_start, ncols, scale_f,
+    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
+    kernels.gather_rows_kernel[grid](
+        table, ids, out, table.shape[0], table.stride(0), col_start, ncols, bits,
         HAS_SCALE=scale is not None, CONVERT=convert, OOB_ROW0=oob_row0, BLOCK=cfg.block,
         num_warps=cfg.num_warps,
     )

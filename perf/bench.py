@@ -25,7 +25,7 @@ Before timing, every provider's output for the same ids is compared bit-exactly 
 ``uva``'s with a CPU ``index_select`` of the table): a mismatch is reported loudly and makes the exit
 code 1. A provider that fails reports its error in its row and the run goes on (exit code 2 at the end).
 
-Without CUDA the same code runs tiny sizes under the Triton interpreter (``TRITON_INTERPRET=1``) on CPU
+Without CUDA the same code runs tiny sizes under the Triton interpreter (chosen for CPU tensors) on CPU
 tensors: a correctness run whose times are interpreter times, not GPU figures (the banner says so).
 """
 
@@ -1248,16 +1248,6 @@ def _ceiling_source(row_bytes: int, cfg: BenchConfig) -> torch.Tensor | None:
         return None
 
 
-def _ensure_interpreter(cfg: BenchConfig) -> None:
-    """Without CUDA, Triton kernels must run under the interpreter (set before they are decorated)."""
-    if not cfg.cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"
-        loaded = [m for m in ("uvaple.kernels", "uvaple.perf.peers") if m in sys.modules]
-        if loaded:
-            print(f"!! TRITON_INTERPRET was not set when {', '.join(loaded)} was imported; set "
-                  "TRITON_INTERPRET=1 before importing uvaple on a machine without CUDA", file=sys.stderr)
-
-
 def _readiness_estimate_s(cfg: BenchConfig) -> float:
     """Seconds the readiness part should take (kept in reserve by the gather sweep's time budget).
 
@@ -1290,7 +1280,6 @@ def run_bench(config: BenchConfig | None = None, *, meta: dict[str, Any] | None 
     cfg = config or make_config()
     if cfg.cuda and not torch.cuda.is_available():
         raise RuntimeError("BenchConfig.cuda is set but torch sees no CUDA device")
-    _ensure_interpreter(cfg)
     meta = meta or collect_meta(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cuda else torch.device("cpu")
     n_gather = len(cfg.row_bytes) * len(cfg.table_gib) * len(cfg.rows) * len(cfg.providers)

@@ -51,9 +51,6 @@ import traceback
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 log = logging.getLogger("uvaple.perf.gemma3n_e2e")
 
 GiB = float(1 << 30)

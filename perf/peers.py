@@ -10,15 +10,20 @@ Three peers, each as good as we can make it (DESIGN.md, "Baselines are built to 
 * :func:`memcpy_ceiling` — a pinned host→device ``copy_`` (``non_blocking`` from a pinned buffer) of the
   same number of bytes: what PCIe gives a contiguous transfer, the ceiling every gather is held to.
 
-This module imports Triton at import time: import it lazily, after ``TRITON_INTERPRET`` is settled
-(``uvaple.perf.bench`` does), because Triton decides interpretation when a kernel is decorated.
+The Triton peer runs compiled on CUDA tensors and under the interpreter on CPU tensors (the module is
+loaded a second time for that by :mod:`uvaple.kernels._jit`).
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
+from uvaple.kernels import _jit
+
+jit = _jit.kernel_decorator(__name__)
 
 __all__ = ["row_gather", "embedding_gather", "memcpy_ceiling", "row_gather_num_warps"]
 
@@ -30,7 +35,7 @@ _MIN_WARPS = 4
 _MAX_WARPS = 32
 
 
-@triton.jit
+@jit
 def _row_gather_kernel(
     table_ptr,  # *Pointer* to row 0 of the table [rows, stride] (host-mapped or device memory)
     ids_ptr,  # *Pointer* to the ids [n] (int32 or int64)
@@ -66,7 +71,7 @@ def row_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> tor
     ----------
     table : torch.Tensor
         ``[rows, cols]`` with unit column stride: a CPU tensor over registered host memory (read through
-        UVA), a CUDA tensor, or — under ``TRITON_INTERPRET=1`` — any CPU tensor.
+        UVA), a CUDA tensor, or (interpreted) any CPU tensor.
     ids : torch.Tensor
         ``[n]`` int32/int64 on the compute device. Ids outside ``[0, rows)`` give zero rows.
     out : torch.Tensor
@@ -89,7 +94,8 @@ def row_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> tor
     if n == 0:
         return out
     block = triton.next_power_of_2(cols)
-    _row_gather_kernel[(n,)](
+    kernels = _jit.variant(sys.modules[__name__], _jit.running_on_cpu(ids, out))
+    kernels._row_gather_kernel[(n,)](
         table, ids, out, rows, cols, table.stride(0), out.stride(0),
         BLOCK=block, num_warps=row_gather_num_warps(cols),
     )

@@ -1,15 +1,20 @@
-"""Test setup: run kernels under Triton's interpreter on CPU tensors when no GPU is present.
+"""Test setup: the compute device, GPU-only tests, and deterministic property tests.
 
-This must happen before Triton-decorated functions are defined, so it sits at the top of conftest.
+Without a GPU the kernels run under Triton's interpreter on CPU tensors: uvaple chooses the interpreter
+per launch from the tensors' device, so nothing needs to be set here.
+
+Hypothesis: the default profile (``uvaple``) is derandomised with no example database, so every run of
+the suite (CI's included) draws the same examples; ``--hypothesis-profile=explore`` draws fresh random
+examples (``--hypothesis-seed=N`` to replay one).
 """
-
-import os
 
 import pytest
 import torch
+from hypothesis import settings
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+settings.register_profile("uvaple", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False, database=None)
+settings.load_profile("uvaple")
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -1,6 +1,6 @@
 """``uvaple bench`` (perf/bench.py): a tiny sweep writes well-formed JSON/CSV/PNG and the providers agree.
 
-Runs on CPU under the Triton interpreter (conftest sets ``TRITON_INTERPRET``); on a GPU machine the same
+Runs on CPU under the Triton interpreter (chosen for CPU tensors); on a GPU machine the same
 tiny sweep runs on CUDA.
 """
 

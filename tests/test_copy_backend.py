@@ -773,7 +773,7 @@ def test_close_waits_for_an_inline_lookup_and_can_be_retried(fake):
         with pytest.raises(CopyTimeout, match="inline"):
             b.close(timeout=0.3)
         assert time.monotonic() - t0 < 3.0
-        assert not b.closed and b._host_block is not None and table._leases == 1  # nothing released
+        assert not b.closed and b._host_block is not None and not table.closed  # nothing released
         assert b.stats()["inline_running"] == 1
         with pytest.raises(BackendClosed):  # an inline lookup starting after closing began
             b.lookup(torch.tensor([3]))
@@ -783,7 +783,7 @@ def test_close_waits_for_an_inline_lookup_and_can_be_retried(fake):
     assert isinstance(res.get("exc"), BackendClosed), res  # its gather ended after closing began
     fake.run()
     b.close()  # retry: nothing runs any more, the release completes
-    assert b.closed and b._host_block is None and table._leases == 0
+    assert b.closed and b._host_block is None
     assert not table.closed  # shared table: released, not closed
     table.close()
 
@@ -849,7 +849,7 @@ def test_close_after_a_timeout_finishes_the_release(fake):
     try:
         with pytest.raises(CopyTimeout, match="did not stop"):
             b.close(timeout=0.2)
-        assert not b.closed and not b.table.closed and b.table._leases == 1
+        assert not b.closed and not b.table.closed
     finally:
         gate.set()
     b._worker.join(5)
@@ -860,7 +860,7 @@ def test_close_after_a_timeout_finishes_the_release(fake):
     b.close()  # the worker stopped: the retry releases everything
     st = b.stats()
     assert b.closed and st["closed"] and st["slots_busy"] == 0 and st["abandoned_at_close"] == 0
-    assert b._host_block is None and b.table.closed and b.table._leases == 0  # owned table: closed
+    assert b._host_block is None and b.table.closed  # owned table: closed
     b.close()  # idempotent
 
 
@@ -884,7 +884,7 @@ def test_close_on_the_worker_thread_does_not_deadlock_or_raise(fake):
     until(lambda: b.closed)  # the worker finished the release when it stopped
     assert not b._worker.is_alive() or b._worker is not threading.current_thread()
     b._worker.join(5)
-    assert b.table.closed and b.table._leases == 0 and b._host_block is None
+    assert b.table.closed and b._host_block is None
     b.close()  # idempotent
 
 

@@ -24,6 +24,7 @@ from uvaple.uva import (
     SharedSegmentError,
     TableClosedError,
     _cuda,
+    _region,
     _sys,
     host_table,
     row_stride_bytes,
@@ -141,10 +142,10 @@ def test_bad_dtype():
 def test_table_bigger_than_free_memory_leaves_nothing_mapped():
     avail = _sys.mem_available_bytes()
     rows = (avail // 4096) * 2
-    n_live = len(host_table._live_tables)
+    n_live = len(_region.live_regions())
     with pytest.raises(HostMemoryError, match="does not fit"):
         HostTable.empty(rows, 4096, torch.uint8)
-    assert len(host_table._live_tables) == n_live
+    assert len(_region.live_regions()) == n_live
 
 
 def test_populate_failure_unmaps(monkeypatch):
@@ -221,11 +222,11 @@ def test_registration_in_chunks_and_release(fake_cuda, monkeypatch):
 def test_registration_refused_rolls_back(fake_cuda, monkeypatch):
     monkeypatch.setattr(host_table, "REGISTER_CHUNK_BYTES", 1 << 20)
     fake_cuda["fail_at"] = 3
-    n_live = len(host_table._live_tables)
+    n_live = len(_region.live_regions())
     with pytest.raises(RegistrationError, match=r"ulimit -l.*copy"):
         HostTable.empty(40, 100_000, torch.uint8, register=True)
     assert fake_cuda["registered"] == {}
-    assert len(host_table._live_tables) == n_live
+    assert len(_region.live_regions()) == n_live
 
 
 def test_device_pointer_mismatch_is_refused(fake_cuda, monkeypatch):
@@ -402,10 +403,10 @@ def corrupt(path, how):
 def test_bad_checkpoints_are_named(ckpt, how, match):
     path, _ = ckpt
     corrupt(path, how)
-    n_live = len(host_table._live_tables)
+    n_live = len(_region.live_regions())
     with pytest.raises(CheckpointError, match=match):
         HostTable.from_safetensors(path, "odd")
-    assert len(host_table._live_tables) == n_live
+    assert len(_region.live_regions()) == n_live
 
 
 def test_checkpoint_wrong_name_wrong_shape_missing(ckpt, tmp_path):
@@ -430,10 +431,10 @@ def test_checkpoint_truncated_while_reading_leaves_nothing(ckpt, monkeypatch):
 
     path, _ = ckpt
     monkeypatch.setattr(loading.os, "preadv", lambda fd, bufs, off: 0)
-    n_live = len(host_table._live_tables)
+    n_live = len(_region.live_regions())
     with pytest.raises(CheckpointError, match="ended early"):
         HostTable.from_safetensors(path, "odd")
-    assert len(host_table._live_tables) == n_live
+    assert len(_region.live_regions()) == n_live
 
 
 # ------------------------------------------------------------------ shared segments
@@ -475,33 +476,40 @@ def test_attach_errors():
 
 
 def test_attach_not_ready_and_corrupt_segments():
+    from uvaple.uva import segments
+
     name = shm_name()
     path = f"/dev/shm/uvaple.{name}"
-    # A segment whose creator has not finished (ready flag unset).
-    t = HostTable._allocate(4, 16, torch.float32, name=name, threads=1, check_memory=True)
+    # A segment whose creator (this process, holding the build lock) has not finished.
+    seg = segments.create(name, {"rows": 4, "cols": 16, "dtype": "F32", "stride_bytes": 64,
+                                 "data_offset": segments.DATA_OFFSET}, segments.DATA_OFFSET + 4096)
     try:
         with pytest.raises(SharedSegmentError, match="has not finished"):
             HostTable.attach(name)
     finally:
-        t.close()
+        seg.fail(RuntimeError("test"))
+    assert not os.path.exists(path)
     with open(path, "wb") as f:
         f.write(b"x" * 100)
     try:
         with pytest.raises(SharedSegmentError, match="not a uvaple shared table"):
             HostTable.attach(name)
+        assert os.path.exists(path)  # not ours: left alone
     finally:
         os.unlink(path)
 
 
 def test_owner_close_keeps_attached_mapping_valid():
+    """The name stays while another holder has the table open; the last one out unlinks it."""
     name = shm_name()
     src = random_table(50, 40, torch.float32, 2)
     owner = HostTable.from_tensor(src, name=name)
     other = HostTable.attach(name)
     owner.close()
-    assert not os.path.exists(f"/dev/shm/uvaple.{name}")
+    assert os.path.exists(f"/dev/shm/uvaple.{name}")
     assert torch.equal(other.tensor, src)
     other.close()
+    assert not os.path.exists(f"/dev/shm/uvaple.{name}")
 
 
 def test_shared_failure_while_loading_unlinks(tmp_path):
@@ -564,29 +572,19 @@ def test_views_keep_the_table_alive():
     assert arr.shape == (300, 256) and arr[:, :160].copy().view(np.float32).tolist() == src.tolist()
 
 
-def test_leased_table_survives_exit_handling():
-    t = HostTable.from_tensor(random_table(20, 8, torch.float32, 32))
-    addr = t.ptr
-    t.acquire()
-    host_table._close_all_at_exit()
-    assert mapped(addr) and not t.closed  # a host reader may still run: left for the OS
-    t.release()
-    host_table._close_all_at_exit()
-    assert t.closed and not mapped(addr)
-
-
-def test_leased_table_exit_in_a_process():
+def test_host_reader_thread_during_exit_in_a_process():
+    """A daemon thread still reading a table (no close) while the interpreter exits: clean exit, no fault."""
     code = textwrap.dedent("""
         import threading, time, torch
         from uvaple.uva import HostTable
         t = HostTable.from_tensor(torch.randn(2000, 256))
-        t.acquire()
         view = t.bytes_view()
         def reader():
             while True:
                 int(view.sum())  # a host thread still reading while the interpreter exits
         threading.Thread(target=reader, daemon=True).start()
         time.sleep(0.2)
+        del t
         print("exiting")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -6,7 +6,9 @@ from .errors import (
     HostMemoryError,
     RegistrationError,
     SharedSegmentError,
+    SharedSegmentTimeout,
     TableClosedError,
+    TableForkedError,
     UvapleError,
 )
 from .host_table import SUPPORTED_DTYPES, HostTable, row_stride_bytes
@@ -30,5 +32,7 @@ __all__ = [
     "DeviceCapabilityError",
     "CheckpointError",
     "SharedSegmentError",
+    "SharedSegmentTimeout",
     "TableClosedError",
+    "TableForkedError",
 ]

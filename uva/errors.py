@@ -14,7 +14,9 @@ __all__ = [
     "DeviceCapabilityError",
     "CheckpointError",
     "SharedSegmentError",
+    "SharedSegmentTimeout",
     "TableClosedError",
+    "TableForkedError",
 ]
 
 
@@ -42,5 +44,13 @@ class SharedSegmentError(UvapleError):
     """A named shared segment is missing, already exists, or does not match what was asked for."""
 
 
+class SharedSegmentTimeout(SharedSegmentError, TimeoutError):
+    """A bounded wait for a shared segment ran out (its creator still filling it, or a lock held)."""
+
+
 class TableClosedError(UvapleError):
     """The host table was used after ``close()``."""
+
+
+class TableForkedError(UvapleError):
+    """A host table inherited through ``fork()`` was used in the child (it belongs to the parent)."""

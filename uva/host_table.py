@@ -4,9 +4,11 @@ Design
 ------
 Memory. The table is an anonymous private mapping (``mmap`` through libc, 2 MiB aligned, transparent
 huge pages advised) or, when it has a ``name``, a POSIX shared-memory segment under ``/dev/shm`` that
-other processes (tensor-parallel ranks on one host) attach without a second copy. The mapping is exactly
-the table's size rounded up to a page: ``torch.empty(pin_memory=True)`` rounds pinned blocks up to a power
-of two (a 100 GiB table would pin 128 GiB; see ../shared/DESIGN.md), this does not.
+other processes (tensor-parallel ranks, data-parallel replicas on one host) attach without a second copy
+(:mod:`uvaple.uva.segments`: create-or-attach, bounded waits, dead creators detected, the last process
+out unlinks). The mapping is exactly the table's size rounded up to a page: ``torch.empty(pin_memory=True)``
+rounds pinned blocks up to a power of two (a 100 GiB table would pin 128 GiB; see ../shared/DESIGN.md),
+this does not.
 
 Row stride. Rows start on 16-byte boundaries so a GPU thread can read a row with aligned 16-byte loads.
 Rows of 128 bytes or more are padded to a multiple of 128 bytes: EMOGI/PyTorch-Direct measured that
@@ -25,36 +27,47 @@ the driver's per-call limit (one call of >= 512 GiB fails). The kernels use the 
 (``cudaDevAttrCanUseHostPointerForRegisteredMem`` is required and checked), so the chunks form one
 contiguous device range.
 
-Lifetime. ``close()`` (or leaving a ``with`` block, or interpreter exit) first synchronises the device,
-so no kernel can still be reading, then unregisters, unmaps and (for the creator of a named segment)
-unlinks. It is idempotent. Tensor and array views taken from the table are invalid after ``close()``.
+Lifetime (:mod:`uvaple.uva._region`). The memory is released when nothing can read it any more, never
+before: every view handed out (``tensor``, ``bytes_view()``, ``cuda_view()``, and what is built from them,
+such as state-dict tensors and the backends' arguments) holds the mapping, and so does the table.
+``close()`` lets go of the table's hold: with no view left the device is synchronised, the memory
+unregistered, unmapped and (last process out) unlinked at once; otherwise that happens when the last
+view is gone, and until then a view reads the table's bytes. A table dropped without ``close()`` is
+released the same way. The table object itself refuses use after ``close()``
+(:class:`~uvaple.uva.errors.TableClosedError`) and in a forked child
+(:class:`~uvaple.uva.errors.TableForkedError`).
+
+Fork. A private table is advised ``MADV_WIPEONFORK``: a ``fork()`` after registration neither shares the
+parent's pinned pages copy-on-write (which could leave the device reading a page the parent no longer
+owns) nor copies the table. A forked child sees zeros through any view it inherited, and its copy of the
+table object raises ``TableForkedError``; a shared table's pages stay shared, and a child that needs the
+table attaches it itself (``HostTable.attach`` / ``HostTable.shared``), registering in its own CUDA context.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
+import functools
 import logging
 import os
-import re
-import struct
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import _cuda, _sys
-from ._lifetime import ExitRegistry
+from . import _cuda, _region, _sys, segments
 from .errors import (
     DeviceCapabilityError,
     HostMemoryError,
     RegistrationError,
     SharedSegmentError,
     TableClosedError,
-    UvapleError,
+    TableForkedError,
 )
 
 log = logging.getLogger("uvaple.uva")
@@ -76,21 +89,15 @@ _DTYPE_BY_NAME = {v: k for k, v in SUPPORTED_DTYPES.items()}
 # keep the count of registrations small for ~100 GiB tables (one call).
 REGISTER_CHUNK_BYTES = 128 << 30
 
-# Shared segments: a header page block, then the rows. The data starts 2 MiB in so it stays aligned for
-# huge pages where tmpfs has them enabled.
-_SHM_DIR = "/dev/shm"
-_SHM_PREFIX = "uvaple."
-_SHM_MAGIC = b"UVAPLE01"
-_SHM_DATA_OFFSET = _sys.HUGE_PAGE_SIZE
-_SHM_HEADER_FMT = "<8sQ"  # magic, json length
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-
 # Ranges handed to one populate/fallocate call: large enough that syscall overhead is nil, small enough
 # that 16 threads share a 1 GiB table evenly.
 _POPULATE_CHUNK_BYTES = 64 << 20
 
-ctypes_char = ctypes.c_ubyte
+# Default bound of HostTable.shared's wait for another process to fill the table (seconds): a 100 GB
+# fill from the page cache takes tens of seconds, from a cold disk minutes; pass timeout= for those.
+DEFAULT_SHARED_TIMEOUT_S = 30.0
 
+ctypes_char = ctypes.c_ubyte
 
 
 def row_stride_bytes(row_bytes: int) -> int:
@@ -105,22 +112,6 @@ def row_stride_bytes(row_bytes: int) -> int:
 def default_threads() -> int:
     """Threads for populate/load: 16 measured best for 32 GiB on the H200 host (DESIGN.md)."""
     return max(1, min(16, os.cpu_count() or 1))
-
-
-def _close_all_at_exit() -> None:
-    for table in _live_tables.items():
-        try:
-            if table._leases:
-                # A CPU thread (a copy backend's worker) may still be reading it: unregister (after a device
-                # sync) but leave the pages mapped; the OS frees them when the process ends.
-                table._release_device_side()
-                continue
-            table.close()
-        except Exception as e:  # noqa: BLE001 - never raise from atexit
-            log.warning("closing a host table at exit failed: %s", e)
-
-
-_live_tables = ExitRegistry(_close_all_at_exit)
 
 
 @dataclass(frozen=True)
@@ -142,15 +133,27 @@ class _Layout:
     def data_bytes(self) -> int:
         return self.rows * self.stride_bytes
 
+    def header(self) -> dict:
+        return {"rows": self.rows, "cols": self.cols, "dtype": SUPPORTED_DTYPES[self.dtype],
+                "stride_bytes": self.stride_bytes, "data_offset": segments.DATA_OFFSET}
+
 
 def _check_shape(rows: int, cols: int, dtype: torch.dtype) -> _Layout:
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise TypeError(f"HostTable dtype {dtype} is not supported; use one of {names}")
-    if not (isinstance(rows, int) and isinstance(cols, int)) or rows <= 0 or cols <= 0:
+    if not (isinstance(rows, int) and isinstance(cols, int)) or isinstance(rows, bool) or rows <= 0 or cols <= 0:
         raise ValueError(f"HostTable needs a positive integer shape, got rows={rows!r}, cols={cols!r}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     return _Layout(rows, cols, dtype, row_stride_bytes(cols * itemsize))
+
+
+def _layout_of(meta: dict, path: str) -> _Layout:
+    try:
+        return _Layout(int(meta["rows"]), int(meta["cols"]), _DTYPE_BY_NAME[meta["dtype"]],
+                       int(meta["stride_bytes"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SharedSegmentError(f"{path} has a corrupt uvaple header: {e!r}") from None
 
 
 def _gib(n: int) -> str:
@@ -179,34 +182,36 @@ def _chunks(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
 
 
+@functools.lru_cache(maxsize=64)
+def _buffer_type(nbytes: int) -> type:
+    # A subclass of the ctypes array type, so that an instance can carry the anchor: every tensor or array
+    # built over the buffer keeps it, hence the mapping, alive.
+    return type("_TableBuffer", (ctypes_char * nbytes,), {"__slots__": ("anchor",)})
+
+
 class HostTable:
     """A ``[rows, cols]`` table in host memory that the GPU can read (see the module docstring).
 
-    Build one with :meth:`empty`, :meth:`from_tensor`, :meth:`from_numpy`, :meth:`from_safetensors`, or
-    :meth:`attach` (a named segment another process created). Use it as a context manager or call
-    :meth:`close`.
+    Build one with :meth:`empty`, :meth:`from_tensor`, :meth:`from_numpy`, :meth:`from_safetensors`,
+    :meth:`shared` (create-or-attach a named table from several processes) or :meth:`attach` (a named
+    table another process made). Use it as a context manager or call :meth:`close`; a table dropped
+    without ``close()`` is released all the same.
     """
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, *, _layout: _Layout, _base: int, _map_bytes: int, _data_offset: int,
-                 _name: str | None, _owner: bool, _fd: int | None):
+    def __init__(self, *, _layout: _Layout, _region: _region.Region, _data_offset: int, _name: str | None,
+                 _created: bool = True):
         self._layout = _layout
-        self._base = _base
-        self._map_bytes = _map_bytes
+        self._region = _region
+        self._anchor: _region.Anchor | None = _anchor_of(_region)
         self._data_offset = _data_offset
         self._name = _name
-        self._owner = _owner
-        self._fd = _fd
-        self._registered_chunks: list[tuple[int, int]] = []
-        self._device: int | None = None
-        self._read_only_registered = False
+        self._created = _created
         self._closed = False
         self._lock = threading.Lock()
         self._tensor: torch.Tensor | None = None
         self._buffer = None
         self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
-        self._leases = 0  # host-side readers (copy backends) that must stop before the memory is unmapped
-        _live_tables.add(self)
 
     @classmethod
     def empty(cls, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, *, name: str | None = None,
@@ -221,7 +226,8 @@ class HostTable:
         dtype : torch.dtype
             Element type (bf16, fp16, fp32, int8, uint8, fp8).
         name : str, optional
-            Create a named POSIX shared segment other processes can :meth:`attach`.
+            Create a named shared table other processes can :meth:`attach`. A live table of that name is
+            an error (:meth:`shared` attaches to it instead); one whose creator died is replaced.
         register : bool or "auto"
             ``cudaHostRegister`` the memory so GPU kernels can read it. ``"auto"`` registers when CUDA
             is usable; ``True`` requires it.
@@ -235,190 +241,162 @@ class HostTable:
             Refuse up front when the table exceeds ``MemAvailable`` (set False where memory grows on
             demand, e.g. ballooned VMs).
         """
-        table = cls._allocate(rows, cols, dtype, name=name, threads=threads, check_memory=check_memory)
+        return cls._filled(rows, cols, dtype, None, dict(name=name, register=register, read_only=read_only,
+                                                         device=device, threads=threads,
+                                                         check_memory=check_memory))
+
+    @classmethod
+    def shared(cls, name: str, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, *,
+               timeout: float = DEFAULT_SHARED_TIMEOUT_S, fill: Callable[[HostTable], None] | None = None,
+               tag: str | None = None, register: bool | str = "auto", read_only: bool = False,
+               device: int | None = None, threads: int | None = None, check_memory: bool = True) -> HostTable:
+        """Create-or-attach the named shared table ``name``: the node holds it once, whoever asks first.
+
+        Any number of processes (tensor-parallel ranks, data-parallel replicas) may call this at the same
+        moment. Exactly one creates the segment and runs ``fill(table)`` on it (then it is marked ready);
+        the others wait, at most ``timeout`` seconds, and attach when it is ready. Each process registers
+        its own mapping. ``table.created`` tells which one this process was.
+
+        * A segment whose creator died before it was ready is detected (its build lock was released by
+          the kernel) and created again, not waited on. One left ready by a dead creator is attached.
+        * ``fill`` raising: the half-built segment is removed and waiting processes get that error.
+        * A ready segment of another shape, dtype or ``tag`` is an error if some process has it open, and
+          replaced if none has (an orphan of an earlier run).
+
+        Parameters
+        ----------
+        name : str
+            1-200 letters, digits, ``_``, ``-`` or ``.`` (the file is ``/dev/shm/uvaple.<name>``).
+        rows, cols, dtype :
+            The table, as in :meth:`empty`.
+        timeout : float
+            Seconds to wait for another process's fill (> 0).
+        fill : callable, optional
+            ``fill(table)`` writes the rows (e.g. ``lambda t: t.write_rows(weights)``), run by the creator
+            only, before registration. Without it the table is zeros.
+        tag : str, optional
+            What the table holds (a checkpoint's path and size, say): attaching requires the same tag.
+        register, read_only, device, threads, check_memory :
+            As in :meth:`empty`.
+
+        Raises
+        ------
+        SharedSegmentTimeout
+            The creator (named, alive or not) did not finish within ``timeout``.
+        SharedSegmentError
+            A mismatch, the creator's fill failure, or a file of that name that is not uvaple's.
+        """
+        layout = _check_shape(rows, cols, dtype)
+        meta = dict(layout.header(), tag=tag)
+        want = dict(layout.header(), tag=tag)
+        return cls._open_shared(layout, name, meta, want, fill=fill, timeout=timeout, mode="shared",
+                                register=register, read_only=read_only, device=device, threads=threads,
+                                check_memory=check_memory)
+
+    @classmethod
+    def attach(cls, name: str, *, rows: int | None = None, cols: int | None = None,
+               dtype: torch.dtype | None = None, tag: str | None = None, register: bool | str = "auto",
+               read_only: bool = False, device: int | None = None, threads: int | None = None) -> HostTable:
+        """Map the ready named table ``name`` another process created (:meth:`empty`, a loader, :meth:`shared`).
+
+        ``rows``/``cols``/``dtype``/``tag``, when given, must match the segment or ``SharedSegmentError``
+        is raised. A segment still being filled is an error (:meth:`shared` waits for it instead). The
+        attaching process registers its own mapping (registration is per process).
+        """
+        want = {"rows": rows, "cols": cols, "dtype": SUPPORTED_DTYPES.get(dtype, dtype) if dtype else None,
+                "tag": tag}
+        return cls._open_shared(None, name, {}, want, fill=None, timeout=None, mode="attach",
+                                register=register, read_only=read_only, device=device, threads=threads,
+                                check_memory=True)
+
+    @classmethod
+    def _open_shared(cls, layout: _Layout | None, name: str, meta: dict, want: dict, *, fill, timeout,
+                     mode: str, register, read_only: bool, device, threads, check_memory: bool) -> HostTable:
+        _region.drain_deferred()
+        _check_register_arg(register)
+        threads = threads or default_threads()
+        path = segments.segment_path(name)
+        if layout is not None:
+            map_bytes = segments.DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
+            _check_free_memory(map_bytes, check_memory)
+            _check_shm_space(name, map_bytes, check_memory)
+        else:
+            map_bytes = 0
+        if mode == "attach":
+            seg = segments.attach(name, want)
+        elif mode == "create":
+            seg = segments.create(name, meta, map_bytes)
+        else:
+            seg = segments.create_or_attach(name, meta, want, map_bytes, timeout=timeout)
+        table = None
         try:
+            if not seg.created:
+                layout = _layout_of(seg.header() or {}, path)
+                map_bytes = segments.DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
+            else:
+                _parallel(lambda off, n: _reserve(seg.fd, off, n, name, map_bytes),
+                          _chunks(map_bytes, _POPULATE_CHUNK_BYTES), threads)
+            try:
+                base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, seg.fd)
+            except OSError as e:
+                raise SharedSegmentError(f"mapping shared table {name!r} ({_gib(map_bytes)}) failed: "
+                                         f"{e.strerror}") from e
+            region = _region.Region(base, map_bytes, private=False, segment=seg)
+            table = cls(_layout=layout, _region=region, _data_offset=segments.DATA_OFFSET, _name=name,
+                        _created=seg.created)
+            _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)
+            # Map the pages into this process's page tables now, not on the GPU's first reads.
+            table._populate(threads, write=seg.created)
+            if seg.created:
+                if fill is not None:
+                    table._timed("fill", fill, table)
+                seg.ready()
             table._register(register, read_only=read_only, device=device)
-            if name is not None:
-                table._mark_ready()
+            return table
+        except BaseException as e:
+            if seg.created and seg.fd is not None and (seg.header() or {}).get("state") != "ready":
+                seg.fail(e)  # waiters get this error; the half-built file is removed
+            _drop_views_of_failure(e)
+            if table is not None:
+                table.close()
+            else:
+                seg.detach()
+            raise
+
+    @classmethod
+    def _allocate_private(cls, layout: _Layout, threads: int, check_memory: bool) -> HostTable:
+        map_bytes = _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
+        _check_free_memory(map_bytes, check_memory)
+        try:
+            base = _sys.map_anonymous_aligned(map_bytes)
+        except OSError as e:
+            raise HostMemoryError(
+                f"mmap of {_gib(map_bytes)} for a {layout.rows}x{layout.cols} {layout.dtype} table failed: "
+                f"{e.strerror}. Free host memory or check `ulimit -v`.") from e
+        region = _region.Region(base, map_bytes, private=True)
+        table = cls(_layout=layout, _region=region, _data_offset=0, _name=None)
+        try:
+            _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)  # a hint: ignored where THP is off
+            table._populate(threads)
         except BaseException:
             table.close()
             raise
         return table
 
-    @classmethod
-    def _allocate(cls, rows, cols, dtype, *, name, threads, check_memory) -> HostTable:
-        layout = _check_shape(rows, cols, dtype)
-        threads = threads or default_threads()
-        data_bytes = layout.data_bytes
-        if name is None:
-            map_bytes = _sys.round_up(data_bytes, _sys.PAGE_SIZE)
-            _check_free_memory(map_bytes, check_memory)
-            try:
-                base = _sys.map_anonymous_aligned(map_bytes)
-            except OSError as e:
-                raise HostMemoryError(
-                    f"mmap of {_gib(map_bytes)} for a {rows}x{cols} {dtype} table failed: {e.strerror}. "
-                    f"Free host memory or check `ulimit -v`.") from e
-            table = cls(_layout=layout, _base=base, _map_bytes=map_bytes, _data_offset=0, _name=None,
-                        _owner=True, _fd=None)
-            try:
-                _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)  # a hint: ignored where THP is off
-                table._populate(threads)
-            except BaseException:
-                table.close()
-                raise
-            return table
-        return cls._create_shared(layout, name, threads, check_memory)
-
-    # ------------------------------------------------------------------ shared segments
-    @staticmethod
-    def _segment_path(name: str) -> str:
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise SharedSegmentError(
-                f"shared table name {name!r} is not valid: use 1-200 letters, digits, '_', '-' or '.'")
-        return os.path.join(_SHM_DIR, _SHM_PREFIX + name)
-
-    @classmethod
-    def _create_shared(cls, layout: _Layout, name: str, threads: int, check_memory: bool) -> HostTable:
-        path = cls._segment_path(name)
-        map_bytes = _SHM_DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
-        _check_free_memory(map_bytes, check_memory)
-        if check_memory:
-            st = os.statvfs(_SHM_DIR)
-            free = st.f_bavail * st.f_frsize
-            if map_bytes > free:
-                raise HostMemoryError(
-                    f"shared table {name!r} needs {_gib(map_bytes)} in {_SHM_DIR} but only {_gib(free)} is "
-                    f"free there; enlarge it (mount -o remount,size=... {_SHM_DIR}) or drop name= to use "
-                    f"private memory")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError as e:
-            raise SharedSegmentError(
-                f"a shared table named {name!r} already exists ({path}); attach to it with "
-                f"HostTable.attach({name!r}), pick another name, or remove the stale file") from e
-        except OSError as e:
-            raise SharedSegmentError(f"creating shared table {name!r} at {path} failed: {e.strerror}") from e
-        table = None
-        try:
-            os.ftruncate(fd, map_bytes)
-
-            def reserve(off: int, length: int) -> None:
-                try:
-                    os.posix_fallocate(fd, off, length)
-                except OSError as e:
-                    raise HostMemoryError(
-                        f"reserving {_gib(map_bytes)} for shared table {name!r} in {_SHM_DIR} failed: "
-                        f"{e.strerror}; free space there or use a private table") from e
-
-            _parallel(reserve, _chunks(map_bytes, _POPULATE_CHUNK_BYTES), threads)
-            try:
-                base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, fd)
-            except OSError as e:
-                raise HostMemoryError(f"mapping shared table {name!r} failed: {e.strerror}") from e
-            table = cls(_layout=layout, _base=base, _map_bytes=map_bytes, _data_offset=_SHM_DATA_OFFSET,
-                        _name=name, _owner=True, _fd=fd)
-            _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)
-            table._write_header(ready=False)
-            table._populate(threads)
-            return table
-        except BaseException:
-            if table is not None:
-                table.close()
-            else:
-                os.close(fd)
-                _unlink_quietly(path)
-            raise
-
-    def _header_dict(self, ready: bool) -> dict:
-        lay = self._layout
-        return {"rows": lay.rows, "cols": lay.cols, "dtype": SUPPORTED_DTYPES[lay.dtype],
-                "stride_bytes": lay.stride_bytes, "data_offset": self._data_offset, "ready": ready,
-                "creator_pid": os.getpid()}
-
-    def _write_header(self, ready: bool) -> None:
-        payload = json.dumps(self._header_dict(ready)).encode()
-        head = struct.pack(_SHM_HEADER_FMT, _SHM_MAGIC, len(payload)) + payload
-        buf = (ctypes_char * len(head)).from_address(self._base)
-        buf[:] = head
-
-    def _mark_ready(self) -> None:
-        self._write_header(ready=True)
-
-    @classmethod
-    def attach(cls, name: str, *, rows: int | None = None, cols: int | None = None,
-               dtype: torch.dtype | None = None, register: bool | str = "auto", read_only: bool = False,
-               device: int | None = None, threads: int | None = None) -> HostTable:
-        """Map a named table another process created with ``empty(..., name=name)`` (or a loader).
-
-        ``rows``/``cols``/``dtype``, when given, must match the segment or ``SharedSegmentError`` is
-        raised. The attaching process registers its own mapping (registration is per process).
-        """
-        path = cls._segment_path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError as e:
-            raise SharedSegmentError(
-                f"no shared table named {name!r} ({path} does not exist); create it first with "
-                f"HostTable.empty(..., name={name!r}) or a loader with name=") from e
-        table = None
-        try:
-            size = os.fstat(fd).st_size
-            hsize = struct.calcsize(_SHM_HEADER_FMT)
-            raw = os.pread(fd, 4096, 0)
-            if size < _SHM_DATA_OFFSET or len(raw) < hsize:
-                raise SharedSegmentError(f"{path} is not a uvaple shared table (too small: {size} bytes)")
-            magic, n = struct.unpack_from(_SHM_HEADER_FMT, raw)
-            if magic != _SHM_MAGIC or n > 4096 - hsize:
-                raise SharedSegmentError(f"{path} is not a uvaple shared table (bad header)")
-            try:
-                meta = json.loads(raw[hsize:hsize + n])
-                layout = _Layout(int(meta["rows"]), int(meta["cols"]), _DTYPE_BY_NAME[meta["dtype"]],
-                                 int(meta["stride_bytes"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise SharedSegmentError(f"{path} has a corrupt uvaple header: {e}") from e
-            if not meta.get("ready"):
-                raise SharedSegmentError(
-                    f"shared table {name!r} exists but its creator (pid {meta.get('creator_pid')}) has not "
-                    f"finished filling it; attach after it is ready")
-            want = {"rows": rows, "cols": cols, "dtype": dtype}
-            have = {"rows": layout.rows, "cols": layout.cols, "dtype": layout.dtype}
-            bad = [f"{k}: expected {want[k]}, segment has {have[k]}" for k in want
-                   if want[k] is not None and want[k] != have[k]]
-            if bad:
-                raise SharedSegmentError(f"shared table {name!r} does not match: " + "; ".join(bad))
-            map_bytes = _SHM_DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
-            if size < map_bytes:
-                raise SharedSegmentError(
-                    f"shared table {name!r} is truncated: {size} bytes, header says {map_bytes}")
-            try:
-                base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, fd)
-            except OSError as e:
-                raise SharedSegmentError(f"mapping shared table {name!r} failed: {e.strerror}") from e
-            table = cls(_layout=layout, _base=base, _map_bytes=map_bytes, _data_offset=_SHM_DATA_OFFSET,
-                        _name=name, _owner=False, _fd=fd)
-            # Map the existing pages into this process's page tables now, not on the GPU's first reads.
-            table._populate(threads or default_threads(), write=False)
-            table._register(register, read_only=read_only, device=device)
-            return table
-        except BaseException:
-            if table is not None:
-                table.close()
-            else:
-                os.close(fd)
-            raise
-
     # ------------------------------------------------------------------ population and registration
-    def _populate(self, threads: int, write: bool = True) -> None:
+    def _timed(self, what: str, fn, *args) -> None:
         t0 = time.perf_counter()
         try:
-            self._populate_ranges(threads, write)
+            fn(*args)
         finally:
-            self.timings["populate"] = time.perf_counter() - t0
+            self.timings[what] = time.perf_counter() - t0
+
+    def _populate(self, threads: int, write: bool = True) -> None:
+        self._timed("populate", self._populate_ranges, threads, write)
 
     def _populate_ranges(self, threads: int, write: bool) -> None:
         advice = _sys.MADV_POPULATE_WRITE if write else _sys.MADV_POPULATE_READ
-        base, total = self._base, self._map_bytes
+        base, total = self._region.base, self._region.length
 
         def touch(off: int, length: int) -> None:
             err = _sys.madvise(base + off, length, advice)
@@ -438,8 +416,7 @@ class HostTable:
         _parallel(touch, _chunks(total, _POPULATE_CHUNK_BYTES), threads)
 
     def _register(self, register: bool | str, *, read_only: bool, device: int | None) -> None:
-        if register not in (True, False, "auto"):
-            raise ValueError(f"register must be True, False or 'auto', got {register!r}")
+        _check_register_arg(register)
         if register is False:
             return
         if not _cuda.cuda_available():
@@ -448,13 +425,9 @@ class HostTable:
             raise DeviceCapabilityError(
                 "register=True needs a CUDA GPU visible to torch and cuda-python (`pip install cuda-python`); "
                 "none is usable here. Use register='auto' to build an unregistered table")
-        t0 = time.perf_counter()
-        try:
-            self._register_chunks(read_only=read_only, device=device)
-        finally:
-            self.timings["register"] = time.perf_counter() - t0
+        self._timed("register", self._register_chunks, read_only, device)
 
-    def _register_chunks(self, *, read_only: bool, device: int | None) -> None:
+    def _register_chunks(self, read_only: bool, device: int | None) -> None:
         previous = torch.cuda.current_device()
         try:
             self._register_on(read_only=read_only, device=previous if device is None else device)
@@ -463,45 +436,42 @@ class HostTable:
                 torch.cuda.set_device(previous)  # registering on another GPU must not move the caller
 
     def _register_on(self, *, read_only: bool, device: int) -> None:
+        region = self._region
         _cuda.ensure_context(device)
         _cuda.require_host_pointer_access(device)
         flags = _cuda.HOST_REGISTER_PORTABLE | _cuda.HOST_REGISTER_MAPPED
         if read_only and _cuda.read_only_register_supported(device):
             flags |= _cuda.HOST_REGISTER_READ_ONLY
-            self._read_only_registered = True
-        self._device = device
-        for off, length in _chunks(self._map_bytes, REGISTER_CHUNK_BYTES):
+            region.read_only = True
+        region.device = device
+        for off, length in _chunks(region.length, REGISTER_CHUNK_BYTES):
             try:
-                _cuda.host_register(self._base + off, length, flags)
+                _cuda.host_register(region.base + off, length, flags)
             except RegistrationError as e:
                 soft, _hard = _sys.memlock_limit()
                 limit = "unlimited" if soft < 0 else _gib(soft)
-                self._unregister()
+                region.unregister()
                 raise RegistrationError(
                     f"cudaHostRegister failed for {_gib(length)} at offset {_gib(off)} of a "
-                    f"{_gib(self._map_bytes)} table: {e}. Raise `ulimit -l` (RLIMIT_MEMLOCK is {limit}), "
+                    f"{_gib(region.length)} table: {e}. Raise `ulimit -l` (RLIMIT_MEMLOCK is {limit}), "
                     f"free host memory, or use the 'copy' backend with register=False") from None
-            self._registered_chunks.append((off, length))
-            dev_ptr = _cuda.host_device_pointer(self._base + off)
-            if dev_ptr != self._base + off:
-                self._unregister()
+            region.chunks.append((off, length))
+            dev_ptr = _cuda.host_device_pointer(region.base + off)
+            if dev_ptr != region.base + off:
+                region.unregister()
                 raise DeviceCapabilityError(
                     f"the device pointer of registered memory ({dev_ptr:#x}) differs from its host pointer "
-                    f"({self._base + off:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
-
-    def _unregister(self) -> None:
-        self._read_only_registered = False
-        while self._registered_chunks:
-            off, _ = self._registered_chunks.pop()
-            try:
-                _cuda.host_unregister(self._base + off)
-            except UvapleError as e:
-                log.warning("unregistering host table chunk at offset %d failed: %s", off, e)
+                    f"({region.base + off:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
 
     # ------------------------------------------------------------------ properties
     def _live(self) -> None:
         if self._closed:
             raise TableClosedError("this HostTable was closed; build or attach a new one")
+        if self._region.foreign:
+            raise TableForkedError(
+                f"this HostTable belongs to process {self._region.pid}, and this is a forked child "
+                f"(pid {os.getpid()}); a private table's pages are not inherited (views read zeros here). "
+                "Build the table in the child, or attach a shared one there (HostTable.attach / .shared)")
 
     @property
     def rows(self) -> int:
@@ -538,53 +508,64 @@ class HostTable:
     @property
     def nbytes(self) -> int:
         """Bytes mapped for this table (header and page rounding included)."""
-        return self._map_bytes
+        return self._region.length
 
     @property
     def ptr(self) -> int:
         self._live()
-        return self._base + self._data_offset
+        return self._region.base + self._data_offset
 
     @property
     def registered(self) -> bool:
-        return bool(self._registered_chunks)
+        return self._region.registered and not self._region.foreign
 
     @property
     def read_only_registered(self) -> bool:
-        return self._read_only_registered
+        return self._region.read_only
 
     @property
     def device_index(self) -> int | None:
-        return self._device if self.registered else None
+        return self._region.device if self.registered else None
 
     @property
     def name(self) -> str | None:
         return self._name
 
     @property
+    def created(self) -> bool:
+        """True when this process created (and filled) the table; False when it attached to it."""
+        return self._created
+
+    @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def released(self) -> bool:
+        """True once the memory itself is gone (closed, or dropped, and no view left)."""
+        return self._region.released
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self.registered else "unregistered")
         where = f"shared {self._name!r}" if self._name else "private"
         return (f"HostTable({self.rows}x{self.cols} {str(self.dtype).replace('torch.', '')}, "
-                f"{_gib(self._map_bytes)} {where}, {state})")
+                f"{_gib(self.nbytes)} {where}, {state})")
 
     # ------------------------------------------------------------------ views
     def _raw_buffer(self):
+        self._live()
         if self._buffer is None:
-            # A subclass of the ctypes array type so the buffer can hold the table: any tensor or array view
-            # keeps the buffer, hence the table, alive, so garbage collection never unmaps under a view.
-            kind = type("_TableBuffer", (ctypes_char * self._layout.data_bytes,), {})
-            buf = kind.from_address(self._base + self._data_offset)
-            buf.owner = self
+            buf = _buffer_type(self._layout.data_bytes).from_address(self._region.base + self._data_offset)
+            buf.anchor = self._anchor
             self._buffer = buf
         return self._buffer
 
     @property
     def tensor(self) -> torch.Tensor:
-        """CPU tensor ``[rows, cols]`` (strides ``(stride, 1)``) aliasing the table: Triton's argument."""
+        """CPU tensor ``[rows, cols]`` (strides ``(stride, 1)``) aliasing the table: Triton's argument.
+
+        The tensor (and every view of it) keeps the memory mapped, also after :meth:`close`.
+        """
         self._live()
         if self._tensor is None:
             flat = torch.frombuffer(self._raw_buffer(), dtype=torch.uint8)
@@ -593,23 +574,23 @@ class HostTable:
         return self._tensor
 
     def bytes_view(self) -> np.ndarray:
-        """numpy ``uint8`` array ``[rows, stride_bytes]`` over the table (for CPU gathers)."""
-        self._live()
+        """numpy ``uint8`` array ``[rows, stride_bytes]`` over the table (for CPU gathers); keeps it mapped."""
         arr = np.frombuffer(self._raw_buffer(), dtype=np.uint8)
         return arr.reshape(self.rows, self.stride_bytes)
 
     def cuda_view(self, device: int | None = None) -> torch.Tensor:
         """CUDA tensor ``[rows, cols]`` aliasing the registered host memory (for torch ops).
 
-        Built through ``__cuda_array_interface__``; Triton kernels do not need it (``tensor`` suffices).
+        Built through ``__cuda_array_interface__``; it keeps the memory mapped and registered while it
+        lives. Triton kernels do not need it (``tensor`` suffices).
         """
         self._live()
         if not self.registered:
             raise DeviceCapabilityError("cuda_view() needs a registered table (build it where CUDA is usable)")
         itemsize = self.itemsize
         typestr = {1: "|u1", 2: "<i2", 4: "<i4"}[itemsize]
-        holder = _CudaArrayHolder(self, (self.rows, self.stride), typestr)
-        dev = torch.device("cuda", self._device if device is None else device)
+        holder = _CudaArrayHolder(self._anchor, self.ptr, (self.rows, self.stride), typestr)
+        dev = torch.device("cuda", self._region.device if device is None else device)
         with torch.cuda.device(dev):
             raw = torch.as_tensor(holder, device=dev)
         return raw[:, : self.cols].view(self.dtype)
@@ -658,13 +639,11 @@ class HostTable:
         Rows are read straight from the file into the table in blocks by several threads: no second
         full copy in RAM and nothing staged through the GPU. See :mod:`uvaple.uva.loading`.
         """
-        from .loading import locate_tensor, stream_into
+        from .loading import locate_tensor
 
         info = locate_tensor(path, tensor_name)
-        target = dtype or info.dtype
-        return cls._filled(info.shape[0], info.shape[1], target,
-                           lambda table: stream_into(table, info, threads=threads or default_threads()),
-                           dict(kw, threads=threads))
+        return cls._filled(info.shape[0], info.shape[1], dtype or info.dtype,
+                           safetensors_fill(info, threads=threads), dict(kw, threads=threads))
 
     @classmethod
     def _filled(cls, rows: int, cols: int, dtype: torch.dtype, fill, kw: dict) -> HostTable:
@@ -672,77 +651,53 @@ class HostTable:
         read_only = kw.pop("read_only", False)
         device = kw.pop("device", None)
         name = kw.pop("name", None)
-        threads = kw.pop("threads", None)
+        threads = kw.pop("threads", None) or default_threads()
         check_memory = kw.pop("check_memory", True)
         if kw:
             raise TypeError(f"unexpected arguments: {', '.join(kw)}")
-        table = cls._allocate(rows, cols, dtype, name=name, threads=threads, check_memory=check_memory)
+        _check_register_arg(register)
+        layout = _check_shape(rows, cols, dtype)
+        if name is not None:
+            return cls._open_shared(layout, name, layout.header(), {}, fill=fill, timeout=None, mode="create",
+                                    register=register, read_only=read_only, device=device, threads=threads,
+                                    check_memory=check_memory)
+        _region.drain_deferred()
+        table = cls._allocate_private(layout, threads, check_memory)
         try:
-            t0 = time.perf_counter()
-            fill(table)
-            table.timings["fill"] = time.perf_counter() - t0
+            if fill is not None:
+                table._timed("fill", fill, table)
             table._register(register, read_only=read_only, device=device)
-            if name is not None:
-                table._mark_ready()
-        except BaseException:
+        except BaseException as e:
+            _drop_views_of_failure(e)
             table.close()
             raise
         return table
 
     # ------------------------------------------------------------------ lifetime
-    def acquire(self) -> None:
-        """Declare a host-side reader (e.g. a copy backend's worker). Until the matching :meth:`release`,
-        interpreter exit leaves the mapping in place instead of unmapping it under that reader."""
-        self._live()
-        with self._lock:
-            self._leases += 1
-
-    def release(self) -> None:
-        """End a lease taken with :meth:`acquire`."""
-        with self._lock:
-            self._leases = max(0, self._leases - 1)
-
-    def _release_device_side(self) -> None:
-        """Synchronise the devices and unregister, keeping the mapping (exit with a host reader alive)."""
-        with self._lock:
-            self._sync_and_unregister_locked()
-
-    def _sync_and_unregister_locked(self) -> None:
-        if self._registered_chunks:
-            try:
-                # Registration is portable: kernels on any GPU may be reading, not only the current one.
-                _cuda.synchronize_devices()
-            except UvapleError as e:
-                log.warning("device synchronise before releasing a host table failed: %s", e)
-            self._unregister()
-
     def close(self) -> None:
-        """Wait until the device cannot be reading, then unregister, unmap and (owner) unlink. Idempotent."""
+        """Let go of the table: released now if no view is alive, else when the last view is gone.
+
+        Releasing synchronises every GPU (so no kernel can still be reading), unregisters, unmaps and,
+        for a shared table nobody else has open, unlinks its name. Idempotent. In a forked child it only
+        drops the child's copy of the mapping.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._tensor = None
             self._buffer = None
-            self._sync_and_unregister_locked()
-            try:
-                _sys.munmap(self._base, self._map_bytes)
-            except OSError as e:
-                log.warning("munmap of a host table failed: %s", e)
-            if self._fd is not None:
-                try:
-                    os.close(self._fd)
-                except OSError as e:
-                    log.warning("closing a shared table's descriptor failed: %s", e)
-                self._fd = None
-            if self._name is not None and self._owner:
-                _unlink_quietly(self._segment_path(self._name))
-            _live_tables.discard(self)
+            anchor, self._anchor = self._anchor, None
+        del anchor  # the region's finalizer runs here when no view holds it
+        _region.drain_deferred()
 
     def unlink(self) -> None:
-        """Remove a named segment's name now (mappings stay valid until each process closes)."""
-        if self._name is not None:
-            _unlink_quietly(self._segment_path(self._name))
+        """Remove a named table's name now (every mapping stays valid until released)."""
+        if self._name is not None and not self._region.foreign:
+            try:
+                os.unlink(segments.segment_path(self._name))
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> HostTable:
         return self
@@ -750,23 +705,70 @@ class HostTable:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            if not getattr(self, "_closed", True):
-                self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
+    def __reduce__(self):
+        raise TypeError("a HostTable maps host memory and cannot be pickled; share it by name "
+                        "(HostTable.shared / HostTable.attach) instead")
+
+
+def _anchor_of(region: _region.Region) -> _region.Anchor:
+    return _region.Anchor(region)
+
+
+def _drop_views_of_failure(exc: BaseException) -> None:
+    """A table that failed to build must not stay mapped because the traceback's finished frames (a
+    loader's, a ``fill``'s) still hold views of it: clear their locals (the trace itself is kept)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _check_register_arg(register) -> None:
+    if register not in (True, False, "auto"):
+        raise ValueError(f"register must be True, False or 'auto', got {register!r}")
+
+
+def _reserve(fd: int, off: int, length: int, name: str, total: int) -> None:
+    try:
+        os.posix_fallocate(fd, off, length)
+    except OSError as e:
+        raise HostMemoryError(
+            f"reserving {_gib(total)} for shared table {name!r} in {segments.SHM_DIR} failed: {e.strerror}; "
+            f"free space there or use a private table") from e
+
+
+def _check_shm_space(name: str, nbytes: int, check: bool) -> None:
+    if not check:
+        return
+    st = os.statvfs(segments.SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise HostMemoryError(
+            f"shared table {name!r} needs {_gib(nbytes)} in {segments.SHM_DIR} but only {_gib(free)} is "
+            f"free there; enlarge it (mount -o remount,size=... {segments.SHM_DIR}) or drop name= to use "
+            f"private memory")
+
+
+def safetensors_fill(info, *, threads: int | None = None) -> Callable[[HostTable], None]:
+    """A ``fill`` for :meth:`HostTable.shared` that streams ``info`` (``loading.locate_tensor``) in."""
+    from .loading import stream_into
+
+    def fill(table: HostTable) -> None:
+        stream_into(table, info, threads=threads or default_threads())
+
+    return fill
 
 
 class _CudaArrayHolder:
-    """Exposes a registered table's rows through ``__cuda_array_interface__`` (keeps the table alive)."""
+    """Exposes a registered table's rows through ``__cuda_array_interface__`` (holds the mapping)."""
 
-    def __init__(self, table: HostTable, shape: tuple[int, int], typestr: str):
-        self._table = table
+    def __init__(self, anchor: _region.Anchor, ptr: int, shape: tuple[int, int], typestr: str):
+        self._anchor = anchor
         self.__cuda_array_interface__ = {
             "shape": shape,
             "typestr": typestr,
-            "data": (table.ptr, False),
+            "data": (ptr, False),
             "version": 3,
             "strides": None,
         }
@@ -793,15 +795,7 @@ def _check_free_memory(nbytes: int, check: bool) -> None:
             f"memory grows on demand")
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def table_gib(rows: int, cols: int, dtype: torch.dtype) -> float:
     """Bytes of a table as GiB, with its padded row stride."""
     lay = _check_shape(rows, cols, dtype)
     return lay.data_bytes / (1 << 30)
-

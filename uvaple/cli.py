@@ -26,10 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"uvaple: unknown command {cmd!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    # Kernels pick GPU or interpreter at import: decide before anything imports Triton.
     import importlib
-
-    from uvaple.kernels import _runtime  # noqa: F401
 
     module = importlib.import_module(COMMANDS[cmd][0])
     return int(module.main(rest) or 0)

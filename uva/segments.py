@@ -1,0 +1,524 @@
+"""Named shared segments in ``/dev/shm``: create-or-attach with bounded waits, dead creators detected.
+
+One file per table, ``/dev/shm/uvaple.<name>``: a header, then the rows from ``DATA_OFFSET`` on. Every
+process that maps it (tensor-parallel ranks, data-parallel replicas) shares the same pages, so a node
+holds the table once.
+
+Header: ``MAGIC`` (8 bytes), the JSON length (u64), then JSON: ``rows``, ``cols``, ``dtype``,
+``stride_bytes``, ``data_offset``, ``tag`` (what the table holds, e.g. a checkpoint's identity),
+``creator_pid``, ``created_unix``, ``state`` (``building`` → ``ready`` or ``failed``) and ``error``.
+
+Locks. Two byte-range locks on the segment file, held through open-file-description locks
+(``fcntl(F_OFD_SETLK)``): the kernel drops them when the last descriptor of the open file is closed,
+which includes the death of the process, so a dead holder never leaves a lock behind.
+
+* byte 0, **build** (exclusive): held by the creator from creation until the segment is ``ready`` or
+  ``failed``. A segment ``building`` whose build lock nobody holds has a dead creator: it is stale.
+* byte 1, **attach** (shared): held by every process that has the segment open, for as long as it has.
+  The process that finds nobody else holding it when it detaches unlinks the name.
+
+Decisions (create, remove a stale file, attach, unlink on the last detach) are made under one
+**namespace lock**, ``flock`` on the ``/dev/shm`` directory, held for a few system calls and never across
+a wait or a fill, so two processes never both create, never remove a file the other just made, and no
+attach slips between a last-detach check and its unlink. Every wait (for the namespace lock, for a
+creator to finish) is bounded and ends in :class:`SharedSegmentTimeout` naming who holds what.
+
+What a caller finds, and what happens:
+
+======================================  =========================================================
+found                                   then
+======================================  =========================================================
+no file                                 create it (this process fills it)
+``building``, build lock held           wait for ``ready`` / ``failed`` (bounded by the timeout)
+``building``, build lock free           the creator died: remove the file, create it again
+``failed``                              raise the creator's error (the creator removes the file)
+``ready``                               attach; shape, dtype, stride and tag must match
+``ready``, mismatched, nobody attached  an orphan: replaced by ``create_or_attach``, an error else
+not a uvaple file                       an error; nothing is removed
+======================================  =========================================================
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from . import _sys
+from .errors import SharedSegmentError, SharedSegmentTimeout
+
+__all__ = ["Segment", "SegmentInfo", "DATA_OFFSET", "segment_path", "create", "create_or_attach",
+           "attach", "list_segments", "clean", "SHM_DIR", "PREFIX"]
+
+SHM_DIR = "/dev/shm"
+PREFIX = "uvaple."
+MAGIC = b"UVAPLE01"
+_HEAD = struct.Struct("<8sQ")  # magic, JSON length
+_HEADER_BYTES = 4096
+# The rows start 2 MiB in, so they stay aligned for huge pages where tmpfs has them.
+DATA_OFFSET = _sys.HUGE_PAGE_SIZE
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_BUILD_BYTE, _ATTACH_BYTE = 0, 1
+# Polling while a creator fills: from 1 ms (a small table is ready in a few ms) up to 50 ms (a 100 GB
+# fill takes tens of seconds; 20 polls a second cost nothing).
+_POLL_MIN_S, _POLL_MAX_S = 1e-3, 50e-3
+# Bound of the namespace-lock wait when releasing (no caller's timeout applies there): it is held for a
+# few system calls at a time, so a second means a stopped process.
+_DETACH_LOCK_TIMEOUT_S = 10.0
+_FLOCK_STRUCT = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
+
+
+def segment_path(name: str) -> str:
+    """``/dev/shm/uvaple.<name>``; a name is 1-200 letters, digits, ``_``, ``-`` or ``.``."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+        raise SharedSegmentError(
+            f"shared table name {name!r} is not valid: use 1-200 letters, digits, '_', '-' or '.'")
+    return os.path.join(SHM_DIR, PREFIX + name)
+
+
+# ---------------------------------------------------------------------------------------- locks
+def _ofd(fd: int, ltype: int, byte: int) -> bool:
+    """Set (or clear, ``F_UNLCK``) an open-file-description lock on one byte; False if another holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK_STRUCT.pack(ltype, os.SEEK_SET, byte, 1, 0))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _held_by_other(fd: int, byte: int, ltype: int = fcntl.F_WRLCK) -> bool:
+    """Whether another open file holds a lock on ``byte`` that conflicts with ``ltype``."""
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK_STRUCT.pack(ltype, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK_STRUCT.unpack(res)[0] != fcntl.F_UNLCK
+
+
+@contextmanager
+def _namespace(deadline: float, what: str) -> Iterator[None]:
+    """Hold the namespace lock (``flock`` on the ``/dev/shm`` directory) until the block ends."""
+    fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        delay = _POLL_MIN_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise SharedSegmentTimeout(
+                        f"{what}: another process held the {SHM_DIR} namespace lock (flock on the "
+                        f"directory) for the whole wait; it is held for microseconds at a time, so that "
+                        f"process is stopped or stuck: find it with `fuser {SHM_DIR}`") from None
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+# ---------------------------------------------------------------------------------------- segment
+def _read_header(fd: int) -> dict | None:
+    """The header of an open segment file, or None when it is not a (complete) uvaple header."""
+    raw = os.pread(fd, _HEADER_BYTES, 0)
+    if len(raw) < _HEAD.size:
+        return None
+    magic, n = _HEAD.unpack_from(raw)
+    if magic != MAGIC or n > _HEADER_BYTES - _HEAD.size:
+        return None
+    try:
+        meta = json.loads(raw[_HEAD.size:_HEAD.size + n])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _magic_of(fd: int) -> bytes:
+    return os.pread(fd, len(MAGIC), 0)
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    if _same_file(path, fd):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _pid_alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Segment:
+    """One segment file open in this process: its descriptor (which carries the locks) and header."""
+
+    def __init__(self, name: str, path: str, fd: int, created: bool) -> None:
+        self.name = name
+        self.path = path
+        self.fd: int | None = fd
+        self.created = created
+        self.pid = os.getpid()
+
+    def header(self) -> dict | None:
+        return _read_header(self.fd)
+
+    def write_header(self, meta: dict) -> None:
+        payload = json.dumps(meta, sort_keys=True).encode()
+        if len(payload) > _HEADER_BYTES - _HEAD.size:
+            raise SharedSegmentError(f"shared table {self.name!r}: header of {len(payload)} bytes is too long "
+                                     "(shorten the tag)")
+        # The JSON first, then the magic and length: a reader never sees a length for JSON not yet there.
+        os.pwrite(self.fd, payload, _HEAD.size)
+        os.pwrite(self.fd, _HEAD.pack(MAGIC, len(payload)), 0)
+
+    def set_state(self, state: str, error: str | None = None) -> None:
+        meta = self.header() or {}
+        meta["state"] = state
+        if error is not None:
+            meta["error"] = error[:1000]
+        self.write_header(meta)
+
+    def ready(self) -> None:
+        """The rows are complete: mark the header ``ready`` and let go of the build lock."""
+        self.set_state("ready")
+        _ofd(self.fd, fcntl.F_UNLCK, _BUILD_BYTE)
+
+    def fail(self, error: BaseException) -> None:
+        """The fill failed: waiters get ``error``; the file is removed (nobody can use it)."""
+        try:
+            self.set_state("failed", f"{type(error).__name__}: {error}")
+        finally:
+            try:
+                with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"removing {self.name!r}"):
+                    _unlink_if_same(self.path, self.fd)
+            finally:
+                self.close_descriptor()
+
+    def others_attached(self) -> bool:
+        return _held_by_other(self.fd, _ATTACH_BYTE)
+
+    def detach(self) -> None:
+        """Let go of the segment; unlink its name when no other process has it open. Idempotent."""
+        if self.fd is None:
+            return
+        try:
+            if self.pid == os.getpid():
+                with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"detaching {self.name!r}"):
+                    if not self.others_attached():
+                        _unlink_if_same(self.path, self.fd)
+        finally:
+            self.close_descriptor()
+
+    def close_descriptor(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, {'created' if self.created else 'attached'})"
+
+
+def _new_file(name: str, path: str, meta: dict, total_bytes: int) -> Segment:
+    """Create the file (namespace lock held): build and attach locks, size, header ``building``."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise SharedSegmentError(f"creating shared table {name!r} at {path} failed: {e.strerror}") from e
+    seg = Segment(name, path, fd, created=True)
+    try:
+        if not (_ofd(fd, fcntl.F_WRLCK, _BUILD_BYTE) and _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE)):
+            raise SharedSegmentError(f"locking the new shared table {name!r} failed")
+        os.ftruncate(fd, total_bytes)
+        seg.write_header(dict(meta, state="building", creator_pid=os.getpid(), created_unix=time.time()))
+    except BaseException:
+        os.unlink(path)
+        seg.close_descriptor()
+        raise
+    return seg
+
+
+def _classify(fd: int) -> tuple[str, dict | None]:
+    """What an existing segment file is: ``ready``, ``failed``, ``building`` (creator alive), ``stale``
+    (creator dead before ready) or ``foreign`` (not a uvaple file)."""
+    meta = _read_header(fd)
+    if meta is None:
+        # A creator dies between creating the file and writing the header only inside the namespace lock,
+        # and leaves an all-zero head; anything else there is somebody else's file.
+        if _magic_of(fd).strip(b"\0") or _held_by_other(fd, _BUILD_BYTE):
+            return "foreign", None
+        return "stale", None
+    state = meta.get("state")
+    if state == "ready":
+        return "ready", meta
+    if state == "failed":
+        return "failed", meta
+    if _held_by_other(fd, _BUILD_BYTE):
+        return "building", meta
+    return "stale", meta
+
+
+def _mismatch(meta: dict, want: dict, size: int) -> list[str]:
+    bad = [f"{k}: expected {v!r}, segment has {meta.get(k)!r}" for k, v in want.items()
+           if v is not None and meta.get(k) != v]
+    try:
+        need = int(meta["data_offset"]) + _sys.round_up(int(meta["rows"]) * int(meta["stride_bytes"]),
+                                                        _sys.PAGE_SIZE)
+    except (KeyError, TypeError, ValueError):
+        return bad + ["the header lacks rows/stride_bytes/data_offset"]
+    if size < need:
+        bad.append(f"the file is truncated: {size} bytes, the header says {need}")
+    return bad
+
+
+def _open_existing(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SharedSegmentError(f"opening shared table {path} failed: {e.strerror}") from e
+    if not _stat_is_file(fd):
+        os.close(fd)
+        raise SharedSegmentError(f"{path} is not a regular file; it is not a uvaple shared table")
+    return fd
+
+
+def _stat_is_file(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def _failed_error(name: str, meta: dict) -> SharedSegmentError:
+    return SharedSegmentError(
+        f"shared table {name!r}: its creator (pid {meta.get('creator_pid')}) failed while filling it: "
+        f"{meta.get('error', 'unknown error')}")
+
+
+def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadline: float, *,
+          create_ok: bool, attach_ok: bool, replace_orphan: bool) -> Segment | tuple[int, dict]:
+    """One decision under the namespace lock: a Segment (created or attached), or (fd, header) of a
+    segment still being built, to wait on outside the lock."""
+    with _namespace(deadline, f"shared table {name!r}"):
+        while True:
+            fd = _open_existing(path)
+            if fd is None:
+                if not create_ok:
+                    raise SharedSegmentError(
+                        f"no shared table named {name!r} ({path} does not exist); create it with "
+                        f"HostTable.shared({name!r}, ...) or HostTable.empty(..., name={name!r})")
+                return _new_file(name, path, meta, total_bytes)
+            keep = False
+            try:
+                kind, head = _classify(fd)
+                if kind == "foreign":
+                    raise SharedSegmentError(
+                        f"{path} exists but is not a uvaple shared table (bad header); it was left alone: "
+                        f"remove it yourself if it is stale, or pick another name")
+                if kind == "stale":
+                    os.unlink(path)  # namespace lock held: this is the file we classified
+                    continue
+                if kind == "failed":
+                    raise _failed_error(name, head)
+                if kind == "building":
+                    if not attach_ok:
+                        raise SharedSegmentError(
+                            f"a shared table named {name!r} is being created by pid {head.get('creator_pid')}; "
+                            f"attach to it with HostTable.shared({name!r}, ...), which waits, or pick another name")
+                    keep = True
+                    return fd, head
+                # ready
+                if not attach_ok:
+                    raise SharedSegmentError(
+                        f"a shared table named {name!r} already exists ({path}); attach to it with "
+                        f"HostTable.attach({name!r}) or HostTable.shared({name!r}, ...), or pick another name")
+                bad = _mismatch(head, want, os.fstat(fd).st_size)
+                if bad:
+                    if replace_orphan and not _held_by_other(fd, _ATTACH_BYTE):
+                        os.unlink(path)  # nobody has it open, and it is not what was asked for
+                        continue
+                    raise SharedSegmentError(f"shared table {name!r} does not match: " + "; ".join(bad) +
+                                             (" (other processes have it open)" if replace_orphan else
+                                              "; remove it with `uvaple shm clean` when no one uses it"))
+                if not _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE):
+                    raise SharedSegmentError(f"taking the attach lock of shared table {name!r} failed")
+                keep = True
+                return Segment(name, path, fd, created=False)
+            finally:
+                if not keep:
+                    os.close(fd)
+
+
+def _wait_built(name: str, fd: int, head: dict, deadline: float, timeout: float) -> bool:
+    """Poll a segment being built until it is ready (True) or its creator is gone (False: start over)."""
+    delay = _POLL_MIN_S
+    while True:
+        kind, meta = _classify(fd)
+        if kind == "ready":
+            return True
+        if kind == "failed":
+            raise _failed_error(name, meta)
+        if kind != "building":
+            return False
+        now = time.monotonic()
+        if now >= deadline:
+            pid = (meta or head).get("creator_pid")
+            age = time.time() - float((meta or head).get("created_unix", time.time()))
+            alive = "alive" if _pid_alive(pid) else "not found"
+            raise SharedSegmentTimeout(
+                f"HostTable.shared({name!r}): waited {timeout:.3g} s for pid {pid} ({alive}) to fill the "
+                f"table; it still holds the build lock, {age:.1f} s after creating it. Give a longer "
+                f"timeout= (a 100 GB fill takes tens of seconds) or check that process")
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, timeout: float,
+                     create_ok: bool = True, attach_ok: bool = True, replace_orphan: bool = True) -> Segment:
+    """Create segment ``name`` (``seg.created``: this process must fill it and call ``seg.ready()``) or
+    attach to the ready one, waiting at most ``timeout`` seconds for a live creator to finish."""
+    path = segment_path(name)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok, attach_ok=attach_ok,
+                    replace_orphan=replace_orphan)
+        if isinstance(got, Segment):
+            return got
+        fd, head = got
+        try:
+            _wait_built(name, fd, head, deadline, timeout)
+        finally:
+            os.close(fd)
+        # ready, or the creator died: decide again under the namespace lock (the file may be gone)
+
+
+def create(name: str, meta: dict, total_bytes: int, *, timeout: float = _DETACH_LOCK_TIMEOUT_S) -> Segment:
+    """Create segment ``name``; a live one of that name is an error, a stale one is replaced."""
+    return create_or_attach(name, meta, {}, total_bytes, timeout=timeout, attach_ok=False)
+
+
+def attach(name: str, want: dict, *, timeout: float = _DETACH_LOCK_TIMEOUT_S) -> Segment:
+    """Attach to the ready segment ``name`` (no wait for a creator: that is ``create_or_attach``)."""
+    path = segment_path(name)
+    deadline = time.monotonic() + timeout
+    got = _step(name, path, {}, want, 0, deadline, create_ok=False, attach_ok=True, replace_orphan=False)
+    if isinstance(got, Segment):
+        return got
+    fd, head = got
+    os.close(fd)
+    raise SharedSegmentError(
+        f"shared table {name!r} exists but its creator (pid {head.get('creator_pid')}) has not finished "
+        f"filling it; attach after it is ready, or use HostTable.shared({name!r}, ...), which waits")
+
+
+# ---------------------------------------------------------------------------------------- inspection
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What ``uvaple shm list`` shows of one segment."""
+
+    name: str
+    path: str
+    size_bytes: int
+    state: str  # ready / building / failed / stale / foreign
+    creator_pid: int | None
+    rows: int | None
+    cols: int | None
+    dtype: str | None
+    tag: str | None
+    attached: bool  # some process holds the attach lock
+    pids: tuple[int, ...]  # processes that have it mapped (from /proc/*/maps; same-user processes)
+
+    @property
+    def in_use(self) -> bool:
+        return self.attached or self.state == "building" or bool(self.pids)
+
+
+def _mapped_by(path: str) -> tuple[int, ...]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                if any(line.rstrip().endswith(path) or line.rstrip().endswith(path + " (deleted)") for line in f):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return tuple(sorted(pids))
+
+
+def _info(path: str) -> SegmentInfo | None:
+    name = os.path.basename(path)[len(PREFIX):]
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if not _stat_is_file(fd):
+            return None
+        kind, meta = _classify(fd)
+        meta = meta or {}
+        attached = kind != "foreign" and _held_by_other(fd, _ATTACH_BYTE)
+        return SegmentInfo(name, path, os.fstat(fd).st_size, kind, meta.get("creator_pid"), meta.get("rows"),
+                           meta.get("cols"), meta.get("dtype"), meta.get("tag"), attached, _mapped_by(path))
+    finally:
+        os.close(fd)
+
+
+def list_segments() -> list[SegmentInfo]:
+    """Every ``/dev/shm/uvaple.*`` file, with its state and who has it open."""
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return []
+    infos = [_info(os.path.join(SHM_DIR, n)) for n in names if n.startswith(PREFIX)]
+    return [i for i in infos if i is not None]
+
+
+def clean(names: list[str] | None = None, *, dry_run: bool = False,
+          timeout: float = _DETACH_LOCK_TIMEOUT_S) -> list[SegmentInfo]:
+    """Remove segments nobody uses (stale, failed, or ready with no process attached); returns them.
+
+    ``names`` limits it to those segments. Files that are not uvaple's are never removed.
+    """
+    removed = []
+    with _namespace(time.monotonic() + timeout, "uvaple shm clean"):
+        for info in list_segments():
+            if names is not None and info.name not in names:
+                continue
+            if info.state == "foreign" or info.in_use:
+                continue
+            if not dry_run:
+                try:
+                    os.unlink(info.path)
+                except FileNotFoundError:
+                    continue
+            removed.append(info)
+    return removed
