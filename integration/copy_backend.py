@@ -185,13 +185,23 @@ def _close_backends_at_exit() -> None:
 _live_backends = ExitRegistry(_close_backends_at_exit)
 
 
-def _worker_loop(ref: weakref.ref) -> None:
-    """The worker thread: turns of ``CopyBackend._worker_turn``, holding the backend only during a turn."""
+def _worker_loop(ref: weakref.ref, wake: threading.Event) -> None:
+    """The worker thread: turns of ``CopyBackend._worker_turn``, holding the backend only during a turn.
+
+    Idle, it waits on ``wake`` (set by submit and close) holding nothing, so a backend dropped without
+    close() is collected (reference cycles through its jobs included) and the loop ends.
+    """
     while True:
         backend = ref()
-        if backend is None or not backend._worker_turn():
+        if backend is None:
             return
+        wake.clear()
+        turn = backend._worker_turn()
         del backend
+        if turn is False:
+            return
+        if turn is _IDLE:
+            wake.wait(_IDLE_WAIT_S)
 
 
 # --------------------------------------------------------------------------- CPU gather (numba)
@@ -581,7 +591,8 @@ class CopyBackend(Backend):
             if warmup:
                 self._warmup()
             # the worker holds the backend weakly between jobs: dropping the backend frees it (see above)
-            self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self),),
+            self._wake = threading.Event()  # set by submit and close: the idle worker waits on it, not on us
+            self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._wake),
                                             name="uvaple-copy-worker", daemon=True)
             self._worker.start()
         except BaseException:
@@ -696,6 +707,7 @@ class CopyBackend(Backend):
                 else:
                     self._pending.append(job)
                     self._cond.notify_all()
+                    self._wake.set()
                     return job
             self._run(job, inline=True)  # the caller's thread gathers and launches, as the worker would
             return job
@@ -766,6 +778,7 @@ class CopyBackend(Backend):
             job = self._pending.popleft()
             self._fail_locked(job, BackendClosed(f"copy job {job.seq}: the CopyBackend was closed"))
         self._cond.notify_all()
+        self._wake.set()
 
     def _release(self, deadline: float, t: float, *, on_worker: bool) -> None:
         """Second half of close(): once nothing runs a gather, release the slots and an owned table."""
@@ -893,14 +906,15 @@ class CopyBackend(Backend):
         return t
 
     # ------------------------------------------------------------------ worker
-    def _worker_turn(self) -> bool:
-        """One turn of the worker: run the next ready job, or wait up to ``_IDLE_WAIT_S``. False: stop."""
+    def _worker_turn(self) -> bool | object:
+        """One turn of the worker: run the next ready job (True), find nothing to do (``_IDLE``), or stop
+        (False)."""
         job = None
         stop = False
         try:
             job = self._next_job()
             if job is _IDLE:
-                return True
+                return _IDLE
             if job is None:
                 stop = True
                 return False
@@ -931,7 +945,7 @@ class CopyBackend(Backend):
                 log.warning("CopyBackend close requested on its worker thread did not finish: %s", e)
 
     def _next_job(self) -> CopyJob | object | None:
-        """The next job whose ids are ready; None when closing; ``_IDLE`` after an idle wait."""
+        """The next job whose ids are ready; None when closing; ``_IDLE`` when there is none."""
         delay = _POLL_MIN_S
         with self._cond:
             while True:
@@ -957,8 +971,7 @@ class CopyBackend(Backend):
                         self._cond.wait(delay)
                         delay = min(delay * 2, _POLL_MAX_S)
                     else:
-                        self._cond.wait(_IDLE_WAIT_S)  # woken by submit/close
-                        return _IDLE  # let go of the backend between turns (a dropped one is freed)
+                        return _IDLE  # the loop waits for submit/close without holding the backend
 
     @staticmethod
     def _slot_of(job: CopyJob) -> _Slot:

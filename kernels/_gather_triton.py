@@ -21,6 +21,16 @@ def _f32_to_bf16_rne(x):
 
 
 @jit
+def _to_f32(x, DTYPE: tl.constexpr):
+    """Widen to fp32 exactly. bf16 is the top half of an fp32, so it is widened with a shift: the
+    interpreter's own bf16 conversion mangles subnormals."""
+    if DTYPE == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@jit
 def _round_f32(x, DTYPE: tl.constexpr):
     """Round an fp32 tile to ``DTYPE`` exactly as torch does (one RNE rounding)."""
     if DTYPE == tl.bfloat16:
@@ -59,12 +69,12 @@ def gather_rows_kernel(
     load_mask = cols < limit
     x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
     if CONVERT:
-        v = x.to(tl.float32)
+        v = _to_f32(x, table_ptr.dtype.element_ty)
         if HAS_SCALE:
             # The scale travels as its bits: no float argument conversion can touch -0.0 or a subnormal.
             scale = scale_bits.to(tl.int32).to(tl.float32, bitcast=True)
             v = _round_f32(v * scale, table_ptr.dtype.element_ty)
-            v = v.to(tl.float32)
+            v = _to_f32(v, table_ptr.dtype.element_ty)
         v = _round_f32(v, out_ptr.dtype.element_ty)
         if not OOB_ROW0:
             v = tl.where(load_mask, v, 0.0)  # +0.0 whatever the scale (negative, inf, NaN)

@@ -34,6 +34,17 @@ def poisoned(shape, dtype, device):
     return out
 
 
+def same_bits(got, ref) -> bool:
+    """Bit for bit; NaN results only need to be NaN (their sign and payload are the device's)."""
+    got, ref = got.detach().cpu(), ref.detach().cpu()
+    if not got.dtype.is_floating_point:
+        return torch.equal(bits(got), bits(ref))
+    nan = torch.isnan(ref)
+    if not torch.equal(torch.isnan(got), nan):
+        return False
+    return torch.equal(bits(torch.where(nan, 0, got)), bits(torch.where(nan, 0, ref)))
+
+
 def check(table_t, host, ids, device, **kw):
     ids = ids.to(device)
     out_dtype = kw.get("out_dtype") or table_t.dtype
@@ -44,7 +55,7 @@ def check(table_t, host, ids, device, **kw):
     got = gather_rows(host, ids, out, **kw)
     assert got is out
     ref = reference_gather(table_t, ids, **kw)
-    assert torch.equal(bits(got), bits(ref)), (got, ref)
+    assert same_bits(got, ref), (got, ref)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +139,46 @@ def test_scale_matches_model_rounding(tables, device, dtype, scale):
     assert torch.equal(bits(reference_gather(t, ids, scale=scale)), bits(hf))
 
 
+# Every kind of float a scale can be: signed zeros, double and float subnormals, the fp16/bf16/fp32
+# edges, values that overflow to inf on the way to fp32, infinities and NaNs, rounding ties.
+EDGE_SCALES = [0.0, -0.0, 5e-324, -5e-324, 1e-45, -1e-45, 2.0**-149, 2.0**-133, 1e-40, 1.1754942e-38,
+               1.17549435e-38, -1.17549435e-38, 6e-8, 6.1e-5, 2.0**-24, 65504.0, 65520.0, -65520.0,
+               3.3895314e38, 3.4028235e38, 3.5e38, -3.5e38, 1e300, -1e300, math.inf, -math.inf, math.nan,
+               -math.nan, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 16.0, -1.0]
+
+
+def edge_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Random rows, and rows of edge values: +-0, the dtype's smallest subnormal and largest finite, inf, NaN."""
+    info = torch.finfo(dtype)
+    edges = torch.tensor([0.0, -0.0, info.smallest_normal * 2.0**-3, -info.smallest_normal, info.max, -info.max,
+                          math.inf, -math.inf, math.nan, 1.0, -1.5, info.tiny], dtype=torch.float32).to(dtype)
+    t = rand(24, 12, dtype, seed=99)
+    t[:12] = edges.view(1, 12).expand(12, 12)
+    t[12:] = edges.view(12, 1).expand(12, 12) * t[12:]
+    return t
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("oob", ["zero", "row0"])
+def test_scale_edges_are_exact(device, dtype, oob):
+    """``rows * torch.tensor(scale).to(dtype)`` bit for bit for every edge scale, rows with edge values."""
+    t = edge_rows(dtype)
+    ids = torch.tensor([*range(24), -1, 24, 2**40])
+    with HostTable.from_tensor(t) as h:
+        for scale in EDGE_SCALES:
+            check(t, h, ids, device, scale=scale, oob=oob)
+            emb = torch.nn.functional.embedding(ids.clamp(0, 23), t)
+            hf = emb * torch.tensor(scale).to(dtype)
+            ref = reference_gather(t, ids, scale=scale, oob=oob)
+            assert same_bits(ref[:24], hf[:24]), scale  # the reference is HF's expression
+        # -0.0 and +0.0 are different scales (an lru_cache on the float once mixed them up)
+        for first, second in [(0.0, -0.0), (-0.0, 0.0)]:
+            a = gather_rows(h, ids.to(device), scale=first).cpu()
+            b = gather_rows(h, ids.to(device), scale=second).cpu()
+            assert same_bits(a, reference_gather(t, ids, scale=first))
+            assert same_bits(b, reference_gather(t, ids, scale=second))
+
+
 @pytest.mark.parametrize("src,dst", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
                                      (torch.float16, torch.bfloat16), (torch.float32, torch.float16),
                                      (torch.bfloat16, torch.float16)])
@@ -165,7 +216,8 @@ def test_plain_tensor_table_and_allocation(device):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 40), cols=st.integers(1, 300), n=st.integers(0, 12),
        dtype=st.sampled_from(FLOATS), oob=st.sampled_from(["zero", "row0"]),
-       scale=st.one_of(st.none(), st.floats(-100, 100, allow_nan=False, width=32)),
+       scale=st.one_of(st.none(), st.floats(-100, 100, allow_nan=False, width=32),
+                       st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)),
        data=st.data())
 def test_property_random(device, rows, cols, n, dtype, oob, scale, data):
     t = rand(rows, cols, dtype, seed=rows * 7 + cols)

@@ -1,4 +1,6 @@
-"""The ``uvaple`` command: ``doctor`` (can this machine run the UVA path?) and ``bench`` (benchmarks)."""
+"""The ``uvaple`` command: ``doctor`` (can this machine run the UVA path?), ``bench`` (benchmarks) and
+``shm`` (shared tables).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import sys
 COMMANDS = {
     "doctor": ("uvaple.uva.doctor", "check CUDA, UVA support and measure host-read bandwidth"),
     "bench": ("uvaple.perf.bench", "gather benchmarks: uva vs the copy ceiling and the peers"),
+    "shm": ("uvaple.shm", "list the named shared tables in /dev/shm; remove the ones nobody uses"),
 }
 
 

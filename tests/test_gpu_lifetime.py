@@ -1,0 +1,160 @@
+"""Host-table lifetime on a real GPU: release under pending kernels, finalizers, fork, graphs, sharing.
+
+Skipped where there is no CUDA (CI); run on the GPU machine (perf/gpu_check.sh), log committed. The
+full-size runs (an 8 GiB table released by its finalizer, 4 processes sharing 16 GiB) are
+``perf/lifetime_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+from uvaple.kernels import gather_rows, reference_gather
+from uvaple.uva import HostTable
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+
+
+def rand(rows, cols, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * 4).to(dtype)
+
+
+def bits(t):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def registered(ptr: int) -> bool:
+    """Whether CUDA knows ``ptr`` as registered host memory."""
+    from cuda.bindings import runtime as rt
+
+    err, attrs = rt.cudaPointerGetAttributes(ptr)
+    if int(err) != 0:
+        rt.cudaGetLastError()
+        return False
+    return int(attrs.type) == 1  # cudaMemoryTypeHost
+
+
+def mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_dropped_table_released_under_pending_kernels():
+    """No close(): the last reference goes while a gather is queued behind a long kernel. The finalizer
+    synchronises before unregistering; the gather's result is intact and the registration is gone."""
+    t = rand(2000, 8960, seed=11)
+    h = HostTable.from_tensor(t, register=True)
+    ptr = h.ptr
+    ids = torch.randint(0, 2000, (8192,), device=DEV)
+    out = torch.empty(8192, 8960, dtype=torch.bfloat16, device=DEV)
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time ahead of the gather
+    gather_rows(h, ids, out)
+    assert registered(ptr)
+    del h  # released here (synchronise, unregister, unmap)
+    assert not registered(ptr) and not mapped(ptr)
+    assert torch.equal(bits(out), bits(reference_gather(t, ids)))
+    assert torch.ones(4, device=DEV).sum().item() == 4  # the context is healthy
+
+
+def test_cuda_view_keeps_the_registration_after_close():
+    t = rand(700, 256, seed=3)
+    h = HostTable.from_tensor(t, register=True)
+    ptr, view = h.ptr, h.cuda_view()
+    h.close()
+    assert registered(ptr) and not h.released
+    ids = torch.arange(700, device=DEV).flip(0)
+    assert torch.equal(bits(view[ids]), bits(t.flip(0)))
+    del view
+    gc.collect()
+    assert h.released and not registered(ptr)
+
+
+def test_captured_graph_keeps_its_table_until_exit():
+    """A graph captured over a host table is replayed after the table was closed and dropped."""
+    t = rand(512, 1024, seed=12)
+    h = HostTable.from_tensor(t, register=True)
+    ptr = h.ptr
+    ids = torch.randint(0, 512, (256,), device=DEV)
+    out = torch.empty(256, 1024, dtype=torch.bfloat16, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gather_rows(h, ids, out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gather_rows(h, ids, out)
+    h.close()
+    del h
+    gc.collect()
+    assert registered(ptr) and mapped(ptr)  # a graph reads it: kept
+    new = torch.randint(0, 512, (256,))
+    ids.copy_(new)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(t[new]))
+
+
+def test_fork_after_registration_keeps_the_parent_exact():
+    """fork() after registration, then the parent rewrites rows: the GPU reads the new rows (the pages
+    were never shared copy-on-write with the child); the child's inherited view reads zeros."""
+    t = rand(3000, 2048, seed=13)
+    h = HostTable.from_tensor(t, register=True)
+    ids = torch.randint(0, 3000, (4096,), device=DEV)
+    assert torch.equal(bits(gather_rows(h, ids)), bits(reference_gather(t, ids)))
+    view = h.tensor
+    pid = os.fork()
+    if pid == 0:
+        code = 0 if not view.numpy().view("u2").any() else 3  # numpy only: no CUDA, no OpenMP in a child
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    t2 = rand(3000, 2048, seed=14)
+    h.write_rows(t2)  # the parent writes after the fork: no copy-on-write may move its pages
+    got = gather_rows(h, ids)
+    assert torch.equal(bits(got), bits(reference_gather(t2, ids)))
+    h.close()
+
+
+def test_shared_table_by_two_processes_on_one_gpu():
+    name = f"gpu-{uuid.uuid4().hex[:10]}"
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from uvaple.uva import HostTable
+        from uvaple.kernels import gather_rows
+        def fill(t):
+            g = torch.Generator().manual_seed(5)
+            t.write_rows(torch.randn(4000, 1536, generator=g).to(torch.bfloat16))
+        t = HostTable.shared({name!r}, 4000, 1536, torch.bfloat16, fill=fill, timeout=120, register=True)
+        ids = torch.randint(-3, 4003, (5000,), generator=torch.Generator().manual_seed(int(sys.argv[1])))
+        got = gather_rows(t, ids.cuda(), oob="row0").cpu()
+        ok = torch.equal(got, t.tensor[torch.where((ids >= 0) & (ids < 4000), ids, 0)])
+        print(int(t.created), int(ok), flush=True)
+        sys.stdin.readline()
+        t.close()
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    lines = [p.stdout.readline().split() for p in procs]
+    for p in procs:
+        p.stdin.write("\n")
+        p.stdin.flush()
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    assert sorted(int(a) for a, _ in lines) == [0, 1] and all(int(b) for _, b in lines), (lines, errs)
+    assert not os.path.exists(f"/dev/shm/uvaple.{name}")

@@ -1,0 +1,345 @@
+"""Named shared tables: create-or-attach by many processes, dead creators, bad input, ``uvaple shm``.
+
+Processes here are real (``subprocess``), killed with real signals; every test ends with nothing of its
+name left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+from uvaple.uva import HostTable, SharedSegmentError, SharedSegmentTimeout, _region, segments
+
+ROWS, COLS = 1000, 160  # 160 fp32 columns: 640-byte rows
+
+
+def shm_name() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def path_of(name: str) -> str:
+    return f"/dev/shm/uvaple.{name}"
+
+
+def expected(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, COLS, generator=g)
+
+
+@pytest.fixture
+def name():
+    n = shm_name()
+    yield n
+    leftover = os.path.exists(path_of(n))
+    if leftover:
+        os.unlink(path_of(n))
+    assert not leftover, f"{path_of(n)} was left behind"
+
+
+# A worker process: loads, says "loaded", waits for "start" on stdin (so that several call shared() at
+# the same moment), then does what its mode says and prints one JSON line.
+WORKER = textwrap.dedent("""
+    import json, os, sys, time, torch
+    from uvaple.uva import HostTable, SharedSegmentError
+    name, mode, fill_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    rows, cols = int(sys.argv[4]), int(sys.argv[5])
+    def fill(t):
+        print(json.dumps({"filling": os.getpid()}), flush=True)
+        time.sleep(fill_s)
+        if mode == "raise":
+            raise ValueError("the checkpoint is unreadable")
+        g = torch.Generator().manual_seed(0)
+        t.write_rows(torch.randn(rows, cols, generator=g))
+    print("loaded", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    try:
+        t = HostTable.shared(name, rows, cols, torch.float32, fill=fill, timeout=float(os.environ.get("T", 60)))
+    except Exception as e:
+        print(json.dumps({"error": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}), flush=True)
+        sys.exit(0)
+    s = int(t.tensor.view(torch.int32).to(torch.int64).sum())
+    print(json.dumps({"created": t.created, "sum": s, "pid": os.getpid(), "s": time.monotonic() - t0}),
+          flush=True)
+    if mode == "hold":
+        sys.stdin.readline()  # keep it open until told
+    t.close()
+""")
+
+
+class Worker:
+    def __init__(self, name, mode="normal", fill_s=0.0, rows=ROWS, cols=COLS, env=None):
+        self.p = subprocess.Popen([sys.executable, "-c", WORKER, name, mode, str(fill_s), str(rows), str(cols)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=dict(os.environ, **(env or {})))
+        assert self.p.stdout.readline().strip() == "loaded", self.p.stderr.read()
+
+    def start(self):
+        self.p.stdin.write("start\n")
+        self.p.stdin.flush()
+
+    def line(self) -> dict:
+        out = self.p.stdout.readline()
+        assert out, self.p.stderr.read()
+        return json.loads(out)
+
+    def finish(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write("go\n")
+                self.p.stdin.flush()
+            except BrokenPipeError:
+                pass
+        assert self.p.wait(60) == 0, self.p.stderr.read()
+
+    def kill(self) -> None:
+        self.p.send_signal(signal.SIGKILL)
+        assert self.p.wait(30) == -signal.SIGKILL
+
+
+def want_sum() -> int:
+    return int(expected().view(torch.int32).to(torch.int64).sum())
+
+
+# ------------------------------------------------------------------ many processes, one table
+@pytest.mark.timeout(300)
+def test_eight_processes_at_once_create_exactly_one(name):
+    workers = [Worker(name, "hold", fill_s=0.5) for _ in range(8)]
+    for w in workers:
+        w.start()
+    results = []
+    for w in workers:
+        first = w.line()
+        results.append(w.line() if "filling" in first else first)
+    try:
+        assert sum(r["created"] for r in results) == 1, results
+        assert {r["sum"] for r in results} == {want_sum()}
+        info = {i.name: i for i in segments.list_segments()}[name]
+        assert info.state == "ready" and info.attached and len(info.pids) == 8
+        assert info.size_bytes == segments.DATA_OFFSET + -(-ROWS * 640 // 4096) * 4096  # once, for 8 processes
+    finally:
+        for w in workers:
+            w.finish()
+    assert not os.path.exists(path_of(name))  # the last one out unlinked it
+
+
+def test_create_then_attach_in_one_process(name):
+    src = expected(3)
+    a = HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: t.write_rows(src), tag="ckpt-1")
+    b = HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: pytest.fail("filled twice"),
+                         tag="ckpt-1")
+    assert a.created and not b.created
+    assert torch.equal(b.tensor, src) and a.tensor.data_ptr() != b.tensor.data_ptr()
+    b.tensor[0, 0] = 42.0  # one copy of the memory
+    assert a.tensor[0, 0].item() == 42.0
+    a.close()
+    assert os.path.exists(path_of(name))  # b still has it open
+    b.close()
+    assert not os.path.exists(path_of(name))
+
+
+# ------------------------------------------------------------------ dead creators
+@pytest.mark.timeout(120)
+def test_creator_killed_before_ready_is_detected_and_replaced(name):
+    a = Worker(name, fill_s=3600)
+    a.start()
+    assert "filling" in a.line()
+    a.kill()
+    info = {i.name: i for i in segments.list_segments()}[name]
+    assert info.state == "stale" and not info.in_use
+    t0 = time.monotonic()
+    t = HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: t.write_rows(expected()), timeout=10)
+    assert time.monotonic() - t0 < 5 and t.created
+    assert torch.equal(t.tensor, expected())
+    t.close()
+
+
+@pytest.mark.timeout(120)
+def test_creator_killed_after_ready_is_attached(name):
+    a = Worker(name, "hold")
+    a.start()
+    a.line()  # filling
+    r = a.line()
+    assert r["created"]
+    a.kill()
+    info = {i.name: i for i in segments.list_segments()}[name]
+    assert info.state == "ready" and not info.attached and info.pids == ()
+    t0 = time.monotonic()
+    t = HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: pytest.fail("refilled"), timeout=10)
+    assert time.monotonic() - t0 < 5 and not t.created
+    assert torch.equal(t.tensor, expected())
+    t.close()  # the last one out: unlinked
+
+
+@pytest.mark.timeout(120)
+def test_empty_with_a_name_replaces_a_stale_segment(name):
+    a = Worker(name, fill_s=3600)
+    a.start()
+    a.line()
+    a.kill()
+    with HostTable.empty(10, 16, torch.float16, name=name) as t:
+        assert t.created and t.tensor.shape == (10, 16)
+    with pytest.raises(SharedSegmentError, match="no shared table"):
+        HostTable.attach(name)
+
+
+@pytest.mark.timeout(120)
+def test_waiters_get_the_creators_fill_error_not_a_timeout(name):
+    a = Worker(name, "raise", fill_s=1.5)
+    b = Worker(name, env={"T": "60"})
+    a.start()
+    assert "filling" in a.line()
+    b.start()
+    rb = b.line()
+    ra = a.line()
+    assert ra["error"] == "ValueError" and "unreadable" in ra["msg"]
+    assert rb["error"] == "SharedSegmentError" and "unreadable" in rb["msg"] and rb["s"] < 30, rb
+    a.finish()
+    b.finish()
+
+
+@pytest.mark.timeout(120)
+def test_wait_for_a_live_slow_creator_is_bounded_and_named(name):
+    a = Worker(name, fill_s=3600)
+    a.start()
+    a.line()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SharedSegmentTimeout, match=rf"pid {a.p.pid} \(alive\)"):
+            HostTable.shared(name, ROWS, COLS, torch.float32, timeout=1.0)
+        assert time.monotonic() - t0 < 3
+    finally:
+        a.kill()
+    segments.clean([name])
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("bad", ["a/b", "../etc/passwd", "x" * 300, "", ".", "..", "sp ace", 7, None])
+def test_bad_names_are_named(bad):
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(SharedSegmentError, match="not valid"):
+        HostTable.shared(bad, 4, 4, torch.float32)
+    with pytest.raises(SharedSegmentError, match="not valid"):
+        HostTable.attach(bad)
+    assert set(os.listdir("/dev/shm")) == before
+
+
+@pytest.mark.parametrize("timeout", [0, 0.0, -1, -0.5, True, "5", None, float("nan")])
+def test_bad_timeouts_are_named(name, timeout):
+    live = len(_region.live_regions())
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        HostTable.shared(name, 4, 4, torch.float32, timeout=timeout)
+    assert len(_region.live_regions()) == live
+
+
+def test_mismatches_are_named_while_in_use(name):
+    with HostTable.shared(name, 10, 8, torch.float32, tag="a") as t:
+        for kw, what in [(dict(rows=11, cols=8, dtype=torch.float32, tag="a"), "rows: expected 11"),
+                         (dict(rows=10, cols=9, dtype=torch.float32, tag="a"), "cols: expected 9"),
+                         (dict(rows=10, cols=8, dtype=torch.float16, tag="a"), "dtype"),
+                         (dict(rows=10, cols=8, dtype=torch.float32, tag="b"), "tag: expected 'b'")]:
+            with pytest.raises(SharedSegmentError, match=what):
+                HostTable.shared(name, kw["rows"], kw["cols"], kw["dtype"], tag=kw["tag"])
+        with pytest.raises(SharedSegmentError, match="cols: expected 9"):
+            HostTable.attach(name, cols=9)
+        assert t.tensor.shape == (10, 8)
+
+
+@pytest.mark.timeout(120)
+def test_orphan_of_another_shape_is_replaced_by_shared(name):
+    a = Worker(name, "hold")
+    a.start()
+    a.line()
+    a.line()
+    a.kill()  # a ready orphan of shape ROWS x COLS
+    with HostTable.shared(name, 7, 3, torch.float32, fill=lambda t: t.write_rows(torch.ones(7, 3))) as t:
+        assert t.created and torch.equal(t.tensor, torch.ones(7, 3))
+
+
+def test_a_file_that_is_not_ours_is_refused_and_left_alone(name):
+    with open(path_of(name), "wb") as f:
+        f.write(b"NOTOURS!" + b"x" * 5000)
+    try:
+        with pytest.raises(SharedSegmentError, match="not a uvaple shared table"):
+            HostTable.shared(name, 4, 4, torch.float32)
+        with pytest.raises(SharedSegmentError, match="already exists|not a uvaple"):
+            HostTable.empty(4, 4, torch.float32, name=name)
+        assert os.path.exists(path_of(name))
+        assert segments.clean([name]) == []  # clean never removes a foreign file
+    finally:
+        os.unlink(path_of(name))
+
+
+@pytest.mark.timeout(120)
+def test_a_truncated_segment_is_named_on_attach_and_replaced_when_orphaned(name):
+    a = Worker(name, "hold")
+    a.start()
+    a.line()
+    a.line()
+    a.kill()
+    os.truncate(path_of(name), segments.DATA_OFFSET + 4096)
+    with pytest.raises(SharedSegmentError, match="truncated"):
+        HostTable.attach(name)
+    with HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: t.write_rows(expected())) as t:
+        assert t.created and torch.equal(t.tensor, expected())
+
+
+def test_fill_raising_leaves_nothing(name):
+    live = len(_region.live_regions())
+
+    def bad_fill(t):
+        keep = t.tensor  # a view in the failing frame: must not keep the memory mapped
+        keep[0, 0] = 1.0
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        HostTable.shared(name, 100, 40, torch.float32, fill=bad_fill)
+    assert len(_region.live_regions()) == live
+    assert not os.path.exists(path_of(name))
+
+
+def test_use_after_close_and_double_close(name):
+    t = HostTable.shared(name, 4, 4, torch.float32)
+    t.close()
+    t.close()
+    from uvaple.uva import TableClosedError
+
+    with pytest.raises(TableClosedError):
+        _ = t.tensor
+    with pytest.raises(TableClosedError):
+        t.write_rows(torch.zeros(1, 4))
+    assert t.released
+
+
+# ------------------------------------------------------------------ uvaple shm
+@pytest.mark.timeout(120)
+def test_shm_list_and_clean_commands(name, capsys):
+    from uvaple.cli import main
+
+    a = Worker(name, "hold")
+    a.start()
+    a.line()
+    a.line()
+    assert main(["shm", "list"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith(name))
+    assert "ready" in row and str(a.p.pid) in row and f"{ROWS}x{COLS}" in row
+    assert main(["shm", "clean", name]) == 0  # in use: not removed
+    assert "nothing to remove" in capsys.readouterr().out and os.path.exists(path_of(name))
+    a.kill()
+    assert main(["shm", "list", "--json"]) == 0
+    info = {i["name"]: i for i in json.loads(capsys.readouterr().out)}[name]
+    assert info["state"] == "ready" and info["pids"] == [] and not info["attached"]
+    assert main(["shm", "clean", "--dry-run", name]) == 0
+    assert "would remove" in capsys.readouterr().out and os.path.exists(path_of(name))
+    assert main(["shm", "clean", name]) == 0
+    assert "removed" in capsys.readouterr().out and not os.path.exists(path_of(name))

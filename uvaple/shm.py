@@ -1,0 +1,58 @@
+"""``uvaple shm``: list the named shared tables of this machine, and remove those nobody uses.
+
+``list`` shows every ``/dev/shm/uvaple.*`` segment: size, state (``ready``, ``building``, ``failed``,
+``stale``: its creator died before it was ready, ``foreign``: not a uvaple file), the creator's pid, the
+table's shape and tag, and the processes that have it mapped. ``clean`` removes the segments no process
+has open (stale, failed, or ready and orphaned by a killed process); ``--dry-run`` only says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from uvaple.uva import segments
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def format_list(infos: list[segments.SegmentInfo]) -> str:
+    if not infos:
+        return f"no uvaple shared tables in {segments.SHM_DIR}"
+    lines = [f"{'name':<28} {'size':>10} {'state':<9} {'creator':>8} {'shape':<18} {'dtype':<8} "
+             f"{'open by':<16} tag"]
+    for i in infos:
+        shape = f"{i.rows}x{i.cols}" if i.rows is not None else "-"
+        users = ",".join(map(str, i.pids)) or ("yes" if i.attached else "-")
+        lines.append(f"{i.name:<28} {_size(i.size_bytes):>10} {i.state:<9} {i.creator_pid or '-':>8} "
+                     f"{shape:<18} {i.dtype or '-':<8} {users:<16} {i.tag or ''}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="uvaple shm", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    lst = sub.add_parser("list", help="show the segments")
+    lst.add_argument("--json", action="store_true", help="print JSON")
+    cl = sub.add_parser("clean", help="remove the segments no process has open")
+    cl.add_argument("names", nargs="*", help="only these segments (default: every unused one)")
+    cl.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    a = p.parse_args(argv)
+    if a.cmd == "list":
+        infos = segments.list_segments()
+        print(json.dumps([asdict(i) for i in infos], indent=2) if a.json else format_list(infos))
+        return 0
+    removed = segments.clean(a.names or None, dry_run=a.dry_run)
+    verb = "would remove" if a.dry_run else "removed"
+    for i in removed:
+        print(f"{verb} {i.path} ({_size(i.size_bytes)}, {i.state})")
+    if not removed:
+        print("nothing to remove: every uvaple segment is in use" if segments.list_segments()
+              else f"no uvaple shared tables in {segments.SHM_DIR}")
+    return 0
