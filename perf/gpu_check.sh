@@ -27,7 +27,7 @@ if has doctor; then
 fi
 if has tests; then
   step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; 1000 equivalence schedules)"
-  UVAPLE_EQUIV_SCHEDULES=1000 timeout 420 python3 -m pytest -q -ra --timeout 400 --durations=15 -p no:cacheprovider \
+  UVAPLE_EQUIV_SCHEDULES=1000 timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \
     ${TESTS:-tests} 2>&1 | tee "$R/pytest.log" | tail -40
 fi
 if has lifetime; then

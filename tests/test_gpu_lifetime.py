@@ -119,9 +119,12 @@ def test_fork_after_registration_keeps_the_parent_exact():
     assert torch.equal(bits(gather_rows(h, ids)), bits(reference_gather(t, ids)))
     view = h.tensor
     pid = os.fork()
-    if pid == 0:
-        code = 0 if not view.numpy().view("u2").any() else 3  # numpy only: no CUDA, no OpenMP in a child
-        os._exit(code)
+    if pid == 0:  # the child: numpy only (no CUDA, no OpenMP after a fork), and always _exit
+        code = 4
+        try:
+            code = 0 if not view.view(torch.int16).numpy().any() else 3
+        finally:
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     t2 = rand(3000, 2048, seed=14)

@@ -132,7 +132,7 @@ def test_chunked_registration_reads_across_chunk_boundaries(monkeypatch):
     rows, cols = 9000, 8960  # 154 MiB: three chunks
     t = rand(rows, cols, seed=9)
     with HostTable.from_tensor(t, register=True) as h:
-        assert len(h._registered_chunks) == 3
+        assert len(h._region.chunks) == 3
         per_chunk = (64 << 20) // h.stride_bytes
         edge = [per_chunk - 1, per_chunk, per_chunk + 1, 2 * per_chunk - 1, 2 * per_chunk, rows - 1, 0]
         ids = torch.tensor(edge * 10, device=DEV)

@@ -200,7 +200,7 @@ def test_fork_after_map_keeps_the_parent_table_and_gives_the_child_zeros():
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: report, never run pytest machinery; numpy only (torch's OpenMP pool is not
-        code = 1  # fork-safe)
+        code = 1  # fork-safe); always _exit
         try:
             arr = view.numpy()
             zeros = not arr.any()
@@ -249,7 +249,7 @@ def test_release_during_a_capture_is_put_off(monkeypatch):
     """A table dropped while a CUDA graph is being captured is released after the capture, not during."""
     calls = []
     monkeypatch.setattr(_region, "_capturing", lambda: True)
-    t = HostTable.empty(8, 8, torch.float32)
+    t = HostTable.empty(8, 8, torch.float32, register=False)  # never really registered, also on a GPU
     region = t._region
     region.chunks.append((0, region.length))  # pretend it is registered: a release must sync the devices
     monkeypatch.setattr(_region._cuda, "synchronize_devices", lambda: calls.append("sync"))
