@@ -1,11 +1,13 @@
-"""Adapters: PLE backends behind one interface, model swap-ins, the HF transformers patch.
+"""Adapters: the lookup object and its placements, model swap-ins, the HF transformers patch.
 
 Heavy or optional pieces (transformers, vLLM) are imported lazily by their own modules.
 """
 
-from . import errors  # copy_backend: the named backend errors live in uvaple.integration.errors
-from .backends import BACKENDS, Backend, DeviceBackend, UvaBackend, make_backend
-from .copy_backend import CopyBackend, CopyJob  # copy_backend
+from . import errors
+from .copy import CopyBackend, CopyJob
+from .factory import KINDS, make_lookup
+from .lookup import GatherLookup, Lookup, default_device
+from .spec import TableSpec
 
-__all__ = ["Backend", "UvaBackend", "DeviceBackend", "make_backend", "BACKENDS"]
-__all__ += ["CopyBackend", "CopyJob", "errors"]  # copy_backend
+__all__ = ["TableSpec", "Lookup", "GatherLookup", "CopyBackend", "CopyJob", "make_lookup", "KINDS",
+           "default_device", "errors"]

@@ -1,399 +1,35 @@
-"""Gemma 3n's per-layer embedding (PLE) table in pinned, mapped host memory.
+"""Gemma 3n with its per-layer embedding (PLE) table in host memory: the HF transformers entry points.
 
-``HostScaledEmbedding`` is a drop-in for HF transformers' ``Gemma3nTextScaledWordEmbedding`` (an
-``nn.Embedding`` whose output is multiplied by ``embed_scale`` cast to the weight dtype) when that module
-is ``embed_tokens_per_layer``: vocab 262,144 x (num_layers * 256), 3.75 GiB for E2B in bf16. The table
-lives in a :class:`uvaple.uva.HostTable`; rows are gathered in the caller's stream through a backend
-(``uva`` by default, ``copy`` or ``device`` on request, see :func:`uvaple.integration.make_backend`).
-
-Matching the reference
-----------------------
-* Output: ``[*ids.shape, embedding_dim]`` in the weight dtype, on the device of the ids, equal bit for
-  bit to ``embedding(ids) * embed_scale.to(weight.dtype)``: ``gather_rows(..., scale=s)`` is defined as
-  ``rows * torch.tensor(s).to(dtype)``, and ``s`` is the module's own scale already cast to the weight
-  dtype, so it is exact in float32.
-* Ids outside ``[0, num_embeddings)`` read row 0 (``oob="row0"``): transformers >= 5.24's
-  ``Gemma3nTextModel.get_per_layer_inputs`` maps them to 0, and the multimodal ``Gemma3nModel`` masks
-  them to 0 in every 5.x release. Older text models (5.17-5.23) raise an IndexError (CPU) or a device
-  assert (CUDA) for them; we return the 5.24 answer instead of failing.
-* ``model.to(dtype)``: the host table keeps its dtype; the module casts its output to the new dtype
-  (``out_dtype``). That equals HF's ``weight.to(dtype) * scale.to(dtype)`` whenever the scale is a power of
-  two (Gemma 3n: sqrt(256) = 16) except for fp16 subnormals.
-
-State dict
-----------
-The table is not a parameter or buffer (``model.to("cuda")`` would copy it to the GPU): it is a plain
-attribute. ``state_dict()`` still carries ``<prefix>weight`` (a CPU tensor aliasing the host table) and
-``load_state_dict()`` writes ``<prefix>weight`` into the host table, so checkpoints keep their keys.
-Assigning ``module.weight = tensor`` (what transformers' loader does) also writes into the table.
+``embed_tokens_per_layer`` (vocab 262,144 x num_layers * 256; 3.75 GiB for E2B, 4.4 GiB for E4B in bf16)
+becomes a :class:`~uvaple.integration.embedding.HostScaledEmbedding`: the table in a
+:class:`~uvaple.uva.HostTable`, rows gathered in the model's stream. What matches HF bit for bit and
+why is in that module's docstring; the patching machinery (keyed by ``config.model_type``) is
+:mod:`uvaple.integration.hf`.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import torch
 from torch import nn
 
-__all__ = [
-    "HostScaledEmbedding",
-    "apply_uvaple_to_gemma3n",
-    "revert_uvaple_to_gemma3n",
-    "load_gemma3n_with_host_ple",
-    "host_state_dict_excluded",
-]
+from .embedding import HostScaledEmbedding
+from .hf import apply_uvaple, from_pretrained_with_host_tables
 
-BACKENDS = ("uva", "device", "copy")
-OOB_RULES = ("row0", "zero")
-
-# Rows initialised per block when a fresh table is filled with random values: 64 MiB of fp32 normals at a
-# time keeps the transient small next to a 3.75 GiB table.
-_INIT_BLOCK_BYTES = 64 << 20
-
-_local = threading.local()
+__all__ = ["HostScaledEmbedding", "apply_uvaple_to_gemma3n", "revert_uvaple_to_gemma3n", "load_gemma3n_with_host_ple"]
 
 
-def _excluded() -> bool:
-    return getattr(_local, "exclude", 0) > 0
-
-
-@contextmanager
-def host_state_dict_excluded() -> Iterator[None]:
-    """Inside this block ``state_dict()`` of every :class:`HostScaledEmbedding` omits ``weight``.
-
-    Used while transformers' ``from_pretrained`` runs, so that the loader treats the checkpoint's table as
-    an unexpected key (never read, never put on the GPU) and :func:`load_gemma3n_with_host_ple` streams it
-    into the host table itself.
-    """
-    _local.exclude = getattr(_local, "exclude", 0) + 1
-    try:
-        yield
-    finally:
-        _local.exclude -= 1
-
-
-def _human(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
-
-
-def _exact_scale(value: float, dtype: torch.dtype, *, source_dtype: torch.dtype | None = None) -> float:
-    """The scale HF multiplies by: ``torch.tensor(value)`` (default dtype) cast to ``dtype``, as a float."""
-    src = torch.tensor(value, dtype=source_dtype or torch.get_default_dtype(), device="cpu")
-    return float(src.to(dtype).item())
-
-
-class HostScaledEmbedding(nn.Module):
-    """Scaled word embedding whose table lives in host memory the GPU reads directly.
-
-    Parameters
-    ----------
-    num_embeddings, embedding_dim : int
-        Table shape ``[num_embeddings, embedding_dim]`` (Gemma 3n PLE: ``[vocab_size_per_layer_input,
-        num_hidden_layers * hidden_size_per_layer_input]``).
-    padding_idx : int, optional
-        Kept for parity with ``nn.Embedding`` (it only matters for gradients there; the row is read as is).
-    embed_scale : float
-        The output scale as HF configures it (``hidden_size_per_layer_input ** 0.5``).
-    table : HostTable, optional
-        The table. Without it the module allocates one (random normal, ``init_std``) unless it is built
-        under ``torch.device("meta")`` (transformers' ``from_pretrained``): then it stays empty until a
-        state dict, ``module.weight = ...`` or :meth:`attach_table` fills it.
-    backend : {"uva", "device", "copy"}
-        How rows are read (see :func:`uvaple.integration.make_backend`).
-    oob : {"row0", "zero"}
-        What ids outside ``[0, num_embeddings)`` read (``row0``: as transformers does).
-    dtype : torch.dtype, optional
-        Table dtype (default: ``table.dtype`` or the current default dtype).
-    scale_value : float, optional
-        The exact scale already cast to the table dtype (set when taken from a live HF module).
-    backend_options : dict, optional
-        Extra keyword arguments for ``make_backend``.
-    own_table : bool
-        Whether :meth:`close` releases the given ``table`` (default False; tables the module allocates
-        itself are always released).
-    materialize : bool, optional
-        Allocate a random table now (default: unless the default device is ``meta``).
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 embed_scale: float = 1.0, *, table=None, backend: str = "uva", oob: str = "row0",
-                 dtype: torch.dtype | None = None, scale_value: float | None = None,
-                 init_std: float = 0.02, backend_options: dict | None = None, register="auto",
-                 own_table: bool | None = None, materialize: bool | None = None):
-        super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if oob not in OOB_RULES:
-            raise ValueError(f"oob must be one of {OOB_RULES}, got {oob!r}")
-        self.num_embeddings = int(num_embeddings)
-        self.embedding_dim = int(embedding_dim)
-        self.padding_idx = padding_idx
-        self.scalar_embed_scale = embed_scale
-        self.backend_kind = backend
-        self.oob = oob
-        self.backend_options = dict(backend_options or {})
-        self.register_mode = register
-        if table is not None:
-            if (table.rows, table.cols) != (self.num_embeddings, self.embedding_dim):
-                raise ValueError(f"table is {table.rows}x{table.cols}, module expects "
-                                 f"{self.num_embeddings}x{self.embedding_dim}")
-            dtype = table.dtype
-        self.table_dtype = dtype or torch.get_default_dtype()
-        # Compute dtype of the output; follows model.to(dtype) (see _apply).
-        self.compute_dtype = self.table_dtype
-        self.scale_value = (scale_value if scale_value is not None
-                            else _exact_scale(embed_scale, self.table_dtype))
-        self._table = None
-        self._own_table = False
-        self._backends: dict = {}
-        self._last_device: torch.device | None = None
-        self._last_backend = None
-        if table is not None:
-            self.attach_table(table, own=bool(own_table))
-        elif materialize or (materialize is None and torch.get_default_device().type != "meta"):
-            self._allocate_random(init_std)
-
-    # ------------------------------------------------------------------ construction helpers
-    @classmethod
-    def from_embedding(cls, emb: nn.Embedding, *, backend: str = "uva", oob: str = "row0",
-                       backend_options: dict | None = None, register="auto") -> HostScaledEmbedding:
-        """Copy a live (HF) scaled embedding's table into a new host table; the scale is the module's own.
-
-        ``emb`` needs ``weight`` and, for HF's scaled embedding, ``embed_scale`` (a 0-d buffer) or
-        ``scalar_embed_scale``. A module on the meta device gives an empty drop-in (filled by loading).
-        """
-        weight = emb.weight
-        dtype = weight.dtype
-        scalar = float(getattr(emb, "scalar_embed_scale", 1.0))
-        buf = getattr(emb, "embed_scale", None)
-        if isinstance(buf, torch.Tensor) and buf.device.type != "meta":
-            scale_value = float(buf.detach().to(dtype).float().item())  # HF: embed_scale.to(weight.dtype)
-        else:
-            scale_value = _exact_scale(scalar, dtype)
-        mod = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, scalar, backend=backend, oob=oob,
-                  dtype=dtype, scale_value=scale_value, backend_options=backend_options, register=register,
-                  materialize=False)
-        if weight.device.type != "meta":
-            mod.load_weight_(weight.detach())
-        return mod
-
-    def _allocate_random(self, std: float) -> None:
-        """A fresh table, normal(0, std) like HF's ``_init_weights`` for embeddings, padding row zero."""
-        from uvaple.uva import HostTable
-
-        table = HostTable.empty(self.num_embeddings, self.embedding_dim, self.table_dtype,
-                                register=self.register_mode)
-        t = table.tensor
-        block = max(1, _INIT_BLOCK_BYTES // max(1, self.embedding_dim * 4))
-        for a in range(0, self.num_embeddings, block):
-            rows = t[a:a + block]
-            rows.copy_(torch.empty(rows.shape, dtype=torch.float32, device="cpu").normal_(0.0, std))
-        if self.padding_idx is not None and 0 <= self.padding_idx < self.num_embeddings:
-            t[self.padding_idx].zero_()
-        self.attach_table(table, own=True)
-
-    # ------------------------------------------------------------------ table
-    @property
-    def table(self):
-        """The :class:`uvaple.uva.HostTable` (None until loaded when built on the meta device)."""
-        return self._table
-
-    @property
-    def materialized(self) -> bool:
-        return self._table is not None
-
-    def attach_table(self, table, *, own: bool = False) -> None:
-        """Use ``table`` from now on (backends are rebuilt); ``own``: :meth:`close` releases it."""
-        if (table.rows, table.cols) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"table is {table.rows}x{table.cols}, module expects "
-                             f"{self.num_embeddings}x{self.embedding_dim}")
-        old, old_own = self._table, self._own_table
-        self._close_backends()
-        if self.table_dtype != table.dtype:
-            if self.compute_dtype == self.table_dtype:
-                self.compute_dtype = table.dtype
-            self.scale_value = _exact_scale(self.scale_value, table.dtype, source_dtype=torch.float32)
-            self.table_dtype = table.dtype
-        self._table, self._own_table = table, own
-        if old is not None and old is not table and old_own:
-            old.close()
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """CPU tensor aliasing the host table (a meta tensor while the table is not loaded). Read-only use."""
-        if self._table is None:
-            return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.table_dtype, device="meta")
-        return self._table.tensor
-
-    def __setattr__(self, name, value):
-        if name == "weight":  # transformers' loader assigns nn.Parameter(tensor): keep it on the host
-            self.load_weight_(value)
-            return
-        super().__setattr__(name, value)
-
-    @torch.no_grad()
-    def load_weight_(self, weight: torch.Tensor) -> None:
-        """Write ``weight [num_embeddings, embedding_dim]`` (any device) into the host table."""
-        from uvaple.uva import HostTable
-
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected "
-                             f"({self.num_embeddings}, {self.embedding_dim})")
-        if weight.device.type == "meta":
-            return
-        weight = weight.detach()
-        if self._table is not None and self._table.tensor.data_ptr() == weight.data_ptr():
-            return  # our own view (state_dict round trip within one module)
-        if self._table is None:
-            table = HostTable.from_tensor(weight, dtype=self.table_dtype, register=self.register_mode)
-            self.attach_table(table, own=True)
-        else:
-            self._close_backends()  # a device copy would be stale
-            self._table.write_rows(weight)
-
-    # ------------------------------------------------------------------ state dict
-    def _state_weight(self) -> torch.Tensor:
-        w = self.weight
-        return w if w.is_contiguous() else w.contiguous()
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if not _excluded():
-            destination[prefix + "weight"] = self._state_weight()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        key = prefix + "weight"
-        if key in state_dict:
-            try:
-                self.load_weight_(state_dict[key])
-            except (ValueError, TypeError) as e:
-                error_msgs.append(f"{key}: {e}")
-        elif strict:
-            missing_keys.append(key)
-        if strict:
-            for k in state_dict:
-                if k.startswith(prefix) and k != key and "." not in k[len(prefix):]:
-                    unexpected_keys.append(k)
-
-    # ------------------------------------------------------------------ device / dtype moves
-    def _apply(self, fn, recurse=True):
-        # nn.Module.to / .cuda / .half only visit parameters and buffers; the host table is neither. Probe
-        # what fn does to a floating tensor to follow dtype changes, and build the backend of a new device
-        # now rather than inside a compiled or captured forward.
-        probe = fn(torch.empty(0, dtype=self.compute_dtype, device="cpu"))
-        if isinstance(probe, torch.Tensor):
-            if probe.dtype.is_floating_point and probe.dtype != self.compute_dtype:
-                self.compute_dtype = probe.dtype
-            if probe.device.type not in ("meta", "cpu") and self._table is not None:
-                self._backend_for(probe.device)
-        return super()._apply(fn, recurse)
-
-    def set_backend(self, backend: str, backend_options: dict | None = None) -> None:
-        """Read rows through ``backend`` from now on (the current backends are closed; the table stays)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        devices = [torch.device(t, i) if i is not None else torch.device(t) for t, i in self._backends]
-        self._close_backends()
-        self.backend_kind = backend
-        self.backend_options = dict(backend_options or {})
-        for d in devices:
-            if d.type != "cpu":
-                self._backend_for(d)
-
-    # ------------------------------------------------------------------ lookup
-    def _backend_for(self, device: torch.device):
-        from uvaple.integration import make_backend
-
-        if self._table is None:
-            raise RuntimeError(
-                "HostScaledEmbedding has no table yet: it was built on the meta device and never loaded. "
-                "Load a state dict, assign `.weight`, call attach_table(), or use load_gemma3n_with_host_ple()")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        key = (device.type, device.index)
-        backend = self._backends.get(key)
-        if backend is None:
-            backend = make_backend(self.backend_kind, self._table, device=device, **self.backend_options)
-            self._backends[key] = backend
-        self._last_device, self._last_backend = device, backend
-        return backend
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids [*]`` (int) -> ``[*, embedding_dim]`` in ``compute_dtype`` on ``input_ids.device``."""
-        backend = self._last_backend
-        if backend is None or input_ids.device != self._last_device:
-            backend = self._backend_for(input_ids.device)
-        out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
-        return backend.lookup(input_ids, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
-
-    # ------------------------------------------------------------------ lifetime
-    def __deepcopy__(self, memo):
-        # The host table owns a mapping and backends may own threads: copy the rows into a new table.
-        new = type(self)(self.num_embeddings, self.embedding_dim, self.padding_idx, self.scalar_embed_scale,
-                         backend=self.backend_kind, oob=self.oob, dtype=self.table_dtype,
-                         scale_value=self.scale_value, backend_options=dict(self.backend_options),
-                         register=self.register_mode, materialize=False)
-        memo[id(self)] = new
-        new.compute_dtype = self.compute_dtype
-        new.training = self.training
-        if self._table is not None:
-            new.load_weight_(self.weight)
-        return new
-
-    def __getstate__(self):
-        raise TypeError("HostScaledEmbedding holds a host-memory mapping and cannot be pickled; save its "
-                        "state_dict() (or the model's, e.g. save_pretrained) instead")
-
-    def _close_backends(self) -> None:
-        backends, self._backends = self._backends, {}
-        self._last_device, self._last_backend = None, None
-        for b in backends.values():
-            b.close()
-
-    def close(self) -> None:
-        """Release the backends and (when owned) the host table. The module is unusable afterwards."""
-        self._close_backends()
-        table, self._table = self._table, None
-        if table is not None and self._own_table:
-            table.close()
-
-    def extra_repr(self) -> str:
-        if self._table is None:
-            where = "table=not loaded (host)"
-        else:
-            t = self._table
-            state = "registered" if t.registered else "unregistered"
-            shared = f", shared {t.name!r}" if t.name else ""
-            where = (f"table=host {str(t.dtype).replace('torch.', '')} {_human(t.nbytes)} "
-                     f"({t.nbytes} B, {state}{shared})")
-        dt = "" if self.compute_dtype == self.table_dtype else f", out_dtype={self.compute_dtype}"
-        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
-                f"scale={self.scale_value:g}, oob={self.oob}, backend={self.backend_kind}, {where}{dt}")
-
-
-# ---------------------------------------------------------------------- Gemma 3n entry points
 def apply_uvaple_to_gemma3n(model: nn.Module | None = None, *, backend: str = "uva", oob: str = "row0",
-                            backend_options: dict | None = None, register="auto"):
+                            backend_options: dict | None = None, register="auto", max_tokens: int | None = None):
     """Put Gemma 3n's ``embed_tokens_per_layer`` table in host memory.
 
     With ``model``: swap every ``embed_tokens_per_layer`` module of the live model for a
     :class:`HostScaledEmbedding` holding a host copy of its table and free the original table (GPU or
     CPU). Without: patch ``Gemma3nTextModel`` so models built afterwards create the drop-in directly and
     never allocate the table as a parameter. Returns a :class:`uvaple.integration.hf.UvaplePatch`
-    (``revert()``, context manager).
+    (``revert()``, context manager). ``max_tokens``: the modules write into a static output of that many
+    rows (see :mod:`uvaple.integration.embedding`).
     """
-    from .hf import apply_uvaple
-
     return apply_uvaple(model, model_type="gemma3n", backend=backend, oob=oob,
-                        backend_options=backend_options, register=register)
+                        backend_options=backend_options, register=register, max_tokens=max_tokens)
 
 
 def revert_uvaple_to_gemma3n(handle) -> None:
@@ -411,11 +47,8 @@ def load_gemma3n_with_host_ple(path, *, model_class=None, backend: str = "uva", 
 
     ``model_class`` defaults to ``Gemma3nForCausalLM`` (``Gemma3nForConditionalGeneration`` works too).
     """
-    from .hf import from_pretrained_with_host_tables
-
     if model_class is None:
         from transformers import Gemma3nForCausalLM as model_class
     return from_pretrained_with_host_tables(model_class, path, model_type="gemma3n", backend=backend,
                                             oob=oob, backend_options=backend_options, register=register,
                                             **from_pretrained_kw)
-

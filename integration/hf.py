@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .gemma3n import HostScaledEmbedding, host_state_dict_excluded
+from .embedding import HostScaledEmbedding, host_state_dict_excluded
 
 log = logging.getLogger("uvaple.integration.hf")
 
@@ -140,7 +140,7 @@ class UvaplePatch:
 
 def apply_uvaple(model: nn.Module | None = None, *, model_type: str | None = None, backend: str = "uva",
                  oob: str | None = None, backend_options: dict | None = None,
-                 register="auto") -> UvaplePatch:
+                 register="auto", max_tokens: int | None = None) -> UvaplePatch:
     """Put a PLE model's per-layer embedding table in host memory.
 
     Parameters
@@ -156,12 +156,15 @@ def apply_uvaple(model: nn.Module | None = None, *, model_type: str | None = Non
     oob : {"row0", "zero"}, optional
         Rule for ids outside the table (default: the spec's, i.e. what transformers does).
     backend_options : dict, optional
-        Passed to ``make_backend``.
+        Passed to ``make_lookup``.
     register : bool or "auto"
         ``HostTable`` registration (``auto``: when CUDA is usable).
+    max_tokens : int, optional
+        Most ids per forward: the modules write into a preallocated output (no allocation per step).
     """
     spec = _spec_for(model, model_type)
-    opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register)
+    opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register,
+                max_tokens=max_tokens)
     if model is not None:
         return _swap_live(model, spec, opts)
     return _patch_class(spec, opts)
@@ -183,7 +186,7 @@ def _swap_live(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
         device, dtype = weight.device, weight.dtype
         new = HostScaledEmbedding.from_embedding(child, **opts)
         if device.type == "cuda":
-            new._backend_for(device)  # build now, not inside a compiled / captured forward
+            new._lookup_for(device)  # build now, not inside a compiled / captured forward
         setattr(parent, name, new)
         # Free the original table wherever it lived; revert() copies it back from the host table.
         weight.data = torch.empty(0, dtype=dtype, device=device)
@@ -287,23 +290,9 @@ def _ctor_matches(want: dict, args: tuple, kwargs: dict) -> bool:
 
 # ---------------------------------------------------------------------- loading
 def _checkpoint_keys(path: str) -> list[str]:
-    from safetensors import safe_open
+    from uvaple.uva.loading import checkpoint_files
 
-    if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                return list(json.load(f)["weight_map"])
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {path}")
-        keys: list[str] = []
-        for name in files:
-            with safe_open(os.path.join(path, name), framework="pt") as f:
-                keys.extend(f.keys())
-        return keys
-    with safe_open(path, framework="pt") as f:
-        return list(f.keys())
+    return list(checkpoint_files(path))
 
 
 def _match_key(wanted: str, keys: list[str], attr: str) -> str:
@@ -351,7 +340,7 @@ class _IgnoreUnexpected:
 def from_pretrained_with_host_tables(model_class, path, *, model_type: str | None = None,
                                      backend: str = "uva", oob: str | None = None,
                                      backend_options: dict | None = None, register="auto",
-                                     **from_pretrained_kw):
+                                     max_tokens: int | None = None, **from_pretrained_kw):
     """``model_class.from_pretrained(path, ...)`` with every PLE table streamed into a host table.
 
     ``path`` is a local checkpoint directory (``model.safetensors`` or an index with shards) or one
@@ -369,7 +358,8 @@ def from_pretrained_with_host_tables(model_class, path, *, model_type: str | Non
         with open(cfg_path) as f:
             model_type = json.load(f).get("model_type")
     spec = _spec_for(None, model_type)
-    opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register)
+    opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register,
+                max_tokens=max_tokens)
     state = _class_patches.get(spec.owner_class)
     patch = _patch_class(spec, opts) if state is None else None
     saved = None if state is None else state["opts"]
@@ -391,6 +381,6 @@ def from_pretrained_with_host_tables(model_class, path, *, model_type: str | Non
             table = HostTable.from_safetensors(path, key, dtype=mod.table_dtype, register=register)
             mod.attach_table(table, own=True)
             if device.type == "cuda":
-                mod._backend_for(device)
+                mod._lookup_for(device)
             log.info("uvaple: %s.weight <- %s (%s) in host memory", name, key, table)
     return model

@@ -11,6 +11,15 @@ jit = kernel_decorator(__name__)
 
 
 @jit
+def safe_row(ids_ptr, pid, n_rows):
+    """(row, valid) for program ``pid``: the id as int64, replaced by 0 when outside ``[0, n_rows)`` so
+    that no address outside the table is ever formed, whatever the id."""
+    row = tl.load(ids_ptr + pid).to(tl.int64)
+    valid = (row >= 0) & (row < n_rows)
+    return tl.where(valid, row, 0), valid
+
+
+@jit
 def _f32_to_bf16_rne(x):
     """fp32 -> bf16, round to nearest even; NaN becomes the quiet NaN 0x7FC0 (as torch does)."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -46,6 +55,8 @@ def gather_rows_kernel(
     table_ptr,  # *Pointer* to row 0 of the table (host memory through UVA, or HBM)
     ids_ptr,  # *Pointer* to the flattened ids, int32 or int64
     out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
+    counters_ptr,  # *Pointer* to int64 [3]: lookups, rows, out-of-range ids (read only when COUNT)
+    n_ids,  # ids in this call
     n_rows,  # rows in the table: valid ids are 0 <= id < n_rows
     table_stride,  # elements between two table rows (>= the row length, padded)
     col_start,  # first column of the range to copy
@@ -54,13 +65,18 @@ def gather_rows_kernel(
     HAS_SCALE: tl.constexpr,  # multiply by the scale with the model's rounding
     CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
     OOB_ROW0: tl.constexpr,  # out-of-range ids read row 0 (else they give a zero row)
+    COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id)
     BLOCK: tl.constexpr,  # columns per program
 ):
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    row = tl.load(ids_ptr + pid).to(tl.int64)
-    valid = (row >= 0) & (row < n_rows)
-    row = tl.where(valid, row, 0)  # never an address outside the table
+    row, valid = safe_row(ids_ptr, pid, n_rows)
+    if COUNT:
+        if tile == 0:
+            first = pid == 0
+            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 1, n_ids, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
     if OOB_ROW0:
         limit = n_cols
     else:

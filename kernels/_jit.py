@@ -19,7 +19,7 @@ import threading
 from types import ModuleType
 
 _SUFFIX = "__interpreted"
-_lock = threading.Lock()
+_lock = threading.RLock()  # loading one variant may load another (a helper module it imports)
 
 
 def kernel_decorator(module_name: str):
@@ -59,9 +59,15 @@ def variant(module: ModuleType, interpret: bool) -> ModuleType:
         return _interpreted(module.__name__)
 
 
+def same_variant(module_name: str, module: ModuleType) -> ModuleType:
+    """``module`` as the variant a kernel module named ``module_name`` is (so its kernels may call the
+    other module's ``@jit`` helpers: compiled from compiled, interpreted from interpreted)."""
+    return variant(module, module_name.endswith(_SUFFIX))
+
+
 def running_on_cpu(*tensors) -> bool:
     """True when a launch over these tensors must use the interpreter (no CUDA tensor among them)."""
     return not any(t.is_cuda for t in tensors)
 
 
-__all__ = ["kernel_decorator", "variant", "running_on_cpu"]
+__all__ = ["kernel_decorator", "variant", "same_variant", "running_on_cpu"]

@@ -1,9 +1,10 @@
 """Row gather: ``out[i, :] = table[ids[i], c0:c1] (* scale)`` in the caller's current CUDA stream.
 
-One kernel serves every table placement: a ``HostTable`` (pinned, mapped host memory read over PCIe
-through UVA), a pinned/registered CPU tensor, or a CUDA tensor in HBM. Under ``TRITON_INTERPRET=1`` the
-same source runs on CPU tensors (the interpreter is chosen per call, for CPU tensors: see
-:mod:`uvaple.kernels._jit`), which is how CI checks indexing, masking, rounding and edge cases.
+One kernel serves every table placement: a CPU tensor over registered host memory (read over PCIe
+through UVA), a CUDA tensor aliasing it, or a CUDA tensor in HBM. On CPU tensors the same source runs
+under Triton's interpreter (chosen per launch: :mod:`uvaple.kernels._jit`), which is how CI checks
+indexing, masking, rounding and edge cases. This layer takes tensors and ints only; host tables, specs
+and placements are :mod:`uvaple.integration`'s.
 
 Work split: program ``(i, j)`` copies column tile ``j`` of row ``ids[i]``. Tile width comes from
 :func:`uvaple.kernels.heuristics.launch_config` (bytes per tile and warps, by row bytes).
@@ -17,12 +18,17 @@ Rounding: with ``scale``, the result is bit-identical to HF Gemma 3n's ``emb * s
 the scale is rounded to the table dtype on the host (and passed as its fp32 bits, so -0.0 and subnormals
 arrive intact), the product is formed in fp32 and rounded once to the table dtype with
 round-to-nearest-even, then converted to the output dtype. NaN results are NaN; their sign and payload
-are the device's (torch on the CPU and a GPU disagree there too). The fp32 -> bf16 rounding
-is written out with integer ops because Triton's interpreter rounds half away from zero (and the GPU's
-``cvt.rn.bf16.f32`` gives the same bits as this), so CPU and GPU agree.
+are the device's (torch on the CPU and a GPU disagree there too). bf16 is widened with a shift and
+narrowed with integer ops (Triton's interpreter mangles bf16 subnormals and rounds half away from zero;
+the GPU's own conversions give the same bits as these), so CPU and GPU agree.
 
-Hot path: no host synchronisation, no allocation when ``out`` is given, launch on the current stream only;
-capturable in a CUDA graph and replayable with new ids written into the captured ids buffer.
+Counters: a launch may add to an int64 ``[3]`` tensor on the device — lookups, rows, out-of-range ids
+— with relaxed atomics (one per call, one per out-of-range id), so progress is readable without any
+host work on the hot path, under CUDA graphs too.
+
+Hot path: no host synchronisation, no allocation when ``out`` is given, launch on the current stream only,
+always through the ``uvaple::gather_rows`` op (eager and compiled give the same bits); capturable in a
+CUDA graph and replayable with new ids written into the captured ids buffer.
 """
 
 from __future__ import annotations
@@ -33,30 +39,22 @@ import struct
 import torch
 import triton
 
-from ..uva.host_table import HostTable
-from . import _capture, _gather_triton, _jit
-from .heuristics import launch_config
+from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 
-__all__ = ["gather_rows", "OOB_POLICIES", "TABLE_DTYPES", "OUT_DTYPES"]
+from . import _capture, _gather_triton, _jit
+from .heuristics import LaunchConfig, launch_config
+
+__all__ = ["gather_rows", "launch", "scale_bits", "column_range", "check_ids", "check_out", "OOB_POLICIES",
+           "TABLE_DTYPES", "OUT_DTYPES"]
 
 OOB_POLICIES = ("zero", "row0")
-TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-                torch.float8_e4m3fn, torch.float8_e5m2)
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_ID_DTYPES = (torch.int32, torch.int64)
 
 
-def _table_tensor(table) -> tuple[torch.Tensor, bool]:
-    """(2-D tensor to hand Triton, whether it is a registered host table)."""
-    if isinstance(table, HostTable):
-        return table.tensor, table.registered
-    if isinstance(table, torch.Tensor):
-        return table, False
-    raise TypeError(f"table must be a HostTable or a 2-D torch.Tensor, got {type(table).__name__}")
-
-
-def _columns(columns, cols: int) -> tuple[int, int]:
+def column_range(columns, cols: int) -> tuple[int, int]:
+    """``(start, stop)`` of a request: ``None`` (the whole row), ``(start, stop)`` or a unit-step slice."""
     if columns is None:
         return 0, cols
     if isinstance(columns, slice):
@@ -73,12 +71,10 @@ def _columns(columns, cols: int) -> tuple[int, int]:
     return c0, c1
 
 
-def check_request(table_dtype: torch.dtype, ids: torch.Tensor, out: torch.Tensor | None, *, scale, oob: str,
-                  out_dtype, ncols: int) -> torch.dtype:
-    """The checks every backend shares: policy, scale, output dtype, ``out``'s shape and layout.
-
-    Returns the output dtype; raises TypeError/ValueError naming what is wrong.
-    """
+def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype) -> torch.dtype:
+    """Policy checks (once per spec, or per functional call): returns the output dtype."""
+    if table_dtype not in TABLE_DTYPES:
+        raise TypeError(f"table dtype {table_dtype} is not supported; use one of {TABLE_DTYPES}")
     if oob not in OOB_POLICIES:
         raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
     if scale is not None:
@@ -86,27 +82,38 @@ def check_request(table_dtype: torch.dtype, ids: torch.Tensor, out: torch.Tensor
             raise TypeError(f"scale needs a float table, this one is {table_dtype}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
-    if out is not None:
-        dtype = out.dtype
-        if out_dtype is not None and out_dtype != dtype:
-            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    else:
-        dtype = out_dtype or table_dtype
+    dtype = out_dtype or table_dtype
     if dtype != table_dtype and (dtype not in OUT_DTYPES or table_dtype not in FLOAT_DTYPES):
         raise TypeError(f"cannot convert a {table_dtype} table to {dtype} output; "
                         f"supported outputs are {OUT_DTYPES} from float tables")
-    if out is not None:
-        want = (*ids.shape, ncols)
-        if tuple(out.shape) != want:
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} ([*ids.shape, columns])")
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
     return dtype
 
 
-def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None, *, scale, oob: str,
-               out_dtype, c0: int, c1: int, host_registered: bool) -> torch.dtype:
-    """Validate a gather; returns the output dtype. Raises TypeError/ValueError naming what is wrong."""
+def check_ids(ids) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"ids must be an int32 or int64 tensor, got "
+                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+
+
+def check_out(out: torch.Tensor, want: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """``out`` must be ``want``-shaped, of ``dtype``, contiguous and on ``device``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {dtype} (the out_dtype of the request)")
+    if tuple(out.shape) != want:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} ([*ids.shape, columns])")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the ids are on {device}")
+
+
+def check_table(table: torch.Tensor, device: torch.device) -> None:
+    """A table tensor a launch on ``device`` (the ids') can read."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"table must be a 2-D torch.Tensor (for a HostTable pass table.tensor, or use "
+                        f"uvaple.integration.make_lookup), got {type(table).__name__}")
     if table.dim() != 2 or table.stride(1) != 1:
         raise ValueError(f"table must be 2-D with unit column stride, got shape {tuple(table.shape)} "
                          f"strides {table.stride()}")
@@ -114,22 +121,14 @@ def check_args(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None,
         raise TypeError(f"table dtype {table.dtype} is not supported")
     if table.shape[0] == 0:
         raise ValueError("table has no rows: there is no row to read, not even row 0 for out-of-range ids")
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"ids must be an int32 or int64 tensor, got "
-                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    dtype = check_request(table.dtype, ids, out, scale=scale, oob=oob, out_dtype=out_dtype, ncols=c1 - c0)
-    if out is not None:
-        if out.device != ids.device:
-            raise ValueError(f"out is on {out.device} but ids are on {ids.device}")
-    if ids.device.type == "cuda":
-        if table.device.type == "cpu" and not host_registered and not table.is_pinned():
-            raise ValueError("the table is an ordinary CPU tensor; the GPU can only read a HostTable or "
-                             "registered/pinned host memory (use uvaple.uva.HostTable.from_tensor)")
-        if table.device.type == "cuda" and table.device != ids.device:
-            raise ValueError(f"table is on {table.device} but ids are on {ids.device}")
+    if device.type == "cuda":
+        if table.device.type == "cpu" and not table.is_pinned():
+            raise ValueError("the table is an ordinary CPU tensor; the GPU can only read registered or pinned "
+                             "host memory (use uvaple.uva.HostTable.from_tensor)")
+        if table.device.type == "cuda" and table.device != device:
+            raise ValueError(f"table is on {table.device} but ids are on {device}")
     elif table.device.type != "cpu":
-        raise ValueError(f"ids are on {ids.device} but the table is on {table.device}")
-    return dtype
+        raise ValueError(f"ids are on {device} but the table is on {table.device}")
 
 
 def scale_bits(scale: float, dtype: torch.dtype) -> int:
@@ -148,16 +147,19 @@ def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
     return int(rounded.view(torch.int32).item())
 
 
-def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: float | None, col_start: int,
-           oob_row0: bool) -> None:
-    """Launch the gather kernel (arguments already validated; ``out`` is ``[*ids.shape, ncols]``)."""
+def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
+           bits: int, has_scale: bool, col_start: int, oob_row0: bool, *, config: LaunchConfig | None = None) -> None:
+    """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
+
+    The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
+    with an explicit ``config`` to sweep tile widths).
+    """
     n = ids.numel()
     ncols = out.shape[-1] if out.dim() else 0
     if n == 0 or ncols == 0:
         return
-    cfg = launch_config(ncols * table.element_size(), table.element_size(), n)
-    convert = scale is not None or out.dtype != table.dtype
-    bits = 0 if scale is None else scale_bits(scale, table.dtype)
+    cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
+    convert = has_scale or out.dtype != table.dtype
     if _capture.capturing(ids):
         _capture.keep_for_graph(table)
     if not convert:
@@ -167,21 +169,26 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: flo
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
-        table, ids, out, table.shape[0], table.stride(0), col_start, ncols, bits,
-        HAS_SCALE=scale is not None, CONVERT=convert, OOB_ROW0=oob_row0, BLOCK=cfg.block,
-        num_warps=cfg.num_warps,
+        table, ids, out, ids if counters is None else counters, n, table.shape[0], table.stride(0), col_start,
+        ncols, bits, HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_row0, COUNT=counters is not None,
+        BLOCK=cfg.block, num_warps=cfg.num_warps,
     )
 
 
-def gather_rows(table, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
-                columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None, *,
+                scale: float | None = None, columns=None, oob: str = "zero",
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gather rows ``table[ids, columns]`` (optionally scaled) into ``out`` on the current stream.
+
+    The functional entry point (every check, every call). A table used more than once is better served
+    by :func:`uvaple.integration.make_lookup`, which checks its policy once.
 
     Parameters
     ----------
-    table : HostTable or torch.Tensor
-        ``[rows, cols]``: a registered ``HostTable``, a pinned/registered CPU tensor, or a CUDA tensor.
-        Under the Triton interpreter (no GPU) a plain CPU tensor.
+    table : torch.Tensor
+        ``[rows, cols]`` with unit column stride: a CPU tensor over registered host memory
+        (``HostTable.tensor``), a CUDA view of it (``HostTable.cuda_view()``) or a CUDA tensor; with CPU
+        ids, any CPU tensor (interpreted).
     ids : torch.Tensor
         int32/int64 ids of any shape on the compute device.
     out : torch.Tensor, optional
@@ -201,15 +208,17 @@ def gather_rows(table, ids: torch.Tensor, out: torch.Tensor | None = None, *, sc
     torch.Tensor
         ``out``: ``[*ids.shape, ncols]``.
     """
-    tensor, registered = _table_tensor(table)
-    c0, c1 = _columns(columns, tensor.shape[1] if tensor.dim() == 2 else 0)
-    dtype = check_args(tensor, ids, out, scale=scale, oob=oob, out_dtype=out_dtype, c0=c0, c1=c1,
-                       host_registered=registered)
+    check_ids(ids)
+    check_table(table, ids.device)
+    c0, c1 = column_range(columns, table.shape[1])
+    dtype = check_policy(table.dtype, scale=scale, oob=oob, out_dtype=out.dtype if out is not None and
+                         out_dtype is None else out_dtype)
+    want = (*ids.shape, c1 - c0)
     if out is None:
-        out = torch.empty((*ids.shape, c1 - c0), dtype=dtype, device=ids.device)
-    ids_flat = ids if ids.is_contiguous() else ids.contiguous()
-    if torch.compiler.is_compiling():
-        torch.ops.uvaple.gather_rows(tensor, ids_flat, out, scale, c0, oob == "row0")
+        out = torch.empty(want, dtype=dtype, device=ids.device)
     else:
-        launch(tensor, ids_flat, out, scale, c0, oob == "row0")
+        check_out(out, want, dtype, ids.device)
+    ids_flat = ids if ids.is_contiguous() else ids.contiguous()
+    bits = 0 if scale is None else scale_bits(scale, table.dtype)
+    torch.ops.uvaple.gather_rows(table, ids_flat, out, None, bits, scale is not None, c0, oob == "row0")
     return out

@@ -11,10 +11,10 @@ def reference_gather(table: torch.Tensor, ids: torch.Tensor, *, scale: float | N
 
     ``oob="zero"`` gives +0.0 rows for ids outside ``[0, rows)``; ``"row0"`` reads row 0 for them.
     """
-    from .gather import _columns
+    from .gather import column_range
 
     t = table.detach().cpu()
-    c0, c1 = _columns(columns, t.shape[1])
+    c0, c1 = column_range(columns, t.shape[1])
     i = ids.detach().cpu().to(torch.int64)
     valid = (i >= 0) & (i < t.shape[0])
     safe = torch.where(valid, i, torch.zeros_like(i))

@@ -174,20 +174,24 @@ def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm
     completion (host launch + device work).
     """
     from transformers import DynamicCache
-    from uvaple.integration import make_backend
+
+    from uvaple.integration import make_lookup
+    from uvaple.integration.spec import TableSpec
 
     key = cache_kwarg(model)
     if device.type == "cuda" and device.index is None:
         # The module looks backends up by the ids' device, which always carries an index ("cuda:0"): a key
         # without one would miss, and the module would rebuild a backend (an HBM copy, a copy thread) per step.
         device = torch.device("cuda", torch.cuda.current_device())
-    prebuilt = {k: make_backend(k, module.table, device=device) for k in kinds}
+    out_dtype = None if module.compute_dtype == module.table_dtype else module.compute_dtype
+    spec = TableSpec.of(module.table, scale=module.scale_value, oob=module.oob, out_dtype=out_dtype)
+    prebuilt = {k: (make_lookup(k, module.table, device=device, spec=spec), None) for k in kinds}
 
     def use(kind):
-        module._backends = {(device.type, device.index): prebuilt[kind]}
-        module._last_device, module._last_backend = device, prebuilt[kind]
+        module._backends = {(device.type, device.index, module.compute_dtype): prebuilt[kind]}
+        module._last_device, module._last = device, prebuilt[kind]
         module.backend_kind = kind
-        assert module._backend_for(device) is prebuilt[kind]  # no rebuild behind the timing
+        assert module._lookup_for(device) is prebuilt[kind]  # no rebuild behind the timing
 
     out: dict = {k: {} for k in kinds}
     try:
@@ -214,19 +218,21 @@ def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm
                 out[k][b] = statistics.median(times[k])
     finally:
         module._backends = {}
-        module._last_device, module._last_backend = None, None
-        for backend in prebuilt.values():
-            backend.close()
+        module._last_device, module._last = None, None
+        for lookup, _ in prebuilt.values():
+            lookup.close()
     return out
 
 
-class HostConstants:
+class HostConstants(torch.overrides.TorchFunctionMode):
     """Serve a forward's tiny host-built constants from device tensors recorded one forward earlier.
 
-    HF's Gemma 3n text model builds two constants on the host at every forward: the activation-sparsity
-    target (``torch.tensor(..., device=cuda)``) and an epsilon (``torch.tensor(1e-5).to(cuda)``). Each is
-    a synchronous host-to-device copy, which CUDA graph capture refuses. Inside ``record()`` an eager
-    forward runs as usual and each such constant (a CPU value of at most ``MAX_NUMEL`` elements bound for
+    HF's Gemma 3n text model builds small constants on the host at every forward: the activation-sparsity
+    target (``torch.tensor(..., device=cuda)``) and, in transformers < 5.24, an epsilon
+    (``torch.tensor(1e-5).to(cuda)``). Each is a synchronous host-to-device copy, which CUDA graph capture
+    refuses. This is a ``TorchFunctionMode`` (torch's own extension point, active only inside its
+    ``with`` block on this thread; no torch function is replaced): inside ``record()`` an eager forward
+    runs as usual and each such constant (a CPU value of at most ``MAX_NUMEL`` elements bound for
     ``device``) is kept by value; inside ``serve()`` (the captured forward) the kept tensor is returned
     instead, the constant folding torch.compile does. Everything else the capture holds is the model's own
     kernels; :func:`decode_graph` checks a replay against an eager step bit for bit.
@@ -235,9 +241,10 @@ class HostConstants:
     MAX_NUMEL = 64
 
     def __init__(self, device: torch.device):
+        super().__init__()
         self.device = torch.device(device)
         self.kept: dict = {}
-        self._mode = None
+        self._mode: str | None = None
 
     def _freeze(self, data):
         if isinstance(data, (bool, int, float)):
@@ -265,46 +272,49 @@ class HostConstants:
                                f"record() with the same shapes first")
         return self.kept[key]
 
-    def _patched(self, mode):
-        orig_tensor, orig_to = torch.tensor, torch.Tensor.to
-        me = self
-
-        def tensor(data, *args, **kwargs):
-            frozen = me._freeze(data)
-            if args or frozen is None or not me._bound_here(kwargs.get("device")) or kwargs.get("requires_grad"):
-                return orig_tensor(data, *args, **kwargs)
-            key = ("tensor", frozen, kwargs.get("dtype"), str(torch.device(kwargs["device"])))
-            return me._serve(key, lambda: orig_tensor(data, *args, **kwargs))
-
-        def to(self, *args, **kwargs):
-            if self.device.type != "cpu" or self.numel() > me.MAX_NUMEL or self.requires_grad:
-                return orig_to(self, *args, **kwargs)
+    def _key(self, func, args, kwargs):
+        """The constant's key when this call builds one we fold, else None."""
+        if func is torch.tensor:
+            data = args[0] if args else kwargs.get("data")
+            frozen = self._freeze(data)
+            if len(args) > 1 or frozen is None or not self._bound_here(kwargs.get("device")) or \
+                    kwargs.get("requires_grad"):
+                return None
+            return ("tensor", frozen, kwargs.get("dtype"), str(torch.device(kwargs["device"])))
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            if t.device.type != "cpu" or t.numel() > self.MAX_NUMEL or t.requires_grad:
+                return None
             try:
-                target, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+                target, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
             except Exception:  # noqa: BLE001 - not a form we fold; torch reports it
-                return orig_to(self, *args, **kwargs)
-            if not me._bound_here(target):
-                return orig_to(self, *args, **kwargs)
-            key = ("to", (str(self.dtype), tuple(self.shape), tuple(self.flatten().tolist())), dtype, str(target))
-            return me._serve(key, lambda: orig_to(self, *args, **kwargs))
+                return None
+            if not self._bound_here(target):
+                return None
+            return ("to", (str(t.dtype), tuple(t.shape), tuple(t.flatten().tolist())), dtype, str(target))
+        return None
 
-        @contextlib.contextmanager
-        def cm():
-            me._mode = mode
-            torch.tensor, torch.Tensor.to = tensor, to
-            try:
-                yield me
-            finally:
-                torch.tensor, torch.Tensor.to = orig_tensor, orig_to
-                me._mode = None
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = self._key(func, args, kwargs) if self._mode is not None else None
+        if key is None:
+            return func(*args, **kwargs)
+        return self._serve(key, lambda: func(*args, **kwargs))
 
-        return cm()
+    @contextlib.contextmanager
+    def _active(self, mode: str):
+        self._mode = mode
+        try:
+            with self:
+                yield self
+        finally:
+            self._mode = None
 
     def record(self):
-        return self._patched("record")
+        return self._active("record")
 
     def serve(self):
-        return self._patched("serve")
+        return self._active("serve")
 
 
 def _cache_counters(cache) -> list:
@@ -458,6 +468,7 @@ def _run(args, log_path: str) -> int:
     backends = [b for b in args.backends.split(",") if b]
 
     import transformers
+
     from uvaple.integration.gemma3n import HostScaledEmbedding, apply_uvaple_to_gemma3n
 
     cfg_kw = TINY if args.tiny else E2B

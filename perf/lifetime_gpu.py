@@ -92,10 +92,10 @@ def close_under_pending(results: dict) -> None:
     out = torch.empty(16384, cols, dtype=torch.bfloat16, device="cuda")
     ref = h.tensor[ids.cpu()].clone()
     ptr = h.ptr
-    gather_rows(h, ids, out)  # compiled and warm: the close below waits for the device, not for Triton
+    gather_rows(h.tensor, ids, out)  # compiled and warm: the close below waits for the device, not for Triton
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the gather
-    gather_rows(h, ids, out)
+    gather_rows(h.tensor, ids, out)
     t0 = time.perf_counter()
     h.close()
     waited = time.perf_counter() - t0
@@ -118,7 +118,7 @@ def finalizer_and_fork(big_gib: float, results: dict) -> None:
     avail1 = meminfo("MemAvailable")
     ptr = h.ptr
     ids = torch.randint(0, rows, (65536,), device="cuda")
-    got = gather_rows(h, ids)
+    got = gather_rows(h.tensor, ids)
     exact = torch.equal(got.cpu(), h.tensor[ids.cpu()])
     # fork after registration: the child reads its inherited view and exits; the parent rewrites rows
     view = h.tensor
@@ -135,7 +135,7 @@ def finalizer_and_fork(big_gib: float, results: dict) -> None:
     n_new = GiB // (cols * 2)
     fill_random(h.tensor[:n_new], 3)  # the parent writes after the fork
     ids2 = torch.randint(0, n_new, (65536,), device="cuda")
-    got2 = gather_rows(h, ids2)
+    got2 = gather_rows(h.tensor, ids2)
     fork_exact = torch.equal(got2.cpu(), h.tensor[ids2.cpu()])
     check("fork after registration", exact and fork_exact and child_ok, results,
           table_gib=round(h.nbytes / GiB, 2), rewritten_gib=1.0, child_saw_zeros=child_ok,

@@ -21,9 +21,11 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from uvaple.kernels import _jit
+
+from uvaple.kernels import _gather_triton, _jit
 
 jit = _jit.kernel_decorator(__name__)
+safe_row = _jit.same_variant(__name__, _gather_triton).safe_row  # the ids prologue every gather shares
 
 __all__ = ["row_gather", "embedding_gather", "memcpy_ceiling", "row_gather_num_warps"]
 
@@ -47,9 +49,7 @@ def _row_gather_kernel(
     BLOCK: tl.constexpr,  # next_power_of_2(cols): the whole row is one tile
 ):
     pid = tl.program_id(0).to(tl.int64)
-    row = tl.load(ids_ptr + pid).to(tl.int64)
-    valid = (row >= 0) & (row < rows)
-    row = tl.where(valid, row, 0)
+    row, valid = safe_row(ids_ptr, pid, rows)
     offs = tl.arange(0, BLOCK)
     # Invalid ids load nothing (mask all false) and store zeros.
     load_mask = offs < tl.where(valid, cols, 0)

@@ -17,13 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from uvaple.kernels._gather_triton import safe_row
+
 
 @triton.jit
 def _cg_gather_kernel(table_ptr, ids_ptr, out_ptr, n_rows, stride, n_cols, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    row = tl.load(ids_ptr + pid).to(tl.int64)
-    valid = (row >= 0) & (row < n_rows)
-    row = tl.where(valid, row, 0)
+    row, valid = safe_row(ids_ptr, pid, n_rows)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(table_ptr + row * stride + cols, mask=cols < tl.where(valid, n_cols, 0), other=0,
                 cache_modifier=".cg")
@@ -43,29 +43,10 @@ def _tma_gather_kernel(desc, ids_ptr, out_ptr, n_rows, n_cols, BOX: tl.constexpr
 
 
 def graph_time_ms(fns, reps: int = 20) -> float:
-    """Median time of one call, from CUDA-graph replays of all ``fns`` in sequence (launch gaps removed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(fns))
-    times.sort()
-    return times[len(times) // 2]
+    """Median time of one call: ``do_bench_cudagraph`` over all ``fns`` in sequence (launch gaps removed)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(lambda: [f() for f in fns], rep=reps, return_mode="median") / len(fns)
 
 
 def main(argv=None) -> int:
@@ -81,11 +62,10 @@ def main(argv=None) -> int:
         print("tune_gather needs a CUDA GPU", file=sys.stderr)
         return 1
     import triton.testing
-    from uvaple.kernels import gather_rows, heuristics
+
     from uvaple.uva import HostTable
 
     lines = []
-    saved = (heuristics.TILE_BYTES, heuristics.NUM_WARPS)
 
     def emit(s):
         print(s, flush=True)
@@ -114,22 +94,20 @@ def main(argv=None) -> int:
                 variants += [("cg4K/4w", "cg", 4), ("tma4K", "tma", 4)]
                 for label, tile, warps in variants:
                     try:
-                        fns = make_fns(t, id_sets, out, tile, warps, heuristics, gather_rows)
+                        fns = make_fns(t, id_sets, out, tile, warps)
                         ms = graph_time_ms(fns)
                     except Exception as e:  # noqa: BLE001 - report the variant, keep sweeping
                         emit(f"{row_bytes:>7} {n:>6} {label:>9} failed: {type(e).__name__}: {str(e)[:120]}")
                         continue
                     gbps = nbytes / ms / 1e6
                     emit(f"{row_bytes:>7} {n:>6} {label:>9} {ms * 1e3:>9.1f} {gbps:>7.1f} {gbps / ceil_gbps:>6.2f}")
-    heuristics.TILE_BYTES, heuristics.NUM_WARPS = saved
-    heuristics._config.cache_clear()
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0
 
 
-def make_fns(t, id_sets, out, tile, warps, heuristics, gather_rows):
+def make_fns(t, id_sets, out, tile, warps):
     """One callable per id set for a variant (see the module docstring)."""
     n, cols = out.shape
     if tile == "cg":
@@ -144,10 +122,11 @@ def make_fns(t, id_sets, out, tile, warps, heuristics, gather_rows):
         grid = (n, triton.cdiv(cols, box * 8))
         return [lambda ids=ids: _tma_gather_kernel[grid](desc, ids, out, t.rows, cols, BOX=box, BOXES=8,
                                                           num_warps=warps) for ids in id_sets]
-    heuristics.TILE_BYTES = tile or (1 << 30)
-    heuristics.NUM_WARPS = warps
-    heuristics._config.cache_clear()
-    return [lambda ids=ids: gather_rows(t, ids, out) for ids in id_sets]
+    from uvaple.kernels import gather, heuristics
+
+    cfg = heuristics.launch_config(cols * 2, 2, n, tile_bytes=tile or (1 << 30), num_warps=warps)
+    return [lambda ids=ids: gather.launch(t.tensor, ids, out, None, 0, False, 0, False, config=cfg)
+            for ids in id_sets]
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+
 from uvaple.perf import bench
 
 E4B = bench.ROW_BYTES["e4b"]
@@ -110,7 +111,7 @@ def test_summary_and_banner(sweep):
 
 
 def _row(**kw):
-    row = bench._empty_row({"gpu_name": "X"}, provider="uva", row_label="E4B", row_bytes=E4B, cols=E4B // 2,
+    row = bench.empty_row({"gpu_name": "X"}, provider="uva", row_label="E4B", row_bytes=E4B, cols=E4B // 2,
                            n=64, table_gib=8.0, check="ok")
     row.update(kw)
     return row

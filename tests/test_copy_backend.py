@@ -17,7 +17,9 @@ import time
 
 import pytest
 import torch
-from uvaple.integration.copy_backend import CopyBackend, _DeviceOps
+
+from uvaple.integration.copy import CopyBackend
+from uvaple.integration.copy.device_ops import DeviceOps
 from uvaple.integration.errors import (
     BackendClosed,
     BackendError,
@@ -92,7 +94,7 @@ class FakeEvent:
         self.latest: FakeRecord | None = None
 
 
-class FakeAsyncOps(_DeviceOps):
+class FakeAsyncOps(DeviceOps):
     """Asynchronous stand-in for CUDA: work queued on streams runs only in ``run``/``step``."""
 
     device = torch.device("cpu")
@@ -215,12 +217,20 @@ def fake_backend(fake: FakeAsyncOps, rows=64, cols=9, dtype=torch.bfloat16, **kw
 def cpu_backends():
     made = {}
 
-    def get(dtype, cols, rows=97):
+    def get(dtype, cols, rows=97, **policy):
+        """A backend over one table per (dtype, cols, rows), one per policy (scale, oob, out_dtype, ...)."""
         key = (dtype, cols, rows)
         if key not in made:
             made[key] = CopyBackend(random_table(rows, cols, dtype, seed=cols), device="cpu", max_rows=64,
                                     max_in_flight=3, owns_table=True)
-        return made[key]
+        base = made[key]
+        if not policy:
+            return base
+        pkey = key + tuple(sorted(policy.items(), key=lambda kv: kv[0]))
+        if pkey not in made:
+            made[pkey] = CopyBackend(base.table, device="cpu", max_rows=64, max_in_flight=3, column_block=1,
+                                     **policy)
+        return made[pkey]
 
     yield get
     for b in made.values():
@@ -233,14 +243,14 @@ def cpu_backends():
 @pytest.mark.parametrize("oob", ["zero", "row0"])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_exact_rows(cpu_backends, dtype, cols, oob, ids_dtype):
-    b = cpu_backends(dtype, cols)
+    b = cpu_backends(dtype, cols, oob=oob)
     for k, shape in enumerate([(), (1,), (13,), (3, 5), (2, 1, 4), (0,)]):
         ids = random_ids(shape, b.rows, ids_dtype, seed=k)
         out = poisoned((*shape, cols), dtype)
-        got = b.lookup(ids, out, oob=oob)
+        got = b.lookup(ids, out)
         assert got is out
         assert_bits_equal(got, reference_gather(b.table.tensor, ids, oob=oob))
-        assert_bits_equal(b.lookup(ids, oob=oob), reference_gather(b.table.tensor, ids, oob=oob))
+        assert_bits_equal(b.lookup(ids), reference_gather(b.table.tensor, ids, oob=oob))
 
 
 @pytest.mark.timeout(120)
@@ -248,12 +258,12 @@ def test_exact_rows(cpu_backends, dtype, cols, oob, ids_dtype):
 @pytest.mark.parametrize("scale", [16.0, -0.5, 3.3, 1e-30, -0.0, float("inf"), 2.0**0.5 * 1e38])
 @pytest.mark.parametrize("oob", ["zero", "row0"])
 def test_scale_exact(cpu_backends, dtype, scale, oob):
-    b = cpu_backends(dtype, 7)
-    ids = random_ids((4, 6), b.rows, torch.int64, seed=3)
+    ids = random_ids((4, 6), 97, torch.int64, seed=3)
     for out_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+        b = cpu_backends(dtype, 7, scale=scale, oob=oob, out_dtype=out_dtype)
         want = reference_gather(b.table.tensor, ids, scale=scale, oob=oob, out_dtype=out_dtype)
         out = poisoned(want.shape, want.dtype)
-        got = b.lookup(ids, out, scale=scale, oob=oob, out_dtype=out_dtype)
+        got = b.lookup(ids, out)
         assert_bits_equal(got, want)
 
 
@@ -261,25 +271,25 @@ def test_scale_exact(cpu_backends, dtype, scale, oob):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("columns", [(0, 1), (3, 7), slice(2, 5), slice(None, 4), (6, 7)])
 def test_column_ranges(cpu_backends, dtype, columns):
-    b = cpu_backends(dtype, 7)
-    ids = random_ids((9,), b.rows, torch.int32, seed=5)
+    ids = random_ids((9,), 97, torch.int32, seed=5)
     for scale, out_dtype in [(None, None), (16.0, None), (-2.5, torch.float32)]:
+        b = cpu_backends(dtype, 7, scale=scale, out_dtype=out_dtype)
         want = reference_gather(b.table.tensor, ids, scale=scale, columns=columns, out_dtype=out_dtype)
-        got = b.lookup(ids, poisoned(want.shape, want.dtype), scale=scale, columns=columns,
-                       out_dtype=out_dtype)
+        got = b.lookup(ids, poisoned(want.shape, want.dtype), columns=columns)
         assert_bits_equal(got, want)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_rows_8960(cpu_backends, dtype):
-    b = cpu_backends(dtype, 8960, rows=11)
     ids = torch.tensor([[3, -1, 10], [11, 0, 2**33]], dtype=torch.int64)
     for oob in ("zero", "row0"):
+        b = cpu_backends(dtype, 8960, rows=11, scale=16.0, oob=oob)
         want = reference_gather(b.table.tensor, ids, scale=16.0, oob=oob, columns=(256, 8960 - 3))
-        got = b.lookup(ids, poisoned(want.shape, dtype), scale=16.0, oob=oob, columns=(256, 8960 - 3))
+        got = b.lookup(ids, poisoned(want.shape, dtype), columns=(256, 8960 - 3))
         assert_bits_equal(got, want)
-        assert_bits_equal(b.lookup(ids, oob=oob), reference_gather(b.table.tensor, ids, oob=oob))
+        plain = cpu_backends(dtype, 8960, rows=11, oob=oob)
+        assert_bits_equal(plain.lookup(ids), reference_gather(b.table.tensor, ids, oob=oob))
 
 
 @pytest.mark.timeout(60)
@@ -309,18 +319,21 @@ def test_argument_errors_mutate_nothing(fake):
     ids = torch.tensor([1, 2])
     bad = [
         dict(ids=ids.float()),
-        dict(ids=ids, oob="clamp"),
+        dict(ids=[1, 2]),
         dict(ids=ids, columns=(5, 3)),
         dict(ids=ids, columns=(0, 10)),
+        dict(ids=ids, columns=(2, 5)),  # a range the spec does not allow (whole rows only)
         dict(ids=ids, out=torch.empty(2, 8, dtype=torch.bfloat16)),
-        dict(ids=ids, out=torch.empty(2, 9, dtype=torch.float32), out_dtype=torch.float16),
+        dict(ids=ids, out=torch.empty(2, 9, dtype=torch.float32)),
         dict(ids=ids, out=torch.empty(9, 2, dtype=torch.bfloat16).t()),
-        dict(ids=ids, out_dtype=torch.int8),
-        dict(ids=ids, scale="2"),
     ]
     for kw in bad:
         with pytest.raises((TypeError, ValueError)):
             b.submit(**kw)
+    table = b.table
+    for policy in [dict(oob="clamp"), dict(out_dtype=torch.int8), dict(scale="2"), dict(column_block=0)]:
+        with pytest.raises((TypeError, ValueError)):  # a bad policy is refused once, at construction
+            CopyBackend(table, _ops=fake, **policy)
     with pytest.raises(CopyRequestTooLarge, match="max_rows"):
         b.submit(torch.zeros(33, dtype=torch.int64))
     assert fake.pending() == 0 and b.stats()["slots_free"] == 2 and b.stats().get("submitted", 0) == 0
@@ -670,14 +683,17 @@ def test_worker_crash_fails_jobs_instead_of_hanging(fake):
 
 
 @pytest.mark.timeout(60)
-def test_make_backend_copy():
-    from uvaple.integration import make_backend
+def test_make_lookup_copy():
+    from uvaple.integration import make_lookup
 
     t = random_table(50, 7, torch.float16, seed=4)
-    with make_backend("copy", t, device="cpu", max_rows=16) as b:
+    with make_lookup("copy", t, device="cpu", max_rows=16, scale=16.0) as b:
         assert b.kind == "copy" and b.rows == 50 and b.cols == 7 and b.dtype == torch.float16
         ids = random_ids((4, 4), 50, torch.int32, seed=1)
-        assert_bits_equal(b.lookup(ids, scale=16.0), reference_gather(t, ids, scale=16.0))
+        assert_bits_equal(b.lookup(ids), reference_gather(t, ids, scale=16.0))
+        st = b.stats()
+        bad = int(((ids < 0) | (ids >= 50)).sum())
+        assert st["lookups"] == 1 and st["rows"] == 16 and st["out_of_range_ids"] == bad
     assert b.table.closed
 
 
@@ -711,16 +727,20 @@ def test_inline_lookup_keeps_the_protocol(fake):
 def test_inference_mode_outputs(big):
     """Under torch.inference_mode an inference-tensor ``out`` is written by the worker thread too."""
     t = random_table(300, 255, torch.float32, seed=6)
-    with CopyBackend(t, device="cpu", max_rows=512) as b:
+    table = HostTable.from_tensor(t)
+    with (CopyBackend(table, device="cpu", max_rows=512, scale=16.0) as b16,
+          CopyBackend(table, device="cpu", max_rows=512, scale=-2.0) as bneg,
+          CopyBackend(table, device="cpu", max_rows=512, out_dtype=torch.bfloat16) as bbf):
         n = 400 if big else 5  # 400 * 1020 B: above the inline limit, gathered by the worker
         ids = random_ids((n,), 300, torch.int64, seed=2)
         with torch.inference_mode():
             out = torch.empty(n, 255)
-            assert_bits_equal(b.lookup(ids, out, scale=16.0), reference_gather(t, ids, scale=16.0))
-            assert_bits_equal(b.submit(ids, scale=-2.0).wait(timeout=10), reference_gather(t, ids, scale=-2.0))
-            got = b.lookup(ids, out_dtype=torch.bfloat16)
+            assert_bits_equal(b16.lookup(ids, out), reference_gather(t, ids, scale=16.0))
+            assert_bits_equal(bneg.submit(ids).wait(timeout=10), reference_gather(t, ids, scale=-2.0))
+            got = bbf.lookup(ids)
             assert got.is_inference()
             assert_bits_equal(got, reference_gather(t, ids, out_dtype=torch.bfloat16))
+    table.close()
 
 
 # ------------------------------------------------------------------------------ concurrency regressions
@@ -819,7 +839,7 @@ def test_inline_lookup_admitted_while_closing_fails_with_backend_closed(fake):
 
 EXIT_SCRIPT = textwrap.dedent("""
     import torch
-    from uvaple.integration.copy_backend import CopyBackend
+    from uvaple.integration.copy import CopyBackend
     torch.manual_seed(0)
     t = torch.randn(20000, 2048).to(torch.bfloat16)
     b = CopyBackend(t, device="cpu", max_rows=8192)  # owns its table

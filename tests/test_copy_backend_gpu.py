@@ -11,9 +11,11 @@ import time
 
 import pytest
 import torch
-from uvaple.integration.copy_backend import CopyBackend
+
+from uvaple.integration.copy import CopyBackend
 from uvaple.integration.errors import BackendClosed, CopyBackendOverloaded, CopyJobFailed
 from uvaple.kernels import reference_gather
+from uvaple.uva import HostTable
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,18 +68,22 @@ def stream():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_exact_on_side_stream(stream, dtype):
     data = random_table(1000, 8960, dtype, seed=1)
-    with CopyBackend(data, device="cuda", max_rows=512, max_in_flight=3) as b, torch.cuda.stream(stream):
-        for k, (n, ids_dtype, on_gpu) in enumerate([(1, torch.int64, False), (7, torch.int32, True),
-                                                   (300, torch.int64, True), (512, torch.int32, False)]):
-            ids = random_ids(n, 1000, seed=k, dtype=ids_dtype)
-            ids_arg = ids.cuda() if on_gpu else ids
-            for kw in (dict(), dict(oob="row0"), dict(scale=16.0), dict(scale=-0.75, columns=(256, 8959)),
-                       dict(scale=3.3, out_dtype=torch.float32), dict(out_dtype=torch.bfloat16, oob="row0")):
+    table = HostTable.from_tensor(data)
+    for kw in (dict(), dict(oob="row0"), dict(scale=16.0), dict(scale=-0.75, columns=(256, 8959)),
+               dict(scale=3.3, out_dtype=torch.float32), dict(out_dtype=torch.bfloat16, oob="row0")):
+        policy = {k: v for k, v in kw.items() if k != "columns"}
+        with CopyBackend(table, device="cuda", max_rows=512, max_in_flight=3, column_block=1, **policy) as b, \
+                torch.cuda.stream(stream):
+            for k, (n, ids_dtype, on_gpu) in enumerate([(1, torch.int64, False), (7, torch.int32, True),
+                                                       (300, torch.int64, True), (512, torch.int32, False)]):
+                ids = random_ids(n, 1000, seed=k, dtype=ids_dtype)
+                ids_arg = ids.cuda() if on_gpu else ids
                 want = reference_gather(data, ids, **kw)
                 out = torch.full(want.shape, float("nan"), dtype=want.dtype, device="cuda")
-                got = b.lookup(ids_arg, out, **kw)
+                got = b.lookup(ids_arg, out, columns=kw.get("columns"))
                 assert got is out
                 assert_bits_equal(got, want, f"n={n} {kw}")
+    table.close()
 
 
 @pytest.mark.timeout(300)
@@ -130,7 +136,8 @@ def test_gpu_pipelined_passes_and_admission(stream):
 def test_gpu_cuda_ids_wait_for_the_producer(stream):
     """CUDA ids written late on the model stream: the device->host ids copy must see the final values."""
     data = random_table(500, 256, torch.bfloat16, seed=4)
-    with CopyBackend(data, device="cuda", max_rows=64, max_in_flight=4) as b, torch.cuda.stream(stream):
+    with CopyBackend(data, device="cuda", max_rows=64, max_in_flight=4, scale=16.0) as b, \
+            torch.cuda.stream(stream):
         jobs, true_ids = [], []
         for p in range(4):
             ids = random_ids(64, 500, seed=200 + p)
@@ -138,7 +145,7 @@ def test_gpu_cuda_ids_wait_for_the_producer(stream):
             ids_dev = (ids - 1000).cuda()  # wrong values until the producer kernel below runs
             torch.cuda._sleep(SLEEP_CYCLES)
             ids_dev.add_(1000)  # the producer: final ids only after the sleep, in stream order
-            jobs.append(b.submit(ids_dev, scale=16.0))
+            jobs.append(b.submit(ids_dev))
             del ids_dev  # the job owns the ids until its copy is done
         assert_passes_gathered(jobs, stream, data, true_ids, scale=16.0)
 
@@ -148,7 +155,8 @@ def test_gpu_cuda_ids_rewritten_after_submit_are_gathered_as_submitted(stream):
     """Write-after-read on the ids: a pipelined caller rewrites its persistent ids buffer right after
     submit (the next pass). The job must gather the ids as they were at submit."""
     data = random_table(500, 256, torch.bfloat16, seed=5)
-    with CopyBackend(data, device="cuda", max_rows=64, max_in_flight=4) as b, torch.cuda.stream(stream):
+    with CopyBackend(data, device="cuda", max_rows=64, max_in_flight=4, scale=16.0) as b, \
+            torch.cuda.stream(stream):
         ids_buf = torch.empty(64, dtype=torch.int64, device="cuda")  # one buffer reused by every pass
         jobs, true_ids = [], []
         for p in range(4):
@@ -156,7 +164,7 @@ def test_gpu_cuda_ids_rewritten_after_submit_are_gathered_as_submitted(stream):
             true_ids.append(ids)
             torch.cuda._sleep(SLEEP_CYCLES)  # the ids copy of this pass lags behind the model stream
             ids_buf.copy_(ids.cuda(), non_blocking=True)
-            jobs.append(b.submit(ids_buf, scale=16.0))
+            jobs.append(b.submit(ids_buf))
         ids_buf.fill_(0)  # the next pass's write, after the last submit
         assert_passes_gathered(jobs, stream, data, true_ids, scale=16.0)
 
@@ -212,21 +220,27 @@ def test_gpu_close_with_pending_jobs(stream):
 @pytest.mark.timeout(300)
 def test_gpu_no_device_allocation_per_lookup(stream):
     data = random_table(1000, 512, torch.bfloat16, seed=11)
-    with CopyBackend(data, device="cuda", max_rows=128, max_in_flight=2) as b, torch.cuda.stream(stream):
+    table = HostTable.from_tensor(data)
+    backends = {dt: CopyBackend(table, device="cuda", max_rows=128, max_in_flight=2, scale=16.0, out_dtype=dt)
+                for dt in (torch.bfloat16, torch.float32)}
+    with torch.cuda.stream(stream):
         ids = random_ids(128, 1000, seed=12)
-        outs = {dt: torch.empty(128, 512, dtype=dt, device="cuda") for dt in (torch.bfloat16, torch.float32)}
+        outs = {dt: torch.empty(128, 512, dtype=dt, device="cuda") for dt in backends}
         for _ in range(3):  # warm: per-slot conversion buffers are allocated once
-            for out in outs.values():
-                b.lookup(ids, out, scale=16.0)
+            for dt, out in outs.items():
+                backends[dt].lookup(ids, out)
         stream.synchronize()
         before = torch.cuda.memory_stats()["allocation.all.allocated"]
         for _ in range(10):
-            for out in outs.values():
-                b.lookup(ids, out, scale=16.0)
+            for dt, out in outs.items():
+                backends[dt].lookup(ids, out)
         stream.synchronize()
         assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
         for dt, out in outs.items():
             assert_bits_equal(out, reference_gather(data, ids, scale=16.0, out_dtype=dt), str(dt))
+    for b in backends.values():
+        b.close()
+    table.close()
 
 
 @pytest.mark.timeout(300)

@@ -20,7 +20,8 @@ import time
 
 import pytest
 import torch
-from uvaple.integration import make_backend
+
+from uvaple.integration import make_lookup
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable
 
@@ -50,17 +51,33 @@ def poison(out: torch.Tensor) -> torch.Tensor:
 
 
 class Trio:
+    """One table, and for each policy a lookup of every placement over it, built on first use."""
+
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, seed: int) -> None:
         self.data = random_table(rows, cols, dtype, seed)
         self.table = HostTable.from_tensor(self.data)
-        self.uva = make_backend("uva", self.table, device=DEVICE)
-        self.dev = make_backend("device", self.table, device=DEVICE)
-        self.copy = make_backend("copy", self.table, device=DEVICE, max_in_flight=4, max_rows=64,
-                                 admission_timeout=30.0, wait_timeout=30.0)
+        self._made: dict = {}
+
+    def get(self, scale, oob, out_dtype) -> tuple:
+        """(copy, uva, device) lookups with this policy (any column range allowed: column_block=1)."""
+        key = (scale, oob, out_dtype)
+        if key not in self._made:
+            kw = dict(device=DEVICE, scale=scale, oob=oob, out_dtype=out_dtype, column_block=1)
+            self._made[key] = (
+                make_lookup("copy", self.table, max_in_flight=4, max_rows=64, admission_timeout=30.0,
+                            wait_timeout=30.0, **kw),
+                make_lookup("uva", self.table, **kw),
+                make_lookup("device", self.table, **kw),
+            )
+        return self._made[key]
+
+    def copies(self) -> list:
+        return [c for c, _, _ in self._made.values()]
 
     def close(self) -> None:
-        for b in (self.copy, self.uva, self.dev):
-            b.close()
+        for lookups in self._made.values():
+            for b in lookups:
+                b.close()
         self.table.close()
 
 
@@ -121,8 +138,9 @@ def test_random_schedules_agree(trios):
     if HAS_CUDA:
         torch.cuda.synchronize()
     for t in trios:
-        st = t.copy.stats()
-        assert st.get("failed", 0) == 0 and st["pending"] == 0, st
+        for copy in t.copies():
+            st = copy.stats()
+            assert st.get("failed", 0) == 0 and st["pending"] == 0, st
 
 
 def run_schedule(rng: random.Random, trio: Trio, pool: dict, seed: int) -> None:
@@ -168,9 +186,10 @@ def submit_pass(rng: random.Random, trio: Trio, pool: dict):
     outs = [take_out(pool, key + (name,), shape, dtype, rng) for name in ("copy", "uva", "dev")]
     ids_dev = ids.to(DEVICE)
     copy_ids = ids if (HAS_CUDA and rng.random() < 0.3) else ids_dev  # CPU ids are the server case
-    job = trio.copy.submit(copy_ids, outs[0], **p)
-    trio.uva.lookup(ids_dev, outs[1], **p)
-    trio.dev.lookup(ids_dev, outs[2], **p)
+    copy, uva, dev = trio.get(p["scale"], p["oob"], p["out_dtype"])
+    job = copy.submit(copy_ids, outs[0], columns=p["columns"])
+    uva.lookup(ids_dev, outs[1], columns=p["columns"])
+    dev.lookup(ids_dev, outs[2], columns=p["columns"])
     return ids, p, key, outs, job
 
 
@@ -178,18 +197,14 @@ def submit_pass(rng: random.Random, trio: Trio, pool: dict):
 def test_wide_rows_agree():
     data = random_table(9, 8960, torch.bfloat16, seed=7)
     with HostTable.from_tensor(data) as table:
-        backends = [make_backend(k, table, device=DEVICE, **({"max_rows": 8} if k == "copy" else {}))
-                    for k in ("copy", "uva", "device")]
-        try:
-            ids = torch.tensor([[4, -1], [9, 0]], dtype=torch.int64)
-            for kw in (dict(oob="zero"), dict(oob="row0", scale=16.0, columns=(256, 8960 - 1))):
-                want = reference_gather(data, ids, **kw)
-                for b in backends:
-                    got = b.lookup(ids.to(DEVICE), **kw)
+        ids = torch.tensor([[4, -1], [9, 0]], dtype=torch.int64)
+        for kw in (dict(oob="zero"), dict(oob="row0", scale=16.0, columns=(256, 8960 - 1))):
+            policy = {k: v for k, v in kw.items() if k != "columns"}
+            want = reference_gather(data, ids, **kw)
+            for k in ("copy", "uva", "device"):
+                with make_lookup(k, table, device=DEVICE, max_rows=8, column_block=1, **policy) as b:
+                    got = b.lookup(ids.to(DEVICE), columns=kw.get("columns"))
                     assert torch.equal(bits(got), bits(want)), b.kind
-        finally:
-            for b in backends:
-                b.close()
 
 
 def _cols(columns, cols: int) -> tuple[int, int]:

@@ -8,7 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from uvaple.kernels import gather_rows, launch_config, reference_gather
+from uvaple.kernels.gather import scale_bits
 from uvaple.uva import HostTable, TableClosedError
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
@@ -48,11 +50,11 @@ def same_bits(got, ref) -> bool:
 def check(table_t, host, ids, device, **kw):
     ids = ids.to(device)
     out_dtype = kw.get("out_dtype") or table_t.dtype
-    from uvaple.kernels.gather import _columns
+    from uvaple.kernels.gather import column_range
 
-    c0, c1 = _columns(kw.get("columns"), table_t.shape[1])
+    c0, c1 = column_range(kw.get("columns"), table_t.shape[1])
     out = poisoned((*ids.shape, c1 - c0), out_dtype, device)
-    got = gather_rows(host, ids, out, **kw)
+    got = gather_rows(host.tensor, ids, out, **kw)
     assert got is out
     ref = reference_gather(table_t, ids, **kw)
     assert same_bits(got, ref), (got, ref)
@@ -101,7 +103,7 @@ def test_out_of_range_policies(tables, device, oob, scale):
     t, h = tables(101, 48, torch.bfloat16)
     ids = torch.tensor([5] + BAD_IDS + [100, 0], dtype=torch.int64)
     check(t, h, ids, device, oob=oob, scale=scale)
-    out = gather_rows(h, ids.to(device), oob=oob, scale=scale).cpu()
+    out = gather_rows(h.tensor, ids.to(device), oob=oob, scale=scale).cpu()
     if oob == "zero":
         # +0.0 exactly (bits), even with a negative scale.
         assert not bits(out[1:1 + len(BAD_IDS)]).any()
@@ -173,8 +175,8 @@ def test_scale_edges_are_exact(device, dtype, oob):
             assert same_bits(ref[:24], hf[:24]), scale  # the reference is HF's expression
         # -0.0 and +0.0 are different scales (an lru_cache on the float once mixed them up)
         for first, second in [(0.0, -0.0), (-0.0, 0.0)]:
-            a = gather_rows(h, ids.to(device), scale=first).cpu()
-            b = gather_rows(h, ids.to(device), scale=second).cpu()
+            a = gather_rows(h.tensor, ids.to(device), scale=first).cpu()
+            b = gather_rows(h.tensor, ids.to(device), scale=second).cpu()
             assert same_bits(a, reference_gather(t, ids, scale=first))
             assert same_bits(b, reference_gather(t, ids, scale=second))
 
@@ -194,14 +196,14 @@ def test_tie_rounding_is_to_even(device):
                         dtype=torch.float32)
     t = vals.reshape(1, 4).to(torch.float32)
     with HostTable.from_tensor(t) as h:
-        out = gather_rows(h, torch.zeros(1, dtype=torch.int64, device=device), out_dtype=torch.bfloat16)
+        out = gather_rows(h.tensor, torch.zeros(1, dtype=torch.int64, device=device), out_dtype=torch.bfloat16)
         assert torch.equal(bits(out), bits(t.to(torch.bfloat16)))
 
 
 def test_empty_ids_write_nothing(tables, device):
     _, h = tables(10, 8, torch.float32)
     ids = torch.empty(0, dtype=torch.int64, device=device)
-    out = gather_rows(h, ids)
+    out = gather_rows(h.tensor, ids)
     assert out.shape == (0, 8)
 
 
@@ -234,28 +236,28 @@ def test_bad_inputs_are_named(tables, device):
     t, h = tables(10, 8, torch.float32)
     ids = torch.tensor([1, 2], device=device)
     with pytest.raises(TypeError, match="int32 or int64"):
-        gather_rows(h, ids.float())
+        gather_rows(h.tensor, ids.float())
     with pytest.raises(TypeError, match="int32 or int64"):
-        gather_rows(h, [1, 2])
+        gather_rows(h.tensor, [1, 2])
     with pytest.raises(ValueError, match="expected"):
-        gather_rows(h, ids, torch.empty(2, 9, device=device))
+        gather_rows(h.tensor, ids, torch.empty(2, 9, device=device))
     with pytest.raises(ValueError, match="contiguous"):
-        gather_rows(h, ids, torch.empty(8, 2, device=device).t())
+        gather_rows(h.tensor, ids, torch.empty(8, 2, device=device).t())
     with pytest.raises(TypeError, match="out_dtype"):
-        gather_rows(h, ids, torch.empty(2, 8, device=device), out_dtype=torch.float16)
+        gather_rows(h.tensor, ids, torch.empty(2, 8, device=device), out_dtype=torch.float16)
     with pytest.raises(ValueError, match="range"):
-        gather_rows(h, ids, columns=(4, 9))
+        gather_rows(h.tensor, ids, columns=(4, 9))
     with pytest.raises(ValueError, match="range"):
-        gather_rows(h, ids, columns=(5, 5))
+        gather_rows(h.tensor, ids, columns=(5, 5))
     with pytest.raises(ValueError, match="contiguous range"):
-        gather_rows(h, ids, columns=slice(0, 8, 2))
+        gather_rows(h.tensor, ids, columns=slice(0, 8, 2))
     with pytest.raises(ValueError, match="oob"):
-        gather_rows(h, ids, oob="clamp")
+        gather_rows(h.tensor, ids, oob="clamp")
     with pytest.raises(TypeError, match="scale must be"):
-        gather_rows(h, ids, scale=True)
+        gather_rows(h.tensor, ids, scale=True)
     with pytest.raises(TypeError, match="scale must be"):
-        gather_rows(h, ids, scale=torch.tensor(2.0))
-    with pytest.raises(TypeError, match="HostTable or a 2-D"):
+        gather_rows(h.tensor, ids, scale=torch.tensor(2.0))
+    with pytest.raises(TypeError, match="table must be a 2-D torch.Tensor"):
         gather_rows("table", ids)
     with pytest.raises(ValueError, match="2-D"):
         gather_rows(torch.zeros(10), ids)
@@ -263,9 +265,9 @@ def test_bad_inputs_are_named(tables, device):
         gather_rows(torch.zeros(8, 10).t(), ids)
     _, hi = tables(10, 8, torch.int8)
     with pytest.raises(TypeError, match="float table"):
-        gather_rows(hi, ids, scale=2.0)
+        gather_rows(hi.tensor, ids, scale=2.0)
     with pytest.raises(TypeError, match="cannot convert"):
-        gather_rows(hi, ids, out_dtype=torch.float32)
+        gather_rows(hi.tensor, ids, out_dtype=torch.float32)
     with pytest.raises(TypeError, match="not supported"):
         gather_rows(torch.zeros(4, 4, dtype=torch.float64), ids)
 
@@ -274,7 +276,7 @@ def test_closed_table_refused(device):
     h = HostTable.from_tensor(torch.randn(4, 4))
     h.close()
     with pytest.raises(TableClosedError):
-        gather_rows(h, torch.tensor([0], device=device))
+        gather_rows(h.tensor, torch.tensor([0], device=device))
 
 
 # ------------------------------------------------------------------ op, compile, heuristics
@@ -283,17 +285,23 @@ def test_custom_op_schema_and_fake(tables, device):
     tensor = h.tensor if device.type == "cpu" else t.to(device)
     ids = torch.tensor([0, 29, -1], device=device)
     out = poisoned((3, 24), torch.bfloat16, device)
-    torch.library.opcheck(torch.ops.uvaple.gather_rows.default, (tensor, ids, out, 16.0, 0, False),
+    counters = torch.zeros(3, dtype=torch.int64, device=device)
+    bits16 = scale_bits(16.0, torch.bfloat16)
+    torch.library.opcheck(torch.ops.uvaple.gather_rows.default, (tensor, ids, out, counters, bits16, True, 0, False),
                           test_utils=("test_schema", "test_faketensor"))
-    torch.ops.uvaple.gather_rows(tensor, ids, out, 16.0, 0, False)
+    counters.zero_()
+    torch.ops.uvaple.gather_rows(tensor, ids, out, counters, bits16, True, 0, False)
     assert torch.equal(bits(out), bits(reference_gather(t, ids, scale=16.0)))
+    assert counters.tolist() == [1, 3, 1]  # one call, three rows, one id out of range
+    torch.ops.uvaple.gather_rows(tensor, ids[:2], out[:2], None, 0, False, 0, True)  # no counters: fine
+    assert torch.equal(bits(out[:2]), bits(reference_gather(t, ids[:2])))
 
 
 def test_torch_compile_treats_gather_as_opaque(tables, device):
     t, h = tables(30, 24, torch.bfloat16)
 
     def f(ids):
-        return gather_rows(h, ids, scale=16.0, columns=(8, 24)) * 2
+        return gather_rows(h.tensor, ids, scale=16.0, columns=(8, 24)) * 2
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     ids = torch.tensor([[1, 2], [29, 40]], device=device)

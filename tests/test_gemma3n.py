@@ -19,6 +19,7 @@ from transformers.models.gemma3n.modeling_gemma3n import (  # noqa: E402
     Gemma3nTextModel,
     Gemma3nTextScaledWordEmbedding,
 )
+
 from uvaple.integration.gemma3n import (  # noqa: E402
     HostScaledEmbedding,
     apply_uvaple_to_gemma3n,

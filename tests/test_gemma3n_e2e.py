@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'uvaple[hf]')")
 from test_gemma3n import VOCAB_PLE, build_reference, patched_copy  # noqa: E402
+
 from uvaple.perf import gemma3n_e2e as e2e  # noqa: E402
 
 
@@ -40,6 +41,23 @@ def test_host_constants_restore_torch_after_an_error():
     with pytest.raises(RuntimeError), consts.serve():
         torch.tensor([3.0], device="cpu")
     assert torch.tensor is orig_tensor and torch.Tensor.to is orig_to
+
+
+def test_host_constants_leave_other_threads_alone():
+    """A torch function mode, not a swapped function: another thread builds its constants as usual."""
+    import threading
+
+    consts = e2e.HostConstants(torch.device("cpu"))
+    seen = {}
+
+    def other():
+        seen["t"] = torch.tensor([0.5], device="cpu")  # would raise "first built during capture" if served
+
+    with consts.serve():
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+    assert torch.equal(seen["t"], torch.tensor([0.5])) and not consts.kept
 
 
 def test_host_constants_match_a_device_with_or_without_its_index():

@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 import torch
+
 from uvaple.kernels import gather_rows, reference_gather
 from uvaple.uva import HostTable
 
@@ -62,7 +63,7 @@ def test_dropped_table_released_under_pending_kernels():
     ids = torch.randint(0, 2000, (8192,), device=DEV)
     out = torch.empty(8192, 8960, dtype=torch.bfloat16, device=DEV)
     torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time ahead of the gather
-    gather_rows(h, ids, out)
+    gather_rows(h.tensor, ids, out)
     assert registered(ptr)
     del h  # released here (synchronise, unregister, unmap)
     assert not registered(ptr) and not mapped(ptr)
@@ -93,11 +94,11 @@ def test_captured_graph_keeps_its_table_until_exit():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        gather_rows(h, ids, out)  # compile outside the capture
+        gather_rows(h.tensor, ids, out)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        gather_rows(h, ids, out)
+        gather_rows(h.tensor, ids, out)
     h.close()
     del h
     gc.collect()
@@ -116,7 +117,7 @@ def test_fork_after_registration_keeps_the_parent_exact():
     t = rand(3000, 2048, seed=13)
     h = HostTable.from_tensor(t, register=True)
     ids = torch.randint(0, 3000, (4096,), device=DEV)
-    assert torch.equal(bits(gather_rows(h, ids)), bits(reference_gather(t, ids)))
+    assert torch.equal(bits(gather_rows(h.tensor, ids)), bits(reference_gather(t, ids)))
     view = h.tensor
     pid = os.fork()
     if pid == 0:  # the child: numpy only (no CUDA, no OpenMP after a fork), and always _exit
@@ -129,7 +130,7 @@ def test_fork_after_registration_keeps_the_parent_exact():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     t2 = rand(3000, 2048, seed=14)
     h.write_rows(t2)  # the parent writes after the fork: no copy-on-write may move its pages
-    got = gather_rows(h, ids)
+    got = gather_rows(h.tensor, ids)
     assert torch.equal(bits(got), bits(reference_gather(t2, ids)))
     h.close()
 
@@ -145,7 +146,7 @@ def test_shared_table_by_two_processes_on_one_gpu():
             t.write_rows(torch.randn(4000, 1536, generator=g).to(torch.bfloat16))
         t = HostTable.shared({name!r}, 4000, 1536, torch.bfloat16, fill=fill, timeout=120, register=True)
         ids = torch.randint(-3, 4003, (5000,), generator=torch.Generator().manual_seed(int(sys.argv[1])))
-        got = gather_rows(t, ids.cuda(), oob="row0").cpu()
+        got = gather_rows(t.tensor, ids.cuda(), oob="row0").cpu()
         ok = torch.equal(got, t.tensor[torch.where((ids >= 0) & (ids < 4000), ids, 0)])
         print(int(t.created), int(ok), flush=True)
         sys.stdin.readline()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from uvaple.integration import make_backend
+
+from uvaple.integration import make_lookup
 from uvaple.kernels import gather_rows, reference_gather
 from uvaple.uva import HostTable, host_table
 
@@ -34,7 +35,7 @@ def e4b():
 
 
 def test_registered_and_capable(e4b):
-    from uvaple.uva import capabilities
+    from uvaple.doctor import capabilities
 
     _, h = e4b
     assert h.registered and h.device_index == torch.cuda.current_device()
@@ -49,7 +50,7 @@ def test_random_rows_bit_exact(e4b, n, id_dtype):
     ids = torch.randint(-3, h.rows + 3, (n,), device=DEV, dtype=id_dtype)
     for oob, scale, cols in [("zero", None, None), ("row0", 16.0, None), ("zero", 16.0, (256 * 7, 256 * 8))]:
         out = torch.full((n, (cols[1] - cols[0]) if cols else h.cols), float("nan"), dtype=h.dtype, device=DEV)
-        gather_rows(h, ids, out, scale=scale, oob=oob, columns=cols)
+        gather_rows(h.tensor, ids, out, scale=scale, oob=oob, columns=cols)
         ref = reference_gather(t, ids, scale=scale, oob=oob, columns=cols)
         assert torch.equal(bits(out), bits(ref))
 
@@ -62,7 +63,7 @@ def test_dtypes_and_odd_columns(dtype, cols):
     with HostTable.from_tensor(t, register=True) as h:
         ids = torch.randint(-2, rows + 2, (2, 17), device=DEV)
         for od in (None, torch.float32):
-            got = gather_rows(h, ids, scale=1.7, out_dtype=od)
+            got = gather_rows(h.tensor, ids, scale=1.7, out_dtype=od)
             assert torch.equal(bits(got), bits(reference_gather(t, ids, scale=1.7, out_dtype=od)))
 
 
@@ -71,7 +72,7 @@ def test_cuda_view_and_host_tensor_agree(e4b):
     view = h.cuda_view()
     assert view.is_cuda and view.shape == (h.rows, h.cols) and view.dtype == h.dtype
     ids = torch.randint(0, h.rows, (333,), device=DEV)
-    a = gather_rows(h, ids)
+    a = gather_rows(h.tensor, ids)
     b = gather_rows(view, ids)
     c = torch.nn.functional.embedding(ids, view)  # a torch op reading host memory through the view
     assert torch.equal(bits(a), bits(b)) and torch.equal(bits(a), bits(c))
@@ -86,7 +87,7 @@ def test_non_default_stream_orders_after_producer(e4b):
     with torch.cuda.stream(s):
         torch.cuda._sleep(20_000_000)  # keep the stream busy so a misordered read would see old ids
         ids.copy_(torch.arange(2048, device=DEV).flip(0))
-        out = gather_rows(h, ids)
+        out = gather_rows(h.tensor, ids)
     s.synchronize()
     assert torch.equal(bits(out), bits(reference_gather(t, torch.arange(2048).flip(0))))
 
@@ -98,11 +99,11 @@ def test_cuda_graph_capture_and_replay_with_new_ids(e4b):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        gather_rows(h, ids, out, scale=16.0)  # warm up (compile) outside capture
+        gather_rows(h.tensor, ids, out, scale=16.0)  # warm up (compile) outside capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        gather_rows(h, ids, out, scale=16.0)
+        gather_rows(h.tensor, ids, out, scale=16.0)
     for seed in range(5):
         new = torch.randint(-5, h.rows + 5, (64,), generator=torch.Generator().manual_seed(seed))
         ids.copy_(new)
@@ -119,7 +120,7 @@ def test_close_under_pending_work_is_safe():
     ids = torch.randint(0, 1000, (4096,), device=DEV)
     out = torch.empty(4096, 8960, dtype=torch.bfloat16, device=DEV)
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the gather
-    gather_rows(h, ids, out)
+    gather_rows(h.tensor, ids, out)
     h.close()  # must wait for the gather before unregistering and unmapping
     torch.cuda.synchronize()
     assert torch.equal(bits(out), bits(reference_gather(t, ids)))
@@ -136,14 +137,14 @@ def test_chunked_registration_reads_across_chunk_boundaries(monkeypatch):
         per_chunk = (64 << 20) // h.stride_bytes
         edge = [per_chunk - 1, per_chunk, per_chunk + 1, 2 * per_chunk - 1, 2 * per_chunk, rows - 1, 0]
         ids = torch.tensor(edge * 10, device=DEV)
-        assert torch.equal(bits(gather_rows(h, ids)), bits(reference_gather(t, ids)))
+        assert torch.equal(bits(gather_rows(h.tensor, ids)), bits(reference_gather(t, ids)))
 
 
 def test_read_only_registration():
     t = rand(100, 256, seed=3)
     with HostTable.from_tensor(t, register=True, read_only=True) as h:
         ids = torch.arange(100, device=DEV)
-        assert torch.equal(bits(gather_rows(h, ids)), bits(t))
+        assert torch.equal(bits(gather_rows(h.tensor, ids)), bits(t))
 
 
 def test_shared_segment_registered_in_two_processes(tmp_path):
@@ -161,7 +162,7 @@ def test_shared_segment_registered_in_two_processes(tmp_path):
             from uvaple.kernels import gather_rows
             with HostTable.attach({name!r}, register=True) as h:
                 ids = torch.arange(500, device="cuda").flip(0)
-                out = gather_rows(h, ids, scale=16.0)
+                out = gather_rows(h.tensor, ids, scale=16.0)
                 print(int(out.view(torch.int16).to(torch.int64).sum().item()))
         """)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -173,9 +174,9 @@ def test_shared_segment_registered_in_two_processes(tmp_path):
 @pytest.mark.parametrize("kind", ["uva", "device"])
 def test_backends_on_gpu(e4b, kind):
     t, h = e4b
-    with make_backend(kind, h) as b:
+    with make_lookup(kind, h, scale=16.0, oob="row0") as b:
         ids = torch.randint(-1, h.rows + 1, (3, 50), device=DEV)
-        got = b.lookup(ids, scale=16.0, oob="row0")
+        got = b.lookup(ids)
         assert torch.equal(bits(got), bits(reference_gather(t, ids, scale=16.0, oob="row0")))
         if kind == "device":
             assert b.device_bytes() == h.rows * h.cols * 2
@@ -183,7 +184,7 @@ def test_backends_on_gpu(e4b, kind):
 
 def test_uva_backend_host_view_mode(e4b):
     t, h = e4b
-    with make_backend("uva", h, view="host") as b:
+    with make_lookup("uva", h, view="host") as b:
         ids = torch.randint(0, h.rows, (77,), device=DEV)
         assert torch.equal(bits(b.lookup(ids)), bits(reference_gather(t, ids)))
 
@@ -192,7 +193,7 @@ def test_torch_compile_inductor_keeps_gather_opaque(e4b):
     t, h = e4b
 
     def f(ids):
-        return gather_rows(h, ids, scale=16.0).float().sum(-1)
+        return gather_rows(h.tensor, ids, scale=16.0).float().sum(-1)
 
     compiled = torch.compile(f, fullgraph=True)
     ids = torch.randint(0, h.rows, (16,), device=DEV)

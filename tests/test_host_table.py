@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from uvaple.uva import (
     CheckpointError,
     DeviceCapabilityError,

@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+
 from uvaple.uva import HostTable, TableClosedError, TableForkedError, _region
 
 
@@ -272,7 +273,7 @@ def test_import_changes_no_environment_variable():
         from uvaple.uva import HostTable
         with HostTable.empty(4, 4, torch.float32) as t:
             from uvaple.kernels import gather_rows
-            gather_rows(t, torch.tensor([1, 2]))
+            gather_rows(t.tensor, torch.tensor([1, 2]))
         print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))
     """)
     assert out.stdout.strip() == "[]"
@@ -284,7 +285,7 @@ def test_kernels_interpret_cpu_tensors_without_the_environment_variable():
 
     src = rand(20, 12, seed=7)
     with HostTable.from_tensor(src) as h:
-        out = gather_rows(h, torch.tensor([3, 0, 19]))
+        out = gather_rows(h.tensor, torch.tensor([3, 0, 19]))
     assert torch.equal(out, src[[3, 0, 19]])
 
 

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+
 from uvaple.uva import HostTable, SharedSegmentError, SharedSegmentTimeout, _region, segments
 
 ROWS, COLS = 1000, 160  # 160 fp32 columns: 640-byte rows

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from uvaple._util import SAFETENSORS_DTYPES, TABLE_DTYPES, dtype_name, fmt_bytes
+
 from . import _cuda, _region, _sys, segments
 from .errors import (
     DeviceCapabilityError,
@@ -74,16 +76,9 @@ log = logging.getLogger("uvaple.uva")
 
 __all__ = ["HostTable", "row_stride_bytes", "SUPPORTED_DTYPES"]
 
-SUPPORTED_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-_DTYPE_BY_NAME = {v: k for k, v in SUPPORTED_DTYPES.items()}
+#: dtype -> its name in a shared table's header (safetensors' names)
+SUPPORTED_DTYPES = {d: dtype_name(d) for d in TABLE_DTYPES}
+_DTYPE_BY_NAME = {k: v for k, v in SAFETENSORS_DTYPES.items() if v in TABLE_DTYPES}
 
 # One cudaHostRegister call of >= 512 GiB fails (vLLM PR 51081); 128 GiB chunks stay far below that and
 # keep the count of registrations small for ~100 GiB tables (one call).
@@ -156,8 +151,6 @@ def _layout_of(meta: dict, path: str) -> _Layout:
         raise SharedSegmentError(f"{path} has a corrupt uvaple header: {e!r}") from None
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
 
 
 def _parallel(fn, ranges, threads: int) -> None:
@@ -339,7 +332,7 @@ class HostTable:
             try:
                 base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, seg.fd)
             except OSError as e:
-                raise SharedSegmentError(f"mapping shared table {name!r} ({_gib(map_bytes)}) failed: "
+                raise SharedSegmentError(f"mapping shared table {name!r} ({fmt_bytes(map_bytes)}) failed: "
                                          f"{e.strerror}") from e
             region = _region.Region(base, map_bytes, private=False, segment=seg)
             table = cls(_layout=layout, _region=region, _data_offset=segments.DATA_OFFSET, _name=name,
@@ -371,7 +364,7 @@ class HostTable:
             base = _sys.map_anonymous_aligned(map_bytes)
         except OSError as e:
             raise HostMemoryError(
-                f"mmap of {_gib(map_bytes)} for a {layout.rows}x{layout.cols} {layout.dtype} table failed: "
+                f"mmap of {fmt_bytes(map_bytes)} for a {layout.rows}x{layout.cols} {layout.dtype} table failed: "
                 f"{e.strerror}. Free host memory or check `ulimit -v`.") from e
         region = _region.Region(base, map_bytes, private=True)
         table = cls(_layout=layout, _region=region, _data_offset=0, _name=None)
@@ -410,7 +403,7 @@ class HostTable:
                     sum(memoryview(buf).cast("B")[:: _sys.PAGE_SIZE])
                 return
             raise HostMemoryError(
-                f"pre-faulting {_gib(total)} of host memory failed ({os.strerror(err)}): not enough free "
+                f"pre-faulting {fmt_bytes(total)} of host memory failed ({os.strerror(err)}): not enough free "
                 f"memory for this table. Free memory, use a smaller table, or quantise it")
 
         _parallel(touch, _chunks(total, _POPULATE_CHUNK_BYTES), threads)
@@ -449,11 +442,11 @@ class HostTable:
                 _cuda.host_register(region.base + off, length, flags)
             except RegistrationError as e:
                 soft, _hard = _sys.memlock_limit()
-                limit = "unlimited" if soft < 0 else _gib(soft)
+                limit = "unlimited" if soft < 0 else fmt_bytes(soft)
                 region.unregister()
                 raise RegistrationError(
-                    f"cudaHostRegister failed for {_gib(length)} at offset {_gib(off)} of a "
-                    f"{_gib(region.length)} table: {e}. Raise `ulimit -l` (RLIMIT_MEMLOCK is {limit}), "
+                    f"cudaHostRegister failed for {fmt_bytes(length)} at offset {fmt_bytes(off)} of a "
+                    f"{fmt_bytes(region.length)} table: {e}. Raise `ulimit -l` (RLIMIT_MEMLOCK is {limit}), "
                     f"free host memory, or use the 'copy' backend with register=False") from None
             region.chunks.append((off, length))
             dev_ptr = _cuda.host_device_pointer(region.base + off)
@@ -549,7 +542,7 @@ class HostTable:
         state = "closed" if self._closed else ("registered" if self.registered else "unregistered")
         where = f"shared {self._name!r}" if self._name else "private"
         return (f"HostTable({self.rows}x{self.cols} {str(self.dtype).replace('torch.', '')}, "
-                f"{_gib(self.nbytes)} {where}, {state})")
+                f"{fmt_bytes(self.nbytes)} {where}, {state})")
 
     # ------------------------------------------------------------------ views
     def _raw_buffer(self):
@@ -734,7 +727,7 @@ def _reserve(fd: int, off: int, length: int, name: str, total: int) -> None:
         os.posix_fallocate(fd, off, length)
     except OSError as e:
         raise HostMemoryError(
-            f"reserving {_gib(total)} for shared table {name!r} in {segments.SHM_DIR} failed: {e.strerror}; "
+            f"reserving {fmt_bytes(total)} for shared table {name!r} in {segments.SHM_DIR} failed: {e.strerror}; "
             f"free space there or use a private table") from e
 
 
@@ -745,7 +738,7 @@ def _check_shm_space(name: str, nbytes: int, check: bool) -> None:
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
         raise HostMemoryError(
-            f"shared table {name!r} needs {_gib(nbytes)} in {segments.SHM_DIR} but only {_gib(free)} is "
+            f"shared table {name!r} needs {fmt_bytes(nbytes)} in {segments.SHM_DIR} but only {fmt_bytes(free)} is "
             f"free there; enlarge it (mount -o remount,size=... {segments.SHM_DIR}) or drop name= to use "
             f"private memory")
 
@@ -790,12 +783,12 @@ def _check_free_memory(nbytes: int, check: bool) -> None:
     avail = _sys.mem_available_bytes()
     if avail is not None and nbytes > avail:
         raise HostMemoryError(
-            f"a host table of {_gib(nbytes)} does not fit: only {_gib(avail)} of host memory is available "
+            f"a host table of {fmt_bytes(nbytes)} does not fit: only {fmt_bytes(avail)} of host memory is available "
             f"(MemAvailable). Free memory, shard or quantise the table, or pass check_memory=False where "
             f"memory grows on demand")
 
 
-def table_gib(rows: int, cols: int, dtype: torch.dtype) -> float:
+def tablefmt_bytes(rows: int, cols: int, dtype: torch.dtype) -> float:
     """Bytes of a table as GiB, with its padded row stride."""
     lay = _check_shape(rows, cols, dtype)
     return lay.data_bytes / (1 << 30)

@@ -18,22 +18,11 @@ from pathlib import Path
 
 import torch
 
+from uvaple._util import SAFETENSORS_DTYPES, TABLE_DTYPES
+
 from .errors import CheckpointError
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_DTYPES = SAFETENSORS_DTYPES
 
 # Largest header we accept: real checkpoints have headers of a few hundred KiB.
 _MAX_HEADER_BYTES = 100 << 20
@@ -120,40 +109,42 @@ def _suggest(name: str, names) -> str:
     return (" Tensors with a similar name: " + ", ".join(close[:5])) if close else ""
 
 
+def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, for a file or a checkpoint directory.
+
+    In a directory, ``model.safetensors.index.json`` maps names to shards; without one every
+    ``*.safetensors`` file's header is read.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        header, _ = read_header(p)
+        return {k: p for k in header}
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {k: p / v for k, v in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is corrupt: {e!r}") from e
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {p}")
+    found: dict[str, Path] = {}
+    for f in files:
+        found.update((k, f) for k in read_header(f)[0])
+    return found
+
+
 def locate_tensor(path: str | os.PathLike, name: str) -> TensorInfo:
     """Find tensor ``name`` in a safetensors file or a checkpoint directory (sharded or not).
 
-    In a directory, ``model.safetensors.index.json`` names the shard; without one every ``*.safetensors``
-    file's header is searched. The tensor must be 2-D ``[rows, cols]``.
+    The tensor must be 2-D ``[rows, cols]``.
     """
-    p = Path(path)
-    if p.is_dir():
-        index = p / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index} is corrupt: {e}") from e
-            if name not in weight_map:
-                raise CheckpointError(f"tensor {name!r} is not in {index}.{_suggest(name, weight_map)}")
-            file = p / weight_map[name]
-        else:
-            files = sorted(p.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"no .safetensors files in {p}")
-            all_names: list[str] = []
-            file = None
-            for f in files:
-                header, _ = read_header(f)
-                if name in header:
-                    file = f
-                    break
-                all_names.extend(header)
-            if file is None:
-                raise CheckpointError(f"tensor {name!r} is in none of the {len(files)} files in {p}."
-                                      f"{_suggest(name, all_names)}")
-    else:
-        file = p
+    files = checkpoint_files(path)
+    if name not in files:
+        where = path if not Path(path).is_dir() else f"the checkpoint in {path}"
+        raise CheckpointError(f"tensor {name!r} is not in {where}.{_suggest(name, files)}")
+    file = files[name]
     header, data_start = read_header(file)
     if name not in header:
         raise CheckpointError(f"tensor {name!r} is not in {file}.{_suggest(name, header)}")
@@ -188,8 +179,7 @@ def stream_into(table, info: TensorInfo, *, threads: int) -> None:
     rows, cols = info.shape
     if (rows, cols) != (table.rows, table.cols):
         raise CheckpointError(f"tensor {info.name!r} is {rows}x{cols}, the table is {table.rows}x{table.cols}")
-    if info.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-                          torch.float8_e4m3fn, torch.float8_e5m2) and info.dtype != table.dtype:
+    if info.dtype not in TABLE_DTYPES and info.dtype != table.dtype:
         raise CheckpointError(f"tensor {info.name!r} has dtype {info.dtype}, which cannot be cast into a table")
     src_row = info.row_bytes
     direct = info.dtype == table.dtype and src_row == table.stride_bytes

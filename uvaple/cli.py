@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "doctor": ("uvaple.uva.doctor", "check CUDA, UVA support and measure host-read bandwidth"),
+    "doctor": ("uvaple.doctor", "what this machine can run (UVA path, copy path, CPU), with a link measurement"),
     "bench": ("uvaple.perf.bench", "gather benchmarks: uva vs the copy ceiling and the peers"),
     "shm": ("uvaple.shm", "list the named shared tables in /dev/shm; remove the ones nobody uses"),
 }

@@ -1,8 +1,9 @@
 """``CopyBackend``: the classic copy-based PLE path, built correctly.
 
 The baseline every UVA claim is compared against, and the fallback where host memory cannot be mapped
-into the GPU. ``lookup`` has the semantics of :func:`uvaple.kernels.gather_rows` and gives bit-identical
-results (:func:`uvaple.kernels.reference_gather` is the definition).
+into the GPU. It is a :class:`~uvaple.integration.lookup.Lookup`: the policy is its spec's,
+``lookup(ids, out)`` gives the bits every placement gives (:func:`uvaple.kernels.reference_gather` is
+the definition).
 
 Design
 ------
@@ -88,7 +89,7 @@ recorded on the caller's stream at submit, so it cannot overwrite ``out`` while 
 submit (the previous pass's readers) still reads it. Contract: reuse an ``out`` buffer only for a job
 submitted after the previous job using it was waited on and its readers were enqueued.
 
-Testing. The stream/event operations sit behind ``_DeviceOps`` (``_CudaOps``; ``_CpuOps``, synchronous,
+Testing. The stream/event operations sit behind ``DeviceOps`` (``CudaOps``; ``CpuOps``, synchronous,
 for CPU-only runs); the tests inject a fake whose copies complete only when the test says
 (``CopyBackend(..., _ops=fake)``), so ownership, WAR, failure delivery, admission and shutdown are
 checked deterministically on CPU. ``backend._fault_hook = fn`` (private) runs ``fn(job)`` in the worker
@@ -104,9 +105,7 @@ power of two). ``submit`` is not CUDA-graph capturable (it is host work by natur
 
 from __future__ import annotations
 
-import abc
 import collections
-import functools
 import logging
 import math
 import threading
@@ -118,11 +117,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels.gather import TABLE_DTYPES, _columns, check_request
-from ..uva import HostTable
-from ..uva._lifetime import ExitRegistry
-from .backends import Backend
-from .errors import (
+from uvaple.kernels.gather import check_ids, check_out
+from uvaple.uva import HostTable
+
+from ..errors import (
     BackendClosed,
     CopyBackendOverloaded,
     CopyJobCancelled,
@@ -130,6 +128,11 @@ from .errors import (
     CopyRequestTooLarge,
     CopyTimeout,
 )
+from ..lookup import Lookup
+from ..spec import TableSpec
+from . import cpu_gather
+from ._exit import ExitRegistry
+from .device_ops import DeviceOps, ops_for
 
 log = logging.getLogger("uvaple.integration.copy")
 
@@ -150,15 +153,8 @@ DEFAULT_CLOSE_TIMEOUT_S = 10.0
 # the cost of a Python sleep round trip, to 1 ms, well under a forward pass.
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
-# Below this many gathered bytes the serial numba gather is used: thread fan-out costs more than the copy.
-# Placeholder (not yet swept); tune with `uvaple bench` and record it in perf/results/.
-_PARALLEL_MIN_BYTES = 256 << 10
 # Staging slots start on 4 KiB boundaries (page aligned DMA sources, any dtype view is aligned).
 _SLOT_ALIGN = 4096
-# Concurrent calls of a parallel numba function from several threads abort under numba's default
-# "workqueue" threading layer; one process-wide lock serialises gathers of several backends (each gather
-# already uses every core).
-_GATHER_LOCK = threading.Lock()
 # Interpreter exit: total seconds the exit hook waits for the workers of live backends to stop. Short: a
 # worker that does not stop in time is a daemon thread reading memory that stays mapped (no crash).
 _EXIT_CLOSE_TIMEOUT_S = 2.0
@@ -166,6 +162,8 @@ _EXIT_CLOSE_TIMEOUT_S = 2.0
 # collected and its worker stops within about this long.
 _IDLE_WAIT_S = 0.5
 _IDLE = object()  # _next_job: nothing to do this turn
+
+
 def _close_backends_at_exit() -> None:
     backends = _live_backends.items()
     deadline = time.monotonic() + _EXIT_CLOSE_TIMEOUT_S
@@ -204,194 +202,6 @@ def _worker_loop(ref: weakref.ref, wake: threading.Event) -> None:
             wake.wait(_IDLE_WAIT_S)
 
 
-# --------------------------------------------------------------------------- CPU gather (numba)
-@functools.lru_cache(maxsize=1)
-def _gather_kernels() -> tuple[Callable, Callable]:
-    """(serial, parallel) numba byte-gather kernels, compiled lazily (numba imports slowly)."""
-    import numba
-
-    def gather(table, ids, out, byte_start, oob_row0, zero):
-        # table: uint8 [rows, stride_bytes]; ids: int32/int64 [n]; out: uint8 [n, nbytes];
-        # zero: uint8 [itemsize], the element written for out-of-range ids under oob="zero"
-        rows = table.shape[0]
-        nbytes = out.shape[1]
-        isz = zero.shape[0]
-        for i in numba.prange(ids.shape[0]):
-            r = ids[i]
-            if r < 0 or r >= rows:
-                if oob_row0:
-                    out[i, :] = table[0, byte_start:byte_start + nbytes]
-                else:
-                    for j in range(nbytes):
-                        out[i, j] = zero[j % isz]
-            else:
-                out[i, :] = table[r, byte_start:byte_start + nbytes]
-
-    serial = numba.njit(parallel=False, nogil=True, cache=False)(gather)
-    parallel = numba.njit(parallel=True, nogil=True, cache=False)(gather)
-    return serial, parallel
-
-
-def _cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: int, oob_row0: bool,
-                zero: np.ndarray) -> None:
-    serial, parallel = _gather_kernels()
-    fn = parallel if out.size >= _PARALLEL_MIN_BYTES else serial
-    with _GATHER_LOCK:
-        fn(table, ids, out, byte_start, oob_row0, zero)
-
-
-# --------------------------------------------------------------------------- device operations
-class _DeviceOps(abc.ABC):
-    """The few stream/event operations the backend uses, so the protocol is testable without a GPU.
-
-    ``enqueue(stream, fn)`` runs ``fn`` (which issues device work, e.g. ``dst.copy_(src)``) in the order
-    of ``stream``. Implementations: :class:`_CudaOps` (real streams and events), :class:`_CpuOps`
-    (everything synchronous; CPU tensors), and in the tests a fake whose work runs only when told.
-    """
-
-    device: torch.device
-
-    @abc.abstractmethod
-    def current_stream(self) -> Any:
-        ...
-
-    @abc.abstractmethod
-    def new_stream(self) -> Any:
-        ...
-
-    @abc.abstractmethod
-    def new_event(self) -> Any:
-        ...
-
-    @abc.abstractmethod
-    def record(self, event: Any, stream: Any) -> None:
-        ...
-
-    @abc.abstractmethod
-    def query(self, event: Any) -> bool:
-        """True when all work before the event's latest record has completed (or it was never recorded)."""
-        ...
-
-    @abc.abstractmethod
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Work enqueued on ``stream`` after this call waits for the event's latest record."""
-        ...
-
-    @abc.abstractmethod
-    def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
-        ...
-
-    @abc.abstractmethod
-    def needs_d2h(self, ids: torch.Tensor) -> bool:
-        """True when ``ids`` live on the device and must be copied to the host before the CPU gather."""
-        ...
-
-    @abc.abstractmethod
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        ...
-
-    @abc.abstractmethod
-    def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
-        ...
-
-    def check_device(self, t: torch.Tensor, what: str) -> None:
-        if t.device != self.device:
-            raise ValueError(f"{what} is on {t.device}, the backend on {self.device}; move it there")
-
-
-class _CudaOps(_DeviceOps):
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def current_stream(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(self.device)
-
-    def new_event(self) -> Any:
-        return torch.cuda.Event(enable_timing=False, blocking=False)
-
-    def record(self, event: Any, stream: Any) -> None:
-        with torch.cuda.device(self.device):
-            event.record(stream)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            fn()
-
-    def needs_d2h(self, ids: torch.Tensor) -> bool:
-        return ids.device.type == "cuda"
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def check_device(self, t: torch.Tensor, what: str) -> None:
-        if t.device.type != "cuda" or t.device.index != self.device.index:
-            raise ValueError(f"{what} is on {t.device}, the backend on {self.device}; move it there")
-
-
-class _CpuOps(_DeviceOps):
-    """Synchronous stand-in: the 'device' is the CPU, every enqueued operation runs at once."""
-
-    device = torch.device("cpu")
-
-    def current_stream(self) -> Any:
-        return None
-
-    def new_stream(self) -> Any:
-        return None
-
-    def new_event(self) -> Any:
-        return None
-
-    def record(self, event: Any, stream: Any) -> None:
-        pass
-
-    def query(self, event: Any) -> bool:
-        return True
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        pass
-
-    def enqueue(self, stream: Any, fn: Callable[[], None]) -> None:
-        fn()
-
-    def needs_d2h(self, ids: torch.Tensor) -> bool:
-        return False
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def alloc_device(self, numel: int, dtype: torch.dtype, stream: Any) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
-
-
-def _ops_for(device: torch.device | str | int | None) -> _DeviceOps:
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return _CudaOps(device)
-    if device.type == "cpu":
-        return _CpuOps()
-    raise ValueError(f"CopyBackend supports cuda and cpu devices, not {device}")
-
-
 # --------------------------------------------------------------------------- jobs and slots
 _PENDING, _RUNNING, _LAUNCHING, _LAUNCHED, _FAILED = "pending", "running", "launching", "launched", "failed"
 
@@ -399,7 +209,7 @@ _PENDING, _RUNNING, _LAUNCHING, _LAUNCHED, _FAILED = "pending", "running", "laun
 class _Slot:
     """Preallocated resources of one job in flight: staging rows, ids, events, device buffer."""
 
-    def __init__(self, index: int, staging: torch.Tensor, ids_buf: torch.Tensor, ops: _DeviceOps) -> None:
+    def __init__(self, index: int, staging: torch.Tensor, ids_buf: torch.Tensor, ops: DeviceOps) -> None:
         self.index = index
         self.staging = staging  # uint8 [max_rows * row_bytes], pinned
         self.staging_np = staging.numpy()
@@ -497,7 +307,7 @@ class CopyJob:
 
 
 # --------------------------------------------------------------------------- the backend
-class CopyBackend(Backend):
+class CopyBackend(Lookup):
     """PLE rows through a CPU gather into pinned staging and an async host-to-device copy.
 
     Parameters
@@ -506,6 +316,9 @@ class CopyBackend(Backend):
         copied into a HostTable the backend owns.
     device : target device of the rows (``cuda``/``cuda:i``, or ``cpu`` for a synchronous CPU run).
         Default: the current CUDA device, else CPU.
+    spec : the policy of the rows returned (:class:`~uvaple.integration.spec.TableSpec`; default: the
+        table's own, zero rows for out-of-range ids). ``scale``/``oob``/``out_dtype``/``column_block`` make
+        one when ``spec`` is not given.
     max_in_flight : jobs admitted and not yet finished on the GPU (one staging slot each).
     max_rows : most ids per request (staging slot size).
     admission_timeout : seconds ``submit`` waits for a slot before :class:`CopyBackendOverloaded`; 0 fails
@@ -517,34 +330,36 @@ class CopyBackend(Backend):
 
     kind = "copy"
 
-    def __init__(self, table, device: torch.device | str | int | None = None, *, owns_table: bool = False,
+    def __init__(self, table, device: torch.device | str | int | None = None, *, spec: TableSpec | None = None,
+                 scale: float | None = None, oob: str = "zero", out_dtype: torch.dtype | None = None,
+                 column_block: int | None = None, owns_table: bool = False,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, max_rows: int = DEFAULT_MAX_ROWS,
                  admission_timeout: float = DEFAULT_ADMISSION_TIMEOUT_S,
                  wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S, ids_timeout: float = DEFAULT_IDS_TIMEOUT_S,
                  close_timeout: float = DEFAULT_CLOSE_TIMEOUT_S, warmup: bool = True,
-                 _ops: _DeviceOps | None = None) -> None:
+                 _ops: DeviceOps | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        if isinstance(device, int):
-            device = torch.device("cuda", device)
         if _ops is not None:
             device = _ops.device
         if isinstance(table, torch.Tensor):
-            if table.dtype not in TABLE_DTYPES:
-                raise TypeError(f"table dtype {table.dtype} is not supported")
+            spec = spec or TableSpec.of(table, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
             table, owns_table = HostTable.from_tensor(table), True
         elif not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable or a 2-D tensor, got {type(table).__name__}")
-        super().__init__(table, device, owns_table)
-        self._table_tensor = table.tensor
-        self._bytes = table.bytes_view()  # uint8 [rows, stride_bytes]
-        if self.dtype not in TABLE_DTYPES:
-            raise TypeError(f"table dtype {self.dtype} is not supported")
+        try:
+            spec = spec or TableSpec.of(table, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
+            super().__init__(table, spec, device, owns_table=owns_table, max_rows=int(max_rows))
+        except BaseException:
+            if owns_table:
+                table.close()
+            raise
+        self._bytes = table.bytes_view()  # uint8 [rows, stride_bytes]: holds the table's memory
         try:
             self._itemsize = table.itemsize
-            self._ops = _ops if _ops is not None else _ops_for(self.device)
+            self._ops = _ops if _ops is not None else ops_for(self.device)
             self.max_in_flight = int(max_in_flight)
             self.max_rows = int(max_rows)
             self.admission_timeout = float(admission_timeout)
@@ -566,7 +381,13 @@ class CopyBackend(Backend):
             self._free: list[_Slot] = list(reversed(self._slots))
             self._copy_stream = self._ops.new_stream()
             self._d2h_stream = self._ops.new_stream()
-            self._scales: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+            # HF Gemma 3n: embedding * embed_scale.to(weight.dtype); a CPU 0-dim tensor is a scalar operand.
+            # A device multiply cannot give +0.0 zero rows for an inf/NaN scale (0 * inf = NaN): such scales
+            # are applied on the CPU in the worker (rare path), finite ones on the device.
+            self._scale_t = (None if spec.scale is None else
+                             torch.tensor(spec.scale, dtype=torch.float32).to(self.dtype))
+            self._scale_on_cpu = self._scale_t is not None and not math.isfinite(float(self._scale_t))
+            self._oob_row0 = spec.oob == "row0"
             # +0.0 and -0.0 of the table dtype as bytes: zero rows are written as -0.0 when a negative scale
             # follows on the device, so that (-0.0) * scale = +0.0, the zero row of gather_rows.
             self._zero_pos = np.zeros(self._itemsize, dtype=np.uint8)
@@ -577,7 +398,7 @@ class CopyBackend(Backend):
             self._pending: collections.deque[CopyJob] = collections.deque()
             self._seq = 0
             # Shutdown states: _closing (close() began: no new jobs, the worker stops), _releasing (one
-            # thread is releasing slots/lease/table), Backend._closed (released). A close() that timed out
+            # thread is releasing slots and an owned table), Lookup._closed (released). A close() that timed out
             # leaves _closing set and nothing released; a later close() re-checks and finishes.
             self._closing = False
             self._releasing = False
@@ -589,7 +410,7 @@ class CopyBackend(Backend):
             self._counts = collections.Counter()
             self._abandoned = 0  # slots whose copy had not completed when close() gave up waiting
             if warmup:
-                self._warmup()
+                cpu_gather.warm_up(self._bytes, self._zero_pos)
             # the worker holds the backend weakly between jobs: dropping the backend frees it (see above)
             self._wake = threading.Event()  # set by submit and close: the idle worker waits on it, not on us
             self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._wake),
@@ -602,8 +423,7 @@ class CopyBackend(Backend):
         _live_backends.add(self)
 
     # ------------------------------------------------------------------ public API
-    def submit(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
-               columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> CopyJob:
+    def submit(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> CopyJob:
         """Admit a lookup of ``ids`` (int32/int64, any shape, CPU or on the backend's device).
 
         Returns at once with a :class:`CopyJob`; rows land in ``out`` ``[*ids.shape, ncols]`` (allocated
@@ -611,34 +431,29 @@ class CopyBackend(Backend):
         ``admission_timeout``), :class:`CopyRequestTooLarge`, :class:`BackendClosed`, or
         ``ValueError``/``TypeError`` for bad arguments — in every case before anything was mutated.
         """
-        return self._submit(ids, out, scale, columns, oob, out_dtype, inline=False)
+        return self._submit(ids, out, columns, inline=False)
 
-    def _submit(self, ids, out, scale, columns, oob, out_dtype, *, inline: bool) -> CopyJob:
+    def _submit(self, ids, out, columns, *, inline: bool) -> CopyJob:
         # ---- checks (nothing mutated)
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
+        check_ids(ids)
         device_ids = self._ops.needs_d2h(ids)
         if ids.device.type != "cpu" and not device_ids:
             raise ValueError(f"ids are on {ids.device}; pass CPU ids or ids on {self.device}")
         if device_ids:
             self._ops.check_device(ids, "ids")
-        c0, c1 = _columns(columns, self.cols)
+        c0, c1 = self.spec.columns(columns)
         ncols = c1 - c0
-        dtype = check_request(self.dtype, ids, out, scale=scale, oob=oob, out_dtype=out_dtype, ncols=ncols)
+        dtype = self.spec.output_dtype
         shape = (*ids.shape, ncols)
         if out is not None:
             self._ops.check_device(out, "out")
+            check_out(out, shape, dtype, out.device)
         n = ids.numel()
         if n > self.max_rows:
             raise CopyRequestTooLarge(
                 f"{n} ids in one request, but staging slots hold max_rows={self.max_rows}; construct the "
                 f"CopyBackend with max_rows >= {n} or split the request")
-        scale_t = self._scale_tensor(float(scale)) if scale is not None else None
-        # A device multiply cannot give +0.0 zero rows for an inf/NaN scale (0 * inf = NaN): such scales
-        # are applied on the CPU in the worker (rare path), finite ones on the device.
-        scale_on_cpu = scale_t is not None and not math.isfinite(float(scale_t))
+        scale_t, scale_on_cpu = self._scale_t, self._scale_on_cpu
         # ---- admission
         slot, job = self._admit()
         # ---- from here the job owns the slot; failures release it through the normal path
@@ -650,7 +465,7 @@ class CopyBackend(Backend):
             job._ncols = ncols
             job._scale = scale_t
             job._scale_on_cpu = scale_on_cpu
-            job._oob_row0 = oob == "row0"
+            job._oob_row0 = self._oob_row0
             job._inference = torch.is_inference_mode_enabled()
             if out is None:
                 out = torch.empty(shape, dtype=dtype, device=self.device)
@@ -701,7 +516,7 @@ class CopyBackend(Backend):
                 self._counts["submitted"] += 1
                 # inline only for small CPU-ids requests (serial gather): there the two thread hand-offs
                 # dominate; large ones stay on the worker, so one thread drives numba's parallel pool
-                if inline and not device_ids and n * ncols * self._itemsize < _PARALLEL_MIN_BYTES:
+                if inline and not device_ids and n * ncols * self._itemsize < cpu_gather.PARALLEL_MIN_BYTES:
                     job._state = _RUNNING  # never queued: the worker does not see it
                     self._inline_jobs.add(job)  # close() waits for it before releasing the table
                 else:
@@ -717,15 +532,14 @@ class CopyBackend(Backend):
                     self._inline_jobs.discard(job)
                     self._cond.notify_all()
 
-    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, scale: float | None = None,
-               columns=None, oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         """``submit(...).wait()``: rows ``[*ids.shape, ncols]`` ready in the current stream's order.
 
         For small requests with CPU ids the caller's thread does the job's gather and launch itself (it
         blocks for them anyway), saving two thread hand-offs; the job protocol (slot, events, WAR wait)
         is the same.
         """
-        return self._submit(ids, out, scale, columns, oob, out_dtype, inline=True).wait()
+        return self._submit(ids, out, columns, inline=True).wait()
 
     def stats(self) -> dict:
         """Progress counters for health checks: a growing ``oldest_pending_s`` means no progress."""
@@ -734,7 +548,8 @@ class CopyBackend(Backend):
             now = time.monotonic()
             oldest = min((j._submitted_at for j in self._pending), default=None)
             busy = self._abandoned if self._closed else self.max_in_flight - len(self._free)
-            return dict(self._counts, pending=len(self._pending),
+            return dict(self._counts, kind=self.kind, lookups=self._counts["launched"], rows=self._counts["rows"],
+                        out_of_range_ids=self._counts["out_of_range_ids"], pending=len(self._pending),
                         slots_busy=busy, slots_free=self.max_in_flight - busy,
                         oldest_pending_s=0.0 if oldest is None else now - oldest,
                         worker_alive=self._worker.is_alive(), closed=self._closed, closing=self._closing,
@@ -812,7 +627,6 @@ class CopyBackend(Backend):
                 delay = min(delay * 2, _POLL_MAX_S)
             busy = self.max_in_flight - len(self._free)
             self._abandoned = busy
-            self._scales.clear()
             # drop the preallocated memory (a copy still running holds its own references via its job)
             self._slots = []
             self._free = []
@@ -896,14 +710,6 @@ class CopyBackend(Backend):
         job._host_done.set()
         self._counts["failed"] += 1
         self._cond.notify_all()
-
-    def _scale_tensor(self, scale: float) -> torch.Tensor:
-        key = (scale, self.dtype)
-        t = self._scales.get(key)
-        if t is None:
-            # HF Gemma 3n: embedding * embed_scale.to(weight.dtype); a CPU 0-dim tensor is a scalar operand
-            t = self._scales[key] = torch.tensor(scale, dtype=torch.float32).to(self.dtype)
-        return t
 
     # ------------------------------------------------------------------ worker
     def _worker_turn(self) -> bool | object:
@@ -995,8 +801,11 @@ class CopyBackend(Backend):
             scale = job._scale
             neg = scale is not None and not job._scale_on_cpu and math.copysign(1.0, float(scale)) < 0
             if n:
-                _cpu_gather(self._bytes, ids_np, staged, job._byte_start, job._oob_row0,
-                            self._zero_neg if neg else self._zero_pos)
+                bad = cpu_gather.cpu_gather(self._bytes, ids_np, staged, job._byte_start, job._oob_row0,
+                                            self._zero_neg if neg else self._zero_pos)
+                with self._cond:
+                    self._counts["out_of_range_ids"] += bad
+                    self._counts["rows"] += n
             if n and job._scale_on_cpu:  # inf/NaN scale: multiply here, then restore +0.0 zero rows
                 rows_t = slot.staging[: n * nbytes].view(self.dtype).view(n, job._ncols)
                 rows_t.mul_(scale)
@@ -1090,14 +899,6 @@ class CopyBackend(Backend):
         return sum(sl.device_buf.numel() * sl.device_buf.element_size()
                    for sl in self._slots if sl.device_buf is not None and sl.device_buf.is_cuda)
 
-    def _warmup(self) -> None:
-        out = np.empty((1, 8), dtype=np.uint8)
-        serial, parallel = _gather_kernels()
-        for dt in (np.int32, np.int64):
-            ids = np.zeros(1, dtype=dt)
-            with _GATHER_LOCK:
-                serial(self._bytes, ids, out[:, : min(8, self._bytes.shape[1])], 0, False, self._zero_pos)
-                parallel(self._bytes, ids, out[:, : min(8, self._bytes.shape[1])], 0, False, self._zero_pos)
 
 
 def _round_up(x: int, m: int) -> int:

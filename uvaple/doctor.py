@@ -1,9 +1,11 @@
-"""``uvaple doctor``: can this machine run the UVA path, and how fast can it read host memory?
+"""``uvaple doctor``: what this machine can run, and how fast it reads host memory.
 
 Reports CUDA presence, device name, unified addressing, can-map-host-memory, host-pointer-for-registered-
 memory, read-only registration, the PCIe link (NVML where present), the memlock limit, free host memory,
 and two short measurements: the pinned host-to-device copy ceiling and the zero-copy read rate of the
-gather kernel from a registered table. Exit 0 when the UVA path is usable, 1 with the reason otherwise.
+gather from a registered table. Without a usable GPU it says what runs instead (host tables, shared
+tables, the copy placement and the kernels on CPU tensors). Exit 0 when the UVA path is usable, 1 with the
+reason otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import _cuda, _sys
+from uvaple._machine import gpu_info
+from uvaple._util import fmt_bytes
+from uvaple.uva import _cuda, _sys
 
 
 @dataclass
@@ -33,6 +37,9 @@ class Capabilities:
     mem_available_bytes: int | None = None
     h2d_ceiling_gbps: float | None = None
     zero_copy_read_gbps: float | None = None
+    torch_build: str | None = None  # "cuda 13.0" or "cpu"
+    cpu_copy_gbps: float | None = None  # without a usable GPU: the copy placement on the CPU
+    cpu_interpreter_rows_per_s: float | None = None  # without a usable GPU: the Triton gather, interpreted
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -41,59 +48,56 @@ class Capabilities:
                     and self.host_pointer_for_registered_mem)
 
 
-def _pcie_link(device: int) -> str | None:
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(device)
-            cur = (pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h), pynvml.nvmlDeviceGetCurrPcieLinkWidth(h))
-            top = (pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h), pynvml.nvmlDeviceGetMaxPcieLinkWidth(h))
-            return f"Gen{cur[0]} x{cur[1]} (max Gen{top[0]} x{top[1]})"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:  # noqa: BLE001 - NVML is optional and varies by driver
-        return f"unknown ({type(e).__name__})"
-
-
 def _measure(device: int, seconds: float) -> tuple[float, float]:
-    """(pinned H2D GB/s, zero-copy gather GB/s) over ~``seconds`` in total."""
+    """(pinned H2D GB/s, zero-copy gather GB/s), each the median of ~``seconds / 2`` of event-timed runs."""
     import torch
+    from triton.testing import do_bench
 
-    from ..kernels import gather_rows
-    from .host_table import HostTable
+    from uvaple.integration import make_lookup
+    from uvaple.uva import HostTable
 
     nbytes = 256 << 20
     dev = torch.device("cuda", device)
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    ms = seconds / 2 * 1e3
+    with torch.cuda.device(dev):
+        h2d = nbytes / (do_bench(lambda: dst.copy_(src, non_blocking=True), rep=ms, return_mode="median") / 1e3)
+        row_bytes = 17920  # a Gemma 3n E4B per-layer-embedding row
+        rows = (1 << 30) // row_bytes
+        with HostTable.empty(rows, row_bytes // 2, torch.bfloat16, device=device, register=True) as table:
+            lookup = make_lookup("uva", table, device=dev)
+            n = 16384
+            ids = torch.randint(0, rows, (n,), device=dev)
+            out = torch.empty((n, table.cols), dtype=table.dtype, device=dev)
+            t = do_bench(lambda: lookup.lookup(ids, out), rep=ms, return_mode="median") / 1e3
+            lookup.close()
+    return h2d / 1e9, n * row_bytes / t / 1e9
 
-    def rate(fn, moved: int, budget: float) -> float:
-        fn()
-        torch.cuda.synchronize(dev)
-        times, t_end = [], time.perf_counter() + budget
-        while time.perf_counter() < t_end or len(times) < 3:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        times.sort()
-        return moved / times[len(times) // 2] / 1e9
 
-    h2d = rate(lambda: dst.copy_(src, non_blocking=True), nbytes, seconds / 2)
-    row_bytes = 17920  # a Gemma 3n E4B per-layer-embedding row
-    rows = (1 << 30) // row_bytes
-    with HostTable.empty(rows, row_bytes // 2, torch.bfloat16, device=device, register=True) as table:
-        n = 16384
-        ids = torch.randint(0, rows, (n,), device=dev)
-        out = torch.empty((n, table.cols), dtype=table.dtype, device=dev)
-        zc = rate(lambda: gather_rows(table, ids, out), n * row_bytes, seconds / 2)
-    return h2d, zc
+def _measure_cpu(seconds: float) -> tuple[float, float]:
+    """(copy placement GB/s, interpreted gather rows/s) on the CPU, ~``seconds`` in all."""
+    import torch
+
+    from uvaple.integration import make_lookup
+    from uvaple.uva import HostTable
+
+    row_bytes = 17920
+    rows = (64 << 20) // row_bytes
+    with HostTable.empty(rows, row_bytes // 2, torch.bfloat16) as table:
+        table.tensor.view(torch.int16).random_(-(1 << 14), 1 << 14)
+        rates = []
+        for kind, n in (("copy", 4096), ("uva", 16)):
+            with make_lookup(kind, table, device="cpu") as lookup:
+                ids = torch.randint(0, rows, (n,))
+                out = torch.empty(n, table.cols, dtype=table.dtype)
+                lookup.lookup(ids, out)  # warm (numba / the interpreter's rewrite)
+                reps, t0 = 0, time.perf_counter()
+                while reps < 3 or time.perf_counter() - t0 < seconds / 2:
+                    lookup.lookup(ids, out)
+                    reps += 1
+                rates.append(reps * n / (time.perf_counter() - t0))
+    return rates[0] * row_bytes / 1e9, rates[1]
 
 
 def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None = None) -> Capabilities:
@@ -107,8 +111,12 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
     except ImportError:
         caps.reason = "torch is not installed"
         return caps
+    caps.torch_build = f"cuda {torch.version.cuda}" if torch.version.cuda else "cpu"
     if not torch.cuda.is_available():
-        caps.reason = "no CUDA GPU is visible to torch (torch.cuda.is_available() is False)"
+        caps.reason = ("no CUDA GPU is visible to torch (torch.cuda.is_available() is False)"
+                       + ("; this torch is the CPU build" if not torch.version.cuda else ""))
+        if measure:
+            caps.cpu_copy_gbps, caps.cpu_interpreter_rows_per_s = _measure_cpu(seconds)
         return caps
     if _cuda.runtime() is None:
         caps.reason = "cuda-python is not installed (pip install cuda-python)"
@@ -135,7 +143,7 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
     caps.host_pointer_for_registered_mem = attr("cudaDevAttrCanUseHostPointerForRegisteredMem")
     caps.host_register_supported = attr("cudaDevAttrHostRegisterSupported")
     caps.read_only_register = attr("cudaDevAttrHostRegisterReadOnlySupported")
-    caps.pcie_link = _pcie_link(dev)
+    caps.pcie_link = (gpu_info(dev) or {}).get("pcie_link")
     if not caps.uva_usable:
         missing = [n for n, v in [("unified addressing", caps.unified_addressing),
                                   ("can map host memory", caps.can_map_host_memory),
@@ -152,14 +160,12 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
     return caps
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _limit(n: int | None) -> str:
     if n is None:
         return "unknown"
     if n < 0 or n >= (1 << 62):
         return "unlimited"
-    if n < (1 << 30):
-        return f"{n / (1 << 20):.1f} MiB"
-    return f"{n / (1 << 30):.1f} GiB"
+    return fmt_bytes(n)
 
 
 def format_report(caps: Capabilities) -> str:
@@ -174,15 +180,34 @@ def format_report(caps: Capabilities) -> str:
         f"host register supported       : {yes[caps.host_register_supported]}",
         f"read-only registration        : {yes[caps.read_only_register]}",
         f"PCIe link                     : {caps.pcie_link or 'unknown (NVML not available)'}",
-        f"memlock limit (ulimit -l)     : {_fmt_bytes(caps.memlock_soft_bytes)}",
-        f"host memory available         : {_fmt_bytes(caps.mem_available_bytes)}",
+        f"memlock limit (ulimit -l)     : {_limit(caps.memlock_soft_bytes)}",
+        f"host memory available         : {_limit(caps.mem_available_bytes)}",
     ]
     if caps.h2d_ceiling_gbps is not None:
         lines.append(f"pinned H2D copy ceiling       : {caps.h2d_ceiling_gbps:.1f} GB/s")
         lines.append(f"zero-copy gather read         : {caps.zero_copy_read_gbps:.1f} GB/s "
                      f"({caps.zero_copy_read_gbps / caps.h2d_ceiling_gbps:.2f}x the copy ceiling)")
     ok = caps.uva_usable and not caps.reason
+    lines.append(f"torch build                   : {caps.torch_build or '-'}")
     lines.append(f"UVA path usable               : {'yes' if ok else 'NO: ' + caps.reason}")
+    if not ok:
+        lines += ["", "What runs here instead:"]
+        if caps.cuda:
+            lines.append("  - the 'copy' placement: a CPU gather into pinned staging and one copy to the GPU "
+                         "(make_lookup('copy', table))")
+        else:
+            lines += [
+                "  - host tables: HostTable (private or shared between processes), loading from safetensors",
+                "  - every lookup placement on CPU tensors (ids and output on the CPU), same bits as on a GPU:",
+            ]
+            if caps.cpu_copy_gbps is not None:
+                lines += [f"      copy placement (numba gather)        : {caps.cpu_copy_gbps:.2f} GB/s of "
+                          f"17,920-byte rows",
+                          f"      uva/device (Triton interpreter)      : {caps.cpu_interpreter_rows_per_s:,.0f} "
+                          f"rows/s (for tests and development, not serving)"]
+            lines.append("  - for the GPU path: a CUDA GPU with the CUDA build of torch; pip installs the CUDA "
+                         "build unless the CPU build was installed first (pip install torch --index-url "
+                         "https://download.pytorch.org/whl/cpu)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,240 @@
+"""One lookup object for every placement: ``lookup(ids, out)`` on the caller's stream.
+
+A :class:`Lookup` is built once from a :class:`~uvaple.integration.spec.TableSpec` (validated at
+construction) and a placement, FlashInfer-style: everything a call needs (the table's device-readable
+view, the counters) exists before the first call, and a call with ``out`` allocates nothing, never
+synchronises and launches one kernel through the ``uvaple::gather_rows`` op, so it can be captured in a
+CUDA graph and compiled with ``torch.compile(fullgraph=True)``.
+
+Placements
+----------
+* ``uva``: the table stays in pinned, mapped host memory (:class:`~uvaple.uva.HostTable`); the gather
+  reads it over PCIe through unified virtual addressing. No thread, no queue, no event: stream order is
+  the only synchronisation.
+* ``device``: a copy of the table in HBM, same kernel: the speed and memory reference.
+* ``copy``: the classic copy-based path (worker thread, CPU gather, staged host-to-device copy), built so
+  it cannot wedge: the baseline, and the fallback where UVA is unavailable
+  (:mod:`uvaple.integration.copy`).
+
+Every placement gives the same bits for the same ids (``tests/test_equivalence.py``).
+
+Lifetime: a lookup holds views of its table, so the table's memory stays mapped (and registered) while
+the lookup lives, also if the table is closed under it. ``close()`` drops them (and closes a table the
+lookup owns); a lookup dropped without ``close()`` is freed by reference counting.
+
+Counters: ``stats()`` reads an int64 ``[3]`` tensor that the kernel adds to on the device (lookups,
+rows, out-of-range ids): correct under CUDA graph replays, and no host work on the hot path. Reading it
+synchronises with the device, once, at the ``stats()`` call.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from uvaple.kernels.gather import check_ids, check_out
+from uvaple.uva import HostTable
+
+from .errors import BackendClosed
+from .spec import TableSpec
+
+__all__ = ["Lookup", "GatherLookup", "default_device"]
+
+
+def default_device() -> torch.device:
+    """The current CUDA device, or the CPU where there is none (kernels then run interpreted)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return default_device()
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"a lookup runs on cuda or cpu devices, not {device}")
+    return device
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile the table never moves: CUDA graphs must not copy it in before each replay."""
+    if t.is_cuda:
+        try:
+            torch._dynamo.mark_static_address(t)
+        except Exception:  # noqa: BLE001 - an optimisation hint only; absent on some torch builds
+            pass
+    return t
+
+
+class Lookup(abc.ABC):
+    """Rows ``table[ids, columns]`` with the spec's policy, on ``device`` (see the module docstring).
+
+    Parameters
+    ----------
+    table : HostTable
+        The table (not closed by the lookup unless ``owns_table``).
+    spec : TableSpec
+        Its shape and the policy of the rows returned.
+    device : torch.device
+        Where ids come from and rows go.
+    max_rows : int, optional
+        Most ids per call; workspaces are sized from it (a larger call is an error). Default: no bound
+        (placements that need one set their own).
+    """
+
+    kind = "base"
+
+    def __init__(self, table: HostTable, spec: TableSpec, device, *, owns_table: bool = False,
+                 max_rows: int | None = None) -> None:
+        if (spec.rows, spec.cols, spec.dtype) != (table.rows, table.cols, table.dtype):
+            raise ValueError(f"spec {spec.describe()} does not describe the table {table!r}")
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+            raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+        self.table = table
+        self.spec = spec
+        self.device = _resolve_device(device)
+        self.max_rows = max_rows
+        self._owns_table = owns_table
+        self._oob_row0 = spec.oob == "row0"
+        self._closed = False
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def rows(self) -> int:
+        return self.spec.rows
+
+    @property
+    def cols(self) -> int:
+        return self.spec.cols
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The table's dtype (the output's is ``spec.output_dtype``)."""
+        return self.spec.dtype
+
+    # ------------------------------------------------------------------ calls
+    @abc.abstractmethod
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
+        """Rows for ``ids`` (int32/int64, any shape, on ``device``) in ``out`` ``[*ids.shape, ncols]``.
+
+        ``columns``: ``None`` (whole rows) or a range the spec allows (``column_block``). ``out`` is
+        allocated when omitted; pass it on the hot path. Non-contiguous ids are copied first.
+        """
+
+    def _prepare(self, ids: torch.Tensor, out: torch.Tensor | None, columns) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The per-call checks every placement shares: (contiguous ids, out, first column)."""
+        if self._closed:
+            raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
+        check_ids(ids)
+        if ids.device != self.device:
+            raise ValueError(f"ids are on {ids.device}; this lookup serves {self.device}")
+        c0, c1 = self.spec.columns(columns)
+        if self.max_rows is not None and ids.numel() > self.max_rows:
+            raise ValueError(f"{ids.numel()} ids in one call, but this lookup was built for max_rows="
+                             f"{self.max_rows}; build it with a larger max_rows or split the call")
+        want = (*ids.shape, c1 - c0)
+        if out is None:
+            out = torch.empty(want, dtype=self.spec.output_dtype, device=self.device)
+        else:
+            check_out(out, want, self.spec.output_dtype, self.device)
+        return (ids if ids.is_contiguous() else ids.contiguous()), out, c0
+
+    def stats(self) -> dict:
+        """Progress counters (lookups, rows, out-of-range ids) and what the lookup holds."""
+        return {"kind": self.kind, "closed": self._closed, "device_bytes": self.device_bytes()}
+
+    def device_bytes(self) -> int:
+        """Bytes of device memory this lookup holds for the table."""
+        return 0
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Drop the lookup's hold on the table (closing it when owned). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_table:
+            self.table.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind}, {self.spec.describe()}, device={self.device})"
+
+
+class GatherLookup(Lookup):
+    """The Triton gather over the table where it lies: host memory (``uva``) or an HBM copy (``device``).
+
+    Parameters
+    ----------
+    table, spec, device, owns_table, max_rows :
+        As in :class:`Lookup`.
+    kind : {"uva", "device"}
+        Where the kernel reads: the registered host table through UVA, or a copy in HBM.
+    view : {"cuda", "host"}
+        ``uva`` only: hand the kernel a CUDA tensor aliasing the registered pages (default: then
+        ``torch.compile`` sees CUDA inputs only and keeps CUDA graphs on) or the CPU tensor over them;
+        both are the same bytes.
+    count : bool
+        Keep device counters for ``stats()`` (default True; one relaxed atomic per call and per
+        out-of-range id).
+    """
+
+    def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
+                 owns_table: bool = False, max_rows: int | None = None, view: str = "cuda",
+                 count: bool = True) -> None:
+        if not isinstance(table, HostTable):
+            raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
+        spec = spec or TableSpec.of(table)
+        super().__init__(table, spec, device, owns_table=owns_table, max_rows=max_rows)
+        if kind not in ("uva", "device"):
+            raise ValueError(f"kind must be 'uva' or 'device', got {kind!r}")
+        if view not in ("host", "cuda"):
+            raise ValueError(f"view must be 'host' or 'cuda', got {view!r}")
+        self.kind = kind
+        on_gpu = self.device.type == "cuda"
+        if kind == "uva":
+            if on_gpu and not table.registered:
+                raise ValueError("the uva placement needs a registered HostTable (build it with register=True on "
+                                 "a CUDA machine), or use the 'copy' placement")
+            self._arg = _static(table.cuda_view(self.device.index)) if on_gpu and view == "cuda" else table.tensor
+        else:
+            self._arg = _static(table.tensor.to(self.device, copy=True).contiguous())
+        self._counters = torch.zeros(3, dtype=torch.int64, device=self.device) if count else None
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
+        ids, out, c0 = self._prepare(ids, out, columns)
+        spec = self.spec
+        torch.ops.uvaple.gather_rows(self._arg, ids, out, self._counters, spec.scale_arg, spec.has_scale, c0,
+                                     self._oob_row0)
+        return out
+
+    def stats(self) -> dict:
+        st = super().stats()
+        if self._counters is not None:
+            lookups, rows, oob = self._counters.tolist()  # the one synchronisation: here, not per call
+            st.update(lookups=lookups, rows=rows, out_of_range_ids=oob)
+        return st
+
+    def device_bytes(self) -> int:
+        if self.kind == "device" and self._arg is not None and self._arg.is_cuda:
+            return self._arg.numel() * self._arg.element_size()
+        return 0
+
+    def close(self) -> None:
+        self._arg = None
+        super().close()
