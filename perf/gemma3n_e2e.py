@@ -51,6 +51,8 @@ import traceback
 
 import torch
 
+from uvaple.perf.timing import EventTimer as Timer
+
 log = logging.getLogger("uvaple.perf.gemma3n_e2e")
 
 GiB = float(1 << 30)
@@ -93,32 +95,6 @@ def mem(device) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
-
-
-class Timer:
-    """Per-call times in ms: CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, device):
-        self.device, self.pairs, self.cpu = device, [], []
-
-    def __call__(self, fn):
-        if self.device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            r = fn()
-            b.record()
-            self.pairs.append((a, b))
-        else:
-            t = time.perf_counter()
-            r = fn()
-            self.cpu.append((time.perf_counter() - t) * 1e3)
-        return r
-
-    def median(self, skip: int = 0) -> float:
-        sync(self.device)
-        ts = [a.elapsed_time(b) for a, b in self.pairs] if self.pairs else self.cpu
-        ts = ts[skip:]
-        return statistics.median(ts) if ts else float("nan")
 
 
 def build_model(cfg_kw: dict, dtype, device, seed: int):

@@ -2,12 +2,13 @@
 # One call on the GPU machine: install, doctor, the whole test suite on CUDA, the tile sweep, table
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
-#   usage: bash perf/gpu_check.sh [steps...]   steps: doctor tests lifetime tiles ready bench e2e (default: all)
+#   usage: bash perf/gpu_check.sh [steps...]
+#   steps: doctor tests lifetime launch tunecopy tiles ready bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
 mkdir -p "$R"
-STEPS=${*:-doctor tests lifetime tiles ready bench e2e}
+STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready bench e2e}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -26,14 +27,22 @@ if has doctor; then
   uvaple doctor | tee "$R/doctor.txt"; echo "doctor exit: ${PIPESTATUS[0]}"
 fi
 if has tests; then
-  step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; 1000 equivalence schedules)"
-  UVAPLE_EQUIV_SCHEDULES=1000 timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \
+  step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; ${UVAPLE_EQUIV_SCHEDULES:-1000} equivalence schedules)"
+  UVAPLE_EQUIV_SCHEDULES=${UVAPLE_EQUIV_SCHEDULES:-1000} timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \
     ${TESTS:-tests} 2>&1 | tee "$R/pytest.log" | tail -40
 fi
 if has lifetime; then
   step "host-table lifetime at full size (8 GiB finalizer release, fork, 16 GiB shared by 4 processes)"
   timeout 300 python3 -m uvaple.perf.lifetime_gpu --json "$R/lifetime.json" 2>&1 | tee "$R/lifetime.log"
   echo "lifetime exit: ${PIPESTATUS[0]}"
+fi
+if has launch; then
+  step "eager launch cost at 1/8/64 rows: lookup vs torch.index_select over the same CUDA view"
+  timeout 120 python3 -m uvaple.perf.launch_cost 2>&1 | tee "$R/launch_cost.log"
+fi
+if has tunecopy; then
+  step "copy backend: serial/parallel CPU-gather threshold sweep on this host"
+  timeout 150 python3 -m uvaple.perf.tune_copy --out "$R/tune_copy.log" | tail -5
 fi
 if has tiles; then
   step "tile sweep"

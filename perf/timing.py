@@ -115,3 +115,31 @@ def reps_for(cfg: BenchConfig, est_us: float) -> int:
     if cfg.point_time_s <= 0 or not math.isfinite(est_us) or est_us <= 0:
         return cfg.min_reps
     return int(min(cfg.max_reps, max(cfg.min_reps, cfg.point_time_s * 1e6 / est_us)))
+
+
+class EventTimer:
+    """Per-call times in ms of whole callables: CUDA events on ``device`` when it is a GPU, else
+    ``perf_counter``; ``median(skip=warm)`` synchronises once, at the end."""
+
+    def __init__(self, device):
+        self.device, self.pairs, self.cpu = torch.device(device), [], []
+
+    def __call__(self, fn):
+        if self.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            r = fn()
+            b.record()
+            self.pairs.append((a, b))
+        else:
+            t = time.perf_counter()
+            r = fn()
+            self.cpu.append((time.perf_counter() - t) * 1e3)
+        return r
+
+    def median(self, skip: int = 0) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ts = [a.elapsed_time(b) for a, b in self.pairs] if self.pairs else self.cpu
+        ts = ts[skip:]
+        return statistics.median(ts) if ts else float("nan")

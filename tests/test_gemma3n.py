@@ -108,6 +108,57 @@ def test_module_matches_hf_embedding(device, dtype, backend, shape):
     mod.close()
 
 
+def _allocated(fn, device) -> int:
+    """Bytes allocated while ``fn`` runs: the CUDA allocator's count, or the CPU allocator's (profiler)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+
+
+@pytest.mark.parametrize("backend", ["uva", "device"])
+def test_module_with_a_token_bound_allocates_nothing_per_step(device, backend):
+    """Built with max_tokens, every forward writes the module's static output: no allocation per step,
+    the same buffer each call (what a CUDA graph replays), and the bits of HF's module."""
+    torch.manual_seed(5)
+    hf = Gemma3nTextScaledWordEmbedding(97, 48, 0, embed_scale=PER_LAYER ** 0.5).to(torch.bfloat16)
+    hf.weight.data.normal_(0.0, 1.0)
+    hf = hf.to(device)
+    mod = HostScaledEmbedding.from_embedding(hf, backend=backend, max_tokens=64)
+    decode = torch.randint(0, 97, (8, 1), device=device)
+    prefill = torch.randint(0, 97, (4, 16), device=device)
+    first = mod(decode)
+    assert torch.equal(first, hf(decode))
+    ptr = first.data_ptr()
+    for ids in (decode, prefill, decode):
+        with torch.no_grad():
+            assert _allocated(lambda ids=ids: mod(ids), device) == 0
+        out = mod(ids)
+        assert out.data_ptr() == ptr and torch.equal(out, hf(ids))
+    with pytest.raises(ValueError, match="max_tokens=64"):
+        mod(torch.zeros(65, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+        HostScaledEmbedding(10, 4, max_tokens=0)
+    mod.close()
+
+
+def test_patched_model_with_a_token_bound_generates_the_same_tokens(device, ref32):
+    ref = ref32.to(device)
+    model, patch = patched_copy(ref, max_tokens=64)
+    ids = prompts(device, shape=(2, 6), seed=19)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, suppress_tokens=list(range(VOCAB_PLE, VOCAB)))
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    assert ple_table(model).max_tokens == 64
+    patch.revert()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_module_out_of_range_reads_row0(device, backend):
     torch.manual_seed(4)

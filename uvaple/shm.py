@@ -12,14 +12,10 @@ import argparse
 import json
 from dataclasses import asdict
 
+from uvaple._util import fmt_bytes
 from uvaple.uva import segments
 
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
+_size = fmt_bytes
 
 
 def format_list(infos: list[segments.SegmentInfo]) -> str:

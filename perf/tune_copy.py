@@ -1,0 +1,82 @@
+"""Sweep the copy backend's serial/parallel CPU-gather threshold (``cpu_gather.PARALLEL_MIN_BYTES``).
+
+For requests from 4 KiB to 64 MiB of gathered bytes (rows of 160 B, the n-gram PLE shape, and 17,920 B,
+Gemma 3n E4B), times the serial and the parallel numba byte gather over random rows of a 1 GiB table,
+median of repeated runs, and prints the smallest request at which parallel is faster at every larger
+size for both row sizes: the threshold to ship. CPU only (no GPU needed); run it on the serving host, since
+the crossover depends on its core count. Id sets rotate (rows come from DRAM, not the caches).
+
+Usage: ``python3 -m uvaple.perf.tune_copy [--table-gib 1] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+# Id sets rotate so the rows read between two uses of a set exceed the host's caches (the table itself is
+# far larger): every timing reads rows from DRAM, as a lookup over a real table does.
+_ROTATE_BYTES = 256 << 20
+
+
+def median_s(fn, sets: int, budget_s: float = 0.2, min_reps: int = 5) -> float:
+    """Median seconds of ``fn(k)`` over id sets ``k`` in rotation."""
+    fn(0)
+    times, t_end, k = [], time.perf_counter() + budget_s, 1
+    while len(times) < min_reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn(k % sets)
+        times.append(time.perf_counter() - t0)
+        k += 1
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--table-gib", type=float, default=1.0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    from uvaple.integration.copy import cpu_gather
+
+    serial, parallel = cpu_gather._gather_kernels()
+    lines = [f"# tune_copy: {os.cpu_count()} cores; serial vs parallel numba gather, median seconds"]
+    lines.append(f"{'row_B':>7} {'bytes':>10} {'rows':>8} {'serial_us':>10} {'parallel_us':>12} {'par/ser':>8}")
+    first_win = {}
+    rng = np.random.default_rng(0)
+    for row_bytes in (160, 17920):
+        stride = row_bytes if row_bytes % 16 == 0 else (row_bytes + 15) // 16 * 16
+        rows = int(a.table_gib * (1 << 30)) // stride
+        table = np.empty((rows, stride), dtype=np.uint8)
+        table.fill(3)  # touch every page (a fresh mapping would measure page faults)
+        zero = np.zeros(2, dtype=np.uint8)
+        wins = []
+        size = 4 << 10
+        while size <= 64 << 20:
+            n = max(1, size // row_bytes)
+            sets = max(2, min(64, _ROTATE_BYTES // (n * row_bytes)))
+            id_sets = rng.integers(0, rows, (sets, n), dtype=np.int64)
+            out = np.empty((n, row_bytes), dtype=np.uint8)
+            s = median_s(lambda k, o=out, t=table, i=id_sets, z=zero: serial(t, i[k], o, 0, False, z), sets)
+            q = median_s(lambda k, o=out, t=table, i=id_sets, z=zero: parallel(t, i[k], o, 0, False, z), sets)
+            wins.append((size, q < s))
+            lines.append(f"{row_bytes:>7} {size:>10} {n:>8} {s * 1e6:>10.1f} {q * 1e6:>12.1f} {q / s:>8.2f}")
+            size *= 2
+        # the smallest size from which parallel wins at every larger size
+        first = next((sz for i, (sz, _) in enumerate(wins) if all(w for _, w in wins[i:])), None)
+        first_win[row_bytes] = first
+    pick = max(v for v in first_win.values() if v is not None) if all(first_win.values()) else None
+    lines.append(f"# parallel wins from: {first_win}; threshold to ship: {pick} bytes")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
