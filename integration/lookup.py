@@ -214,7 +214,8 @@ class GatherLookup(Lookup):
             self._arg = _static(table.cuda_view(self.device.index)) if on_gpu and view == "cuda" else table.tensor
         else:
             self._arg = _static(table.tensor.to(self.device, copy=True).contiguous())
-        self._counters = torch.zeros(3, dtype=torch.int64, device=self.device) if count else None
+        # static too: a compiled CUDA graph mutates the counters in place, replay after replay
+        self._counters = _static(torch.zeros(3, dtype=torch.int64, device=self.device)) if count else None
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         ids, out, c0 = self._prepare(ids, out, columns)

@@ -122,7 +122,8 @@ def check_table(table: torch.Tensor, device: torch.device) -> None:
     if table.shape[0] == 0:
         raise ValueError("table has no rows: there is no row to read, not even row 0 for out-of-range ids")
     if device.type == "cuda":
-        if table.device.type == "cpu" and not table.is_pinned():
+        # is_pinned() asks the driver, which torch.compile cannot trace: checked in eager calls only
+        if table.device.type == "cpu" and not torch.compiler.is_compiling() and not table.is_pinned():
             raise ValueError("the table is an ordinary CPU tensor; the GPU can only read registered or pinned "
                              "host memory (use uvaple.uva.HostTable.from_tensor)")
         if table.device.type == "cuda" and table.device != device:

@@ -298,7 +298,7 @@ def test_parallel_gather_path(cpu_backends):
     b = cpu_backends(torch.float32, 255, rows=300)
     ids = random_ids((64,), 300, torch.int64, seed=9)
     with CopyBackend(b.table, device="cpu", max_rows=512) as big:
-        ids = random_ids((512,), 300, torch.int64, seed=9)  # 512 * 1020 B > 256 KiB
+        ids = random_ids((512,), 300, torch.int64, seed=9)  # 512 * 1020 B > the 8 KiB threshold
         assert_bits_equal(big.lookup(ids), reference_gather(b.table.tensor, ids))
     assert not b.table.closed  # shared table, not owned
 
