@@ -33,5 +33,3 @@ _lib.impl("gather_rows", launch, "CompositeExplicitAutograd")
 def _gather_rows_fake(table, ids, out, counters, scale_bits, has_scale, col_start, oob_row0) -> None:
     return None
 
-
-gather_rows_op = torch.ops.uvaple.gather_rows

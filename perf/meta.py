@@ -44,13 +44,6 @@ def host_mem_total() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _host_mem_available() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001
-        return host_mem_total()
 
 
 def collect_meta(cfg: BenchConfig) -> dict[str, Any]:

@@ -201,7 +201,6 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(_cuda, "host_register", register)
     monkeypatch.setattr(_cuda, "host_unregister", unregister)
     monkeypatch.setattr(_cuda, "host_device_pointer", lambda ptr: ptr)
-    monkeypatch.setattr(_cuda, "device_synchronize", sync)
     monkeypatch.setattr(_cuda, "synchronize_devices", sync)
     return state
 

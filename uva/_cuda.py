@@ -131,10 +131,6 @@ def host_device_pointer(ptr: int) -> int:
     return int(check(rt.cudaHostGetDevicePointer(ptr, 0), "cudaHostGetDevicePointer"))
 
 
-def device_synchronize() -> None:
-    rt = runtime()
-    check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-
 
 def _context_active(device: int) -> bool:
     """Whether ``device``'s primary context exists (no kernel can run on a device without one)."""

@@ -13,7 +13,6 @@ import ctypes.util
 import errno
 import os
 
-PROT_NONE = 0x0
 PROT_READ = 0x1
 PROT_WRITE = 0x2
 MAP_SHARED = 0x01

@@ -786,9 +786,3 @@ def _check_free_memory(nbytes: int, check: bool) -> None:
             f"a host table of {fmt_bytes(nbytes)} does not fit: only {fmt_bytes(avail)} of host memory is available "
             f"(MemAvailable). Free memory, shard or quantise the table, or pass check_memory=False where "
             f"memory grows on demand")
-
-
-def tablefmt_bytes(rows: int, cols: int, dtype: torch.dtype) -> float:
-    """Bytes of a table as GiB, with its padded row stride."""
-    lay = _check_shape(rows, cols, dtype)
-    return lay.data_bytes / (1 << 30)

@@ -239,7 +239,6 @@ class CopyJob:
         self._copy_complete = False  # set when the slot was reclaimed (all events completed)
         self._submitted_at = time.monotonic()
         # request
-        self._ids_shape: tuple[int, ...] = ()
         self._n = 0
         self._ids_dtype: torch.dtype = torch.int64
         self._device_ids: tuple | None = None  # CUDA ids (and their flat view), held until copied
@@ -458,7 +457,6 @@ class CopyBackend(Lookup):
         slot, job = self._admit()
         # ---- from here the job owns the slot; failures release it through the normal path
         try:
-            job._ids_shape = tuple(ids.shape)
             job._n = n
             job._ids_dtype = ids.dtype
             job._byte_start = c0 * self._itemsize
