@@ -29,6 +29,9 @@ import uuid
 
 import torch
 
+from uvaple.uva._cuda import is_registered as registered
+from uvaple.uva._sys import mapped
+
 GiB = 1 << 30
 
 
@@ -38,25 +41,6 @@ def meminfo(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
-
-
-def registered(ptr: int) -> bool:
-    from cuda.bindings import runtime as rt
-
-    err, attrs = rt.cudaPointerGetAttributes(ptr)
-    if int(err) != 0:
-        rt.cudaGetLastError()
-        return False
-    return int(attrs.type) == 1
-
-
-def mapped(addr: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr < hi:
-                return True
-    return False
 
 
 def fill_random(view: torch.Tensor, seed: int, threads: int = 16) -> None:

@@ -16,42 +16,16 @@ import uuid
 
 import pytest
 import torch
+from helpers import bits, rand
 
 from uvaple.kernels import gather_rows, reference_gather
 from uvaple.uva import HostTable
+from uvaple.uva._cuda import is_registered as registered
+from uvaple.uva._sys import mapped
 
 pytestmark = pytest.mark.gpu
 
 DEV = torch.device("cuda")
-
-
-def rand(rows, cols, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=g) * 4).to(dtype)
-
-
-def bits(t):
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def registered(ptr: int) -> bool:
-    """Whether CUDA knows ``ptr`` as registered host memory."""
-    from cuda.bindings import runtime as rt
-
-    err, attrs = rt.cudaPointerGetAttributes(ptr)
-    if int(err) != 0:
-        rt.cudaGetLastError()
-        return False
-    return int(attrs.type) == 1  # cudaMemoryTypeHost
-
-
-def mapped(addr: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr < hi:
-                return True
-    return False
 
 
 def test_dropped_table_released_under_pending_kernels():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import bits, rand
 
 from uvaple.integration import make_lookup
 from uvaple.kernels import reference_gather
@@ -15,15 +16,6 @@ from uvaple.uva import HostTable
 pytestmark = pytest.mark.gpu
 
 DEV = torch.device("cuda")
-
-
-def rand(rows, cols, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=g) * 4).to(dtype)
-
-
-def bits(t):
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ from uvaple.uva import (
     row_stride_bytes,
 )
 
+mapped = _sys.mapped
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.float8_e4m3fn]
 
 
@@ -45,15 +47,6 @@ def random_table(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> tor
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern of a tensor, for exact comparison (NaN-safe, -0.0 != +0.0)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def mapped(addr: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr < hi:
-                return True
-    return False
 
 
 def shm_name() -> str:

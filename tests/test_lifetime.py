@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from uvaple.uva import HostTable, TableClosedError, TableForkedError, _region
+from uvaple.uva._sys import mapped
 
 
 def run_py(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -61,11 +62,11 @@ def test_close_releases_once_the_last_view_is_gone():
     base = t._region.base
     view = t.tensor[10]
     t.close()
-    assert not t.released and _mapped(base)
+    assert not t.released and mapped(base)
     with pytest.raises(TableClosedError):
         _ = t.tensor
     del view
-    assert t.released and not _mapped(base)
+    assert t.released and not mapped(base)
 
 
 def test_close_without_views_releases_at_once():
@@ -73,7 +74,7 @@ def test_close_without_views_releases_at_once():
     _ = t.tensor.sum()  # a temporary view, gone by now
     base = t._region.base
     t.close()
-    assert t.released and not _mapped(base)
+    assert t.released and not mapped(base)
     t.close()  # idempotent
 
 
@@ -182,15 +183,6 @@ def test_interpreter_exit_with_live_tables_views_and_threads():
 
 
 # ------------------------------------------------------------------ fork
-def _mapped(addr: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr < hi:
-                return True
-    return False
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_fork_after_map_keeps_the_parent_table_and_gives_the_child_zeros():
     """The parent's table is untouched; the child's inherited view reads zeros and its table object

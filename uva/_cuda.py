@@ -169,3 +169,13 @@ def synchronize_devices() -> None:
 def current_device() -> int:
     rt = runtime()
     return int(check(rt.cudaGetDevice(), "cudaGetDevice", DeviceCapabilityError))
+
+
+def is_registered(ptr: int) -> bool:
+    """Whether CUDA knows ``ptr`` as registered (or pinned) host memory."""
+    rt = runtime()
+    err, attrs = rt.cudaPointerGetAttributes(ptr)
+    if not _ok(err):
+        rt.cudaGetLastError()
+        return False
+    return int(attrs.type) == 1  # cudaMemoryTypeHost

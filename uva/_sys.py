@@ -105,3 +105,13 @@ def memlock_limit() -> tuple[int, int]:
     import resource
 
     return resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+
+def mapped(addr: int) -> bool:
+    """Whether ``addr`` lies in a mapping of this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
