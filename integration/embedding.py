@@ -222,7 +222,8 @@ class HostScaledEmbedding(nn.Module):
         if self.table_dtype != table.dtype:
             if self.compute_dtype == self.table_dtype:
                 self.compute_dtype = table.dtype
-            self.scale_value = _exact_scale(self.scale_value, table.dtype, source_dtype=torch.float32)
+            # from the configured scale, as HF rounds it (not from the scale already rounded to the old dtype)
+            self.scale_value = _exact_scale(self.scalar_embed_scale, table.dtype)
             self.table_dtype = table.dtype
         self._table, self._own_table = table, own
         if old is not None and old is not table and old_own:
@@ -297,7 +298,7 @@ class HostScaledEmbedding(nn.Module):
         if isinstance(probe, torch.Tensor):
             if probe.dtype.is_floating_point and probe.dtype != self.compute_dtype:
                 self.compute_dtype = probe.dtype
-                self._last_device, self._last = None, None  # lookups are keyed by output dtype too
+                self._close_backends()  # lookups (an HBM copy for 'device') of the old output dtype go
             if probe.device.type not in ("meta", "cpu") and self._table is not None:
                 self._lookup_for(probe.device)
         return super()._apply(fn, recurse)
@@ -307,12 +308,18 @@ class HostScaledEmbedding(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         devices = {torch.device(t, i) if i is not None else torch.device(t) for t, i, _ in self._backends}
-        self._close_backends()
-        self.backend_kind = backend
-        self.backend_options = dict(backend_options or {})
-        for d in devices:
-            if d.type != "cpu":
+        old = (self._backends, self.backend_kind, self.backend_options, self._last_device, self._last)
+        self._backends, self._last_device, self._last = {}, None, None
+        self.backend_kind, self.backend_options = backend, dict(backend_options or {})
+        try:  # build the new lookups first: a failure leaves the module as it was
+            for d in devices:
                 self._lookup_for(d)
+        except BaseException:
+            self._close_backends()
+            self._backends, self.backend_kind, self.backend_options, self._last_device, self._last = old
+            raise
+        for lookup, _ in old[0].values():
+            lookup.close()
 
     # ------------------------------------------------------------------ lookup
     def _lookup_for(self, device: torch.device):
@@ -329,7 +336,10 @@ class HostScaledEmbedding(nn.Module):
         if entry is None:
             out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
             spec = TableSpec.of(self._table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
-            lookup = make_lookup(self.backend_kind, self._table, device=device, spec=spec, **self.backend_options)
+            options = dict(self.backend_options)
+            if self.max_tokens is not None:
+                options.setdefault("max_rows", self.max_tokens)  # the copy placement sizes its slots from it
+            lookup = make_lookup(self.backend_kind, self._table, device=device, spec=spec, **options)
             static = None
             if self.max_tokens is not None:
                 static = torch.empty(self.max_tokens, self.embedding_dim, dtype=spec.output_dtype, device=device)

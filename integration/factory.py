@@ -8,7 +8,7 @@ from uvaple.uva import HostTable
 
 from .copy import CopyBackend
 from .lookup import GatherLookup, Lookup
-from .spec import TableSpec
+from .spec import TableSpec, spec_for
 
 __all__ = ["make_lookup", "KINDS"]
 
@@ -28,12 +28,12 @@ def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None,
     """
     if kind not in KINDS:
         raise ValueError(f"unknown lookup kind {kind!r}; choose one of {list(KINDS)}")
+    spec = spec_for(table, spec, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
     owns = False
     if not isinstance(table, HostTable):
         table = HostTable.from_tensor(table) if isinstance(table, torch.Tensor) else HostTable.from_numpy(table)
         owns = True
     try:
-        spec = spec or TableSpec.of(table, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
         if kind == "copy":
             return CopyBackend(table, device=device, spec=spec, owns_table=owns, **options,
                                **({} if max_rows is None else {"max_rows": max_rows}))

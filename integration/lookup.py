@@ -92,8 +92,10 @@ class Lookup(abc.ABC):
 
     def __init__(self, table: HostTable, spec: TableSpec, device, *, owns_table: bool = False,
                  max_rows: int | None = None) -> None:
-        if (spec.rows, spec.cols, spec.dtype) != (table.rows, table.cols, table.dtype):
-            raise ValueError(f"spec {spec.describe()} does not describe the table {table!r}")
+        if (spec.rows, spec.cols, spec.dtype) != (table.rows, table.cols, table.dtype) or \
+                spec.stride not in (table.stride, table.cols):
+            raise ValueError(f"spec {spec.describe()} (stride {spec.stride}) does not describe the table {table!r} "
+                             f"(stride {table.stride}); build it with TableSpec.of(table, ...)")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
             raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
         self.table = table
@@ -227,6 +229,8 @@ class GatherLookup(Lookup):
     def stats(self) -> dict:
         st = super().stats()
         if self._counters is not None:
+            if self._counters.is_cuda:  # count work launched on any stream, not only the current one
+                torch.cuda.synchronize(self._counters.device)
             lookups, rows, oob = self._counters.tolist()  # the one synchronisation: here, not per call
             st.update(lookups=lookups, rows=rows, out_of_range_ids=oob)
         return st

@@ -15,7 +15,7 @@ import torch
 
 from uvaple.kernels.gather import check_policy, column_range, scale_bits
 
-__all__ = ["TableSpec", "ENCODINGS"]
+__all__ = ["TableSpec", "ENCODINGS", "spec_for"]
 
 #: How rows are stored. ``raw``: the table dtype as is.
 ENCODINGS = ("raw",)
@@ -133,3 +133,15 @@ class TableSpec:
         if self.column_block:
             parts.append(f"column_block={self.column_block}")
         return ", ".join(parts)
+
+
+def spec_for(table, spec: TableSpec | None, *, scale=None, oob: str = "zero", out_dtype=None,
+             column_block=None) -> TableSpec:
+    """``spec`` as given, or the spec of ``table`` with this policy; both at once is an error."""
+    policy = scale is not None or oob != "zero" or out_dtype is not None or column_block is not None
+    if spec is not None:
+        if policy:
+            raise TypeError("give a spec or policy arguments (scale, oob, out_dtype, column_block), not both: "
+                            "put the policy in the spec")
+        return spec
+    return TableSpec.of(table, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)

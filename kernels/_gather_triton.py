@@ -50,7 +50,9 @@ def _round_f32(x, DTYPE: tl.constexpr):
         return x
 
 
-@jit(do_not_specialize=["scale_bits"])
+# n_ids changes from call to call (1 in decode, thousands in prefill) and only feeds the counters: not
+# specialised, so a new batch size never compiles a new variant (perhaps inside a graph capture).
+@jit(do_not_specialize=["scale_bits", "n_ids"])
 def gather_rows_kernel(
     table_ptr,  # *Pointer* to row 0 of the table (host memory through UVA, or HBM)
     ids_ptr,  # *Pointer* to the flattened ids, int32 or int64

@@ -157,6 +157,14 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     """
     n = ids.numel()
     ncols = out.shape[-1] if out.dim() else 0
+    # The operator is public: a few integer checks keep even a direct call inside the table and `out`.
+    if out.numel() != n * ncols or not out.is_contiguous() or not ids.is_contiguous():
+        raise ValueError(f"uvaple::gather_rows: out must be contiguous [*ids.shape, ncols] and ids contiguous "
+                         f"(got out {tuple(out.shape)}, ids {tuple(ids.shape)})")
+    if col_start < 0 or col_start + ncols > table.shape[1] or table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError(f"uvaple::gather_rows: columns {col_start}..{col_start + ncols} are not inside the "
+                         f"table's {table.shape[1]} (or the table is not 2-D with unit column stride)")
+    torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
     if n == 0 or ncols == 0:
         return
     cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)

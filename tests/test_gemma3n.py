@@ -149,6 +149,44 @@ def test_module_with_a_token_bound_allocates_nothing_per_step(device, backend):
     mod.close()
 
 
+def test_token_bound_above_the_copy_default_and_lookups_follow_the_module(device):
+    """max_tokens sizes the copy placement's slots (past its 8,192-row default); a dtype change closes the
+    old dtype's lookups; a failed set_backend leaves the module as it was."""
+    torch.manual_seed(6)
+    hf = Gemma3nTextScaledWordEmbedding(16, 8, 0, embed_scale=1.3).to(torch.float32)
+    hf.weight.data.normal_()
+    hf = hf.to(device)
+    mod = HostScaledEmbedding.from_embedding(hf, backend="copy", max_tokens=9000)
+    ids = torch.randint(0, 16, (8500,), device=device)
+    assert torch.equal(mod(ids), hf(ids))
+    mod.set_backend("uva")
+    mod(ids[:4])
+    before = list(mod.lookups)
+    mod.to(torch.float16)
+    assert all(lk.closed for lk in before) and mod(ids[:4]).dtype == torch.float16
+    assert len(mod.lookups) == 1
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mod.set_backend("tpu")
+    kept, want = list(mod.lookups), mod(ids[:4]).clone()
+    with pytest.raises(TypeError):
+        mod.set_backend("copy", {"bogus": 1})  # fails while building: nothing was replaced
+    assert mod.backend_kind == "uva" and mod.lookups == kept and not any(lk.closed for lk in kept)
+    assert torch.equal(mod(ids[:4]), want)
+    mod.close()
+
+
+def test_attach_table_of_another_dtype_rounds_the_configured_scale():
+    """A module built for bf16 given an fp16 table multiplies by fp16(1.3), as HF would, not by the
+    bf16-rounded scale rounded again."""
+    mod = HostScaledEmbedding(16, 8, embed_scale=1.3, dtype=torch.bfloat16, materialize=False)
+    w = torch.randn(16, 8).to(torch.float16)
+    mod.attach_table(HostTable.from_tensor(w), own=True)
+    assert mod.scale_value == float(torch.tensor(1.3).to(torch.float16))
+    ids = torch.arange(16)
+    assert torch.equal(mod(ids), torch.nn.functional.embedding(ids, w) * torch.tensor(1.3).to(torch.float16))
+    mod.close()
+
+
 def test_patched_model_with_a_token_bound_generates_the_same_tokens(device, ref32):
     ref = ref32.to(device)
     model, patch = patched_copy(ref, max_tokens=64)

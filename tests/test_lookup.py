@@ -222,3 +222,56 @@ def test_fullgraph_compile_over_a_lookup_equals_eager(table, device, kind):
             want = step(ids, out_e)
             assert torch.equal(bits(out_c), bits(out_e)) and torch.equal(got, want)
             assert torch.equal(bits(out_c), bits(reference_gather(t, ids, scale=16.0, oob="row0", columns=(16, 48))))
+
+
+# ------------------------------------------------------------------ edges found in review
+def test_every_placement_counts_the_same_calls(table, device):
+    _, h = table
+    counts = []
+    for kind in ("uva", "device", "copy"):
+        with make_lookup(kind, h, device=device) as lk:
+            lk.lookup(torch.empty(0, dtype=torch.int64, device=device))  # an empty call is not a lookup
+            lk.lookup(torch.tensor([1, -1, 999], device=device))
+            st = lk.stats()
+            counts.append((st["lookups"], st["rows"], st["out_of_range_ids"]))
+    assert counts == [(1, 3, 2)] * 3, counts
+
+
+def test_a_lookup_bumps_the_version_of_out(table, device):
+    """autograd must see that ``out`` was overwritten (a saved tensor reused by a later lookup)."""
+    _, h = table
+    with make_lookup("uva", h, device=device) as lk:
+        out = torch.empty(2, 48, dtype=torch.bfloat16, device=device)
+        v0 = out._version
+        lk.lookup(torch.tensor([1, 2], device=device), out)
+        assert out._version > v0
+        w = torch.ones(48, dtype=torch.bfloat16, device=device, requires_grad=True)
+        y = out * w  # saves `out` for the backward pass
+        lk.lookup(torch.tensor([3, 4], device=device), out)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_the_public_op_stays_inside_the_table_and_out(table, device):
+    t, _ = table
+    wide = t.to(device)
+    ids = torch.tensor([1], device=device)
+    with pytest.raises(ValueError, match="not inside the table"):
+        torch.ops.uvaple.gather_rows(wide[:, :40], ids, torch.empty(1, 16, dtype=t.dtype, device=device), None,
+                                     0, False, 32, False)
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.uvaple.gather_rows(wide, ids, torch.empty(2, 48, dtype=t.dtype, device=device), None,
+                                     0, False, 0, False)
+
+
+def test_spec_and_policy_together_are_refused(table):
+    _, h = table
+    spec = TableSpec.of(h)
+    with pytest.raises(TypeError, match="spec or policy"):
+        make_lookup("uva", h, device="cpu", spec=spec, scale=2.0)
+    from uvaple.integration import CopyBackend
+
+    with pytest.raises(TypeError, match="spec or policy"):
+        CopyBackend(h, device="cpu", spec=spec, oob="row0")
+    with pytest.raises(ValueError, match="stride"):
+        GatherLookup(h, TableSpec(h.rows, h.cols, h.dtype, stride=h.stride + 8), "cpu")

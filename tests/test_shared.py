@@ -36,10 +36,20 @@ def expected(seed: int = 0) -> torch.Tensor:
     return torch.randn(ROWS, COLS, generator=g)
 
 
+_WORKERS: list = []  # every worker a test started: killed at its end, whatever happened
+
+
 @pytest.fixture
 def name():
     n = shm_name()
     yield n
+    while _WORKERS:
+        w = _WORKERS.pop()
+        if w.p.poll() is None:
+            w.p.kill()
+        w.p.wait(30)
+        for stream in (w.p.stdin, w.p.stdout, w.p.stderr):
+            stream.close()
     leftover = os.path.exists(path_of(n))
     if leftover:
         os.unlink(path_of(n))
@@ -57,6 +67,7 @@ WORKER = textwrap.dedent("""
         print(json.dumps({"filling": os.getpid()}), flush=True)
         time.sleep(fill_s)
         if mode == "raise":
+            sys.stdin.readline()  # raise when told (once another process is waiting on this one)
             raise ValueError("the checkpoint is unreadable")
         g = torch.Generator().manual_seed(0)
         t.write_rows(torch.randn(rows, cols, generator=g))
@@ -82,11 +93,23 @@ class Worker:
         self.p = subprocess.Popen([sys.executable, "-c", WORKER, name, mode, str(fill_s), str(rows), str(cols)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=dict(os.environ, **(env or {})))
+        _WORKERS.append(self)
         assert self.p.stdout.readline().strip() == "loaded", self.p.stderr.read()
 
     def start(self):
-        self.p.stdin.write("start\n")
+        self.say("start")
+
+    def say(self, line: str) -> None:
+        self.p.stdin.write(line + "\n")
         self.p.stdin.flush()
+
+    def has_open(self, path: str) -> bool:
+        """Whether the worker holds a descriptor of ``path`` (e.g. it is waiting on that segment)."""
+        fds = f"/proc/{self.p.pid}/fd"
+        try:
+            return any(os.readlink(os.path.join(fds, fd)) == path for fd in os.listdir(fds))
+        except OSError:
+            return False
 
     def line(self) -> dict:
         out = self.p.stdout.readline()
@@ -195,11 +218,16 @@ def test_empty_with_a_name_replaces_a_stale_segment(name):
 
 @pytest.mark.timeout(120)
 def test_waiters_get_the_creators_fill_error_not_a_timeout(name):
-    a = Worker(name, "raise", fill_s=1.5)
+    a = Worker(name, "raise")
     b = Worker(name, env={"T": "60"})
     a.start()
     assert "filling" in a.line()
     b.start()
+    deadline = time.monotonic() + 60
+    while not b.has_open(path_of(name)):  # b found the segment and waits on its creator
+        assert time.monotonic() < deadline and b.p.poll() is None
+        time.sleep(0.01)
+    a.say("raise")
     rb = b.line()
     ra = a.line()
     assert ra["error"] == "ValueError" and "unreadable" in ra["msg"]
@@ -226,12 +254,13 @@ def test_wait_for_a_live_slow_creator_is_bounded_and_named(name):
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("bad", ["a/b", "../etc/passwd", "x" * 300, "", ".", "..", "sp ace", 7, None])
 def test_bad_names_are_named(bad):
-    before = set(os.listdir("/dev/shm"))
+    ours = lambda: {f for f in os.listdir("/dev/shm") if f.startswith("uvaple.")}  # noqa: E731
+    before = ours()
     with pytest.raises(SharedSegmentError, match="not valid"):
         HostTable.shared(bad, 4, 4, torch.float32)
     with pytest.raises(SharedSegmentError, match="not valid"):
         HostTable.attach(bad)
-    assert set(os.listdir("/dev/shm")) == before
+    assert ours() == before
 
 
 @pytest.mark.parametrize("timeout", [0, 0.0, -1, -0.5, True, "5", None, float("nan")])
@@ -344,3 +373,81 @@ def test_shm_list_and_clean_commands(name, capsys):
     assert "would remove" in capsys.readouterr().out and os.path.exists(path_of(name))
     assert main(["shm", "clean", name]) == 0
     assert "removed" in capsys.readouterr().out and not os.path.exists(path_of(name))
+
+
+# ------------------------------------------------------------------ edges found in review
+def test_unlink_never_removes_another_segment_of_the_same_name(name):
+    a = HostTable.shared(name, 4, 4, torch.float32)
+    a.close()
+    b = HostTable.shared(name, 4, 4, torch.float32)
+    a.unlink()  # closed: the name now belongs to b
+    assert os.path.exists(path_of(name))
+    b.unlink()
+    assert not os.path.exists(path_of(name)) and torch.equal(b.tensor, torch.zeros(4, 4))
+    b.close()
+
+
+def test_a_torn_header_read_is_retried_not_called_foreign(name, monkeypatch):
+    """A header caught mid-rewrite (our magic, JSON not parseable yet) is read again."""
+    seg = segments.create(name, {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16,
+                                 "data_offset": segments.DATA_OFFSET}, segments.DATA_OFFSET + 4096)
+    try:
+        good = os.pread(seg.fd, 4096, 0)
+        os.pwrite(seg.fd, b'{"torn', 16)  # the JSON half rewritten
+
+        def finish():
+            time.sleep(0.01)
+            os.pwrite(seg.fd, good, 0)
+
+        import threading
+
+        th = threading.Thread(target=finish)
+        th.start()
+        meta = seg.header()
+        th.join()
+        assert meta is not None and meta["state"] == "building"
+    finally:
+        seg.fail(RuntimeError("test"))
+
+
+def test_a_fill_error_too_long_for_the_header_still_cleans_up(name):
+    live = len(_region.live_regions())
+    with pytest.raises(ValueError, match="é" * 50):
+        HostTable.shared(name, 10, 4, torch.float32, fill=lambda t: (_ for _ in ()).throw(ValueError("é" * 1200)))
+    assert len(_region.live_regions()) == live and not os.path.exists(path_of(name))
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
+    """A forked child's inherited table, once closed in the child, holds nothing of the segment: when the
+    parent is killed the segment is no longer attached (clean removes it) though the child lives on. (A
+    child that keeps the inherited mapping keeps the segment attached: it can still read it.)"""
+    code = textwrap.dedent(f"""
+        import os, sys, time, torch
+        from uvaple.uva import HostTable
+        t = HostTable.shared({name!r}, 4, 4, torch.float32)
+        pid = os.fork()
+        if pid == 0:
+            assert t._region.segment.fd is None  # the fork hook closed the child's descriptor copy
+            t.close()  # the child's copy of the mapping goes
+            print("child let go", flush=True)
+            time.sleep(600)
+            os._exit(0)
+        print(pid, flush=True)
+        time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    lines = [p.stdout.readline().strip(), p.stdout.readline().strip()]
+    child = int(next(x for x in lines if x.isdigit()))
+    assert "child let go" in lines
+    try:
+        info = {i.name: i for i in segments.list_segments()}[name]
+        assert info.attached
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        info = {i.name: i for i in segments.list_segments()}[name]
+        assert not info.attached, info  # the living child holds no copy of the attach lock
+        assert [i.name for i in segments.clean([name])] == [name]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        p.stdout.close()

@@ -49,7 +49,9 @@ log = logging.getLogger("uvaple.uva")
 
 __all__ = ["Region", "Anchor", "live_regions", "drain_deferred"]
 
-_lock = threading.Lock()
+# Re-entrant: a garbage collection may run a region's finalizer (which takes this lock) on a thread that
+# already holds it, inside any allocation.
+_lock = threading.RLock()
 _live: dict[int, weakref.ref] = {}  # id(region) -> region, every unreleased region of this process
 _deferred: list[Region] = []  # releases put off (capture in progress, device sync failed)
 _hooks_installed = False
@@ -95,7 +97,7 @@ class Region:
         self.device: int | None = None
         self.read_only = False
         self.released = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         with _lock:
             _live[id(self)] = weakref.ref(self)
         if private:
@@ -254,10 +256,14 @@ def _after_fork_in_child() -> None:
     Only the forking thread exists in the child: locks another thread held at the fork are made anew.
     """
     global _lock, _pid
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _pid = os.getpid()
     for region in live_regions():
-        region._lock = threading.Lock()
+        region._lock = threading.RLock()
+        if region.segment is not None:
+            # The child's copies of the parent's descriptors would keep the segment's locks (build, attach)
+            # held after the parent is gone; closing them here releases nothing while the parent lives.
+            region.segment.close_descriptor()
         if region.private:
             try:
                 _sys.mmap(region.length, _sys.PROT_READ | _sys.PROT_WRITE,

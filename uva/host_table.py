@@ -40,8 +40,10 @@ released the same way. The table object itself refuses use after ``close()``
 Fork. A private table is advised ``MADV_WIPEONFORK``: a ``fork()`` after registration neither shares the
 parent's pinned pages copy-on-write (which could leave the device reading a page the parent no longer
 owns) nor copies the table. A forked child sees zeros through any view it inherited, and its copy of the
-table object raises ``TableForkedError``; a shared table's pages stay shared, and a child that needs the
-table attaches it itself (``HostTable.attach`` / ``HostTable.shared``), registering in its own CUDA context.
+table object raises ``TableForkedError``. A shared table's pages stay shared: a child's inherited views
+read the table, and while the child keeps that mapping the segment counts as attached (closing the
+child's copy of the table object lets go of it). A child that needs to use the table attaches it itself
+(``HostTable.attach`` / ``HostTable.shared``), registering in its own CUDA context.
 """
 
 from __future__ import annotations
@@ -145,10 +147,16 @@ def _check_shape(rows: int, cols: int, dtype: torch.dtype) -> _Layout:
 
 def _layout_of(meta: dict, path: str) -> _Layout:
     try:
-        return _Layout(int(meta["rows"]), int(meta["cols"]), _DTYPE_BY_NAME[meta["dtype"]],
-                       int(meta["stride_bytes"]))
+        layout = _Layout(int(meta["rows"]), int(meta["cols"]), _DTYPE_BY_NAME[meta["dtype"]],
+                         int(meta["stride_bytes"]))
+        offset = int(meta["data_offset"])
     except (KeyError, TypeError, ValueError) as e:
         raise SharedSegmentError(f"{path} has a corrupt uvaple header: {e!r}") from None
+    if offset != segments.DATA_OFFSET or layout.rows <= 0 or layout.cols <= 0 or \
+            layout.stride_bytes < layout.row_bytes or layout.stride_bytes % 16:
+        raise SharedSegmentError(f"{path} has a header this uvaple cannot map (data offset {offset}, "
+                                 f"{layout.rows}x{layout.cols}, stride {layout.stride_bytes} B)")
+    return layout
 
 
 
@@ -201,7 +209,7 @@ class HostTable:
         self._name = _name
         self._created = _created
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._tensor: torch.Tensor | None = None
         self._buffer = None
         self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
@@ -347,13 +355,20 @@ class HostTable:
             table._register(register, read_only=read_only, device=device)
             return table
         except BaseException as e:
-            if seg.created and seg.fd is not None and (seg.header() or {}).get("state") != "ready":
-                seg.fail(e)  # waiters get this error; the half-built file is removed
+            # each step on its own: one failing must not skip the others
+            try:
+                if seg.created and seg.fd is not None and (seg.header() or {}).get("state") != "ready":
+                    seg.fail(e)  # waiters get this error; the half-built file is removed
+            except Exception as cleanup:  # noqa: BLE001
+                log.warning("failing shared table %r: %s", name, cleanup)
             _drop_views_of_failure(e)
-            if table is not None:
-                table.close()
-            else:
-                seg.detach()
+            try:
+                if table is not None:
+                    table.close()
+                else:
+                    seg.detach()
+            except Exception as cleanup:  # noqa: BLE001
+                log.warning("releasing shared table %r after an error: %s", name, cleanup)
             raise
 
     @classmethod
@@ -545,13 +560,26 @@ class HostTable:
                 f"{fmt_bytes(self.nbytes)} {where}, {state})")
 
     # ------------------------------------------------------------------ views
-    def _raw_buffer(self):
+    def _hold(self) -> _region.Anchor:
+        """The anchor for a new view, taken under the lock: a concurrent close() cannot slip in between
+        the check and the view (a view without the anchor would read unmapped memory)."""
         self._live()
-        if self._buffer is None:
+        with self._lock:
+            self._live()
+            if self._anchor is None:
+                raise TableClosedError("this HostTable was closed; build or attach a new one")
+            return self._anchor
+
+    def _raw_buffer(self):
+        buf = self._buffer
+        if buf is None:  # built once; an existing buffer holds the anchor itself
+            anchor = self._hold()
             buf = _buffer_type(self._layout.data_bytes).from_address(self._region.base + self._data_offset)
-            buf.anchor = self._anchor
-            self._buffer = buf
-        return self._buffer
+            buf.anchor = anchor
+            with self._lock:
+                if self._buffer is None and not self._closed:
+                    self._buffer = buf
+        return buf
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -560,11 +588,14 @@ class HostTable:
         The tensor (and every view of it) keeps the memory mapped, also after :meth:`close`.
         """
         self._live()
-        if self._tensor is None:
+        t = self._tensor
+        if t is None:  # a cached tensor holds the memory through its buffer: safe to hand out as is
             flat = torch.frombuffer(self._raw_buffer(), dtype=torch.uint8)
-            typed = flat.view(self.dtype)
-            self._tensor = typed.as_strided((self.rows, self.cols), (self.stride, 1))
-        return self._tensor
+            t = flat.view(self.dtype).as_strided((self.rows, self.cols), (self.stride, 1))
+            with self._lock:
+                if self._tensor is None and not self._closed:
+                    self._tensor = t
+        return t
 
     def bytes_view(self) -> np.ndarray:
         """numpy ``uint8`` array ``[rows, stride_bytes]`` over the table (for CPU gathers); keeps it mapped."""
@@ -582,7 +613,7 @@ class HostTable:
             raise DeviceCapabilityError("cuda_view() needs a registered table (build it where CUDA is usable)")
         itemsize = self.itemsize
         typestr = {1: "|u1", 2: "<i2", 4: "<i4"}[itemsize]
-        holder = _CudaArrayHolder(self._anchor, self.ptr, (self.rows, self.stride), typestr)
+        holder = _CudaArrayHolder(self._hold(), self.ptr, (self.rows, self.stride), typestr)
         dev = torch.device("cuda", self._region.device if device is None else device)
         with torch.cuda.device(dev):
             raw = torch.as_tensor(holder, device=dev)
@@ -685,12 +716,11 @@ class HostTable:
         _region.drain_deferred()
 
     def unlink(self) -> None:
-        """Remove a named table's name now (every mapping stays valid until released)."""
-        if self._name is not None and not self._region.foreign:
-            try:
-                os.unlink(segments.segment_path(self._name))
-            except FileNotFoundError:
-                pass
+        """Remove a named table's name now, if the name is still this table's segment (every mapping stays
+        valid until released). A closed table, or one whose name another segment took since, unlinks nothing."""
+        seg = self._region.segment
+        if seg is not None and not self._closed and not self._region.foreign:
+            seg.unlink()
 
     def __enter__(self) -> HostTable:
         return self

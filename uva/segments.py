@@ -43,9 +43,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +55,8 @@ from dataclasses import dataclass
 
 from . import _sys
 from .errors import SharedSegmentError, SharedSegmentTimeout
+
+log = logging.getLogger("uvaple.uva")
 
 __all__ = ["Segment", "SegmentInfo", "DATA_OFFSET", "segment_path", "create", "create_or_attach",
            "attach", "list_segments", "clean", "SHM_DIR", "PREFIX"]
@@ -101,10 +105,42 @@ def _held_by_other(fd: int, byte: int, ltype: int = fcntl.F_WRLCK) -> bool:
     return _FLOCK_STRUCT.unpack(res)[0] != fcntl.F_UNLCK
 
 
+_held = threading.local()  # this thread's namespace-lock depth (a finalizer may re-enter inside a decision)
+_ns_fds: set[int] = set()  # namespace-lock descriptors open in this process (closed in a forked child)
+_fork_hook = False
+
+
+def _close_inherited() -> None:
+    """In a forked child: drop the copies of the parent's namespace-lock descriptors (closing a copy never
+    releases the parent's lock; keeping it would hold the lock after the parent is gone)."""
+    global _held
+    for fd in list(_ns_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _ns_fds.clear()
+    _held = threading.local()
+
+
 @contextmanager
 def _namespace(deadline: float, what: str) -> Iterator[None]:
-    """Hold the namespace lock (``flock`` on the ``/dev/shm`` directory) until the block ends."""
+    """Hold the namespace lock (``flock`` on the ``/dev/shm`` directory) until the block ends.
+
+    Re-entrant on one thread: a finalizer that detaches a segment may run inside another decision."""
+    global _fork_hook
+    if getattr(_held, "depth", 0):
+        _held.depth += 1
+        try:
+            yield
+        finally:
+            _held.depth -= 1
+        return
+    if not _fork_hook:
+        _fork_hook = True
+        os.register_at_fork(after_in_child=_close_inherited)
     fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    _ns_fds.add(fd)
     try:
         delay = _POLL_MIN_S
         while True:
@@ -119,25 +155,40 @@ def _namespace(deadline: float, what: str) -> Iterator[None]:
                         f"process is stopped or stuck: find it with `fuser {SHM_DIR}`") from None
                 time.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
-        yield
+        _held.depth = 1
+        try:
+            yield
+        finally:
+            _held.depth = 0
     finally:
+        _ns_fds.discard(fd)
         os.close(fd)  # closing drops the flock
 
 
 # ---------------------------------------------------------------------------------------- segment
+# A header read may race with its rewrite (the state changes once or twice in a segment's life, and a
+# read is not atomic against a write): a read with our magic but unparsable JSON is tried again.
+_TORN_RETRIES = 50
+_TORN_WAIT_S = 1e-3
+
+
 def _read_header(fd: int) -> dict | None:
     """The header of an open segment file, or None when it is not a (complete) uvaple header."""
-    raw = os.pread(fd, _HEADER_BYTES, 0)
-    if len(raw) < _HEAD.size:
-        return None
-    magic, n = _HEAD.unpack_from(raw)
-    if magic != MAGIC or n > _HEADER_BYTES - _HEAD.size:
-        return None
-    try:
-        meta = json.loads(raw[_HEAD.size:_HEAD.size + n])
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
+    for _ in range(_TORN_RETRIES):
+        raw = os.pread(fd, _HEADER_BYTES, 0)
+        if len(raw) < _HEAD.size:
+            return None
+        magic, n = _HEAD.unpack_from(raw)
+        if magic != MAGIC:
+            return None
+        if n <= _HEADER_BYTES - _HEAD.size:
+            try:
+                meta = json.loads(raw[_HEAD.size:_HEAD.size + n])
+                return meta if isinstance(meta, dict) else None
+            except (ValueError, UnicodeDecodeError):
+                pass
+        time.sleep(_TORN_WAIT_S)  # our magic, a torn header: its writer is mid-rewrite
+    return None
 
 
 def _magic_of(fd: int) -> bytes:
@@ -196,8 +247,8 @@ class Segment:
     def set_state(self, state: str, error: str | None = None) -> None:
         meta = self.header() or {}
         meta["state"] = state
-        if error is not None:
-            meta["error"] = error[:1000]
+        if error is not None:  # bounded in bytes as JSON writes it (escapes included)
+            meta["error"] = error.encode("ascii", "backslashreplace")[:800].decode("ascii")
         self.write_header(meta)
 
     def ready(self) -> None:
@@ -206,15 +257,26 @@ class Segment:
         _ofd(self.fd, fcntl.F_UNLCK, _BUILD_BYTE)
 
     def fail(self, error: BaseException) -> None:
-        """The fill failed: waiters get ``error``; the file is removed (nobody can use it)."""
+        """The fill failed: waiters get ``error``; the file is removed (nobody can use it). Never raises."""
         try:
             self.set_state("failed", f"{type(error).__name__}: {error}")
+        except Exception as e:  # noqa: BLE001 - the removal below must still happen
+            log.warning("marking shared table %r failed did not work: %s", self.name, e)
         finally:
             try:
                 with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"removing {self.name!r}"):
                     _unlink_if_same(self.path, self.fd)
+            except Exception as e:  # noqa: BLE001
+                log.warning("removing the failed shared table %r did not work: %s", self.name, e)
             finally:
                 self.close_descriptor()
+
+    def unlink(self) -> None:
+        """Remove the name now, if it is still this segment's (every mapping stays valid)."""
+        if self.fd is None or self.pid != os.getpid():
+            return
+        with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"unlinking {self.name!r}"):
+            _unlink_if_same(self.path, self.fd)
 
     def others_attached(self) -> bool:
         return _held_by_other(self.fd, _ATTACH_BYTE)
@@ -341,7 +403,7 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                         f"{path} exists but is not a uvaple shared table (bad header); it was left alone: "
                         f"remove it yourself if it is stale, or pick another name")
                 if kind == "stale":
-                    os.unlink(path)  # namespace lock held: this is the file we classified
+                    _unlink_if_same(path, fd)  # namespace lock held: this is the file we classified
                     continue
                 if kind == "failed":
                     raise _failed_error(name, head)
@@ -360,7 +422,7 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                 bad = _mismatch(head, want, os.fstat(fd).st_size)
                 if bad:
                     if replace_orphan and not _held_by_other(fd, _ATTACH_BYTE):
-                        os.unlink(path)  # nobody has it open, and it is not what was asked for
+                        _unlink_if_same(path, fd)  # nobody has it open, and it is not what was asked for
                         continue
                     raise SharedSegmentError(f"shared table {name!r} does not match: " + "; ".join(bad) +
                                              (" (other processes have it open)" if replace_orphan else
@@ -506,19 +568,25 @@ def clean(names: list[str] | None = None, *, dry_run: bool = False,
           timeout: float = _DETACH_LOCK_TIMEOUT_S) -> list[SegmentInfo]:
     """Remove segments nobody uses (stale, failed, or ready with no process attached); returns them.
 
-    ``names`` limits it to those segments. Files that are not uvaple's are never removed.
+    ``names`` limits it to those segments. Files that are not uvaple's are never removed. The scan of
+    ``/proc`` runs outside the namespace lock; each candidate is checked again under it before removal.
     """
+    candidates = [i for i in list_segments() if (names is None or i.name in names)
+                  and i.state != "foreign" and not i.in_use]
     removed = []
     with _namespace(time.monotonic() + timeout, "uvaple shm clean"):
-        for info in list_segments():
-            if names is not None and info.name not in names:
+        for info in candidates:
+            try:
+                fd = os.open(info.path, os.O_RDONLY)
+            except OSError:
                 continue
-            if info.state == "foreign" or info.in_use:
-                continue
-            if not dry_run:
-                try:
-                    os.unlink(info.path)
-                except FileNotFoundError:
-                    continue
-            removed.append(info)
+            try:
+                kind, _ = _classify(fd)
+                if kind in ("foreign", "building") or _held_by_other(fd, _ATTACH_BYTE):
+                    continue  # changed since the scan: in use now
+                if not dry_run:
+                    _unlink_if_same(info.path, fd)
+                removed.append(info)
+            finally:
+                os.close(fd)
     return removed

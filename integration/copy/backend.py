@@ -129,7 +129,7 @@ from ..errors import (
     CopyTimeout,
 )
 from ..lookup import Lookup
-from ..spec import TableSpec
+from ..spec import TableSpec, spec_for
 from . import cpu_gather
 from ._exit import ExitRegistry
 from .device_ops import DeviceOps, ops_for
@@ -343,13 +343,12 @@ class CopyBackend(Lookup):
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if _ops is not None:
             device = _ops.device
-        if isinstance(table, torch.Tensor):
-            spec = spec or TableSpec.of(table, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
-            table, owns_table = HostTable.from_tensor(table), True
-        elif not isinstance(table, HostTable):
+        if not isinstance(table, (torch.Tensor, HostTable)):
             raise TypeError(f"table must be a HostTable or a 2-D tensor, got {type(table).__name__}")
+        spec = spec_for(table, spec, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
+        if isinstance(table, torch.Tensor):  # checked before the copy
+            table, owns_table = HostTable.from_tensor(table), True
         try:
-            spec = spec or TableSpec.of(table, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
             super().__init__(table, spec, device, owns_table=owns_table, max_rows=int(max_rows))
         except BaseException:
             if owns_table:
@@ -546,7 +545,7 @@ class CopyBackend(Lookup):
             now = time.monotonic()
             oldest = min((j._submitted_at for j in self._pending), default=None)
             busy = self._abandoned if self._closed else self.max_in_flight - len(self._free)
-            return dict(self._counts, kind=self.kind, lookups=self._counts["launched"], rows=self._counts["rows"],
+            return dict(self._counts, kind=self.kind, lookups=self._counts["lookups"], rows=self._counts["rows"],
                         out_of_range_ids=self._counts["out_of_range_ids"], pending=len(self._pending),
                         slots_busy=busy, slots_free=self.max_in_flight - busy,
                         oldest_pending_s=0.0 if oldest is None else now - oldest,
@@ -804,6 +803,7 @@ class CopyBackend(Lookup):
                 with self._cond:
                     self._counts["out_of_range_ids"] += bad
                     self._counts["rows"] += n
+                    self._counts["lookups"] += 1  # calls with rows, as the gather's device counters count
             if n and job._scale_on_cpu:  # inf/NaN scale: multiply here, then restore +0.0 zero rows
                 rows_t = slot.staging[: n * nbytes].view(self.dtype).view(n, job._ncols)
                 rows_t.mul_(scale)
