@@ -103,7 +103,6 @@ class Lookup(abc.ABC):
         self.device = _resolve_device(device)
         self.max_rows = max_rows
         self._owns_table = owns_table
-        self._oob_row0 = spec.oob == "row0"
         self._closed = False
 
     # ------------------------------------------------------------------ shape
@@ -194,11 +193,14 @@ class GatherLookup(Lookup):
     count : bool
         Keep device counters for ``stats()`` (default True; one relaxed atomic per call and per
         out-of-range id).
+    dequant_scale : torch.Tensor, optional
+        The float32 ``[1]`` scale of an ``fp8_global`` table, on ``device``; read by every call (so a
+        scale loaded in place later, as vLLM's loader does, is the one used).
     """
 
     def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
                  owns_table: bool = False, max_rows: int | None = None, view: str = "cuda",
-                 count: bool = True) -> None:
+                 count: bool = True, dequant_scale: torch.Tensor | None = None) -> None:
         if not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
         spec = spec or TableSpec.of(table)
@@ -216,14 +218,28 @@ class GatherLookup(Lookup):
             self._arg = _static(table.cuda_view(self.device.index)) if on_gpu and view == "cuda" else table.tensor
         else:
             self._arg = _static(table.tensor.to(self.device, copy=True).contiguous())
+        lo, hi = spec.window
+        if hi < table.rows:
+            self._arg = self._arg[:hi]  # ids >= hi are outside: the kernel's row count is hi
+        self._row_lo = lo
+        self._dq_scale = None
+        if spec.dequant:
+            s = dequant_scale
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1 or s.device != self.device:
+                raise ValueError(f"an fp8_global lookup needs dequant_scale: a float32 tensor of one element on "
+                                 f"{self.device}, got {s!r}")
+            self._dq_scale = s.reshape(1)
+        elif dequant_scale is not None:
+            raise ValueError("dequant_scale is for fp8_global tables; this spec's encoding is "
+                             f"{spec.encoding!r}")
         # static too: a compiled CUDA graph mutates the counters in place, replay after replay
         self._counters = _static(torch.zeros(3, dtype=torch.int64, device=self.device)) if count else None
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         ids, out, c0 = self._prepare(ids, out, columns)
         spec = self.spec
-        torch.ops.uvaple.gather_rows(self._arg, ids, out, self._counters, spec.scale_arg, spec.has_scale, c0,
-                                     self._oob_row0)
+        torch.ops.uvaple.gather_rows(self._arg, ids, out, self._counters, self._dq_scale, spec.scale_arg,
+                                     spec.has_scale, c0, self._row_lo, spec.oob_mode, spec.dequant)
         return out
 
     def stats(self) -> dict:

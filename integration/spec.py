@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from uvaple.kernels.gather import check_policy, column_range, scale_bits
+from uvaple.kernels.gather import FP8_FORMATS, OOB_MODES, check_policy, column_range, scale_bits
 
 __all__ = ["TableSpec", "ENCODINGS", "spec_for"]
 
-#: How rows are stored. ``raw``: the table dtype as is.
-ENCODINGS = ("raw",)
+#: How rows are stored. ``raw``: the table dtype as is. ``fp8_global``: fp8 codes (e4m3fn or e5m2) times
+#: one global float32 scale held by the lookup (``dequant_scale``), dequantised in the kernel with vLLM's
+#: formula ``rows.to(out_dtype) * scale.to(out_dtype)``.
+ENCODINGS = ("raw", "fp8_global")
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,10 @@ class TableSpec:
         Elements between row starts in the host table (default ``cols``; a ``HostTable`` pads rows).
     encoding : str
         How rows are stored (``"raw"``).
-    oob : {"zero", "row0"}
-        What ids outside ``[0, rows)`` give: a zero row, or row 0 (Gemma 3n).
+    oob : {"zero", "row0", "neg_zero"}
+        What ids outside the valid range give: a zero row, row 0 of the range (Gemma 3n), or a -0.0 row
+        (for a lookup whose result is summed over ranks: ``x + (-0.0) == x`` for every ``x``, so the sum
+        keeps the owner's bits, -0.0 included).
     scale : float, optional
         Output scale, bit-identical to ``rows * torch.tensor(scale).to(dtype)`` (HF's ``embed_scale``).
     out_dtype : torch.dtype, optional
@@ -44,6 +48,9 @@ class TableSpec:
     column_block : int, optional
         Callers may ask for column ranges whose bounds are multiples of this (the last may be ``cols``),
         e.g. 256 for one Gemma 3n layer's slice of a per-layer-embedding row. Default: whole rows only.
+    row_window : (lo, hi), optional
+        Only ids in ``[lo, hi)`` are valid (read from the full table); the rest follow ``oob``. A
+        tensor-parallel rank reading its vocabulary shard of a table shared by the node. Default: all rows.
     """
 
     rows: int
@@ -55,6 +62,7 @@ class TableSpec:
     scale: float | None = None
     out_dtype: torch.dtype | None = None
     column_block: int | None = None
+    row_window: tuple[int, int] | None = None
     _scale_bits: int = field(default=0, init=False, repr=False, compare=False)
     _out: torch.dtype = field(default=None, init=False, repr=False, compare=False)
 
@@ -69,8 +77,18 @@ class TableSpec:
         object.__setattr__(self, "stride", stride)
         if self.encoding not in ENCODINGS:
             raise ValueError(f"TableSpec.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
-        out = check_policy(self.dtype, scale=self.scale, oob=self.oob, out_dtype=self.out_dtype)
+        out = check_policy(self.dtype, scale=self.scale, oob=self.oob, out_dtype=self.out_dtype,
+                           dequant=self.encoding == "fp8_global")
         object.__setattr__(self, "_out", out)
+        if self.row_window is not None:
+            try:
+                lo, hi = (int(v) for v in self.row_window)
+            except (TypeError, ValueError):
+                raise ValueError(f"TableSpec.row_window must be (lo, hi), got {self.row_window!r}") from None
+            if not 0 <= lo < hi <= self.rows:
+                raise ValueError(f"TableSpec.row_window {self.row_window!r} is not a non-empty range inside "
+                                 f"0..{self.rows}")
+            object.__setattr__(self, "row_window", (lo, hi))
         if self.scale is not None:
             object.__setattr__(self, "scale", float(self.scale))
             object.__setattr__(self, "_scale_bits", scale_bits(self.scale, self.dtype))
@@ -103,6 +121,20 @@ class TableSpec:
         return self._scale_bits
 
     @property
+    def dequant(self) -> int:
+        """The kernel's fp8 format: 0 (rows as stored), 1 (e4m3fn) or 2 (e5m2)."""
+        return FP8_FORMATS[self.dtype] if self.encoding == "fp8_global" else 0
+
+    @property
+    def oob_mode(self) -> int:
+        return OOB_MODES[self.oob]
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The valid id range ``[lo, hi)``."""
+        return self.row_window or (0, self.rows)
+
+    @property
     def row_bytes(self) -> int:
         return self.cols * torch.empty((), dtype=self.dtype).element_size()
 
@@ -120,7 +152,8 @@ class TableSpec:
     def with_policy(self, **changes) -> TableSpec:
         """This spec with some policy fields changed (validated again)."""
         fields = dict(rows=self.rows, cols=self.cols, dtype=self.dtype, stride=self.stride, encoding=self.encoding,
-                      oob=self.oob, scale=self.scale, out_dtype=self.out_dtype, column_block=self.column_block)
+                      oob=self.oob, scale=self.scale, out_dtype=self.out_dtype, column_block=self.column_block,
+                      row_window=self.row_window)
         fields.update(changes)
         return TableSpec(**fields)
 
@@ -132,12 +165,17 @@ class TableSpec:
             parts.append(f"out={str(self._out).replace('torch.', '')}")
         if self.column_block:
             parts.append(f"column_block={self.column_block}")
+        if self.encoding != "raw":
+            parts.append(f"encoding={self.encoding}")
+        if self.row_window:
+            parts.append(f"rows={self.row_window[0]}..{self.row_window[1]}")
         return ", ".join(parts)
 
 
 def spec_for(table, spec: TableSpec | None, *, scale=None, oob: str = "zero", out_dtype=None,
              column_block=None) -> TableSpec:
-    """``spec`` as given, or the spec of ``table`` with this policy; both at once is an error."""
+    """``spec`` as given, or the spec of ``table`` with this policy; both at once is an error (the other
+    fields, an encoding or a row window, are set on a spec)."""
     policy = scale is not None or oob != "zero" or out_dtype is not None or column_block is not None
     if spec is not None:
         if policy:

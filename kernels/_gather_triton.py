@@ -11,12 +11,41 @@ jit = kernel_decorator(__name__)
 
 
 @jit
-def safe_row(ids_ptr, pid, n_rows):
-    """(row, valid) for program ``pid``: the id as int64, replaced by 0 when outside ``[0, n_rows)`` so
-    that no address outside the table is ever formed, whatever the id."""
+def safe_row(ids_ptr, pid, row_lo, n_rows):
+    """(row, valid) for program ``pid``: the id as int64, replaced by ``row_lo`` when outside
+    ``[row_lo, n_rows)`` so that no address outside the table (or its window) is ever formed."""
     row = tl.load(ids_ptr + pid).to(tl.int64)
-    valid = (row >= 0) & (row < n_rows)
-    return tl.where(valid, row, 0), valid
+    valid = (row >= row_lo) & (row < n_rows)
+    return tl.where(valid, row, row_lo), valid
+
+
+@jit
+def _fp8_to_f32(x, FORMAT: tl.constexpr):
+    """fp8 codes (uint8) to fp32, exactly, with integer ops (the same bits on the GPU and the interpreter).
+
+    FORMAT 1: e4m3fn (bias 7, no infinities, S.1111.111 is NaN); 2: e5m2 (bias 15, IEEE-like)."""
+    b = x.to(tl.uint32)
+    sign = (b >> 7) & 1
+    if FORMAT == 1:
+        e = (b >> 3) & 0xF
+        m = b & 0x7
+        normal = (sign << 31) | ((e + 120) << 23) | (m << 20)  # 120 = 127 - 7
+        sub = m.to(tl.float32) * 0.001953125  # m x 2^-9, exact
+        special = (e == 15) & (m == 7)
+    else:
+        e = (b >> 2) & 0x1F
+        m = b & 0x3
+        normal = (sign << 31) | ((e + 112) << 23) | (m << 21)  # 112 = 127 - 15
+        sub = m.to(tl.float32) * 0.0000152587890625  # m x 2^-16, exact
+        special = e == 31
+    v = normal.to(tl.float32, bitcast=True)
+    sub = tl.where(sign == 1, -sub, sub)
+    v = tl.where(e == 0, sub, v)
+    if FORMAT == 2:
+        inf_bits = ((sign << 31) | 0x7F800000).to(tl.float32, bitcast=True)
+        v = tl.where(special & (m == 0), inf_bits, v)
+        special = special & (m != 0)
+    return tl.where(special, float("nan"), v)
 
 
 @jit
@@ -58,21 +87,25 @@ def gather_rows_kernel(
     ids_ptr,  # *Pointer* to the flattened ids, int32 or int64
     out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
     counters_ptr,  # *Pointer* to int64 [3]: lookups, rows, out-of-range ids (read only when COUNT)
+    dq_scale_ptr,  # *Pointer* to the fp32 dequantisation scale [1] (read only when DEQUANT)
     n_ids,  # ids in this call
-    n_rows,  # rows in the table: valid ids are 0 <= id < n_rows
+    row_lo,  # valid ids are row_lo <= id < n_rows (a rank's shard of a full table; 0 for the whole table)
+    n_rows,  # one past the last valid id
     table_stride,  # elements between two table rows (>= the row length, padded)
     col_start,  # first column of the range to copy
     n_cols,  # columns to copy per row
     scale_bits,  # int32: the bits of the fp32 scale, already rounded to the table dtype (HAS_SCALE)
     HAS_SCALE: tl.constexpr,  # multiply by the scale with the model's rounding
     CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
-    OOB_ROW0: tl.constexpr,  # out-of-range ids read row 0 (else they give a zero row)
+    OOB_ROW0: tl.constexpr,  # out-of-range ids read row row_lo (else they give a zero row)
+    NEG_ZERO: tl.constexpr,  # zero rows are -0.0 (a sum over ranks then keeps every owner's bits)
+    DEQUANT: tl.constexpr,  # 0: rows as stored; 1/2: fp8 e4m3fn/e5m2 codes x the scale at dq_scale_ptr
     COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id)
     BLOCK: tl.constexpr,  # columns per program
 ):
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    row, valid = safe_row(ids_ptr, pid, n_rows)
+    row, valid = safe_row(ids_ptr, pid, row_lo, n_rows)
     if COUNT:
         if tile == 0:
             first = pid == 0
@@ -86,7 +119,16 @@ def gather_rows_kernel(
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     load_mask = cols < limit
     x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
-    if CONVERT:
+    if DEQUANT != 0:
+        # vLLM's formula: rows.to(out_dtype) * scale.to(out_dtype); fp8 widens to any out dtype exactly
+        v = _fp8_to_f32(x, DEQUANT)
+        s = _to_f32(_round_f32(tl.load(dq_scale_ptr).to(tl.float32), out_ptr.dtype.element_ty),
+                    out_ptr.dtype.element_ty)
+        v = _round_f32(v * s, out_ptr.dtype.element_ty)
+        if not OOB_ROW0:
+            v = tl.where(load_mask, v, -0.0 if NEG_ZERO else 0.0)
+        y = v.to(out_ptr.dtype.element_ty)
+    elif CONVERT:
         v = _to_f32(x, table_ptr.dtype.element_ty)
         if HAS_SCALE:
             # The scale travels as its bits: no float argument conversion can touch -0.0 or a subnormal.
@@ -95,7 +137,7 @@ def gather_rows_kernel(
             v = _to_f32(v, table_ptr.dtype.element_ty)
         v = _round_f32(v, out_ptr.dtype.element_ty)
         if not OOB_ROW0:
-            v = tl.where(load_mask, v, 0.0)  # +0.0 whatever the scale (negative, inf, NaN)
+            v = tl.where(load_mask, v, -0.0 if NEG_ZERO else 0.0)  # whatever the scale (negative, inf, NaN)
         y = v.to(out_ptr.dtype.element_ty)
     else:
         y = x

@@ -47,7 +47,11 @@ from .heuristics import LaunchConfig, launch_config
 __all__ = ["gather_rows", "launch", "scale_bits", "column_range", "check_ids", "check_out", "OOB_POLICIES",
            "TABLE_DTYPES", "OUT_DTYPES"]
 
-OOB_POLICIES = ("zero", "row0")
+OOB_POLICIES = ("zero", "row0", "neg_zero")
+#: oob policy -> the operator's ``oob_mode``
+OOB_MODES = {"zero": 0, "row0": 1, "neg_zero": 2}
+#: fp8 dtype -> the operator's ``dequant`` format (rows of fp8 codes times a global scale)
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -71,12 +75,25 @@ def column_range(columns, cols: int) -> tuple[int, int]:
     return c0, c1
 
 
-def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype) -> torch.dtype:
-    """Policy checks (once per spec, or per functional call): returns the output dtype."""
+def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype, dequant: bool = False) -> torch.dtype:
+    """Policy checks (once per spec, or per functional call): returns the output dtype.
+
+    ``dequant``: rows are fp8 codes dequantised with a global scale (the output dtype defaults to bf16).
+    """
     if table_dtype not in TABLE_DTYPES:
         raise TypeError(f"table dtype {table_dtype} is not supported; use one of {TABLE_DTYPES}")
     if oob not in OOB_POLICIES:
         raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
+    if dequant:
+        if table_dtype not in FP8_FORMATS:
+            raise TypeError(f"fp8 dequantisation needs an fp8 table (e4m3fn or e5m2), this one is {table_dtype}")
+        if scale is not None:
+            raise TypeError("an fp8 table's rows are scaled by its dequantisation scale; a second scale is not "
+                            "supported")
+        dtype = out_dtype or torch.bfloat16
+        if dtype not in OUT_DTYPES:
+            raise TypeError(f"fp8 rows dequantise to one of {OUT_DTYPES}, not {dtype}")
+        return dtype
     if scale is not None:
         if table_dtype not in FLOAT_DTYPES:
             raise TypeError(f"scale needs a float table, this one is {table_dtype}")
@@ -86,6 +103,8 @@ def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype) -> tor
     if dtype != table_dtype and (dtype not in OUT_DTYPES or table_dtype not in FLOAT_DTYPES):
         raise TypeError(f"cannot convert a {table_dtype} table to {dtype} output; "
                         f"supported outputs are {OUT_DTYPES} from float tables")
+    if oob == "neg_zero" and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"oob='neg_zero' writes -0.0: it needs a float output, not {dtype}")
     return dtype
 
 
@@ -149,7 +168,8 @@ def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
 
 
 def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-           bits: int, has_scale: bool, col_start: int, oob_row0: bool, *, config: LaunchConfig | None = None) -> None:
+           dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, row_lo: int, oob_mode: int,
+           dequant: int, *, config: LaunchConfig | None = None) -> None:
     """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
 
     The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
@@ -161,25 +181,35 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     if out.numel() != n * ncols or not out.is_contiguous() or not ids.is_contiguous():
         raise ValueError(f"uvaple::gather_rows: out must be contiguous [*ids.shape, ncols] and ids contiguous "
                          f"(got out {tuple(out.shape)}, ids {tuple(ids.shape)})")
-    if col_start < 0 or col_start + ncols > table.shape[1] or table.dim() != 2 or table.stride(1) != 1:
+    if table.dim() != 2 or table.stride(1) != 1 or col_start < 0 or col_start + ncols > table.shape[1]:
         raise ValueError(f"uvaple::gather_rows: columns {col_start}..{col_start + ncols} are not inside the "
-                         f"table's {table.shape[1]} (or the table is not 2-D with unit column stride)")
+                         f"table's {table.shape[-1]} (or the table is not 2-D with unit column stride)")
+    if not 0 <= row_lo < table.shape[0] or oob_mode not in (0, 1, 2) or dequant not in (0, 1, 2):
+        raise ValueError(f"uvaple::gather_rows: row_lo {row_lo}, oob_mode {oob_mode} or dequant {dequant} is out "
+                         f"of range (table of {table.shape[0]} rows)")
+    if dequant and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
+                    or table.element_size() != 1 or dq_scale.device != out.device):
+        raise ValueError("uvaple::gather_rows: fp8 dequantisation needs a 1-byte table and a float32 scale of "
+                         "one element on the output's device")
     torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
     if n == 0 or ncols == 0:
         return
     cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
-    convert = has_scale or out.dtype != table.dtype
+    convert = has_scale or out.dtype != table.dtype or oob_mode == 2
     if _capture.capturing(ids):
         _capture.keep_for_graph(table)
-    if not convert:
+    if dequant:
+        table = table.view(torch.uint8)  # fp8 codes, widened with integer ops in the kernel
+    elif not convert:
         # A plain copy moves bits: give the kernel same-width integers (fp8 and friends need no support).
         as_int = _INT_OF_SIZE[table.element_size()]
         table, out = table.view(as_int), out.view(as_int)
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
-        table, ids, out, ids if counters is None else counters, n, table.shape[0], table.stride(0), col_start,
-        ncols, bits, HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_row0, COUNT=counters is not None,
+        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, row_lo,
+        table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale, CONVERT=convert,
+        OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant, COUNT=counters is not None,
         BLOCK=cfg.block, num_warps=cfg.num_warps,
     )
 
@@ -229,5 +259,5 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
         check_out(out, want, dtype, ids.device)
     ids_flat = ids if ids.is_contiguous() else ids.contiguous()
     bits = 0 if scale is None else scale_bits(scale, table.dtype)
-    torch.ops.uvaple.gather_rows(table, ids_flat, out, None, bits, scale is not None, c0, oob == "row0")
+    torch.ops.uvaple.gather_rows(table, ids_flat, out, None, None, bits, scale is not None, c0, 0, OOB_MODES[oob], 0)
     return out

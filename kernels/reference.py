@@ -6,24 +6,34 @@ import torch
 
 
 def reference_gather(table: torch.Tensor, ids: torch.Tensor, *, scale: float | None = None, columns=None,
-                     oob: str = "zero", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     oob: str = "zero", out_dtype: torch.dtype | None = None,
+                     dequant_scale: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """``table[ids, columns] * scale.to(table.dtype)`` with the out-of-range policy, on the CPU.
 
-    ``oob="zero"`` gives +0.0 rows for ids outside ``[0, rows)``; ``"row0"`` reads row 0 for them.
+    Valid ids are ``rows[0] <= id < rows[1]`` (default: the whole table). ``oob="zero"`` gives +0.0 rows
+    for the others, ``"neg_zero"`` -0.0 rows, ``"row0"`` reads row ``rows[0]`` for them.
+    ``dequant_scale``: the table holds fp8 codes and a row is ``codes.to(out) * dequant_scale.to(out)``
+    (vLLM's fp8 PLE formula; ``out`` defaults to bf16).
     """
     from .gather import column_range
 
     t = table.detach().cpu()
     c0, c1 = column_range(columns, t.shape[1])
+    lo, hi = rows if rows is not None else (0, t.shape[0])
     i = ids.detach().cpu().to(torch.int64)
-    valid = (i >= 0) & (i < t.shape[0])
-    safe = torch.where(valid, i, torch.zeros_like(i))
-    rows = t[safe.reshape(-1), c0:c1]
-    if scale is not None:
-        rows = rows * torch.tensor(float(scale), dtype=torch.float32).to(t.dtype)
-    rows = rows.to(out_dtype or t.dtype)
-    if oob == "zero":
-        rows = torch.where(valid.reshape(-1, 1), rows, torch.zeros((), dtype=rows.dtype))
+    valid = (i >= lo) & (i < hi)
+    safe = torch.where(valid, i, torch.full_like(i, lo))
+    out = t[safe.reshape(-1), c0:c1]
+    if dequant_scale is not None:
+        dtype = out_dtype or torch.bfloat16
+        out = out.to(dtype) * dequant_scale.detach().cpu().to(dtype)
+    else:
+        if scale is not None:
+            out = out * torch.tensor(float(scale), dtype=torch.float32).to(t.dtype)
+        out = out.to(out_dtype or t.dtype)
+    if oob in ("zero", "neg_zero"):
+        zero = torch.tensor(-0.0 if oob == "neg_zero" else 0.0).to(out.dtype)
+        out = torch.where(valid.reshape(-1, 1), out, zero)
     elif oob != "row0":
-        raise ValueError(f"oob must be 'zero' or 'row0', got {oob!r}")
-    return rows.reshape(*ids.shape, c1 - c0)
+        raise ValueError(f"oob must be 'zero', 'row0' or 'neg_zero', got {oob!r}")
+    return out.reshape(*ids.shape, c1 - c0)

@@ -349,6 +349,9 @@ class CopyBackend(Lookup):
         if isinstance(table, torch.Tensor):  # checked before the copy
             table, owns_table = HostTable.from_tensor(table), True
         try:
+            if spec.encoding != "raw" or spec.row_window is not None or spec.oob == "neg_zero":
+                raise TypeError(f"the copy placement serves raw rows of the whole table with oob 'zero' or "
+                                f"'row0'; this spec asks for {spec.describe()}: use the uva or device placement")
             super().__init__(table, spec, device, owns_table=owns_table, max_rows=int(max_rows))
         except BaseException:
             if owns_table:

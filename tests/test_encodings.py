@@ -1,0 +1,121 @@
+"""fp8 rows dequantised in the kernel, row windows (a rank's shard of a full table), -0.0 zero rows.
+
+The definitions: vLLM's fp8 PLE formula ``rows.to(out_dtype) * scale.to(out_dtype)`` (one global float32
+scale), and :func:`uvaple.kernels.reference_gather`. NaN results only need to be NaN (their payload is the
+device's). On CPU the kernel runs under Triton's interpreter; on CUDA the same tests run compiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import bits, rand
+
+from uvaple.integration import TableSpec, make_lookup
+from uvaple.kernels import reference_gather
+from uvaple.uva import HostTable
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+OUTS = [torch.bfloat16, torch.float16, torch.float32]
+SCALES = [1.0, 0.0123, -2.5, 3.0e-3, 448.0, 1e-30, 3.0e38, -0.0, 0.0, math.inf, math.nan]
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got, want = got.cpu(), want.cpu()
+    nan = torch.isnan(want)
+    return torch.equal(torch.isnan(got), nan) and torch.equal(bits(torch.where(nan, 0, got)),
+                                                              bits(torch.where(nan, 0, want)))
+
+
+@pytest.fixture(scope="module")
+def all_codes():
+    """Every fp8 code in each row position: a [256, 16] table of codes (row r holds codes r, r+1, ...)."""
+    codes = (torch.arange(256).view(256, 1) + torch.arange(16).view(1, 16)) % 256
+    return codes.to(torch.uint8)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("out_dtype", OUTS)
+def test_every_fp8_code_dequantises_as_vllm_does(all_codes, device, fp8, out_dtype):
+    t = all_codes.view(fp8)
+    with HostTable.from_tensor(t) as h:
+        scale = torch.empty(1, dtype=torch.float32, device=device)
+        spec = TableSpec.of(h, encoding="fp8_global", out_dtype=out_dtype)
+        with make_lookup("uva", h, device=device, spec=spec, dequant_scale=scale) as lk:
+            ids = torch.arange(256, device=device)
+            for s in SCALES:
+                scale.fill_(s)  # loaded in place, as vLLM's weight loader does: every call reads it
+                got = lk.lookup(ids)
+                want = t.to(out_dtype) * torch.tensor([s], dtype=torch.float32).to(out_dtype)  # vLLM's formula
+                assert same(got, want), (fp8, out_dtype, s)
+                assert same(got, reference_gather(t, ids, dequant_scale=scale, out_dtype=out_dtype))
+
+
+def test_fp8_rows_with_a_window_and_out_of_range_ids(device):
+    t = rand(300, 40, torch.float32, seed=3).to(torch.float8_e4m3fn)
+    with HostTable.from_tensor(t) as h:
+        scale = torch.tensor([0.37], device=device)
+        ids = torch.tensor([[0, 99, 100, 199], [200, 299, -1, 2**40]], device=device)
+        for oob in ("zero", "neg_zero", "row0"):
+            spec = TableSpec.of(h, encoding="fp8_global", oob=oob, row_window=(100, 200), column_block=8)
+            with make_lookup("uva", h, device=device, spec=spec, dequant_scale=scale) as lk:
+                for columns in (None, (8, 32)):
+                    got = lk.lookup(ids, columns=columns)
+                    want = reference_gather(t, ids, dequant_scale=scale, oob=oob, rows=(100, 200), columns=columns)
+                    assert same(got, want), (oob, columns)
+                assert lk.stats()["out_of_range_ids"] == 2 * 6  # 6 of 8 ids outside [100, 200), twice
+
+
+@pytest.mark.parametrize("kind", ["uva", "device"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_windows_split_a_table_exactly(device, kind, dtype):
+    """Each rank reads its window of the full table, -0.0 elsewhere: the sum over ranks is the full lookup
+    bit for bit, -0.0 entries included (what an all-reduce or reduce-scatter over ranks computes)."""
+    t = rand(1000, 24, dtype, seed=4)
+    t[7] = -0.0  # a row of -0.0 must survive the sum
+    with HostTable.from_tensor(t) as h:
+        ids = torch.tensor([7, 0, 999, 250, 500, 749, 750, -3, 1000], device=device)
+        full = reference_gather(t, ids)
+        total = None
+        for lo, hi in [(0, 250), (250, 500), (500, 750), (750, 1000)]:
+            spec = TableSpec.of(h, oob="neg_zero", row_window=(lo, hi))
+            with make_lookup(kind, h, device=device, spec=spec) as lk:
+                part = lk.lookup(ids)
+            assert same(part, reference_gather(t, ids, oob="neg_zero", rows=(lo, hi)))
+            total = part if total is None else total + part
+        in_table = (ids >= 0) & (ids < 1000)
+        want = torch.where(in_table.cpu().view(-1, 1), full, torch.tensor(-0.0, dtype=dtype))
+        assert same(total, want)  # out-of-table ids: -0.0 from every rank
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(encoding="fp8_global", dtype=torch.bfloat16), TypeError, "needs an fp8 table"),
+    (dict(encoding="fp8_global", dtype=torch.float8_e4m3fn, scale=2.0), TypeError, "second scale"),
+    (dict(encoding="fp8_global", dtype=torch.float8_e4m3fn, out_dtype=torch.int8), TypeError, "dequantise to"),
+    (dict(oob="neg_zero", dtype=torch.int8), TypeError, "needs a float output"),
+    (dict(row_window=(5, 5)), ValueError, "row_window"),
+    (dict(row_window=(-1, 5)), ValueError, "row_window"),
+    (dict(row_window=(0, 11)), ValueError, "row_window"),
+    (dict(row_window="ab"), ValueError, "row_window"),
+])
+def test_bad_encodings_and_windows_are_named(kw, err, match):
+    args = dict(rows=10, cols=8, dtype=torch.float32)
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        TableSpec(**args)
+
+
+def test_fp8_lookup_needs_its_scale_and_the_copy_placement_refuses(device):
+    t = torch.zeros(10, 8, dtype=torch.float8_e4m3fn)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, encoding="fp8_global")
+        with pytest.raises(ValueError, match="dequant_scale"):
+            make_lookup("uva", h, device=device, spec=spec)
+        with pytest.raises(ValueError, match="dequant_scale"):
+            make_lookup("uva", h, device=device, spec=spec, dequant_scale=torch.ones(2, device=device))
+        with pytest.raises(TypeError, match="copy placement serves raw rows"):
+            make_lookup("copy", h, device=device, spec=spec)
+        with pytest.raises(ValueError, match="for fp8_global tables"):
+            make_lookup("uva", h, device=device, dequant_scale=torch.ones(1, device=device))
