@@ -451,3 +451,63 @@ def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
     finally:
         os.kill(child, signal.SIGKILL)
         p.stdout.close()
+
+
+# ------------------------------------------------------------------ deferred readiness (an engine's loader fills)
+def test_deferred_ready_maps_at_once_and_waits_later(name):
+    a = HostTable.shared(name, 50, 8, torch.float32, defer_ready=True)
+    b = HostTable.shared(name, 50, 8, torch.float32, defer_ready=True, timeout=5)  # no wait: still building
+    assert a.created and not b.created and not a.ready and not b.ready
+    with pytest.raises(SharedSegmentTimeout, match="to fill the table"):
+        b.wait_ready(0.2)
+    with pytest.raises(SharedSegmentError, match="mark_ready"):
+        b.mark_ready()  # only the creator marks it
+    src = expected(5)[:50, :8].contiguous()
+    a.write_rows(src)  # the engine's loader writes the rows after construction
+    a.mark_ready()
+    b.wait_ready(1.0)
+    assert b.ready and torch.equal(b.tensor, src)
+    c = HostTable.shared(name, 50, 8, torch.float32, timeout=1)  # a plain shared() attaches the ready one
+    assert not c.created and torch.equal(c.tensor, src)
+    for t in (a, b, c):
+        t.close()
+    with pytest.raises(TypeError, match="exclude each other"):
+        HostTable.shared(name, 4, 4, torch.float32, defer_ready=True, fill=lambda t: None)
+
+
+def test_deferred_ready_delivers_the_creators_failure(name):
+    a = HostTable.shared(name, 10, 4, torch.float32, defer_ready=True)
+    b = HostTable.shared(name, 10, 4, torch.float32, defer_ready=True)
+    a.mark_failed(RuntimeError("the checkpoint shard is missing"))
+    with pytest.raises(SharedSegmentError, match="shard is missing"):
+        b.wait_ready(5)
+    assert not os.path.exists(path_of(name))  # removed: a fresh shared() creates it again
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(120)
+def test_deferred_ready_after_the_creator_died_is_a_named_error(name):
+    code = textwrap.dedent(f"""
+        import time, torch
+        from uvaple.uva import HostTable
+        t = HostTable.shared({name!r}, 10, 4, torch.float32, defer_ready=True)
+        print("created", flush=True)
+        time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "created"
+        b = HostTable.shared(name, 10, 4, torch.float32, defer_ready=True)
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        t0 = time.monotonic()
+        with pytest.raises(SharedSegmentError, match="died before it was ready"):
+            b.wait_ready(30)
+        assert time.monotonic() - t0 < 5
+        b.close()
+        segments.clean([name])
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdout.close()

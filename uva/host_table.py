@@ -250,7 +250,8 @@ class HostTable:
     def shared(cls, name: str, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, *,
                timeout: float = DEFAULT_SHARED_TIMEOUT_S, fill: Callable[[HostTable], None] | None = None,
                tag: str | None = None, register: bool | str = "auto", read_only: bool = False,
-               device: int | None = None, threads: int | None = None, check_memory: bool = True) -> HostTable:
+               device: int | None = None, threads: int | None = None, check_memory: bool = True,
+               defer_ready: bool = False) -> HostTable:
         """Create-or-attach the named shared table ``name``: the node holds it once, whoever asks first.
 
         Any number of processes (tensor-parallel ranks, data-parallel replicas) may call this at the same
@@ -279,6 +280,12 @@ class HostTable:
             What the table holds (a checkpoint's path and size, say): attaching requires the same tag.
         register, read_only, device, threads, check_memory :
             As in :meth:`empty`.
+        defer_ready : bool
+            For fills that happen after construction (a serving engine's weight loader): the creator
+            gets its table at once, still ``building``, fills it and calls :meth:`mark_ready` (or
+            :meth:`mark_failed`); the others map it at once, without waiting, and call
+            :meth:`wait_ready` before the first read. No process waits during construction, so ranks
+            that meet in a collective before the fill ends cannot deadlock on it.
 
         Raises
         ------
@@ -290,9 +297,12 @@ class HostTable:
         layout = _check_shape(rows, cols, dtype)
         meta = dict(layout.header(), tag=tag)
         want = dict(layout.header(), tag=tag)
-        return cls._open_shared(layout, name, meta, want, fill=fill, timeout=timeout, mode="shared",
-                                register=register, read_only=read_only, device=device, threads=threads,
-                                check_memory=check_memory)
+        if defer_ready and fill is not None:
+            raise TypeError("defer_ready and fill exclude each other: with defer_ready the creator fills the "
+                            "table itself and calls mark_ready()")
+        return cls._open_shared(layout, name, meta, want, fill=fill, timeout=timeout,
+                                mode="deferred" if defer_ready else "shared", register=register,
+                                read_only=read_only, device=device, threads=threads, check_memory=check_memory)
 
     @classmethod
     def attach(cls, name: str, *, rows: int | None = None, cols: int | None = None,
@@ -328,7 +338,8 @@ class HostTable:
         elif mode == "create":
             seg = segments.create(name, meta, map_bytes)
         else:
-            seg = segments.create_or_attach(name, meta, want, map_bytes, timeout=timeout)
+            seg = segments.create_or_attach(name, meta, want, map_bytes, timeout=timeout,
+                                            attach_building=mode == "deferred")
         table = None
         try:
             if not seg.created:
@@ -348,7 +359,7 @@ class HostTable:
             _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)
             # Map the pages into this process's page tables now, not on the GPU's first reads.
             table._populate(threads, write=seg.created)
-            if seg.created:
+            if seg.created and mode != "deferred":
                 if fill is not None:
                     table._timed("fill", fill, table)
                 seg.ready()
@@ -698,6 +709,38 @@ class HostTable:
         return table
 
     # ------------------------------------------------------------------ lifetime
+    # ------------------------------------------------------------------ deferred readiness (shared tables)
+    @property
+    def ready(self) -> bool:
+        """A private table is always ready; a shared one once its creator marked it ready."""
+        seg = self._region.segment
+        return seg is None or seg.is_ready
+
+    def mark_ready(self) -> None:
+        """The creator of a ``defer_ready`` shared table has filled it: processes waiting may read it."""
+        seg = self._creator_segment("mark_ready")
+        seg.ready()
+
+    def mark_failed(self, error: BaseException) -> None:
+        """The creator of a ``defer_ready`` shared table could not fill it: waiters get ``error``, and the
+        name is removed (the table object stays usable here until closed)."""
+        self._creator_segment("mark_failed").fail(error)
+
+    def wait_ready(self, timeout: float = DEFAULT_SHARED_TIMEOUT_S) -> None:
+        """Wait (bounded) until a ``defer_ready`` table's creator marks it ready (at once when it is)."""
+        self._live()
+        seg = self._region.segment
+        if seg is not None:
+            seg.wait_ready(timeout)
+
+    def _creator_segment(self, what: str):
+        self._live()
+        seg = self._region.segment
+        if seg is None or not self._created or seg.fd is None:
+            raise SharedSegmentError(f"{what}() is for the process that created a shared table with "
+                                     "defer_ready=True")
+        return seg
+
     def close(self) -> None:
         """Let go of the table: released now if no view is alive, else when the last view is gone.
 

@@ -278,6 +278,24 @@ class Segment:
         with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"unlinking {self.name!r}"):
             _unlink_if_same(self.path, self.fd)
 
+    @property
+    def is_ready(self) -> bool:
+        return self.fd is not None and (self.header() or {}).get("state") == "ready"
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the creator marks the segment ready; raise its failure, a named
+        timeout, or an error when it died before (the segment cannot become ready any more)."""
+        if self.fd is None:
+            raise SharedSegmentError(f"shared table {self.name!r} is detached")
+        head = self.header() or {}
+        if head.get("state") == "ready":
+            return
+        if not _wait_built(self.name, self.fd, head, time.monotonic() + timeout, timeout):
+            raise SharedSegmentError(
+                f"shared table {self.name!r}: its creator (pid {head.get('creator_pid')}) died before it was "
+                "ready; this process mapped the unfinished segment and cannot use it: restart it (a new "
+                "HostTable.shared creates the table again)")
+
     def others_attached(self) -> bool:
         return _held_by_other(self.fd, _ATTACH_BYTE)
 
@@ -383,7 +401,8 @@ def _failed_error(name: str, meta: dict) -> SharedSegmentError:
 
 
 def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadline: float, *,
-          create_ok: bool, attach_ok: bool, replace_orphan: bool) -> Segment | tuple[int, dict]:
+          create_ok: bool, attach_ok: bool, replace_orphan: bool,
+          attach_building: bool = False) -> Segment | tuple[int, dict]:
     """One decision under the namespace lock: a Segment (created or attached), or (fd, header) of a
     segment still being built, to wait on outside the lock."""
     with _namespace(deadline, f"shared table {name!r}"):
@@ -412,6 +431,15 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                         raise SharedSegmentError(
                             f"a shared table named {name!r} is being created by pid {head.get('creator_pid')}; "
                             f"attach to it with HostTable.shared({name!r}, ...), which waits, or pick another name")
+                    if attach_building:  # map it now, wait for it later (Segment.wait_ready)
+                        bad = _mismatch(head, want, os.fstat(fd).st_size)
+                        if bad:
+                            raise SharedSegmentError(f"shared table {name!r} does not match: " + "; ".join(bad) +
+                                                     " (its creator is still filling it)")
+                        if not _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE):
+                            raise SharedSegmentError(f"taking the attach lock of shared table {name!r} failed")
+                        keep = True
+                        return Segment(name, path, fd, created=False)
                     keep = True
                     return fd, head
                 # ready
@@ -461,16 +489,20 @@ def _wait_built(name: str, fd: int, head: dict, deadline: float, timeout: float)
 
 
 def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, timeout: float,
-                     create_ok: bool = True, attach_ok: bool = True, replace_orphan: bool = True) -> Segment:
+                     create_ok: bool = True, attach_ok: bool = True, replace_orphan: bool = True,
+                     attach_building: bool = False) -> Segment:
     """Create segment ``name`` (``seg.created``: this process must fill it and call ``seg.ready()``) or
-    attach to the ready one, waiting at most ``timeout`` seconds for a live creator to finish."""
+    attach to the ready one, waiting at most ``timeout`` seconds for a live creator to finish.
+
+    ``attach_building``: attach to one a live creator is still filling at once (the caller waits later,
+    with :meth:`Segment.wait_ready`)."""
     path = segment_path(name)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout
     while True:
         got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok, attach_ok=attach_ok,
-                    replace_orphan=replace_orphan)
+                    replace_orphan=replace_orphan, attach_building=attach_building)
         if isinstance(got, Segment):
             return got
         fd, head = got
