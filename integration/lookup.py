@@ -239,7 +239,8 @@ class GatherLookup(Lookup):
         ids, out, c0 = self._prepare(ids, out, columns)
         spec = self.spec
         torch.ops.uvaple.gather_rows(self._arg, ids, out, self._counters, self._dq_scale, spec.scale_arg,
-                                     spec.has_scale, c0, self._row_lo, spec.oob_mode, spec.dequant)
+                                     spec.has_scale, c0, spec.id_offset, self._row_lo, spec.oob_mode,
+                                     spec.dequant)
         return out
 
     def stats(self) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from uvaple.kernels.gather import FP8_FORMATS, OOB_MODES, check_policy, column_range, scale_bits
+from uvaple.kernels.gather import FP8_FORMATS, ID_BASE_LIMIT, OOB_MODES, check_policy, column_range, scale_bits
 
 __all__ = ["TableSpec", "ENCODINGS", "spec_for"]
 
@@ -51,6 +51,9 @@ class TableSpec:
     row_window : (lo, hi), optional
         Only ids in ``[lo, hi)`` are valid (read from the full table); the rest follow ``oob``. A
         tensor-parallel rank reading its vocabulary shard of a table shared by the node. Default: all rows.
+    id_offset : int
+        The id of row 0: id ``i`` reads row ``i - id_offset`` (valid when that row is in the window). A
+        rank's vocabulary shard stored as a table of its own, looked up with global ids. Default 0.
     """
 
     rows: int
@@ -63,6 +66,7 @@ class TableSpec:
     out_dtype: torch.dtype | None = None
     column_block: int | None = None
     row_window: tuple[int, int] | None = None
+    id_offset: int = 0
     _scale_bits: int = field(default=0, init=False, repr=False, compare=False)
     _out: torch.dtype = field(default=None, init=False, repr=False, compare=False)
 
@@ -89,6 +93,9 @@ class TableSpec:
                 raise ValueError(f"TableSpec.row_window {self.row_window!r} is not a non-empty range inside "
                                  f"0..{self.rows}")
             object.__setattr__(self, "row_window", (lo, hi))
+        o = self.id_offset
+        if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < ID_BASE_LIMIT:
+            raise ValueError(f"TableSpec.id_offset must be an int in 0..2**62-1, got {o!r}")
         if self.scale is not None:
             object.__setattr__(self, "scale", float(self.scale))
             object.__setattr__(self, "_scale_bits", scale_bits(self.scale, self.dtype))
@@ -131,7 +138,7 @@ class TableSpec:
 
     @property
     def window(self) -> tuple[int, int]:
-        """The valid id range ``[lo, hi)``."""
+        """The valid row range ``[lo, hi)`` (ids ``id_offset + lo`` to ``id_offset + hi``)."""
         return self.row_window or (0, self.rows)
 
     @property
@@ -153,7 +160,7 @@ class TableSpec:
         """This spec with some policy fields changed (validated again)."""
         fields = dict(rows=self.rows, cols=self.cols, dtype=self.dtype, stride=self.stride, encoding=self.encoding,
                       oob=self.oob, scale=self.scale, out_dtype=self.out_dtype, column_block=self.column_block,
-                      row_window=self.row_window)
+                      row_window=self.row_window, id_offset=self.id_offset)
         fields.update(changes)
         return TableSpec(**fields)
 
@@ -169,6 +176,8 @@ class TableSpec:
             parts.append(f"encoding={self.encoding}")
         if self.row_window:
             parts.append(f"rows={self.row_window[0]}..{self.row_window[1]}")
+        if self.id_offset:
+            parts.append(f"id_offset={self.id_offset}")
         return ", ".join(parts)
 
 

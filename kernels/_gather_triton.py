@@ -11,10 +11,11 @@ jit = kernel_decorator(__name__)
 
 
 @jit
-def safe_row(ids_ptr, pid, row_lo, n_rows):
-    """(row, valid) for program ``pid``: the id as int64, replaced by ``row_lo`` when outside
-    ``[row_lo, n_rows)`` so that no address outside the table (or its window) is ever formed."""
-    row = tl.load(ids_ptr + pid).to(tl.int64)
+def safe_row(ids_ptr, pid, id_base, row_lo, n_rows):
+    """(row, valid) for program ``pid``: the row ``id - id_base`` as int64, replaced by ``row_lo`` when
+    outside ``[row_lo, n_rows)`` so that no address outside the table (or its window) is ever formed.
+    (``0 <= id_base < 2**62``: a wrapped difference of an extreme id is still far above ``n_rows``.)"""
+    row = tl.load(ids_ptr + pid).to(tl.int64) - id_base
     valid = (row >= row_lo) & (row < n_rows)
     return tl.where(valid, row, row_lo), valid
 
@@ -89,8 +90,9 @@ def gather_rows_kernel(
     counters_ptr,  # *Pointer* to int64 [3]: lookups, rows, out-of-range ids (read only when COUNT)
     dq_scale_ptr,  # *Pointer* to the fp32 dequantisation scale [1] (read only when DEQUANT)
     n_ids,  # ids in this call
-    row_lo,  # valid ids are row_lo <= id < n_rows (a rank's shard of a full table; 0 for the whole table)
-    n_rows,  # one past the last valid id
+    id_base,  # the id of table row 0 (a rank's vocabulary shard stored alone; 0 for a whole table)
+    row_lo,  # valid rows are row_lo <= id - id_base < n_rows (a rank's shard of a full table; else 0)
+    n_rows,  # one past the last valid row
     table_stride,  # elements between two table rows (>= the row length, padded)
     col_start,  # first column of the range to copy
     n_cols,  # columns to copy per row
@@ -105,7 +107,7 @@ def gather_rows_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    row, valid = safe_row(ids_ptr, pid, row_lo, n_rows)
+    row, valid = safe_row(ids_ptr, pid, id_base, row_lo, n_rows)
     if COUNT:
         if tile == 0:
             first = pid == 0

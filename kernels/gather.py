@@ -52,6 +52,9 @@ OOB_POLICIES = ("zero", "row0", "neg_zero")
 OOB_MODES = {"zero": 0, "row0": 1, "neg_zero": 2}
 #: fp8 dtype -> the operator's ``dequant`` format (rows of fp8 codes times a global scale)
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+#: ids are shifted by ``id_base`` (``0 <= id_base < ID_BASE_LIMIT``) before the range check; below 2**62 a
+#: wrapped int64 difference of an extreme id stays far outside any table.
+ID_BASE_LIMIT = 1 << 62
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -168,8 +171,8 @@ def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
 
 
 def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-           dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, row_lo: int, oob_mode: int,
-           dequant: int, *, config: LaunchConfig | None = None) -> None:
+           dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
+           oob_mode: int, dequant: int, *, config: LaunchConfig | None = None) -> None:
     """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
 
     The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
@@ -184,9 +187,10 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     if table.dim() != 2 or table.stride(1) != 1 or col_start < 0 or col_start + ncols > table.shape[1]:
         raise ValueError(f"uvaple::gather_rows: columns {col_start}..{col_start + ncols} are not inside the "
                          f"table's {table.shape[-1]} (or the table is not 2-D with unit column stride)")
-    if not 0 <= row_lo < table.shape[0] or oob_mode not in (0, 1, 2) or dequant not in (0, 1, 2):
-        raise ValueError(f"uvaple::gather_rows: row_lo {row_lo}, oob_mode {oob_mode} or dequant {dequant} is out "
-                         f"of range (table of {table.shape[0]} rows)")
+    if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2) \
+            or dequant not in (0, 1, 2):
+        raise ValueError(f"uvaple::gather_rows: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
+                         f"{dequant} is out of range (table of {table.shape[0]} rows, id_base < 2**62)")
     if dequant and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
                     or table.element_size() != 1 or dq_scale.device != out.device):
         raise ValueError("uvaple::gather_rows: fp8 dequantisation needs a 1-byte table and a float32 scale of "
@@ -207,7 +211,7 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
-        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, row_lo,
+        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, id_base, row_lo,
         table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale, CONVERT=convert,
         OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant, COUNT=counters is not None,
         BLOCK=cfg.block, num_warps=cfg.num_warps,
@@ -259,5 +263,5 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
         check_out(out, want, dtype, ids.device)
     ids_flat = ids if ids.is_contiguous() else ids.contiguous()
     bits = 0 if scale is None else scale_bits(scale, table.dtype)
-    torch.ops.uvaple.gather_rows(table, ids_flat, out, None, None, bits, scale is not None, c0, 0, OOB_MODES[oob], 0)
+    torch.ops.uvaple.gather_rows(table, ids_flat, out, None, None, bits, scale is not None, c0, 0, 0, OOB_MODES[oob], 0)
     return out

@@ -12,12 +12,13 @@ an eager decode step. The fake implementation makes it usable under FakeTensor/m
 Schema::
 
     uvaple::gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale,
-                        int scale_bits, bool has_scale, int col_start, int row_lo, int oob_mode,
-                        int dequant) -> ()
+                        int scale_bits, bool has_scale, int col_start, int id_base, int row_lo,
+                        int oob_mode, int dequant) -> ()
 
 ``oob_mode``: 0 zero rows, 1 row ``row_lo``, 2 -0.0 rows (a sum over ranks keeps every owner's bits).
 ``dequant``: 0 rows as stored, 1/2 fp8 e4m3fn/e5m2 codes times ``dq_scale`` (vLLM's formula).
-Valid ids are ``row_lo <= id < table.shape[0]``.
+Valid ids are ``row_lo <= id - id_base < table.shape[0]`` and read row ``id - id_base``
+(``id_base``: the first id of a vocabulary shard stored alone).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from .gather import launch
 
 _SCHEMA = ("gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
-           "int scale_bits, bool has_scale, int col_start, int row_lo, int oob_mode, int dequant) -> ()")
+           "int scale_bits, bool has_scale, int col_start, int id_base, int row_lo, int oob_mode, int dequant) -> ()")
 
 _lib = torch.library.Library("uvaple", "DEF")
 _lib.define(_SCHEMA)
@@ -35,7 +36,7 @@ _lib.impl("gather_rows", launch, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("uvaple::gather_rows", lib=_lib)
-def _gather_rows_fake(table, ids, out, counters, dq_scale, scale_bits, has_scale, col_start, row_lo, oob_mode,
-                      dequant) -> None:
+def _gather_rows_fake(table, ids, out, counters, dq_scale, scale_bits, has_scale, col_start, id_base, row_lo,
+                      oob_mode, dequant) -> None:
     return None
 

@@ -125,7 +125,7 @@ def make_fns(t, id_sets, out, tile, warps):
     from uvaple.kernels import gather, heuristics
 
     cfg = heuristics.launch_config(cols * 2, 2, n, tile_bytes=tile or (1 << 30), num_warps=warps)
-    return [lambda ids=ids: gather.launch(t.tensor, ids, out, None, None, 0, False, 0, 0, 0, 0, config=cfg)
+    return [lambda ids=ids: gather.launch(t.tensor, ids, out, None, None, 0, False, 0, 0, 0, 0, 0, config=cfg)
             for ids in id_sets]
 
 

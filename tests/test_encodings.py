@@ -68,7 +68,7 @@ def test_fp8_rows_with_a_window_and_out_of_range_ids(device):
                 assert lk.stats()["out_of_range_ids"] == 2 * 6  # 6 of 8 ids outside [100, 200), twice
 
 
-@pytest.mark.parametrize("kind", ["uva", "device"])
+@pytest.mark.parametrize("kind", ["uva", "device", "copy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_windows_split_a_table_exactly(device, kind, dtype):
     """Each rank reads its window of the full table, -0.0 elsewhere: the sum over ranks is the full lookup
@@ -90,6 +90,30 @@ def test_row_windows_split_a_table_exactly(device, kind, dtype):
         assert same(total, want)  # out-of-table ids: -0.0 from every rank
 
 
+@pytest.mark.parametrize("kind", ["uva", "device", "copy"])
+@pytest.mark.parametrize("oob", ["zero", "neg_zero", "row0"])
+def test_shards_stored_alone_are_read_with_global_ids(device, kind, oob):
+    """A rank's vocabulary shard as a table of its own (``id_offset`` = its first id, padding rows after its
+    last): global ids read their rows, everything else (other shards, the padding, extremes) follows oob."""
+    t = rand(1000, 24, torch.bfloat16, seed=5)
+    ids = torch.tensor([[0, 333, 334, 667], [668, 999, -1, 2**62], [-(2**63), 2**63 - 1, 1000, 334]],
+                       device=device)
+    total = None
+    for start in (0, 334, 668):
+        end = min(start + 334, 1000)
+        shard = torch.cat([t[start:end], rand(340 - (end - start), 24, torch.bfloat16, seed=start)])  # + padding
+        with HostTable.from_tensor(shard) as h:
+            spec = TableSpec.of(h, oob=oob, id_offset=start, row_window=(0, end - start))
+            with make_lookup(kind, h, device=device, spec=spec, **({"max_rows": 64} if kind == "copy" else {})) as lk:
+                part = lk.lookup(ids)
+                assert lk.stats()["out_of_range_ids"] == int(((ids < start) | (ids >= end)).sum())
+            assert same(part, reference_gather(shard, ids, oob=oob, rows=(0, end - start), id_base=start)), start
+            total = part.float() if total is None else total + part.float()
+    if oob == "neg_zero":  # the ranks' sum: the whole table's rows, -0.0 entries included
+        want = reference_gather(t, ids, oob="neg_zero")
+        assert same(total.to(torch.bfloat16), want)
+
+
 @pytest.mark.parametrize("kw,err,match", [
     (dict(encoding="fp8_global", dtype=torch.bfloat16), TypeError, "needs an fp8 table"),
     (dict(encoding="fp8_global", dtype=torch.float8_e4m3fn, scale=2.0), TypeError, "second scale"),
@@ -99,6 +123,9 @@ def test_row_windows_split_a_table_exactly(device, kind, dtype):
     (dict(row_window=(-1, 5)), ValueError, "row_window"),
     (dict(row_window=(0, 11)), ValueError, "row_window"),
     (dict(row_window="ab"), ValueError, "row_window"),
+    (dict(id_offset=-1), ValueError, "id_offset"),
+    (dict(id_offset=2**62), ValueError, "id_offset"),
+    (dict(id_offset=1.0), ValueError, "id_offset"),
 ])
 def test_bad_encodings_and_windows_are_named(kw, err, match):
     args = dict(rows=10, cols=8, dtype=torch.float32)
@@ -115,7 +142,7 @@ def test_fp8_lookup_needs_its_scale_and_the_copy_placement_refuses(device):
             make_lookup("uva", h, device=device, spec=spec)
         with pytest.raises(ValueError, match="dequant_scale"):
             make_lookup("uva", h, device=device, spec=spec, dequant_scale=torch.ones(2, device=device))
-        with pytest.raises(TypeError, match="copy placement serves raw rows"):
+        with pytest.raises(TypeError, match="copy placement serves rows as stored"):
             make_lookup("copy", h, device=device, spec=spec)
         with pytest.raises(ValueError, match="for fp8_global tables"):
             make_lookup("uva", h, device=device, dequant_scale=torch.ones(1, device=device))

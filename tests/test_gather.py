@@ -288,13 +288,13 @@ def test_custom_op_schema_and_fake(tables, device):
     counters = torch.zeros(3, dtype=torch.int64, device=device)
     bits16 = scale_bits(16.0, torch.bfloat16)
     torch.library.opcheck(torch.ops.uvaple.gather_rows.default,
-                          (tensor, ids, out, counters, None, bits16, True, 0, 0, 0, 0),
+                          (tensor, ids, out, counters, None, bits16, True, 0, 0, 0, 0, 0),
                           test_utils=("test_schema", "test_faketensor"))
     counters.zero_()
-    torch.ops.uvaple.gather_rows(tensor, ids, out, counters, None, bits16, True, 0, 0, 0, 0)
+    torch.ops.uvaple.gather_rows(tensor, ids, out, counters, None, bits16, True, 0, 0, 0, 0, 0)
     assert torch.equal(bits(out), bits(reference_gather(t, ids, scale=16.0)))
     assert counters.tolist() == [1, 3, 1]  # one call, three rows, one id out of range
-    torch.ops.uvaple.gather_rows(tensor, ids[:2], out[:2], None, None, 0, False, 0, 0, 1, 0)  # no counters
+    torch.ops.uvaple.gather_rows(tensor, ids[:2], out[:2], None, None, 0, False, 0, 0, 0, 1, 0)  # no counters
     assert torch.equal(bits(out[:2]), bits(reference_gather(t, ids[:2])))
 
 

@@ -258,16 +258,20 @@ def test_the_public_op_stays_inside_the_table_and_out(table, device):
     ids = torch.tensor([1], device=device)
     with pytest.raises(ValueError, match="not inside the table"):
         torch.ops.uvaple.gather_rows(wide[:, :40], ids, torch.empty(1, 16, dtype=t.dtype, device=device), None,
-                                     None, 0, False, 32, 0, 0, 0)
+                                     None, 0, False, 32, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="contiguous"):
         torch.ops.uvaple.gather_rows(wide, ids, torch.empty(2, 48, dtype=t.dtype, device=device), None,
-                                     None, 0, False, 0, 0, 0, 0)
+                                     None, 0, False, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="row_lo"):
         torch.ops.uvaple.gather_rows(wide, ids, torch.empty(1, 48, dtype=t.dtype, device=device), None,
-                                     None, 0, False, 0, 10_000, 0, 0)
+                                     None, 0, False, 0, 0, 10_000, 0, 0)
+    for id_base in (-1, 1 << 62):
+        with pytest.raises(ValueError, match="id_base"):
+            torch.ops.uvaple.gather_rows(wide, ids, torch.empty(1, 48, dtype=t.dtype, device=device), None,
+                                         None, 0, False, 0, id_base, 0, 0, 0)
     with pytest.raises(ValueError, match="dequantisation"):
         torch.ops.uvaple.gather_rows(wide, ids, torch.empty(1, 48, dtype=t.dtype, device=device), None,
-                                     None, 0, False, 0, 0, 0, 1)
+                                     None, 0, False, 0, 0, 0, 0, 1)
 
 
 def test_spec_and_policy_together_are_refused(table):

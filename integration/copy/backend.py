@@ -349,15 +349,18 @@ class CopyBackend(Lookup):
         if isinstance(table, torch.Tensor):  # checked before the copy
             table, owns_table = HostTable.from_tensor(table), True
         try:
-            if spec.encoding != "raw" or spec.row_window is not None or spec.oob == "neg_zero":
-                raise TypeError(f"the copy placement serves raw rows of the whole table with oob 'zero' or "
-                                f"'row0'; this spec asks for {spec.describe()}: use the uva or device placement")
+            if spec.encoding != "raw":
+                raise TypeError(f"the copy placement serves rows as stored (encoding 'raw'); this spec asks for "
+                                f"{spec.describe()}: use the uva or device placement, or dequantise after it")
             super().__init__(table, spec, device, owns_table=owns_table, max_rows=int(max_rows))
         except BaseException:
             if owns_table:
                 table.close()
             raise
-        self._bytes = table.bytes_view()  # uint8 [rows, stride_bytes]: holds the table's memory
+        lo, hi = spec.window
+        # uint8 [hi - lo, stride_bytes] (it holds the table's memory); id i reads its row i - _id_base
+        self._bytes = table.bytes_view()[lo:hi]
+        self._id_base = spec.id_offset + lo
         try:
             self._itemsize = table.itemsize
             self._ops = _ops if _ops is not None else ops_for(self.device)
@@ -389,6 +392,7 @@ class CopyBackend(Lookup):
                              torch.tensor(spec.scale, dtype=torch.float32).to(self.dtype))
             self._scale_on_cpu = self._scale_t is not None and not math.isfinite(float(self._scale_t))
             self._oob_row0 = spec.oob == "row0"
+            self._neg_zero = spec.oob == "neg_zero"
             # +0.0 and -0.0 of the table dtype as bytes: zero rows are written as -0.0 when a negative scale
             # follows on the device, so that (-0.0) * scale = +0.0, the zero row of gather_rows.
             self._zero_pos = np.zeros(self._itemsize, dtype=np.uint8)
@@ -799,10 +803,12 @@ class CopyBackend(Lookup):
             ids_np = slot.ids_np[: n * isz].view(np.int32 if isz == 4 else np.int64)
             staged = slot.staging_np[: n * nbytes].reshape(n, nbytes)
             scale = job._scale
+            # zero rows leave the device multiply as -0.0 for oob="neg_zero", else +0.0
             neg = scale is not None and not job._scale_on_cpu and math.copysign(1.0, float(scale)) < 0
             if n:
                 bad = cpu_gather.cpu_gather(self._bytes, ids_np, staged, job._byte_start, job._oob_row0,
-                                            self._zero_neg if neg else self._zero_pos)
+                                            self._zero_neg if neg != self._neg_zero else self._zero_pos,
+                                            id_base=self._id_base)
                 with self._cond:
                     self._counts["out_of_range_ids"] += bad
                     self._counts["rows"] += n
@@ -811,8 +817,9 @@ class CopyBackend(Lookup):
                 rows_t = slot.staging[: n * nbytes].view(self.dtype).view(n, job._ncols)
                 rows_t.mul_(scale)
                 if not job._oob_row0:
-                    bad = np.flatnonzero((ids_np < 0) | (ids_np >= self.rows))
-                    rows_t[torch.from_numpy(bad)] = 0
+                    r = ids_np.astype(np.int64) - self._id_base
+                    bad = np.flatnonzero((r < 0) | (r >= self._bytes.shape[0]))
+                    rows_t[torch.from_numpy(bad)] = -0.0 if self._neg_zero else 0.0
         except BaseException as e:
             with self._cond:
                 self._fail_locked(job, self._wrap(job, "CPU gather", e))

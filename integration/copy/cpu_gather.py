@@ -33,15 +33,16 @@ def _gather_kernels() -> tuple[Callable, Callable]:
     """(serial, parallel) numba byte-gather kernels, compiled lazily (numba imports slowly)."""
     import numba
 
-    def gather(table, ids, out, byte_start, oob_row0, zero):
+    def gather(table, ids, out, byte_start, oob_row0, zero, id_base):
         # table: uint8 [rows, stride_bytes]; ids: int32/int64 [n]; out: uint8 [n, nbytes];
-        # zero: uint8 [itemsize], the element written for out-of-range ids under oob="zero"
+        # zero: uint8 [itemsize], the element written for out-of-range ids under oob="zero";
+        # id_base: the id of table row 0 (0 <= id_base < 2**62, so a wrapped difference stays out of range)
         rows = table.shape[0]
         nbytes = out.shape[1]
         isz = zero.shape[0]
         bad = 0
         for i in numba.prange(ids.shape[0]):
-            r = ids[i]
+            r = np.int64(ids[i]) - id_base
             if r < 0 or r >= rows:
                 bad += 1
                 if oob_row0:
@@ -59,13 +60,14 @@ def _gather_kernels() -> tuple[Callable, Callable]:
 
 
 def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: int, oob_row0: bool,
-               zero: np.ndarray, *, parallel_min_bytes: int | None = None) -> int:
-    """Gather ``table[ids, byte_start:byte_start+out.shape[1]]`` into ``out``; returns out-of-range ids."""
+               zero: np.ndarray, *, id_base: int = 0, parallel_min_bytes: int | None = None) -> int:
+    """Gather ``table[ids - id_base, byte_start:byte_start+out.shape[1]]`` into ``out``; returns the count
+    of out-of-range ids."""
     serial, parallel = _gather_kernels()
     threshold = PARALLEL_MIN_BYTES if parallel_min_bytes is None else parallel_min_bytes
     fn = parallel if out.size >= threshold else serial
     with _GATHER_LOCK:
-        return int(fn(table, ids, out, byte_start, oob_row0, zero))
+        return int(fn(table, ids, out, byte_start, oob_row0, zero, np.int64(id_base)))
 
 
 def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
@@ -75,5 +77,5 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
     for dt in (np.int32, np.int64):
         ids = np.zeros(1, dtype=dt)
         with _GATHER_LOCK:
-            serial(table, ids, out, 0, False, zero)
-            parallel(table, ids, out, 0, False, zero)
+            serial(table, ids, out, 0, False, zero, np.int64(0))
+            parallel(table, ids, out, 0, False, zero, np.int64(0))
