@@ -21,6 +21,13 @@ def safe_row(ids_ptr, pid, id_base, row_lo, n_rows):
 
 
 @jit
+def _zero_row(v, NEG: tl.constexpr):
+    """fp32 zeros shaped like ``v``: -0.0 when ``NEG``, made from its bits (a ``-0.0`` literal is folded to
+    +0.0 by some Triton versions)."""
+    return tl.full(v.shape, -2147483648 if NEG else 0, tl.int32).to(tl.float32, bitcast=True)
+
+
+@jit
 def _fp8_to_f32(x, FORMAT: tl.constexpr):
     """fp8 codes (uint8) to fp32, exactly, with integer ops (the same bits on the GPU and the interpreter).
 
@@ -128,7 +135,7 @@ def gather_rows_kernel(
                     out_ptr.dtype.element_ty)
         v = _round_f32(v * s, out_ptr.dtype.element_ty)
         if not OOB_ROW0:
-            v = tl.where(load_mask, v, -0.0 if NEG_ZERO else 0.0)
+            v = tl.where(load_mask, v, _zero_row(v, NEG_ZERO))
         y = v.to(out_ptr.dtype.element_ty)
     elif CONVERT:
         v = _to_f32(x, table_ptr.dtype.element_ty)
@@ -139,7 +146,7 @@ def gather_rows_kernel(
             v = _to_f32(v, table_ptr.dtype.element_ty)
         v = _round_f32(v, out_ptr.dtype.element_ty)
         if not OOB_ROW0:
-            v = tl.where(load_mask, v, -0.0 if NEG_ZERO else 0.0)  # whatever the scale (negative, inf, NaN)
+            v = tl.where(load_mask, v, _zero_row(v, NEG_ZERO))  # whatever the scale (negative, inf, NaN)
         y = v.to(out_ptr.dtype.element_ty)
     else:
         y = x

@@ -82,8 +82,10 @@ WORKER = textwrap.dedent("""
     s = int(t.tensor.view(torch.int32).to(torch.int64).sum())
     print(json.dumps({"created": t.created, "sum": s, "pid": os.getpid(), "s": time.monotonic() - t0}),
           flush=True)
-    if mode == "hold":
+    if mode in ("hold", "exit"):
         sys.stdin.readline()  # keep it open until told
+    if mode == "exit":
+        sys.exit(0)  # without close(): the exit hook lets go of it
     t.close()
 """)
 
@@ -135,6 +137,30 @@ def want_sum() -> int:
 
 
 # ------------------------------------------------------------------ many processes, one table
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["hold", "exit"])
+def test_processes_letting_go_at_the_same_moment_leave_nothing(mode):
+    """The last process out unlinks the name, also when all go at once (close() or exit without it)."""
+    for _ in range(4):
+        n = shm_name()
+        workers = [Worker(n, mode) for _ in range(4)]
+        for w in workers:
+            w.start()
+        lines = [w.line() for w in workers]
+        lines = [w.line() if "filling" in first else first for w, first in zip(workers, lines)]
+        assert sum(r["created"] for r in lines) == 1, lines
+        for w in workers:  # all told at once
+            w.p.stdin.write("go\n")
+        for w in workers:
+            w.p.stdin.flush()
+        for w in workers:
+            assert w.p.wait(60) == 0, w.p.stderr.read()
+        left = os.path.exists(path_of(n))
+        if left:
+            os.unlink(path_of(n))
+        assert not left, f"{path_of(n)} was left behind after every process let go ({mode})"
+
+
 @pytest.mark.timeout(300)
 def test_eight_processes_at_once_create_exactly_one(name):
     workers = [Worker(name, "hold", fill_s=0.5) for _ in range(8)]

@@ -306,8 +306,17 @@ class Segment:
         try:
             if self.pid == os.getpid():
                 with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"detaching {self.name!r}"):
-                    if not self.others_attached():
-                        _unlink_if_same(self.path, self.fd)
+                    try:
+                        # Our locks go first, inside the namespace lock: of processes detaching at once the
+                        # last then sees no one left and unlinks. Explicitly: a mapping of the file keeps
+                        # its open file description, and with it the locks, alive after close() (at exit
+                        # the table stays mapped).
+                        _ofd(self.fd, fcntl.F_UNLCK, _ATTACH_BYTE)
+                        _ofd(self.fd, fcntl.F_UNLCK, _BUILD_BYTE)
+                        if not self.others_attached():
+                            _unlink_if_same(self.path, self.fd)
+                    finally:
+                        self.close_descriptor()
         finally:
             self.close_descriptor()
 
