@@ -211,8 +211,8 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
-        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, id_base, row_lo,
-        table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale, CONVERT=convert,
+        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, id_base,
+        row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale, CONVERT=convert,
         OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant, COUNT=counters is not None,
         BLOCK=cfg.block, num_warps=cfg.num_warps,
     )

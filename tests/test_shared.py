@@ -147,7 +147,7 @@ def test_processes_letting_go_at_the_same_moment_leave_nothing(mode):
         for w in workers:
             w.start()
         lines = [w.line() for w in workers]
-        lines = [w.line() if "filling" in first else first for w, first in zip(workers, lines)]
+        lines = [w.line() if "filling" in first else first for w, first in zip(workers, lines, strict=True)]
         assert sum(r["created"] for r in lines) == 1, lines
         for w in workers:  # all told at once
             w.p.stdin.write("go\n")

@@ -1,0 +1,82 @@
+"""vLLM plugin: PLE tables served from uvaple host tables (Qwen4Exp n-gram PLE, Gemma 3n).
+
+Entry point ``vllm.general_plugins: uvaple = uvaple.integration.vllm:register``. vLLM calls
+:func:`register` in every process it starts (API server, engine core, each worker); it is re-entrant.
+
+* Version guard: supported vLLM versions are :data:`SUPPORTED_VLLM`. On any other version the plugin
+  logs why and registers nothing: vLLM runs as if it were not installed, never half-patched.
+* Registration: the plugin's model classes are registered for the architectures in :data:`MODELS`, as
+  lazy ``module:class`` strings (nothing is imported until vLLM builds such a model). Each is a subclass
+  of vLLM's own class and builds exactly vLLM's model unless the plugin is enabled for that engine.
+* Enabling: ``--additional-config '{"uvaple": {...}}'`` and/or ``UVAPLE_*`` environment variables
+  (:mod:`uvaple.integration.vllm.config`); settings are checked when the plugin loads (the environment)
+  and when the model is built (both), and a bad one is a named :class:`PluginConfigError`.
+* What changes when enabled: :mod:`~uvaple.integration.vllm.qwen4_exp`,
+  :mod:`~uvaple.integration.vllm.gemma3n`; sharing and loading: :mod:`~uvaple.integration.vllm.tables`.
+
+Importing this module imports nothing from vLLM and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .config import ENV_VARS, PluginConfig, PluginConfigError, from_sources
+
+__all__ = ["register", "SUPPORTED_VLLM", "MODELS", "PluginConfig", "PluginConfigError", "ENV_VARS",
+           "UnsupportedVllmVersion", "supported"]
+
+log = logging.getLogger("uvaple.vllm")
+
+#: vLLM release series the plugin is built and tested against (``major.minor``)
+SUPPORTED_VLLM = ("0.33",)
+
+#: architecture -> the plugin's class (lazy ``module:class``)
+MODELS = {
+    "Qwen4ExpForCausalLM": "uvaple.integration.vllm.qwen4_exp:UvapleQwen4ExpForCausalLM",
+    "Qwen4ExpForConditionalGeneration": "uvaple.integration.vllm.qwen4_exp:UvapleQwen4ExpForConditionalGeneration",
+    "Gemma3nForCausalLM": "uvaple.integration.vllm.gemma3n:UvapleGemma3nForCausalLM",
+    "Gemma3nForConditionalGeneration": "uvaple.integration.vllm.gemma3n:UvapleGemma3nForConditionalGeneration",
+}
+
+_lock = threading.Lock()
+_registered = False
+
+
+class UnsupportedVllmVersion(PluginConfigError):
+    """The installed vLLM is not one the plugin supports (the plugin stays inert)."""
+
+
+def supported(version: str) -> bool:
+    """Whether vLLM ``version`` (e.g. ``"0.33.0"``, ``"0.33.1.dev4+g..."``) is in :data:`SUPPORTED_VLLM`."""
+    parts = str(version).split(".")
+    return len(parts) >= 2 and ".".join(parts[:2]) in SUPPORTED_VLLM
+
+
+def register() -> bool:
+    """vLLM's plugin hook: register the plugin's model classes. Returns whether they are registered.
+
+    Re-entrant and idempotent. An unsupported vLLM version is logged and leaves vLLM untouched; a bad
+    ``UVAPLE_*`` environment variable raises :class:`PluginConfigError` (the server must not start with a
+    setting it would ignore).
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        import vllm
+
+        version = getattr(vllm, "__version__", "unknown")
+        if not supported(version):
+            log.warning("uvaple: vLLM %s is not supported (supported: %s); the uvaple plugin stays inert and "
+                        "vLLM serves its own PLE tables", version, ", ".join(f"{v}.x" for v in SUPPORTED_VLLM))
+            return False
+        from_sources(None, os.environ)  # a bad environment variable fails now, in every process
+        from vllm import ModelRegistry
+
+        for arch, target in MODELS.items():
+            ModelRegistry.register_model(arch, target)
+        _registered = True
+        return True

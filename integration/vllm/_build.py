@@ -1,0 +1,94 @@
+"""Model construction with uvaple tables: the plugin's settings for one model, and the scoped class swap.
+
+vLLM's model code picks its PLE layer classes by module-level names (``Qwen4ExpPLEDeviceEmbedding`` in the
+Qwen4Exp n-gram module, ``VocabParallelEmbedding`` in ``gemma3n``). The plugin's model classes construct
+their vLLM parent with those names bound to uvaple's layer for the duration of ``__init__`` only, under a
+lock, and restore them in ``finally``: other models, built before, after or by another path, see vLLM's
+classes unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .config import PluginConfig, from_sources
+from .tables import model_identity
+
+_BUILD_LOCK = threading.RLock()
+UNSET: str = "\0unset"  # an omitted ``prefix`` argument (the parent class's default applies)
+_state = threading.local()
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a uvaple layer needs from the model being built."""
+
+    cfg: PluginConfig
+    identity: str
+    device: torch.device
+    check_loaded: bool
+    max_tokens: int
+
+
+def plugin_config(vllm_config) -> PluginConfig | None:
+    """The plugin's settings for this engine (None: not enabled, build vLLM's model as is)."""
+    return from_sources(getattr(vllm_config, "additional_config", None) or {})
+
+
+def _device(vllm_config) -> torch.device:
+    dev = torch.device(vllm_config.device_config.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def context_for(vllm_config, cfg: PluginConfig) -> BuildContext:
+    mc = vllm_config.model_config
+    return BuildContext(
+        cfg=cfg,
+        identity=model_identity(mc.model, getattr(mc, "revision", None), mc.dtype, getattr(mc, "quantization", None)),
+        device=_device(vllm_config),
+        check_loaded=str(getattr(vllm_config.load_config, "load_format", "auto")) != "dummy",
+        max_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
+    )
+
+
+def current() -> BuildContext:
+    """The context of the model being built (a uvaple layer outside a plugin build is an error)."""
+    ctx = getattr(_state, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("uvaple's vLLM layers are built by the plugin's model classes (enable the plugin "
+                           'with --additional-config \'{"uvaple": {}}\'), not on their own')
+    return ctx
+
+
+@contextlib.contextmanager
+def building(ctx: BuildContext, swaps: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Within: ``current()`` is ``ctx`` and each ``(module, name, replacement)`` is bound; restored after."""
+    with _BUILD_LOCK:
+        saved = [(m, n, getattr(m, n)) for m, n, _ in swaps]
+        prev = getattr(_state, "ctx", None)
+        _state.ctx = ctx
+        try:
+            for m, n, r in swaps:
+                setattr(m, n, r)
+            yield
+        finally:
+            for m, n, v in reversed(saved):
+                setattr(m, n, v)
+            _state.ctx = prev
+
+
+def finish_all(model: torch.nn.Module) -> None:
+    """After weight loading: every uvaple layer's shard is marked ready (creator) or waited for (attacher),
+    and its lookup is built."""
+    for module in model.modules():
+        for owner in (module, getattr(module, "quant_method", None)):
+            finish = getattr(owner, "uvaple_finish_loading", None)
+            if callable(finish):
+                finish(module)

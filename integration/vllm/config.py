@@ -1,0 +1,132 @@
+"""The plugin's settings: ``--additional-config '{"uvaple": {...}}'`` and ``UVAPLE_*`` environment variables.
+
+The plugin is enabled when either source names a setting (``{"uvaple": {}}`` enables it with the
+defaults). Keys of the additional config win over the environment. Every key is checked: an unknown key,
+a wrong type or a bad value is a :class:`PluginConfigError` that names the key, its source and the
+allowed values, raised before anything is allocated.
+
+==================  ==========================  ===========================================================
+key                 environment                 meaning
+==================  ==========================  ===========================================================
+``placement``       ``UVAPLE_PLACEMENT``        ``uva`` (default): rows read from host memory in the model's
+                                                stream; ``copy``: the copy-based path; ``device``: the
+                                                table copied into HBM (the reference).
+``fallback``        ``UVAPLE_FALLBACK``         ``none`` (default): UVA unusable is an error at startup;
+                                                ``copy``: use the copy placement then.
+``shared``          ``UVAPLE_SHARED``           ``true`` (default): one host copy per node, attached by
+                                                every rank and replica (a named segment per vocabulary
+                                                shard); ``false``: a private table per process.
+``segment``         ``UVAPLE_SEGMENT``          Base name of the shared segments (default: derived from
+                                                the model, its revision and dtype).
+``timeout_s``       ``UVAPLE_TIMEOUT_S``        Bound, in seconds, on waiting for another process's fill
+                                                of a shared table (default 600).
+==================  ==========================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from uvaple.integration.errors import BackendError
+
+__all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources"]
+
+PLACEMENTS = ("uva", "copy", "device")
+FALLBACKS = ("none", "copy")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+_OTHER_VARS = ("UVAPLE_EQUIV_SCHEDULES",)  # the test suite's
+log = logging.getLogger("uvaple.vllm")
+
+#: setting -> its environment variable
+ENV_VARS = {"placement": "UVAPLE_PLACEMENT", "fallback": "UVAPLE_FALLBACK", "shared": "UVAPLE_SHARED",
+            "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S"}
+
+
+class PluginConfigError(BackendError, ValueError):
+    """A uvaple setting of the vLLM plugin is unknown or has a bad value (the message names it)."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """The plugin's checked settings (see the module docstring)."""
+
+    placement: str = "uva"
+    fallback: str = "none"
+    shared: bool = True
+    segment: str | None = None
+    timeout_s: float = 600.0
+
+
+def _bool(value, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise PluginConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _check(key: str, value, where: str):
+    if key in ("placement", "fallback"):
+        allowed = PLACEMENTS if key == "placement" else FALLBACKS
+        if not isinstance(value, str) or value.strip().lower() not in allowed:
+            raise PluginConfigError(f"{where}: expected one of {list(allowed)}, got {value!r}")
+        return value.strip().lower()
+    if key == "shared":
+        return _bool(value, where)
+    if key == "segment":
+        if value is None:
+            return None
+        if not isinstance(value, str) or not _SEGMENT_RE.match(value):
+            raise PluginConfigError(f"{where}: a segment name is 1-120 letters, digits, '_', '-' or '.', "
+                                    f"got {value!r}")
+        return value
+    if key == "timeout_s":
+        try:
+            t = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (t > 0 and math.isfinite(t)):
+            raise PluginConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
+        return t
+    raise AssertionError(key)
+
+
+def from_sources(additional: Mapping | None, environ: Mapping[str, str] | None = None) -> PluginConfig | None:
+    """The settings from vLLM's additional config (its ``"uvaple"`` entry) and the environment, or None
+    when neither enables the plugin."""
+    environ = os.environ if environ is None else environ
+    values: dict = {}
+    enabled = False
+    for key, var in ENV_VARS.items():
+        if var in environ:
+            enabled = True
+            values[key] = _check(key, environ[var], f"environment variable {var}")
+    unknown_env = sorted(k for k in environ if k.startswith("UVAPLE_") and k not in ENV_VARS.values()
+                         and k not in _OTHER_VARS)
+    if unknown_env:  # a typo must not pass unseen; other tools' variables must not stop a server
+        log.warning("ignoring unknown environment variable(s) %s; the vLLM plugin reads %s", unknown_env,
+                    sorted(ENV_VARS.values()))
+    if additional is not None and "uvaple" in additional:
+        entry = additional["uvaple"]
+        if not isinstance(entry, Mapping):
+            raise PluginConfigError(f'--additional-config "uvaple" must be an object of settings, got {entry!r}')
+        unknown = sorted(set(entry) - set(ENV_VARS))
+        if unknown:
+            raise PluginConfigError(f'unknown key(s) {unknown} in --additional-config "uvaple"; known keys: '
+                                    f"{sorted(ENV_VARS)}")
+        enabled = True
+        for key, value in entry.items():
+            values[key] = _check(key, value, f'--additional-config "uvaple".{key}')
+    if not enabled:
+        return None
+    cfg = PluginConfig(**values)
+    if cfg.placement == "copy" and cfg.fallback == "copy":
+        cfg = PluginConfig(**dict(values, fallback="none"))
+    return cfg

@@ -1,0 +1,218 @@
+"""One rank's shard of a PLE table in host memory: opened at model construction, filled by vLLM's loader,
+read by a uvaple lookup. No vLLM import here, so the sharing and filling logic is tested without vLLM.
+
+Sharing (one host copy per node)
+--------------------------------
+vLLM shards a PLE table over a group of ranks (ETP for Qwen4Exp, TP for Gemma 3n): rank ``r`` of ``n``
+holds rows ``[r * p, (r + 1) * p)`` of the padded vocabulary, ``p`` rows per rank. Each such shard is one
+named segment, ``<base>.<layer>.r<r>of<n>``, opened with ``HostTable.shared(defer_ready=True)``: the
+first process of the node to open it (rank ``r`` of some data-parallel replica, or of another server of
+the same model) is its creator and fills it; every other process with the same shard attaches it
+without a second copy. Together the shards are the table once per node, whatever the TP/DP layout.
+
+Each process reads only its own shard, as vLLM's ranks do, and vLLM's sum over the group stays (a rank
+contributes its rows and zeros elsewhere). The collective could be dropped if every rank read whole rows
+from a whole-table segment, but every rank would then read all rows over its own PCIe link (the
+bottleneck: ``n`` times the host bytes per step) and would have to wait for every other rank's fill
+before its first read, a rendezvous across processes of the kind seed 003 describes. With one segment
+per shard a process waits only for its own shard's creator, and only after its own loading is done.
+
+Filling
+-------
+The table's CPU tensor is the parameter vLLM's loader writes (its names, ``weight_loader``, quantisation
+method and scale parameters unchanged). The creator copies the rows it is given straight from the
+checkpoint (a safetensors mmap) into the segment with several threads; an attacher's loader skips the
+rows (the creator writes them) and checks only their shape. After loading (:meth:`ShardTable.finish`) the
+creator checks that every row of its shard was written and marks the segment ready, or marks it failed
+with the reason; an attacher waits, bounded by ``timeout_s``, for the creator's mark. A creator that dies
+while filling releases its build lock: the waiters get a named error at once rather than a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+
+import torch
+
+from uvaple.integration.errors import BackendError
+from uvaple.uva import HostTable
+from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
+
+from .config import PluginConfig
+
+__all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name"]
+
+log = logging.getLogger("uvaple.vllm")
+
+
+class PluginLoadError(BackendError, ValueError):
+    """A checkpoint tensor does not fit the table, or the loader left rows of a shard unwritten."""
+
+
+class UvaUnavailable(BackendError):
+    """The uva placement cannot run here (the message says why); set ``fallback: copy`` or fix the cause."""
+
+
+def model_identity(model: str, revision: str | None, dtype, quantization) -> str:
+    """What a table's content depends on: the model (and, for a local directory, its weight files' sizes
+    and modification times), revision, dtype and quantisation. Segments of another identity are not
+    attached."""
+    parts = [str(model), str(revision), str(dtype), str(quantization)]
+    if os.path.isdir(model):
+        for f in sorted(os.listdir(model)):
+            if f.endswith((".safetensors", ".bin", ".pt")):
+                st = os.stat(os.path.join(model, f))
+                parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def segment_name(base: str, layer: str, rank: int, size: int) -> str:
+    """``<base>.<layer>.r<rank>of<size>`` within the segment name rules (1-200 of ``[A-Za-z0-9_.-]``)."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", layer)
+    if tail != layer or len(tail) > 48:  # shortened or changed: the layer's own hash keeps names apart
+        tail = tail[-40:].lstrip("._") + "-" + hashlib.sha256(layer.encode()).hexdigest()[:7]
+    return f"{base}.{tail}.r{rank}of{size}"
+
+
+class ShardTable:
+    """Rank ``rank`` of ``size``'s shard of a PLE table: ``rows x cols`` of ``dtype`` in host memory.
+
+    Parameters
+    ----------
+    cfg : PluginConfig
+        Placement and sharing settings.
+    layer : str
+        The layer's prefix (names the segment).
+    rows, cols, dtype :
+        The shard's shape (vLLM's padded rows per rank) and storage dtype.
+    loaded_rows : int
+        Rows the checkpoint must fill (the rank's original-vocabulary rows; the rest is padding).
+    rank, size : int
+        The rank in the group that shards the table, and the group's size.
+    identity : str
+        :func:`model_identity`; segments of another identity are not attached.
+    device : torch.device
+        Where lookups run (a CUDA device, or the CPU where kernels run interpreted).
+    check_loaded : bool
+        Require every loaded row to have been written at :meth:`finish` (False for dummy weights).
+    """
+
+    def __init__(self, cfg: PluginConfig, *, layer: str, rows: int, cols: int, dtype: torch.dtype,
+                 loaded_rows: int, rank: int, size: int, identity: str, device: torch.device,
+                 check_loaded: bool = True) -> None:
+        self.cfg = cfg
+        self.layer = layer
+        self.loaded_rows = loaded_rows
+        self.device = device
+        self.check_loaded = check_loaded
+        self.placement = cfg.placement
+        self.name = None
+        self._lock = threading.Lock()
+        self._written: list[tuple[int, int]] = []
+        self._finished = False
+        on_gpu = device.type == "cuda"
+        if on_gpu and self.placement == "uva":
+            self._check_uva(device)
+        register = on_gpu and self.placement == "uva"
+        try:
+            self.table = self._open(rows, cols, dtype, rank, size, identity, register)
+        except (RegistrationError, DeviceCapabilityError) as e:
+            if self.placement != "uva" or cfg.fallback != "copy":
+                raise UvaUnavailable(f"the uva placement cannot run on {device}: {e}. Fix that, or start with "
+                                     f'--additional-config \'{{"uvaple": {{"fallback": "copy"}}}}\' to serve '
+                                     "the table through the copy placement") from e
+            log.warning("uvaple: %s; serving %s through the copy placement", e, layer)
+            self.placement = "copy"
+            self.table = self._open(rows, cols, dtype, rank, size, identity, False)
+        self.fills = self.table.created if self.name else True
+
+    def _check_uva(self, device: torch.device) -> None:
+        from uvaple.doctor import capabilities
+
+        caps = capabilities(measure=False, device=device.index)
+        if caps.uva_usable:
+            return
+        reason = caps.reason or "; ".join(caps.notes) or (
+            f"unified addressing {caps.unified_addressing}, can map host memory {caps.can_map_host_memory}, "
+            f"host pointer usable for registered memory {caps.host_pointer_for_registered_mem}")
+        if self.cfg.fallback == "copy":
+            log.warning("uvaple: UVA is unusable on %s (%s); serving %s through the copy placement", device,
+                        reason, self.layer)
+            self.placement = "copy"
+            return
+        raise UvaUnavailable(f"UVA is unusable on {device} ({reason}); run `uvaple doctor` for the checks, or "
+                             f'start with --additional-config \'{{"uvaple": {{"fallback": "copy"}}}}\'')
+
+    def _open(self, rows, cols, dtype, rank, size, identity, register) -> HostTable:
+        if not self.cfg.shared:
+            return HostTable.empty(rows, cols, dtype, register=register)
+        base = self.cfg.segment or f"vllm-{identity[:16]}"
+        self.name = segment_name(base, self.layer, rank, size)
+        return HostTable.shared(self.name, rows, cols, dtype, defer_ready=True, timeout=self.cfg.timeout_s,
+                                tag=f"{identity}:{self.layer}:{rank}/{size}", register=register)
+
+    # ------------------------------------------------------------------ loading
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The CPU tensor over the shard: the parameter vLLM's loader writes."""
+        return self.table.tensor
+
+    def write(self, rows: torch.Tensor, start: int) -> None:
+        """Rows ``start .. start + len(rows)`` of the shard, from a checkpoint tensor (any device, cast to the
+        table's dtype as vLLM's ``copy_`` does). An attacher checks the shape only: the creator writes."""
+        rows = rows.detach()
+        if rows.dim() != 2 or rows.shape[1] != self.table.cols or not 0 <= start <= self.table.rows - rows.shape[0]:
+            raise PluginLoadError(f"{self.layer}: checkpoint rows of shape {tuple(rows.shape)} at row {start} do "
+                                  f"not fit the shard of {self.table.rows} x {self.table.cols}")
+        if self.fills:
+            self.table.write_rows(rows if rows.dtype == self.table.dtype else rows.to(self.table.dtype), start)
+        with self._lock:
+            self._written.append((start, rows.shape[0]))
+
+    def missing_rows(self) -> int:
+        """Rows of ``[0, loaded_rows)`` no write has covered yet."""
+        covered, end = 0, 0
+        for s, n in sorted(self._written):
+            s, e = max(s, end), min(s + n, self.loaded_rows)
+            if e > s:
+                covered += e - s
+                end = e
+        return self.loaded_rows - covered
+
+    def finish(self) -> None:
+        """After loading: the creator checks every row was written and marks the segment ready (or failed);
+        an attacher waits, bounded, for that mark. Idempotent."""
+        if self._finished:
+            return
+        missing = self.missing_rows() if self.check_loaded else 0
+        err = PluginLoadError(f"{self.layer}: the checkpoint left {missing} of {self.loaded_rows} rows of this "
+                              "shard unwritten; check that it holds the whole table") if missing else None
+        if self.fills and self.name:
+            if err is not None:
+                self.table.mark_failed(err)  # processes waiting for this shard get the same error
+                raise err
+            self.table.mark_ready()
+        elif err is not None:
+            raise err
+        else:
+            self.table.wait_ready(self.cfg.timeout_s)
+        self._finished = True
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def lookup(self, spec, *, dequant_scale: torch.Tensor | None = None, max_rows: int | None = None):
+        """The lookup of this shard in the configured placement (``copy`` needs ``max_rows``)."""
+        from uvaple.integration import CopyBackend, GatherLookup
+
+        if self.placement == "copy":
+            return CopyBackend(self.table, spec=spec, device=self.device, max_rows=max_rows)
+        return GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale)
+
+    def close(self) -> None:
+        self.table.close()

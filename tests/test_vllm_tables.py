@@ -1,0 +1,214 @@
+"""The vLLM plugin's settings and shard tables, without vLLM (its model tests are in tests_vllm/)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+
+import pytest
+import torch
+from helpers import bits, rand
+
+from uvaple.integration.vllm.config import PluginConfig, PluginConfigError, from_sources
+from uvaple.integration.vllm.tables import PluginLoadError, ShardTable, UvaUnavailable, model_identity, segment_name
+from uvaple.uva import SharedSegmentError, SharedSegmentTimeout
+from uvaple.uva.errors import RegistrationError
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------ settings
+def test_the_plugin_is_enabled_only_when_asked():
+    assert from_sources(None, {}) is None
+    assert from_sources({"other": {"x": 1}}, {"PATH": "/bin"}) is None
+    assert from_sources({"uvaple": {}}, {}) == PluginConfig()
+    assert from_sources(None, {"UVAPLE_SHARED": "no"}) == PluginConfig(shared=False)
+    got = from_sources({"uvaple": {"placement": "COPY", "timeout_s": 5}}, {"UVAPLE_PLACEMENT": "device",
+                                                                          "UVAPLE_SEGMENT": "node-a"})
+    assert got == PluginConfig(placement="copy", segment="node-a", timeout_s=5.0)  # the additional config wins
+
+
+def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger="uvaple.vllm"):
+        assert from_sources(None, {"UVAPLE_PLACMENT": "uva"}) is None
+    assert "UVAPLE_PLACMENT" in caplog.text
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"placment": "uva"}, "unknown key"),
+    ({"placement": "gpu"}, "placement: expected one of"),
+    ({"placement": 3}, "placement: expected one of"),
+    ({"fallback": "device"}, "fallback: expected one of"),
+    ({"shared": "maybe"}, "shared: expected true or false"),
+    ({"shared": 1}, "shared: expected true or false"),
+    ({"segment": "a/b"}, "segment name"),
+    ({"segment": ""}, "segment name"),
+    ({"segment": "x" * 121}, "segment name"),
+    ({"timeout_s": 0}, "positive number"),
+    ({"timeout_s": -3}, "positive number"),
+    ({"timeout_s": math.nan}, "positive number"),
+    ({"timeout_s": math.inf}, "positive number"),
+    ({"timeout_s": "soon"}, "positive number"),
+    ({"timeout_s": True}, "positive number"),
+])
+def test_bad_settings_are_named(entry, match):
+    with pytest.raises(PluginConfigError, match=match):
+        from_sources({"uvaple": entry}, {})
+
+
+def test_bad_environment_and_a_non_object_entry_are_named():
+    with pytest.raises(PluginConfigError, match="environment variable UVAPLE_TIMEOUT_S"):
+        from_sources(None, {"UVAPLE_TIMEOUT_S": "-1"})
+    with pytest.raises(PluginConfigError, match="object of settings"):
+        from_sources({"uvaple": ["uva"]}, {})
+
+
+# ------------------------------------------------------------------ names
+def test_segment_names_follow_the_rules_and_differ_by_layer():
+    long = "model.language_model.layers." + "x" * 300 + ".ple.ngram_embedding"
+    names = {segment_name("b" * 120, layer, 3, 8) for layer in (long, long + "2", "a b/c", "a_b_c")}
+    assert len(names) == 4
+    assert all(len(n) <= 200 and all(c.isalnum() or c in "_.-" for c in n) for n in names)
+    assert segment_name("base", "model.layers.0.x", 1, 2) == "base.model.layers.0.x.r1of2"
+
+
+def test_the_identity_follows_the_weight_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 10)
+    a = model_identity(str(tmp_path), None, torch.bfloat16, None)
+    assert a == model_identity(str(tmp_path), None, torch.bfloat16, None)
+    assert a != model_identity(str(tmp_path), "v2", torch.bfloat16, None)
+    assert a != model_identity(str(tmp_path), None, torch.bfloat16, "fp8")
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 11)
+    assert a != model_identity(str(tmp_path), None, torch.bfloat16, None)
+
+
+# ------------------------------------------------------------------ shard tables
+def shard(cfg: PluginConfig, *, rows=96, loaded=90, layer="m.layers.0.ple", identity="i" * 64, **kw) -> ShardTable:
+    return ShardTable(cfg, layer=layer, rows=rows, cols=40, dtype=torch.bfloat16, loaded_rows=loaded, rank=0,
+                      size=1, identity=identity, device=CPU, **kw)
+
+
+def test_a_private_shard_is_filled_checked_and_read():
+    s = shard(PluginConfig(shared=False))
+    w = rand(90, 40, torch.float32, seed=1)
+    s.write(w[:50], 0)
+    with pytest.raises(PluginLoadError, match="left 40 of 90 rows"):
+        s.finish()
+    s.write(w[40:], 40)  # overlapping writes count once
+    assert s.missing_rows() == 0
+    s.finish()
+    s.finish()  # idempotent
+    assert torch.equal(bits(s.tensor[:90]), bits(w.to(torch.bfloat16)))  # cast as vLLM's copy_ casts
+    from uvaple.integration import TableSpec
+
+    lk = s.lookup(TableSpec.of(s.table))
+    ids = torch.tensor([0, 89, 95, 96, -1])
+    got = lk.lookup(ids)
+    assert torch.equal(bits(got[:2]), bits(w.to(torch.bfloat16)[[0, 89]]))
+    assert torch.equal(bits(got[3:]), bits(torch.zeros(2, 40, dtype=torch.bfloat16)))
+    with pytest.raises(PluginLoadError, match="do not fit"):
+        s.write(w[:10], 90)
+    with pytest.raises(PluginLoadError, match="do not fit"):
+        s.write(torch.zeros(3, 41), 0)
+    s.close()
+
+
+def test_dummy_weights_need_no_rows():
+    s = shard(PluginConfig(shared=False), check_loaded=False)
+    s.finish()
+    s.close()
+
+
+def _name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def test_one_creator_fills_and_an_attacher_reads_the_same_memory():
+    cfg = PluginConfig(segment=_name(), timeout_s=5)
+    creator = shard(cfg)
+    attacher = shard(cfg)  # another process in production; a second open in this one here
+    try:
+        assert creator.fills and not attacher.fills and creator.name == attacher.name
+        w = rand(90, 40, torch.bfloat16, seed=2)
+        attacher.write(w, 0)  # the attacher's loader: checked, not written
+        assert torch.equal(bits(creator.tensor[:90]), bits(torch.zeros(90, 40, dtype=torch.bfloat16)))
+        with pytest.raises(SharedSegmentTimeout):
+            attacher.table.wait_ready(0.2)  # bounded: the creator has not finished
+        creator.write(w, 0)
+        creator.finish()
+        attacher.finish()
+        assert torch.equal(bits(attacher.tensor[:90]), bits(w))
+        assert attacher.table.ptr != creator.table.ptr  # two mappings of one segment
+    finally:
+        attacher.close()
+        creator.close()
+    assert not os.path.exists(f"/dev/shm/uvaple.{creator.name}")
+
+
+def test_a_creator_missing_rows_fails_its_waiters_with_the_reason():
+    cfg = PluginConfig(segment=_name(), timeout_s=5)
+    creator, attacher = shard(cfg), shard(cfg)
+    try:
+        creator.write(rand(10, 40, torch.bfloat16, seed=3), 0)
+        with pytest.raises(PluginLoadError, match="left 80 of 90 rows"):
+            creator.finish()
+        attacher.write(rand(90, 40, torch.bfloat16, seed=3), 0)
+        with pytest.raises(SharedSegmentError, match="left 80 of 90 rows"):
+            attacher.finish()
+    finally:
+        attacher.close()
+        creator.close()
+
+
+def test_another_models_segment_is_not_attached():
+    cfg = PluginConfig(segment=_name(), timeout_s=5)
+    a = shard(cfg, identity="a" * 64)
+    try:
+        with pytest.raises(SharedSegmentError):
+            shard(cfg, identity="b" * 64)
+    finally:
+        a.close()
+
+
+def test_uva_unusable_is_named_or_falls_back_to_copy(monkeypatch):
+    import uvaple.doctor as doctor
+
+    caps = doctor.Capabilities(cuda=True, reason="no host pointer access", unified_addressing=True,
+                               can_map_host_memory=True, host_pointer_for_registered_mem=False)
+    monkeypatch.setattr(doctor, "capabilities", lambda **kw: caps)
+    gpu = torch.device("cuda", 0)
+
+    def make(cfg):
+        return ShardTable(cfg, layer="l", rows=8, cols=8, dtype=torch.bfloat16, loaded_rows=8, rank=0, size=1,
+                          identity="i" * 64, device=gpu)
+
+    with pytest.raises(UvaUnavailable, match="no host pointer access.*fallback"):
+        make(PluginConfig(shared=False))
+    s = make(PluginConfig(shared=False, fallback="copy"))
+    assert s.placement == "copy" and not s.table.registered
+    s.close()
+
+
+def test_a_registration_failure_is_named_or_falls_back_to_copy(monkeypatch):
+    import uvaple.doctor as doctor
+    from uvaple.uva import HostTable
+
+    monkeypatch.setattr(doctor, "capabilities", lambda **kw: doctor.Capabilities(
+        cuda=True, unified_addressing=True, can_map_host_memory=True, host_pointer_for_registered_mem=True))
+    real = HostTable.empty.__func__
+
+    def empty(cls, *a, register="auto", **kw):
+        if register:
+            raise RegistrationError("cudaHostRegister failed for 1 MiB: raise `ulimit -l`")
+        return real(cls, *a, register=register, **kw)
+
+    monkeypatch.setattr(HostTable, "empty", classmethod(empty))
+    args = dict(layer="l", rows=8, cols=8, dtype=torch.bfloat16, loaded_rows=8, rank=0, size=1, identity="i" * 64,
+                device=torch.device("cuda", 0))
+    with pytest.raises(UvaUnavailable, match="ulimit -l"):
+        ShardTable(PluginConfig(shared=False), **args)
+    s = ShardTable(PluginConfig(shared=False, fallback="copy"), **args)
+    assert s.placement == "copy"
+    s.close()

@@ -1,0 +1,128 @@
+"""Gemma 3n through vLLM's own loader (``get_model``): the plugin's ``embed_tokens_per_layer`` against vLLM's.
+
+A tiny random Gemma 3n is saved as a checkpoint (HF transformers' own model and ``save_pretrained``), then
+built twice by vLLM with the plugin registered: not enabled (vLLM's model exactly) and enabled. The
+multimodal class is built with no image or audio allowed per prompt, so vLLM skips its towers (they need
+timm, and they do not touch the per-layer embedding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import bits
+from safetensors.torch import save_file
+
+from uvaple.integration.vllm import register
+from uvaple.integration.vllm.gemma3n import UvapleEmbeddingMethod, UvapleGemma3nForCausalLM
+
+LAYERS, VOCAB, PLE_VOCAB = 3, 512, 384
+MAX_TOKENS = 64
+
+
+def _text_config():
+    from transformers import Gemma3nTextConfig
+
+    return Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=PLE_VOCAB, hidden_size=64, hidden_size_per_layer_input=256,
+        intermediate_size=[128] * LAYERS, num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, num_kv_shared_layers=1, laurel_rank=8, altup_num_inputs=4,
+        activation_sparsity_pattern=[0.0] * LAYERS, sliding_window=16, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention", "full_attention"])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(text-only dir, multimodal dir, the per-layer table) of one random model."""
+    from transformers import Gemma3nConfig
+    from transformers import Gemma3nForCausalLM as HFGemma3n
+
+    torch.manual_seed(0)
+    text = _text_config()
+    text.architectures = ["Gemma3nForCausalLM"]
+    hf = HFGemma3n(text).to(torch.bfloat16)
+    with torch.no_grad():  # random rows of every magnitude (an initialiser's small values would hide bugs)
+        hf.model.embed_tokens_per_layer.weight.normal_(0, 3)
+    d_text = tmp_path_factory.mktemp("gemma3n_text")
+    hf.save_pretrained(d_text)
+    # the multimodal checkpoint: the same text weights under the names transformers gives them there
+    d_mm = tmp_path_factory.mktemp("gemma3n_mm")
+    full = Gemma3nConfig(text_config=text.to_dict())
+    full.architectures = ["Gemma3nForConditionalGeneration"]
+    full.save_pretrained(d_mm)
+    sd = {k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in hf.state_dict().items()
+          if k.startswith("model.")}
+    save_file(sd, str(d_mm / "model.safetensors"), metadata={"format": "pt"})
+    return d_text, d_mm, hf.model.embed_tokens_per_layer.weight.detach().clone()
+
+
+def _build(path, additional):
+    from conftest import vllm_config
+    from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    mc = ModelConfig(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                     limit_mm_per_prompt={"image": 0, "audio": 0} if "mm" in str(path) else None,
+                     max_model_len=256)
+    vc = vllm_config(model_config=mc, compilation_config=CompilationConfig(custom_ops=["none"]),
+                     scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8,
+                                                      max_model_len=256, is_encoder_decoder=False),
+                     additional_config=additional)
+    with set_current_vllm_config(vc):
+        return get_model(vllm_config=vc), vc
+
+
+IDS = torch.tensor([0, 5, PLE_VOCAB - 1, PLE_VOCAB, VOCAB - 1, -1, 100, 2, 2])  # ids >= the PLE vocab read row 0
+
+
+def test_get_per_layer_input_embeddings_is_vllms_bit_for_bit(checkpoints):
+    assert register()
+    d_text, _, table = checkpoints
+    ref, _ = _build(d_text, {})
+    ours, vc = _build(d_text, {"uvaple": {"shared": False}})
+    assert isinstance(ref, UvapleGemma3nForCausalLM)  # registered, and vLLM's model exactly when not enabled
+    stock = ref.model.self_decoder.embed_tokens_per_layer
+    layer = ours.model.self_decoder.embed_tokens_per_layer
+    assert not isinstance(stock.quant_method, UvapleEmbeddingMethod)
+    assert isinstance(layer.quant_method, UvapleEmbeddingMethod)
+    shard = layer.quant_method.shard
+    assert layer.weight.device.type == "cpu" and layer.weight.data_ptr() == shard.table.ptr
+    assert torch.equal(bits(shard.table.tensor[:PLE_VOCAB]), bits(table))  # the checkpoint's rows, exactly
+    g = torch.Generator().manual_seed(1)
+    for ids in (IDS, IDS[:1], torch.randint(-5, VOCAB + 5, (MAX_TOKENS,), generator=g)):
+        want = ref.model.get_per_layer_input_embeddings(ids)
+        got = ours.model.get_per_layer_input_embeddings(ids)
+        assert got.shape == want.shape == (ids.numel(), LAYERS * 256) and got.dtype == want.dtype
+        assert torch.equal(bits(got), bits(want))
+
+
+def test_embed_input_ids_fills_the_same_buffer(checkpoints):
+    assert register()
+    _, d_mm, table = checkpoints
+    ref, _ = _build(d_mm, {})
+    ours, _ = _build(d_mm, {"uvaple": {"shared": False}})
+    layer = ours.language_model.model.self_decoder.embed_tokens_per_layer
+    assert isinstance(layer.quant_method, UvapleEmbeddingMethod)
+    assert torch.equal(bits(layer.quant_method.shard.table.tensor[:PLE_VOCAB]), bits(table))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(-3, VOCAB + 3, (MAX_TOKENS - 5,), generator=g)
+    for m in (ref, ours):
+        m.per_layer_embeddings.fill_(float("nan"))  # poisoned: every row read must be written
+    a = ref.embed_input_ids(ids)
+    b = ours.embed_input_ids(ids)
+    assert torch.equal(bits(a), bits(b))  # the token embeddings (vLLM's, in both)
+    n = ids.numel()
+    assert torch.equal(bits(ours.per_layer_embeddings[:n]), bits(ref.per_layer_embeddings[:n]))
+    assert not torch.isnan(ours.per_layer_embeddings[:n]).any()
+
+
+def test_not_enabled_means_vllms_layer_and_a_bad_config_is_named(checkpoints):
+    from uvaple.integration.vllm import PluginConfigError
+
+    d_text, _, _ = checkpoints
+    for bad, match in [({"uvaple": {"placment": "uva"}}, "unknown key"),
+                       ({"uvaple": {"placement": "gpu"}}, "expected one of"),
+                       ({"uvaple": {"timeout_s": -1}}, "positive number"),
+                       ({"uvaple": "on"}, "object of settings")]:
+        with pytest.raises(PluginConfigError, match=match):
+            _build(d_text, bad)

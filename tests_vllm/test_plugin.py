@@ -1,0 +1,132 @@
+"""The plugin as vLLM sees it: discovery, registration, the version guard, enabling; TP=2 and two replicas."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from conftest import bits, free_port, rand
+
+import uvaple.integration.vllm as plugin
+from uvaple.integration.vllm import PluginConfigError, _build
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_the_entry_point_is_discovered_by_vllm():
+    from importlib.metadata import entry_points
+
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    eps = {e.name: e.value for e in entry_points(group=DEFAULT_PLUGINS_GROUP)}
+    assert eps.get("uvaple") == "uvaple.integration.vllm:register"
+    assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)["uvaple"] is plugin.register
+
+
+def test_register_is_reentrant_and_registers_lazy_classes():
+    from vllm import ModelRegistry
+
+    assert plugin.register() and plugin.register()
+    for arch, target in plugin.MODELS.items():
+        entry = ModelRegistry.models[arch]
+        assert f"{entry.module_name}:{entry.class_name}" == target
+        assert arch in ModelRegistry.get_supported_archs()
+
+
+def test_an_unsupported_vllm_leaves_everything_untouched(monkeypatch, caplog):
+    import vllm
+    from vllm import ModelRegistry
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    before = {a: ModelRegistry.models.get(a) for a in plugin.MODELS}
+    monkeypatch.setattr(ModelRegistry, "register_model", lambda *a: pytest.fail("registered on 0.34"))
+    with caplog.at_level(logging.WARNING, logger="uvaple.vllm"):
+        assert plugin.register() is False
+    assert "vLLM 0.34.0 is not supported" in caplog.text and "stays inert" in caplog.text
+    assert {a: ModelRegistry.models.get(a) for a in plugin.MODELS} == before
+    assert [plugin.supported(v) for v in ("0.33.0", "0.33.2.dev3+gabc", "0.32.9", "1.33.0", "0.330", "")] == \
+        [True, True, False, False, False, False]
+
+
+def test_a_bad_environment_stops_the_process_with_a_named_error(monkeypatch):
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setenv("UVAPLE_PLACEMENT", "gpu")
+    with pytest.raises(PluginConfigError, match="UVAPLE_PLACEMENT: expected one of"):
+        plugin.register()
+
+
+def test_enabled_only_when_asked(monkeypatch):
+    from conftest import vllm_config
+
+    assert _build.plugin_config(vllm_config()) is None
+    assert _build.plugin_config(vllm_config(additional_config={"other": 1})) is None
+    cfg = _build.plugin_config(vllm_config(additional_config={"uvaple": {}}))
+    assert cfg == plugin.PluginConfig()
+    monkeypatch.setenv("UVAPLE_SHARED", "0")
+    assert _build.plugin_config(vllm_config()) == plugin.PluginConfig(shared=False)
+    cfg = _build.plugin_config(vllm_config(additional_config={"uvaple": {"shared": True, "placement": "copy"}}))
+    assert cfg == plugin.PluginConfig(shared=True, placement="copy")  # the additional config wins
+
+
+def _run(mode: str, nprocs: int, tmp_path, base: str) -> list[dict]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UVAPLE_")}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_rank.py"), mode, str(r), str(nprocs),
+                               str(port), base, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(nprocs)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    return [torch.load(tmp_path / f"r{r}.pt") for r in range(nprocs)]
+
+
+def _tp1(kind: str, ids_seed: int = 22) -> torch.Tensor:
+    """TP=1's rows for the processes' ids: vLLM's formula on the full table."""
+    from _rank import DIM, HEADS, TOKENS, VOCAB
+
+    dtype = torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16
+    w = rand(VOCAB, DIM, torch.float32, seed=21).to(dtype)
+    ids = torch.randint(0, VOCAB, (TOKENS, HEADS), generator=torch.Generator().manual_seed(ids_seed))
+    ids[0] = torch.tensor([0, 499, 500, 999])
+    rows = w[ids].to(torch.bfloat16)
+    return rows * torch.tensor([0.0291]).to(torch.bfloat16) if kind == "fp8" else rows
+
+
+def test_tp2_over_gloo_is_vllms_and_tp1s(tmp_path):
+    base = f"t{uuid.uuid4().hex[:8]}"
+    ranks = _run("tp", 2, tmp_path, base)
+    for kind in ("bf16", "fp8"):
+        a, b = ranks[0][kind], ranks[1][kind]
+        assert a["created"] and b["created"] and a["name"] != b["name"]  # a segment per vocabulary shard
+        assert a["rows"] == b["rows"] == 512  # vLLM's padded shard of 1024 rows, once per rank: the table once
+        mine = [f for f in a["segments"] if f".{kind}." in f]
+        assert [f.rsplit(".", 1)[1] for f in mine] == ["r0of2", "r1of2"]  # the node's only copy of the table
+        for r in (a, b):
+            assert torch.equal(bits(r["ours"]), bits(r["ref"]))  # vLLM's TP=2 (masked rows, all-reduce)
+            assert torch.equal(bits(r["ours"]), bits(_tp1(kind)))  # and TP=1's rows
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"uvaple.{base}.")]  # all released
+
+
+def test_two_replicas_attach_one_segment_and_agree_with_tp1(tmp_path):
+    base = f"d{uuid.uuid4().hex[:8]}"
+    reps = _run("dp", 2, tmp_path, base)
+    for kind in ("bf16", "fp8"):
+        a, b = reps[0][kind], reps[1][kind]
+        assert a["name"] == b["name"] and sorted([a["created"], b["created"]]) == [False, True]
+        for r in (a, b):
+            assert len([s for s in r["segments"] if f".{kind}." in s]) == 1  # one copy on the node
+            assert torch.equal(bits(r["ours"]), bits(_tp1(kind)))
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"uvaple.{base}.")]
