@@ -22,9 +22,13 @@ def safe_row(ids_ptr, pid, id_base, row_lo, n_rows):
 
 @jit
 def _zero_row(v, NEG: tl.constexpr):
-    """fp32 zeros shaped like ``v``: -0.0 when ``NEG``, made from its bits (a ``-0.0`` literal is folded to
-    +0.0 by some Triton versions)."""
-    return tl.full(v.shape, -2147483648 if NEG else 0, tl.int32).to(tl.float32, bitcast=True)
+    """Zeros shaped and typed like ``v`` (fp32, or a 16-bit float: mixing dtypes in ``tl.where`` would widen
+    ``v`` through the interpreter's subnormal-mangling conversion); -0.0 when ``NEG``, made from its bits
+    (a ``-0.0`` literal is folded to +0.0 by some Triton versions)."""
+    if v.dtype == tl.float32:
+        return tl.full(v.shape, -2147483648 if NEG else 0, tl.int32).to(tl.float32, bitcast=True)
+    else:
+        return tl.full(v.shape, -32768 if NEG else 0, tl.int16).to(v.dtype, bitcast=True)
 
 
 @jit

@@ -49,7 +49,7 @@ def _row_gather_kernel(
     BLOCK: tl.constexpr,  # next_power_of_2(cols): the whole row is one tile
 ):
     pid = tl.program_id(0).to(tl.int64)
-    row, valid = safe_row(ids_ptr, pid, 0, rows)
+    row, valid = safe_row(ids_ptr, pid, 0, 0, rows)
     offs = tl.arange(0, BLOCK)
     # Invalid ids load nothing (mask all false) and store zeros.
     load_mask = offs < tl.where(valid, cols, 0)

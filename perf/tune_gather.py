@@ -23,7 +23,7 @@ from uvaple.kernels._gather_triton import safe_row
 @triton.jit
 def _cg_gather_kernel(table_ptr, ids_ptr, out_ptr, n_rows, stride, n_cols, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    row, valid = safe_row(ids_ptr, pid, 0, n_rows)
+    row, valid = safe_row(ids_ptr, pid, 0, 0, n_rows)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(table_ptr + row * stride + cols, mask=cols < tl.where(valid, n_cols, 0), other=0,
                 cache_modifier=".cg")

@@ -54,12 +54,22 @@ def shm_name() -> str:
 
 
 # ------------------------------------------------------------------ layout and allocation
-@pytest.mark.parametrize("row_bytes,stride", [(1, 16), (2, 16), (16, 16), (17, 32), (64, 64), (100, 128),
-                                              (128, 128), (129, 256), (15360, 15360), (17920, 17920),
-                                              (131072, 131072), (130001, 130048)])
+@pytest.mark.parametrize("row_bytes,stride", [(1, 16), (2, 16), (15, 16), (16, 16), (17, 32), (64, 64),
+                                              (100, 112), (128, 128), (129, 144), (160, 160), (161, 176),
+                                              (2047, 2048), (15360, 15360), (17920, 17920), (131072, 131072),
+                                              (130001, 130016)])
 def test_row_stride_policy(row_bytes, stride):
     assert row_stride_bytes(row_bytes) == stride
     assert stride % 16 == 0
+    assert stride - row_bytes < 16  # exact: never more than the 16-byte alignment
+
+
+def test_an_fp8_ngram_table_takes_its_size_and_no_more():
+    """160-B fp8 rows (the n-gram PLE table's): host memory is the rows' bytes, rounded to one page."""
+    with HostTable.empty(100_003, 160, torch.float8_e4m3fn, register=False) as t:
+        assert t.stride_bytes == 160
+        assert t.nbytes == _sys.round_up(100_003 * 160, _sys.PAGE_SIZE)
+        assert t.nbytes - 100_003 * 160 < _sys.PAGE_SIZE
 
 
 @pytest.mark.parametrize("rows,cols,dtype", [(1, 1, torch.bfloat16), (1823, 781, torch.float16),
@@ -562,7 +572,7 @@ def test_views_keep_the_table_alive():
     arr = HostTable.from_tensor(src).bytes_view()
     gc.collect()
     assert torch.equal(view, src)
-    assert arr.shape == (300, 256) and arr[:, :160].copy().view(np.float32).tolist() == src.tolist()
+    assert arr.shape == (300, 160) and arr.copy().view(np.float32).tolist() == src.tolist()
 
 
 def test_host_reader_thread_during_exit_in_a_process():

@@ -14,7 +14,7 @@ from helpers import bits, rand
 from uvaple.integration.vllm.config import PluginConfig, PluginConfigError, from_sources
 from uvaple.integration.vllm.tables import PluginLoadError, ShardTable, UvaUnavailable, model_identity, segment_name
 from uvaple.uva import SharedSegmentError, SharedSegmentTimeout
-from uvaple.uva.errors import RegistrationError
+from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
 
 CPU = torch.device("cpu")
 
@@ -172,43 +172,26 @@ def test_another_models_segment_is_not_attached():
         a.close()
 
 
-def test_uva_unusable_is_named_or_falls_back_to_copy(monkeypatch):
-    import uvaple.doctor as doctor
-
-    caps = doctor.Capabilities(cuda=True, reason="no host pointer access", unified_addressing=True,
-                               can_map_host_memory=True, host_pointer_for_registered_mem=False)
-    monkeypatch.setattr(doctor, "capabilities", lambda **kw: caps)
-    gpu = torch.device("cuda", 0)
-
-    def make(cfg):
-        return ShardTable(cfg, layer="l", rows=8, cols=8, dtype=torch.bfloat16, loaded_rows=8, rank=0, size=1,
-                          identity="i" * 64, device=gpu)
-
-    with pytest.raises(UvaUnavailable, match="no host pointer access.*fallback"):
-        make(PluginConfig(shared=False))
-    s = make(PluginConfig(shared=False, fallback="copy"))
-    assert s.placement == "copy" and not s.table.registered
-    s.close()
-
-
-def test_a_registration_failure_is_named_or_falls_back_to_copy(monkeypatch):
-    import uvaple.doctor as doctor
+@pytest.mark.parametrize("error", [
+    DeviceCapabilityError("GPU 0 does not support using the host pointer of registered memory"),
+    RegistrationError("cudaHostRegister failed for 1 MiB: raise `ulimit -l`")])
+def test_uva_unusable_is_named_at_once_or_falls_back_to_copy(monkeypatch, error):
+    """Registration makes the doctor's checks; its failure is a named error, or the copy placement when
+    configured."""
     from uvaple.uva import HostTable
 
-    monkeypatch.setattr(doctor, "capabilities", lambda **kw: doctor.Capabilities(
-        cuda=True, unified_addressing=True, can_map_host_memory=True, host_pointer_for_registered_mem=True))
     real = HostTable.empty.__func__
 
     def empty(cls, *a, register="auto", **kw):
         if register:
-            raise RegistrationError("cudaHostRegister failed for 1 MiB: raise `ulimit -l`")
+            raise error
         return real(cls, *a, register=register, **kw)
 
     monkeypatch.setattr(HostTable, "empty", classmethod(empty))
     args = dict(layer="l", rows=8, cols=8, dtype=torch.bfloat16, loaded_rows=8, rank=0, size=1, identity="i" * 64,
                 device=torch.device("cuda", 0))
-    with pytest.raises(UvaUnavailable, match="ulimit -l"):
+    with pytest.raises(UvaUnavailable, match=f"{str(error)[:20]}.*uvaple doctor.*fallback"):
         ShardTable(PluginConfig(shared=False), **args)
     s = ShardTable(PluginConfig(shared=False, fallback="copy"), **args)
-    assert s.placement == "copy"
+    assert s.placement == "copy" and not s.table.registered
     s.close()

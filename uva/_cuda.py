@@ -97,7 +97,7 @@ def require_host_pointer_access(device: int) -> None:
         if device_attribute(attr, device) != 1:
             raise DeviceCapabilityError(
                 f"GPU {device} does not support {what} ({attr} = 0); the UVA path cannot read a host table "
-                f"there. Use the 'copy' backend (make_backend('copy', table)) on this machine.")
+                f"there. Use the 'copy' placement (make_lookup('copy', table)) on this machine.")
 
 
 def read_only_register_supported(device: int) -> bool:

@@ -10,11 +10,12 @@ out unlinks). The mapping is exactly the table's size rounded up to a page: ``to
 rounds pinned blocks up to a power of two (a 100 GiB table would pin 128 GiB; see ../shared/DESIGN.md),
 this does not.
 
-Row stride. Rows start on 16-byte boundaries so a GPU thread can read a row with aligned 16-byte loads.
-Rows of 128 bytes or more are padded to a multiple of 128 bytes: EMOGI/PyTorch-Direct measured that
-zero-copy reads reach the PCIe peak only with 128-byte-aligned requests, and every real PLE row
-(15,360 B, 17,920 B, 128 KiB) is already a multiple of 128, so this costs nothing there. Shorter rows
-are padded to the next power of two (16, 32, 64 bytes), so a row never straddles a 128-byte line.
+Row stride. Rows start on 16-byte boundaries, so a GPU thread reads a row with aligned 16-byte loads; the
+stride is the row rounded up to 16 bytes and no more. Big PLE rows (15,360 B, 17,920 B, 128 KiB) are
+multiples of 128 bytes already, so their requests stay 128-byte aligned (what EMOGI/PyTorch-Direct
+found zero-copy reads need for the PCIe peak). For small rows a wider stride buys nothing: 160-byte
+n-gram rows span two 128-byte lines at any 16-byte offset, and on the H200 their random-read rate was
+the same at a 256-byte stride, which cost 60% more host memory (a 48 GiB fp8 table took 77 GiB).
 
 Population. Pages are committed up front by several threads at once (``MADV_POPULATE_WRITE`` on
 disjoint ranges; ctypes drops the GIL), so a shortage fails here with ``HostMemoryError`` rather than as
@@ -101,9 +102,7 @@ def row_stride_bytes(row_bytes: int) -> int:
     """Bytes between row starts for a row of ``row_bytes`` (see the module docstring)."""
     if row_bytes <= 0:
         raise ValueError(f"row_bytes must be positive, got {row_bytes}")
-    if row_bytes >= 128:
-        return _sys.round_up(row_bytes, 128)
-    return max(16, 1 << (row_bytes - 1).bit_length())
+    return _sys.round_up(row_bytes, 16)
 
 
 def default_threads() -> int:

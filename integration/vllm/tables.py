@@ -115,37 +115,21 @@ class ShardTable:
         self._written: list[tuple[int, int]] = []
         self._finished = False
         on_gpu = device.type == "cuda"
-        if on_gpu and self.placement == "uva":
-            self._check_uva(device)
+        # registration makes the doctor's checks (unified addressing, mapped host memory, the host pointer
+        # usable by the GPU) and fails with a named error at once: never a hang, never a late fault
         register = on_gpu and self.placement == "uva"
         try:
             self.table = self._open(rows, cols, dtype, rank, size, identity, register)
         except (RegistrationError, DeviceCapabilityError) as e:
             if self.placement != "uva" or cfg.fallback != "copy":
-                raise UvaUnavailable(f"the uva placement cannot run on {device}: {e}. Fix that, or start with "
-                                     f'--additional-config \'{{"uvaple": {{"fallback": "copy"}}}}\' to serve '
-                                     "the table through the copy placement") from e
+                raise UvaUnavailable(f"the uva placement cannot run on {device}: {e} (`uvaple doctor` shows "
+                                     "the checks). Fix that, or start with --additional-config "
+                                     '\'{"uvaple": {"fallback": "copy"}}\' to serve the table through the copy '
+                                     "placement") from e
             log.warning("uvaple: %s; serving %s through the copy placement", e, layer)
             self.placement = "copy"
             self.table = self._open(rows, cols, dtype, rank, size, identity, False)
         self.fills = self.table.created if self.name else True
-
-    def _check_uva(self, device: torch.device) -> None:
-        from uvaple.doctor import capabilities
-
-        caps = capabilities(measure=False, device=device.index)
-        if caps.uva_usable:
-            return
-        reason = caps.reason or "; ".join(caps.notes) or (
-            f"unified addressing {caps.unified_addressing}, can map host memory {caps.can_map_host_memory}, "
-            f"host pointer usable for registered memory {caps.host_pointer_for_registered_mem}")
-        if self.cfg.fallback == "copy":
-            log.warning("uvaple: UVA is unusable on %s (%s); serving %s through the copy placement", device,
-                        reason, self.layer)
-            self.placement = "copy"
-            return
-        raise UvaUnavailable(f"UVA is unusable on {device} ({reason}); run `uvaple doctor` for the checks, or "
-                             f'start with --additional-config \'{{"uvaple": {{"fallback": "copy"}}}}\'')
 
     def _open(self, rows, cols, dtype, rank, size, identity, register) -> HostTable:
         if not self.cfg.shared:
