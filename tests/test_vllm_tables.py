@@ -195,3 +195,20 @@ def test_uva_unusable_is_named_at_once_or_falls_back_to_copy(monkeypatch, error)
     s = ShardTable(PluginConfig(shared=False, fallback="copy"), **args)
     assert s.placement == "copy" and not s.table.registered
     s.close()
+
+
+def test_node_memory_follows_both_sizing_rules():
+    from uvaple.integration.vllm.memory import next_pow2, node_memory
+    from uvaple.uva import _sys, segments
+
+    rows = int(47.7 * (1 << 30)) // 160
+    one = node_memory(rows, 160, tp=1, dp=1)
+    assert one.vllm_bytes == 64 << 30  # torch's pinned allocator: the next power of two
+    assert one.uvaple_bytes == segments.DATA_OFFSET + _sys.round_up(one.rows_per_rank * 160, _sys.PAGE_SIZE)
+    assert one.rows_per_rank % 128 == 0 and one.rows_per_rank - rows < 128
+    two = node_memory(rows, 160, tp=2, dp=2)
+    assert two.vllm_bytes == 4 * next_pow2(two.rows_per_rank * 160)  # every rank of every replica
+    assert abs(two.uvaple_bytes - one.uvaple_bytes) <= segments.DATA_OFFSET + _sys.PAGE_SIZE  # once a node
+    assert node_memory(rows, 160, tp=2, dp=8).uvaple_bytes == two.uvaple_bytes
+    with pytest.raises(ValueError, match="do not split"):
+        node_memory(1000, 160, tp=3, dp=1)
