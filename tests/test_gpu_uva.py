@@ -128,11 +128,12 @@ def test_close_under_pending_work_is_safe():
     assert torch.ones(4, device=DEV).sum().item() == 4
 
 
-def test_chunked_registration_reads_across_chunk_boundaries(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunked_registration_reads_across_chunk_boundaries(monkeypatch, threads):
     monkeypatch.setattr(host_table, "REGISTER_CHUNK_BYTES", 64 << 20)
-    rows, cols = 9000, 8960  # 154 MiB: three chunks
+    rows, cols = 9000, 8960  # 154 MiB: three chunks, registered by one thread or by three at once
     t = rand(rows, cols, seed=9)
-    with HostTable.from_tensor(t, register=True) as h:
+    with HostTable.from_tensor(t, register=True, threads=threads) as h:
         assert len(h._region.chunks) == 3
         per_chunk = (64 << 20) // h.stride_bytes
         edge = [per_chunk - 1, per_chunk, per_chunk + 1, 2 * per_chunk - 1, 2 * per_chunk, rows - 1, 0]

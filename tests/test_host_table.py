@@ -8,6 +8,8 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -220,6 +222,61 @@ def test_registration_in_chunks_and_release(fake_cuda, monkeypatch):
     assert fake_cuda["registered"] == {} and fake_cuda["synced"] == 1
     t.close()  # idempotent
     assert fake_cuda["synced"] == 1
+
+
+def test_registration_pieces_cover_the_table_once():
+    gib = 1 << 30
+    assert host_table.register_piece_bytes(48 * gib, 16) == 3 * gib
+    assert host_table.register_piece_bytes(48 * gib + 1, 16) == 3 * gib + (2 << 20)  # 2 MiB granular
+    assert host_table.register_piece_bytes(4 * gib, 16) == host_table.REGISTER_MIN_PIECE_BYTES
+    assert host_table.register_piece_bytes(4096, 1) == host_table.REGISTER_MIN_PIECE_BYTES
+    assert host_table.register_piece_bytes(600 * gib, 1) == host_table.REGISTER_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_registration_by_several_threads(fake_cuda, monkeypatch, threads):
+    monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
+    seen = set()
+    register = _cuda.host_register
+
+    def on_thread(ptr, n, flags):
+        seen.add(threading.get_ident())
+        time.sleep(0.01)  # long enough that four pieces overlap
+        register(ptr, n, flags)
+
+    monkeypatch.setattr(_cuda, "host_register", on_thread)
+    with HostTable.empty(40, 200_000, torch.uint8, register=True, threads=threads) as t:  # 7.6 MiB
+        pieces = sorted((ptr - t.ptr, n) for ptr, (n, _) in fake_cuda["registered"].items())
+        assert t._region.chunks == pieces and len(pieces) == threads  # one 2 MiB-granular share per thread
+        assert pieces[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))
+        assert sum(n for _, n in pieces) == t.nbytes
+        assert len(seen) == threads
+    assert fake_cuda["registered"] == {}
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_registration_refused_on_one_thread_rolls_back_all(fake_cuda, monkeypatch, threads):
+    monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
+    register, mapped, bases = _cuda.host_register, _sys.map_anonymous_aligned, []
+
+    def map_and_record(n):
+        bases.append(mapped(n))
+        return bases[-1]
+
+    def refuse_third(ptr, n, flags):
+        if ptr - bases[-1] == (2 << 20 if threads > 1 else 0):
+            raise RegistrationError("cudaErrorMemoryAllocation (2)")
+        time.sleep(0.01)
+        register(ptr, n, flags)
+
+    monkeypatch.setattr(_sys, "map_anonymous_aligned", map_and_record)
+    monkeypatch.setattr(_cuda, "host_register", refuse_third)
+    n_live = len(_region.live_regions())
+    where = "2.00 MiB at offset 2.00 MiB" if threads > 1 else "7.63 MiB at offset 0 B"
+    with pytest.raises(RegistrationError, match=rf"failed for {where}.*ulimit -l"):
+        HostTable.empty(40, 200_000, torch.uint8, register=True, threads=threads)
+    assert fake_cuda["registered"] == {}
+    assert len(_region.live_regions()) == n_live
 
 
 def test_registration_refused_rolls_back(fake_cuda, monkeypatch):

@@ -23,10 +23,12 @@ an OOM kill later, and registration does not fault 25 million pages single-threa
 are reserved with ``posix_fallocate`` (also in parallel), which turns "tmpfs is full" into ENOSPC
 instead of a SIGBUS on first touch.
 
-Registration. ``cudaHostRegister(Portable | Mapped [| ReadOnly])`` through cuda-python, in chunks below
-the driver's per-call limit (one call of >= 512 GiB fails). The kernels use the host pointer itself
-(``cudaDevAttrCanUseHostPointerForRegisteredMem`` is required and checked), so the chunks form one
-contiguous device range.
+Registration. ``cudaHostRegister(Portable | Mapped [| ReadOnly])`` through cuda-python, in pieces
+registered by several threads at once (pinning pages is the driver walking them one by one; a table split
+in ``threads`` pieces of at least ``REGISTER_MIN_PIECE_BYTES`` pins in parallel), each below the driver's
+per-call limit (one call of >= 512 GiB fails). The kernels use the host pointer itself
+(``cudaDevAttrCanUseHostPointerForRegisteredMem`` is required and checked for every piece), so the pieces
+form one contiguous device range. A piece refused rolls back every piece registered.
 
 Lifetime (:mod:`uvaple.uva._region`). The memory is released when nothing can read it any more, never
 before: every view handed out (``tensor``, ``bytes_view()``, ``cuda_view()``, and what is built from them,
@@ -86,6 +88,8 @@ _DTYPE_BY_NAME = {k: v for k, v in SAFETENSORS_DTYPES.items() if v in TABLE_DTYP
 # One cudaHostRegister call of >= 512 GiB fails (vLLM PR 51081); 128 GiB chunks stay far below that and
 # keep the count of registrations small for ~100 GiB tables (one call).
 REGISTER_CHUNK_BYTES = 128 << 30
+# The smallest piece one registering thread takes: below it the per-call cost outweighs the parallelism.
+REGISTER_MIN_PIECE_BYTES = 1 << 30
 
 # Ranges handed to one populate/fallocate call: large enough that syscall overhead is nil, small enough
 # that 16 threads share a 1 GiB table evenly.
@@ -160,13 +164,14 @@ def _layout_of(meta: dict, path: str) -> _Layout:
 
 
 
-def _parallel(fn, ranges, threads: int) -> None:
-    """Run ``fn(start, length)`` over ``ranges`` on ``threads`` threads; re-raise the first failure."""
+def _parallel(fn, ranges, threads: int, name: str = "uvaple-populate") -> None:
+    """Run ``fn(start, length)`` over ``ranges`` on ``threads`` threads; re-raise the first failure (every
+    range started has finished by then)."""
     if threads <= 1 or len(ranges) <= 1:
         for r in ranges:
             fn(*r)
         return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="uvaple-populate") as pool:
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) as pool:
         futures = [pool.submit(fn, *r) for r in ranges]
         first = None
         for f in futures:
@@ -176,6 +181,14 @@ def _parallel(fn, ranges, threads: int) -> None:
                 first = first or e
         if first is not None:
             raise first
+
+
+def register_piece_bytes(total: int, threads: int) -> int:
+    """Bytes per ``cudaHostRegister`` call for a ``total``-byte mapping registered by ``threads`` threads:
+    an even share (2 MiB granular), no smaller than ``REGISTER_MIN_PIECE_BYTES``, no larger than
+    ``REGISTER_CHUNK_BYTES``."""
+    share = _sys.round_up(-(-total // max(1, threads)), 2 << 20)
+    return max(min(share, REGISTER_CHUNK_BYTES), min(REGISTER_MIN_PIECE_BYTES, REGISTER_CHUNK_BYTES), 1)
 
 
 def _chunks(total: int, chunk: int) -> list[tuple[int, int]]:
@@ -362,7 +375,7 @@ class HostTable:
                 if fill is not None:
                     table._timed("fill", fill, table)
                 seg.ready()
-            table._register(register, read_only=read_only, device=device)
+            table._register(register, read_only=read_only, device=device, threads=threads)
             return table
         except BaseException as e:
             # each step on its own: one failing must not skip the others
@@ -433,7 +446,7 @@ class HostTable:
 
         _parallel(touch, _chunks(total, _POPULATE_CHUNK_BYTES), threads)
 
-    def _register(self, register: bool | str, *, read_only: bool, device: int | None) -> None:
+    def _register(self, register: bool | str, *, read_only: bool, device: int | None, threads: int = 1) -> None:
         _check_register_arg(register)
         if register is False:
             return
@@ -443,17 +456,17 @@ class HostTable:
             raise DeviceCapabilityError(
                 "register=True needs a CUDA GPU visible to torch and cuda-python (`pip install cuda-python`); "
                 "none is usable here. Use register='auto' to build an unregistered table")
-        self._timed("register", self._register_chunks, read_only, device)
+        self._timed("register", self._register_chunks, read_only, device, threads)
 
-    def _register_chunks(self, read_only: bool, device: int | None) -> None:
+    def _register_chunks(self, read_only: bool, device: int | None, threads: int = 1) -> None:
         previous = torch.cuda.current_device()
         try:
-            self._register_on(read_only=read_only, device=previous if device is None else device)
+            self._register_on(read_only=read_only, device=previous if device is None else device, threads=threads)
         finally:
             if torch.cuda.current_device() != previous:
                 torch.cuda.set_device(previous)  # registering on another GPU must not move the caller
 
-    def _register_on(self, *, read_only: bool, device: int) -> None:
+    def _register_on(self, *, read_only: bool, device: int, threads: int = 1) -> None:
         region = self._region
         _cuda.ensure_context(device)
         _cuda.require_host_pointer_access(device)
@@ -462,24 +475,36 @@ class HostTable:
             flags |= _cuda.HOST_REGISTER_READ_ONLY
             region.read_only = True
         region.device = device
-        for off, length in _chunks(region.length, REGISTER_CHUNK_BYTES):
+        pieces = _chunks(region.length, register_piece_bytes(region.length, threads))
+        lock = threading.Lock()
+        main = threading.get_ident()
+
+        def register_piece(off: int, length: int) -> None:
+            if threading.get_ident() != main:
+                _cuda.ensure_context(device)  # the runtime's current device is per thread
             try:
                 _cuda.host_register(region.base + off, length, flags)
             except RegistrationError as e:
                 soft, _hard = _sys.memlock_limit()
                 limit = "unlimited" if soft < 0 else fmt_bytes(soft)
-                region.unregister()
                 raise RegistrationError(
                     f"cudaHostRegister failed for {fmt_bytes(length)} at offset {fmt_bytes(off)} of a "
                     f"{fmt_bytes(region.length)} table: {e}. Raise `ulimit -l` (RLIMIT_MEMLOCK is {limit}), "
                     f"free host memory, or use the 'copy' backend with register=False") from None
-            region.chunks.append((off, length))
+            with lock:
+                region.chunks.append((off, length))
             dev_ptr = _cuda.host_device_pointer(region.base + off)
             if dev_ptr != region.base + off:
-                region.unregister()
                 raise DeviceCapabilityError(
                     f"the device pointer of registered memory ({dev_ptr:#x}) differs from its host pointer "
                     f"({region.base + off:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
+
+        try:
+            _parallel(register_piece, pieces, min(threads, len(pieces)), name="uvaple-register")
+        except BaseException:
+            region.unregister()  # every piece that was registered, whichever thread failed
+            raise
+        region.chunks.sort()
 
     # ------------------------------------------------------------------ properties
     def _live(self) -> None:
@@ -700,7 +725,7 @@ class HostTable:
         try:
             if fill is not None:
                 table._timed("fill", fill, table)
-            table._register(register, read_only=read_only, device=device)
+            table._register(register, read_only=read_only, device=device, threads=threads)
         except BaseException as e:
             _drop_views_of_failure(e)
             table.close()
