@@ -3,12 +3,12 @@
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready vllm bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
-mkdir -p "$R"
-STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready bench e2e}
+mkdir -p "$R" "$R/vllm"
+STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready vllm bench e2e}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -51,6 +51,12 @@ fi
 if has ready; then
   step "64 GiB table readiness"
   timeout 120 python3 -m uvaple.perf.table_ready --gib 64 --threads 16 | tee "$R/ready.log"
+fi
+if has vllm; then
+  step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"
+  timeout 300 python3 -m uvaple.perf.vllm_shapes --table-gib ${VLLM_TABLE_GIB:-24} --out "$R/vllm" 2>&1 | tee "$R/vllm/shapes.log" | tail -30
+  step "vLLM plugin-path startup: ${VLLM_STARTUP_GIB:-48} GiB fp8 n-gram table, stage by stage"
+  timeout 400 python3 -m uvaple.perf.vllm_startup --gib ${VLLM_STARTUP_GIB:-48} --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
 fi
 if has bench; then
   step "uvaple bench ${BENCH_ARGS:---full}"

@@ -27,7 +27,8 @@ from uvaple.kernels import _gather_triton, _jit
 jit = _jit.kernel_decorator(__name__)
 safe_row = _jit.same_variant(__name__, _gather_triton).safe_row  # the ids prologue every gather shares
 
-__all__ = ["row_gather", "embedding_gather", "memcpy_ceiling", "row_gather_num_warps"]
+__all__ = ["row_gather", "embedding_gather", "memcpy_ceiling", "row_gather_num_warps", "vllm_ple_gather",
+           "vllm_ple_dequant"]
 
 # Elements one thread holds at most: 64 bf16 values are 32 registers, far below the 255 a thread may use,
 # so the whole-row tile never spills (vLLM sizes its one-program-per-row kernel the same way: whole row,
@@ -100,6 +101,55 @@ def row_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> tor
         BLOCK=block, num_warps=row_gather_num_warps(cols),
     )
     return out
+
+
+@jit
+def _vllm_ple_kernel(
+    table_ptr,  # *Pointer* uint8 to row 0 of the rank's shard (host-mapped or device memory)
+    ids_ptr,  # *Pointer* to the global ids [n]
+    out_ptr,  # *Pointer* uint8 to the output [n, row_bytes]
+    row_bytes,  # bytes per row (also the table's row stride)
+    vocab_start,  # first global id of the shard
+    vocab_end,  # one past its last
+    BLOCK_D: tl.constexpr,  # next_power_of_2(row_bytes): the whole row of bytes is one tile
+):
+    pid = tl.program_id(0).to(tl.int64)
+    gid = tl.load(ids_ptr + pid)
+    offs = tl.arange(0, BLOCK_D)
+    gids = gid + offs * 0  # the id per lane: a vector mask (the interpreter refuses a scalar one mixed in)
+    owned = (gids >= vocab_start) & (gids < vocab_end)
+    local = tl.where(owned, gids - vocab_start, 0)
+    in_row = offs < row_bytes
+    vals = tl.load(table_ptr + local * row_bytes + offs, mask=in_row & owned, other=0)
+    tl.store(out_ptr + pid * row_bytes + offs, vals, mask=in_row)
+
+
+def vllm_ple_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, vocab_start: int = 0,
+                    vocab_end: int | None = None) -> torch.Tensor:
+    """The shape of vLLM's pinned-host PLE lookup (``Qwen4ExpPLEPinnedHostEmbedding``), our own code: rows as
+    raw bytes, one program per id, ``BLOCK_D = next_power_of_2(row_bytes)``, ids outside
+    ``[vocab_start, vocab_end)`` give zero rows. ``table`` ``[rows, cols]`` contiguous (any dtype), ``ids``
+    any shape, ``out`` ``[*ids.shape, cols]`` of the table's dtype. Dequantisation is a separate op
+    (:func:`vllm_ple_dequant`), as in vLLM.
+    """
+    if table.dim() != 2 or not table.is_contiguous():
+        raise ValueError("table must be a contiguous 2-D tensor (rows of row_bytes, no padding)")
+    row_bytes = table.shape[1] * table.element_size()
+    if out.dtype != table.dtype or out.shape != (*ids.shape, table.shape[1]) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {(*ids.shape, table.shape[1])} {table.dtype}")
+    flat = ids.reshape(-1)
+    if flat.numel() == 0:
+        return out
+    end = table.shape[0] + vocab_start if vocab_end is None else vocab_end
+    kernels = _jit.variant(sys.modules[__name__], _jit.running_on_cpu(ids, out))
+    kernels._vllm_ple_kernel[(flat.numel(),)](table.view(torch.uint8), flat, out.view(torch.uint8), row_bytes,
+                                              vocab_start, end, BLOCK_D=triton.next_power_of_2(row_bytes))
+    return out
+
+
+def vllm_ple_dequant(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """vLLM's fp8 PLE dequantisation after the gather: ``rows.to(dtype) * scale.to(dtype)``."""
+    return rows.to(dtype) * scale.to(dtype)
 
 
 def embedding_gather(view: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 def table(gib: float, row_bytes: int) -> str:
     rows = int(gib * (1 << 30)) // row_bytes
     lines = [f"fp8 n-gram table: {rows:,} rows of {row_bytes} B ({gib} GiB)", "",
-             "| TP | DP | rows per rank | vLLM pinned | uvaple (shared) | uvaple ÷ vLLM |", "|---:|---:|---:|---:|---:|---:|"]
+             "| TP | DP | rows per rank | vLLM pinned | uvaple (shared) | uvaple ÷ vLLM |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for tp, dp in LAYOUTS:
         m = node_memory(rows, row_bytes, tp=tp, dp=dp)
         lines.append(f"| {tp} | {dp} | {m.rows_per_rank:,} | {m.vllm_bytes / (1 << 30):.1f} GiB | "
