@@ -18,7 +18,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv
 grep -E "MemTotal|MemAvailable|HugePages_Total|AnonHugePages" /proc/meminfo
 cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null
-nproc; ulimit -l; git log --oneline -1 2>/dev/null
+df -h /dev/shm /tmp; nproc; ulimit -l; git log --oneline -1 2>/dev/null
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" | tail -3
 
@@ -55,8 +55,10 @@ fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"
   timeout 300 python3 -m uvaple.perf.vllm_shapes --table-gib ${VLLM_TABLE_GIB:-24} --out "$R/vllm" 2>&1 | tee "$R/vllm/shapes.log" | tail -30
-  step "vLLM plugin-path startup: ${VLLM_STARTUP_GIB:-48} GiB fp8 n-gram table, stage by stage"
-  timeout 400 python3 -m uvaple.perf.vllm_startup --gib ${VLLM_STARTUP_GIB:-48} --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
+  shm_gib=$(df --output=avail -B1G /dev/shm | tail -1 | tr -d ' ')
+  gib=${VLLM_STARTUP_GIB:-48}; (( shm_gib - 2 < gib )) && gib=$(( shm_gib - 2 ))  # /dev/shm holds the segment
+  step "vLLM plugin-path startup: $gib GiB fp8 n-gram table, stage by stage (/dev/shm has $shm_gib GiB free)"
+  timeout 400 python3 -m uvaple.perf.vllm_startup --gib $gib --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
 fi
 if has bench; then
   step "uvaple bench ${BENCH_ARGS:---full}"
