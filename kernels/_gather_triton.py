@@ -51,7 +51,8 @@ def _fp8_to_f32(x, FORMAT: tl.constexpr):
         sub = m.to(tl.float32) * 0.0000152587890625  # m x 2^-16, exact
         special = e == 31
     v = normal.to(tl.float32, bitcast=True)
-    sub = tl.where(sign == 1, -sub, sub)
+    # the sign as a bit: Triton 3.6's interpreter negates as 0 - x, which turns code 0x80 into +0.0
+    sub = (sub.to(tl.uint32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, sub, v)
     if FORMAT == 2:
         inf_bits = ((sign << 31) | 0x7F800000).to(tl.float32, bitcast=True)

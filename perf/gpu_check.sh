@@ -3,7 +3,7 @@
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready vllm bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready probe vllm bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
@@ -51,6 +51,12 @@ fi
 if has ready; then
   step "64 GiB table readiness"
   timeout 120 python3 -m uvaple.perf.table_ready --gib 64 --threads 16 | tee "$R/ready.log"
+fi
+if has probe; then
+  step "table readiness by variant: page commit, page size, registration (16 GiB all, 48 GiB the fast ones)"
+  timeout 240 python3 -m uvaple.perf.ready_probe --gib 16 --json "$R/ready_probe_16.json" 2>&1 | tee "$R/ready_probe.log"
+  timeout 240 python3 -m uvaple.perf.ready_probe --gib 48 --json "$R/ready_probe_48.json" \
+    --variants private:threads:one,private:threads:pieces,private:pipelined:-,shm:threads:one,shm:threads:pieces,shm:pipelined:-,shm:none:pieces 2>&1 | tee -a "$R/ready_probe.log"
 fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"

@@ -44,22 +44,31 @@ CASES = {
 SCALE = 0.0173
 
 
+def random_blocks(nbytes: int, block_bytes: int, seed: int, keep: int = -1):
+    """``nbytes`` of random-looking bytes as uint8 tensors of ``block_bytes`` (the last one shorter): one
+    random block, each copy XORed with its own 62-bit pattern and ANDed with the 64-bit mask ``keep``. A
+    table of tens of GiB is made in seconds and never exists twice."""
+    words = -(-block_bytes // 8)
+    block = torch.randint(-(1 << 62), 1 << 62, (words,), generator=torch.Generator().manual_seed(seed))
+    for k, a in enumerate(range(0, nbytes, block_bytes)):
+        yield ((block ^ block_pattern(k)) & keep).view(torch.uint8)[: min(block_bytes, nbytes - a)]
+
+
+def block_pattern(k: int) -> int:
+    """The pattern of block ``k``: distinct for every k, always inside int64."""
+    return (k + 1) * 0x9E3779B97F4A7C1 % (1 << 62)
+
+
 def _table(case: dict, table_gib: float, smoke: bool, seed: int) -> HostTable:
-    """Random bytes (fp8: no NaN codes, so that dequantised values compare by bits), written in 64 MiB
-    blocks: one random block, each copy XORed with its own pattern (a 16 GiB table is filled in seconds and
-    never exists twice)."""
+    """Random bytes (fp8: no NaN codes, so that dequantised values compare by bits), 64 MiB at a time."""
     itemsize = torch.empty((), dtype=case["dtype"]).element_size()
     row_bytes = case["cols"] * itemsize
     rows = 2000 if smoke else case.get("rows") or int(table_gib * (1 << 30)) // row_bytes
     t = HostTable.empty(rows, case["cols"], case["dtype"], register="auto")
     step = max(1, (64 << 20) // row_bytes)
-    words = -(-step * row_bytes // 8)
-    block = torch.randint(-(1 << 62), 1 << 62, (words,), generator=torch.Generator().manual_seed(seed))
     keep = -0x0101010101010102 if case["dtype"] == torch.float8_e4m3fn else -1  # 0xFEFE...: clears each byte's bit 0
-    for k, a in enumerate(range(0, rows, step)):
-        n = min(step, rows - a)
-        blk = ((block ^ (k * 0x9E3779B97F4A7C1 + 1)) & keep).view(torch.uint8)[: n * row_bytes]
-        t.write_rows(blk.view(case["dtype"]).reshape(n, case["cols"]), a)
+    for a, blk in zip(range(0, rows, step), random_blocks(rows * row_bytes, step * row_bytes, seed, keep), strict=True):
+        t.write_rows(blk.view(case["dtype"]).reshape(-1, case["cols"]), a)
     return t
 
 

@@ -24,29 +24,28 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
 
 from uvaple.integration.vllm.config import PluginConfig
 from uvaple.integration.vllm.tables import ShardTable
+
+from .vllm_shapes import random_blocks
 
 ROW_BYTES = 160
 GIB = 1 << 30
 
 
 def _write_checkpoint(path: str, rows: int) -> None:
-    """A safetensors file of one ``[rows, 160]`` fp8 tensor, written block by block (the table never exists
-    whole in memory here): one random 64 MiB block, each copy XORed with its own 64-bit pattern."""
+    """A safetensors file of one ``[rows, 160]`` fp8 tensor, written 64 MiB at a time (the table never exists
+    whole in memory here)."""
     nbytes = rows * ROW_BYTES
     header = json.dumps({"ngram_embedding.weight": {"dtype": "F8_E4M3", "shape": [rows, ROW_BYTES],
                                                     "data_offsets": [0, nbytes]}}).encode()
     header += b" " * (-len(header) % 8)
-    block = torch.randint(-(1 << 62), 1 << 62, ((64 << 20) // 8,), generator=torch.Generator().manual_seed(0))
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
-        for k, a in enumerate(range(0, nbytes, block.numel() * 8)):
-            blk = (block ^ (k * 0x9E3779B97F4A7C1 + 1)).numpy().view(np.uint8)
-            f.write(blk[:min(blk.size, nbytes - a)])
+        for blk in random_blocks(nbytes, 64 << 20, seed=0):
+            f.write(blk.numpy())
 
 
 def run(gib: float, ckpt_dir: str, out_dir: str | None, keep: bool) -> dict:

@@ -51,6 +51,14 @@ def test_vllm_fp8_table_has_no_nan_codes():
         assert not torch.isnan(t.tensor.to(torch.float32)).any() and b.unique().numel() > 100
 
 
+def test_random_blocks_patterns_stay_in_int64_and_differ():
+    pats = [vllm_shapes.block_pattern(k) for k in (0, 1, 383, 767, 10**6)]
+    assert all(0 < p < 1 << 62 for p in pats) and len(set(pats)) == len(pats)
+    blocks = list(vllm_shapes.random_blocks(1000, 256, seed=1))
+    assert [b.numel() for b in blocks] == [256, 256, 256, 232] and all(b.dtype == torch.uint8 for b in blocks)
+    assert not torch.equal(blocks[0], blocks[1])
+
+
 def test_vllm_startup_small_is_exact(tmp_path):
     res = vllm_startup.run(0.02, str(tmp_path / "ckpt"), str(tmp_path / "out"), keep=False)
     assert res["sampled_rows_exact"] and res["rows"] % 128 == 0
