@@ -75,6 +75,10 @@ def run(gib: float, ckpt_dir: str, out_dir: str | None, keep: bool) -> dict:
         t0 = time.perf_counter()
         shard.table._register_on(read_only=False, device=device.index, threads=1)
         timings["register_one_thread_s (reference, same memory)"] = time.perf_counter() - t0
+        region.unregister()
+        t0 = time.perf_counter()
+        shard.table._register_on(read_only=False, device=device.index, threads=16)
+        timings["register_pieces_again_s (same memory, after the reference)"] = time.perf_counter() - t0
     from safetensors import safe_open
 
     t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from uvaple.uva import (
     _sys,
     host_table,
     row_stride_bytes,
+    segments,
 )
 
 mapped = _sys.mapped
@@ -132,6 +133,34 @@ def test_populate_fallback_when_madvise_populate_is_missing(monkeypatch):
     monkeypatch.setattr(_sys, "madvise", lambda a, n, adv: 22 if adv in (22, 23) else real(a, n, adv))
     with HostTable.empty(64, 4096, torch.uint8) as t:
         assert not t.bytes_view().any()
+
+
+@pytest.mark.parametrize("populate_works", [True, False])
+def test_shared_creator_reserves_only_where_populate_cannot_allocate(monkeypatch, populate_works):
+    """MADV_POPULATE_WRITE allocates a segment's pages itself; posix_fallocate only for the touch fallback."""
+    real, reserved = _sys.madvise, []
+    if not populate_works:
+        monkeypatch.setattr(_sys, "madvise", lambda a, n, adv: 22 if adv in (22, 23) else real(a, n, adv))
+    real_fallocate = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (reserved.append(n), real_fallocate(fd, off, n)))
+    src = torch.randint(0, 256, (300, 1000), dtype=torch.uint8)
+    with HostTable.shared(shm_name(), 300, 1000, torch.uint8, fill=lambda t: t.write_rows(src)) as t:
+        assert torch.equal(t.tensor, src)
+        assert (sum(reserved) >= t.nbytes) == (not populate_works) and (not reserved) == populate_works
+
+
+def test_shared_segment_on_a_full_tmpfs_is_named_and_removed(monkeypatch):
+    real = _sys.madvise
+
+    def full(addr, length, advice):  # shmem refuses pages once the tmpfs is full: EFAULT (not the probe's page)
+        return 14 if advice == _sys.MADV_POPULATE_WRITE and length > _sys.PAGE_SIZE else real(addr, length, advice)
+
+    monkeypatch.setattr(_sys, "madvise", full)
+    name = shm_name()
+    n_live = len(_region.live_regions())
+    with pytest.raises(HostMemoryError, match=rf"shared table '{name}'.*filesystem is full.*uvaple shm"):
+        HostTable.shared(name, 300, 1000, torch.uint8, fill=lambda t: None)
+    assert not os.path.exists(segments.segment_path(name)) and len(_region.live_regions()) == n_live
 
 
 @pytest.mark.parametrize("bad", [(0, 4), (4, 0), (-1, 4), (3.0, 4)])

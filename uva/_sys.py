@@ -67,6 +67,15 @@ def madvise(addr: int, length: int, advice: int) -> int:
     return 0
 
 
+def populate_write_supported() -> bool:
+    """Whether this kernel has ``MADV_POPULATE_WRITE`` (Linux >= 5.14): tried on one private page."""
+    addr = mmap(PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS)
+    try:
+        return madvise(addr, PAGE_SIZE, MADV_POPULATE_WRITE) == 0
+    finally:
+        munmap(addr, PAGE_SIZE)
+
+
 def memset(addr: int, value: int, length: int) -> None:
     _libc.memset(addr, value, length)
 

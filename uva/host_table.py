@@ -19,9 +19,12 @@ the same at a 256-byte stride, which cost 60% more host memory (a 48 GiB fp8 tab
 
 Population. Pages are committed up front by several threads at once (``MADV_POPULATE_WRITE`` on
 disjoint ranges; ctypes drops the GIL), so a shortage fails here with ``HostMemoryError`` rather than as
-an OOM kill later, and registration does not fault 25 million pages single-threaded. Shared segments
-are reserved with ``posix_fallocate`` (also in parallel), which turns "tmpfs is full" into ENOSPC
-instead of a SIGBUS on first touch.
+an OOM kill later, and registration does not fault 25 million pages single-threaded. A shared segment's
+pages are allocated by that same populate call (a full tmpfs makes it fail with EFAULT, named here, not
+a SIGBUS later); only where the kernel lacks ``MADV_POPULATE_WRITE`` are they reserved first with
+``posix_fallocate``, because the fallback then touches them by hand. (Reserving first as well cost 8 s for
+48 GiB on the H200 host, more than populating: the pages were allocated twice over, once to the file
+and once into the page tables.)
 
 Registration. ``cudaHostRegister(Portable | Mapped [| ReadOnly])`` through cuda-python, in pieces
 registered by several threads at once (pinning pages is the driver walking them one by one; a table split
@@ -357,7 +360,7 @@ class HostTable:
             if not seg.created:
                 layout = _layout_of(seg.header() or {}, path)
                 map_bytes = segments.DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
-            else:
+            elif not _sys.populate_write_supported():  # the populate fallback below touches pages by hand
                 _parallel(lambda off, n: _reserve(seg.fd, off, n, name, map_bytes),
                           _chunks(map_bytes, _POPULATE_CHUNK_BYTES), threads)
             try:
@@ -440,6 +443,11 @@ class HostTable:
                     buf = (ctypes_char * length).from_address(base + off)
                     sum(memoryview(buf).cast("B")[:: _sys.PAGE_SIZE])
                 return
+            if not self._region.private and err == 14:  # EFAULT: shmem refused a page (the tmpfs is full)
+                raise HostMemoryError(
+                    f"allocating {fmt_bytes(total)} for shared table {self._name!r} in {segments.SHM_DIR} failed: "
+                    f"the filesystem is full. Free space there (`uvaple shm` lists uvaple's segments), enlarge "
+                    f"it (mount -o remount,size=... {segments.SHM_DIR}) or drop name= to use private memory")
             raise HostMemoryError(
                 f"pre-faulting {fmt_bytes(total)} of host memory failed ({os.strerror(err)}): not enough free "
                 f"memory for this table. Free memory, use a smaller table, or quantise it")
