@@ -3,8 +3,9 @@
 A :class:`Lookup` is built once from a :class:`~uvaple.integration.spec.TableSpec` (validated at
 construction) and a placement, FlashInfer-style: everything a call needs (the table's device-readable
 view, the counters) exists before the first call, and a call with ``out`` allocates nothing, never
-synchronises and launches one kernel through the ``uvaple::gather_rows`` op, so it can be captured in a
-CUDA graph and compiled with ``torch.compile(fullgraph=True)``.
+synchronises and launches through the ``uvaple::gather_rows`` op (one kernel) or, for big calls of small
+rows, ``uvaple::gather_rows_sorted`` (a device sort into a workspace allocated with the lookup, then one
+kernel), so it can be captured in a CUDA graph and compiled with ``torch.compile(fullgraph=True)``.
 
 Placements
 ----------
@@ -34,6 +35,7 @@ import abc
 import torch
 
 from uvaple.kernels.gather import check_ids, check_out
+from uvaple.kernels.heuristics import use_sorted
 from uvaple.uva import HostTable
 
 from .errors import BackendClosed
@@ -196,11 +198,23 @@ class GatherLookup(Lookup):
     dequant_scale : torch.Tensor, optional
         The float32 ``[1]`` scale of an ``fp8_global`` table, on ``device``; read by every call (so a
         scale loaded in place later, as vLLM's loader does, is the one used).
+    order : {"auto", "direct", "sorted"}
+        How a call reads the table. ``direct``: in the caller's id order (``uvaple::gather_rows``).
+        ``sorted``: the ids are sorted on the device first and the rows read in ascending id order, each
+        written to its own output row (``uvaple::gather_rows_sorted``): random small rows spread over a
+        big table are read several times faster in order. ``auto`` (default): sorted where the committed
+        sweep measured it faster (:func:`uvaple.kernels.heuristics.use_sorted`: by ids per call, row bytes
+        and table span), else direct. Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
+        is allocated here, once; without ``max_rows`` every call is direct.
+    dedup : bool
+        With the sorted order, read each distinct id once (default True): its repeats copy the first
+        reader's output row. Same bits either way.
     """
 
     def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
                  owns_table: bool = False, max_rows: int | None = None, view: str = "cuda",
-                 count: bool = True, dequant_scale: torch.Tensor | None = None) -> None:
+                 count: bool = True, dequant_scale: torch.Tensor | None = None, order: str = "auto",
+                 dedup: bool = True) -> None:
         if not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
         spec = spec or TableSpec.of(table)
@@ -234,13 +248,34 @@ class GatherLookup(Lookup):
                              f"{spec.encoding!r}")
         # static too: a compiled CUDA graph mutates the counters in place, replay after replay
         self._counters = _static(torch.zeros(3, dtype=torch.int64, device=self.device)) if count else None
+        if order not in ("auto", "direct", "sorted"):
+            raise ValueError(f"order must be 'auto', 'direct' or 'sorted', got {order!r}")
+        if order == "sorted" and max_rows is None:
+            raise ValueError("order='sorted' needs max_rows: the sort's workspace is sized from it")
+        self.order = order if max_rows is not None else "direct"
+        self.dedup = bool(dedup)
+        self._workspace = None
+        if self.order != "direct":
+            self._workspace = torch.empty(2, max_rows, dtype=torch.int64, device=self.device)
+        self._span_bytes = (hi - lo) * table.stride_bytes
+
+    def uses_sorted(self, n: int) -> bool:
+        """Whether a call of ``n`` ids takes the sorted path."""
+        if self.order == "auto":
+            return use_sorted(n, self.spec.cols * self.table.itemsize, self._span_bytes)
+        return self.order == "sorted"
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         ids, out, c0 = self._prepare(ids, out, columns)
         spec = self.spec
-        torch.ops.uvaple.gather_rows(self._arg, ids, out, self._counters, self._dq_scale, spec.scale_arg,
-                                     spec.has_scale, c0, spec.id_offset, self._row_lo, spec.oob_mode,
-                                     spec.dequant)
+        if self._workspace is not None and self.uses_sorted(ids.numel()):
+            torch.ops.uvaple.gather_rows_sorted(self._arg, ids, out, self._counters, self._dq_scale, self._workspace,
+                                                spec.scale_arg, spec.has_scale, c0, spec.id_offset, self._row_lo,
+                                                spec.oob_mode, spec.dequant, self.dedup)
+        else:
+            torch.ops.uvaple.gather_rows(self._arg, ids, out, self._counters, self._dq_scale, spec.scale_arg,
+                                         spec.has_scale, c0, spec.id_offset, self._row_lo, spec.oob_mode,
+                                         spec.dequant)
         return out
 
     def stats(self) -> dict:
@@ -259,4 +294,5 @@ class GatherLookup(Lookup):
 
     def close(self) -> None:
         self._arg = None
+        self._workspace = None
         super().close()

@@ -92,6 +92,36 @@ def _round_f32(x, DTYPE: tl.constexpr):
         return x
 
 
+@jit
+def _convert(x, keep, dq_scale_ptr, scale_bits, table_ptr, out_ptr, HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr,
+             KEEP_ALL: tl.constexpr, NEG_ZERO: tl.constexpr, DEQUANT: tl.constexpr):
+    """Loaded elements ``x`` to the output's values: fp8 dequantisation, scale, dtype conversion; where
+    ``keep`` is false (and not ``KEEP_ALL``) a zero (or -0.0) instead, whatever the scale."""
+    if DEQUANT != 0:
+        # vLLM's formula: rows.to(out_dtype) * scale.to(out_dtype); fp8 widens to any out dtype exactly
+        v = _fp8_to_f32(x, DEQUANT)
+        s = _to_f32(_round_f32(tl.load(dq_scale_ptr).to(tl.float32), out_ptr.dtype.element_ty),
+                    out_ptr.dtype.element_ty)
+        v = _round_f32(v * s, out_ptr.dtype.element_ty)
+        if not KEEP_ALL:
+            v = tl.where(keep, v, _zero_row(v, NEG_ZERO))
+        y = v.to(out_ptr.dtype.element_ty)
+    elif CONVERT:
+        v = _to_f32(x, table_ptr.dtype.element_ty)
+        if HAS_SCALE:
+            # The scale travels as its bits: no float argument conversion can touch -0.0 or a subnormal.
+            scale = scale_bits.to(tl.int32).to(tl.float32, bitcast=True)
+            v = _round_f32(v * scale, table_ptr.dtype.element_ty)
+            v = _to_f32(v, table_ptr.dtype.element_ty)
+        v = _round_f32(v, out_ptr.dtype.element_ty)
+        if not KEEP_ALL:
+            v = tl.where(keep, v, _zero_row(v, NEG_ZERO))  # whatever the scale (negative, inf, NaN)
+        y = v.to(out_ptr.dtype.element_ty)
+    else:
+        y = x
+    return y
+
+
 # n_ids changes from call to call (1 in decode, thousands in prefill) and only feeds the counters: not
 # specialised, so a new batch size never compiles a new variant (perhaps inside a graph capture).
 @jit(do_not_specialize=["scale_bits", "n_ids"])
@@ -133,26 +163,84 @@ def gather_rows_kernel(
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     load_mask = cols < limit
     x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
-    if DEQUANT != 0:
-        # vLLM's formula: rows.to(out_dtype) * scale.to(out_dtype); fp8 widens to any out dtype exactly
-        v = _fp8_to_f32(x, DEQUANT)
-        s = _to_f32(_round_f32(tl.load(dq_scale_ptr).to(tl.float32), out_ptr.dtype.element_ty),
-                    out_ptr.dtype.element_ty)
-        v = _round_f32(v * s, out_ptr.dtype.element_ty)
-        if not OOB_ROW0:
-            v = tl.where(load_mask, v, _zero_row(v, NEG_ZERO))
-        y = v.to(out_ptr.dtype.element_ty)
-    elif CONVERT:
-        v = _to_f32(x, table_ptr.dtype.element_ty)
-        if HAS_SCALE:
-            # The scale travels as its bits: no float argument conversion can touch -0.0 or a subnormal.
-            scale = scale_bits.to(tl.int32).to(tl.float32, bitcast=True)
-            v = _round_f32(v * scale, table_ptr.dtype.element_ty)
-            v = _to_f32(v, table_ptr.dtype.element_ty)
-        v = _round_f32(v, out_ptr.dtype.element_ty)
-        if not OOB_ROW0:
-            v = tl.where(load_mask, v, _zero_row(v, NEG_ZERO))  # whatever the scale (negative, inf, NaN)
-        y = v.to(out_ptr.dtype.element_ty)
-    else:
-        y = x
+    y = _convert(x, load_mask, dq_scale_ptr, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
+                 NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
+
+
+@jit
+def _leader_index(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
+def _add(a, b):
+    return a + b
+
+
+# n changes from call to call: not specialised (see gather_rows_kernel).
+@jit(do_not_specialize=["scale_bits", "n"])
+def gather_sorted_kernel(
+    table_ptr,  # *Pointer* to row 0 of the table
+    sorted_ptr,  # *Pointer* to the ids in ascending order [n] (int32 or int64, as the caller's)
+    order_ptr,  # *Pointer* to int64 [n]: the output row of each sorted id (its position in the caller's ids)
+    out_ptr,  # *Pointer* to the output [n, n_cols]
+    counters_ptr,  # as gather_rows_kernel
+    dq_scale_ptr,  # as gather_rows_kernel
+    n,  # ids in this call
+    id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits,  # as gather_rows_kernel
+    HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
+    DEQUANT: tl.constexpr, COUNT: tl.constexpr,
+    DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
+    BLOCK_R: tl.constexpr,  # sorted ids per program
+    BLOCK_C: tl.constexpr,  # columns per program
+):
+    """Program ``(p, j)``: column tile ``j`` of sorted ids ``p*BLOCK_R ...``, each written to its own output
+    row (``order``): rows are read in ascending id order, so one program's reads cluster in the table.
+
+    De-duplication, in the same pass: within a program, only the first of equal ids (a "leader"; the
+    first id of every program is one) reads the table; after a barrier, the others copy the leader's
+    output row, which this program has just written. A run of equal ids that spans programs is read once
+    per program it touches, so the table is read at most ``distinct + programs`` times.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    local = tl.arange(0, BLOCK_R)
+    r = pid * BLOCK_R + local
+    in_n = r < n
+    raw = tl.load(sorted_ptr + r, mask=in_n, other=0)
+    row = raw.to(tl.int64) - id_base
+    valid = (row >= row_lo) & (row < n_rows) & in_n
+    row = tl.where(valid, row, row_lo)  # no address outside the table, whatever the id
+    pos = tl.load(order_ptr + r, mask=in_n, other=0)
+    if COUNT:
+        if tile == 0:
+            first = pid == 0
+            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 1, n, mask=first, sem="relaxed")
+            # tl.reduce with our own combine: tl.sum's is a triton.jit of the standard library, which the
+            # interpreted copy of this module (kernels/_jit.py) cannot call
+            bad = tl.reduce((in_n & (valid == 0)).to(tl.int64), 0, _add)
+            tl.atomic_add(counters_ptr + 2, bad, mask=bad > 0, sem="relaxed")
+    if DEDUP:
+        prev = tl.load(sorted_ptr + r - 1, mask=in_n & (local > 0), other=0)
+        leader = in_n & ((local == 0) | (raw != prev))
+    else:
+        leader = in_n
+    cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    if OOB_ROW0:
+        keep = leader[:, None] & col_ok[None, :]
+    else:
+        keep = (leader & valid)[:, None] & col_ok[None, :]
+    x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep, other=0)
+    y = _convert(x, keep, dq_scale_ptr, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0, NEG_ZERO,
+                 DEQUANT)
+    tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])
+    if DEDUP:
+        tl.debug_barrier()  # the leaders' rows are written and visible to the whole program
+        lead = tl.associative_scan(tl.where(leader, local, 0), 0, _leader_index)
+        lead_pos = tl.load(order_ptr + pid * BLOCK_R + lead, mask=in_n, other=0)
+        dup = (in_n & (leader == 0))[:, None] & col_ok[None, :]
+        v = tl.load(out_ptr + lead_pos[:, None] * n_cols + cols[None, :], mask=dup, other=0)
+        tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], v, mask=dup)

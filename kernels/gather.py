@@ -42,9 +42,9 @@ import triton
 from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 
 from . import _capture, _gather_triton, _jit
-from .heuristics import LaunchConfig, launch_config
+from .heuristics import LaunchConfig, SortedConfig, launch_config, sorted_config
 
-__all__ = ["gather_rows", "launch", "scale_bits", "column_range", "check_ids", "check_out", "OOB_POLICIES",
+__all__ = ["gather_rows", "launch", "launch_sorted", "scale_bits", "column_range", "check_ids", "check_out", "OOB_POLICIES",
            "TABLE_DTYPES", "OUT_DTYPES"]
 
 OOB_POLICIES = ("zero", "row0", "neg_zero")
@@ -170,35 +170,30 @@ def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
     return int(rounded.view(torch.int32).item())
 
 
-def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-           dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
-           oob_mode: int, dequant: int, *, config: LaunchConfig | None = None) -> None:
-    """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
-
-    The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
-    with an explicit ``config`` to sweep tile widths).
-    """
+def _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, what) -> int:
+    """The integer checks every launch makes (the operators are public: even a direct call stays inside
+    the table and ``out``); returns the columns per row."""
     n = ids.numel()
     ncols = out.shape[-1] if out.dim() else 0
-    # The operator is public: a few integer checks keep even a direct call inside the table and `out`.
     if out.numel() != n * ncols or not out.is_contiguous() or not ids.is_contiguous():
-        raise ValueError(f"uvaple::gather_rows: out must be contiguous [*ids.shape, ncols] and ids contiguous "
+        raise ValueError(f"uvaple::{what}: out must be contiguous [*ids.shape, ncols] and ids contiguous "
                          f"(got out {tuple(out.shape)}, ids {tuple(ids.shape)})")
     if table.dim() != 2 or table.stride(1) != 1 or col_start < 0 or col_start + ncols > table.shape[1]:
-        raise ValueError(f"uvaple::gather_rows: columns {col_start}..{col_start + ncols} are not inside the "
+        raise ValueError(f"uvaple::{what}: columns {col_start}..{col_start + ncols} are not inside the "
                          f"table's {table.shape[-1]} (or the table is not 2-D with unit column stride)")
     if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2) \
             or dequant not in (0, 1, 2):
-        raise ValueError(f"uvaple::gather_rows: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
+        raise ValueError(f"uvaple::{what}: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
                          f"{dequant} is out of range (table of {table.shape[0]} rows, id_base < 2**62)")
     if dequant and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
                     or table.element_size() != 1 or dq_scale.device != out.device):
-        raise ValueError("uvaple::gather_rows: fp8 dequantisation needs a 1-byte table and a float32 scale of "
+        raise ValueError(f"uvaple::{what}: fp8 dequantisation needs a 1-byte table and a float32 scale of "
                          "one element on the output's device")
-    torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
-    if n == 0 or ncols == 0:
-        return
-    cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
+    return ncols
+
+
+def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int):
+    """(table, out, convert) as the kernels take them: fp8 codes as bytes, plain copies as integers."""
     convert = has_scale or out.dtype != table.dtype or oob_mode == 2
     if _capture.capturing(ids):
         _capture.keep_for_graph(table)
@@ -208,6 +203,24 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
         # A plain copy moves bits: give the kernel same-width integers (fp8 and friends need no support).
         as_int = _INT_OF_SIZE[table.element_size()]
         table, out = table.view(as_int), out.view(as_int)
+    return table, out, convert
+
+
+def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
+           dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
+           oob_mode: int, dequant: int, *, config: LaunchConfig | None = None) -> None:
+    """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
+
+    The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
+    with an explicit ``config`` to sweep tile widths).
+    """
+    n = ids.numel()
+    ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, "gather_rows")
+    torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
+    if n == 0 or ncols == 0:
+        return
+    cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
+    table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
@@ -215,6 +228,42 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale, CONVERT=convert,
         OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant, COUNT=counters is not None,
         BLOCK=cfg.block, num_warps=cfg.num_warps,
+    )
+
+
+def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
+                  dq_scale: torch.Tensor | None, workspace: torch.Tensor, bits: int, has_scale: bool, col_start: int,
+                  id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool, *,
+                  config: SortedConfig | None = None) -> None:
+    """The body of ``uvaple::gather_rows_sorted``: sort the ids into ``workspace`` (int64 ``[2, max_rows]``:
+    the sorted ids, as the ids' dtype, and their positions), then gather in sorted order, each row to its
+    own output position, repeats de-duplicated when ``dedup``. Same arguments and bits as :func:`launch`.
+    """
+    n = ids.numel()
+    ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant,
+                          "gather_rows_sorted")
+    if workspace.dtype != torch.int64 or workspace.dim() != 2 or workspace.shape[0] != 2 or \
+            workspace.shape[1] < n or not workspace.is_contiguous() or workspace.device != ids.device:
+        raise ValueError(f"uvaple::gather_rows_sorted: the workspace must be a contiguous int64 [2, >= {n}] "
+                         f"tensor on {ids.device}, got {workspace.dtype} {tuple(workspace.shape)}")
+    torch.autograd.graph.increment_version(out)
+    if n == 0 or ncols == 0:
+        return
+    cfg = config or sorted_config(ncols * table.element_size(), table.element_size())
+    keys = workspace[0].view(ids.dtype)[:n] if ids.dtype != torch.int64 else workspace[0, :n]
+    order = workspace[1, :n]
+    # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc
+    # once warm, and a captured graph owns it.
+    torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
+    table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
+    grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
+    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
+    kernels.gather_sorted_kernel[grid](
+        table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n,
+        id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale,
+        CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
+        COUNT=counters is not None, DEDUP=dedup, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
+        num_warps=cfg.num_warps,
     )
 
 

@@ -45,3 +45,43 @@ def launch_config(row_bytes: int, itemsize: int, n_rows: int, *, tile_bytes: int
     """Tile width (elements) and warps for gathering ``n_rows`` rows of ``row_bytes`` bytes."""
     del n_rows  # the measured best does not depend on the row count (see module docstring)
     return _config(row_bytes, itemsize, tile_bytes or TILE_BYTES, num_warps or NUM_WARPS)
+
+
+# The sorted gather: one program takes BLOCK_R sorted ids x one column tile of SORTED_TILE_BYTES at most;
+# rows are packed so that a program moves about SORTED_PROGRAM_BYTES (a 160-byte row: 16 rows of a
+# 256-byte tile). At least SORTED_MIN_ROWS rows per program, so repeats of an id within a program are
+# read once even for big rows.
+SORTED_PROGRAM_BYTES = 4096
+SORTED_TILE_BYTES = 1024
+SORTED_MIN_ROWS = 4
+SORTED_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class SortedConfig:
+    block_rows: int  # sorted ids per program
+    block_cols: int  # elements per program per row
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=256)
+def sorted_config(row_bytes: int, itemsize: int, program_bytes: int | None = None,
+                  tile_bytes: int | None = None, num_warps: int | None = None) -> SortedConfig:
+    """Rows per program, tile width (elements) and warps of the sorted gather for ``row_bytes`` rows."""
+    tile = min(triton.next_power_of_2(row_bytes), tile_bytes or SORTED_TILE_BYTES)
+    rows = (program_bytes or SORTED_PROGRAM_BYTES) // tile
+    rows = triton.next_power_of_2(max(SORTED_MIN_ROWS, min(SORTED_MAX_ROWS, rows)))
+    warps = num_warps or max(1, min(NUM_WARPS, rows * tile // (32 * 16)))
+    return SortedConfig(rows, max(1, tile // itemsize), warps)
+
+
+# When the sorted gather is used (GatherLookup(order="auto")): thresholds from the committed sweep
+# (perf/results/.../ngram/; `uvaple bench --workload ngram --sweep`).
+SORT_MIN_IDS = 16384  # ids per call below which the sort costs more than the order saves
+SORT_MAX_ROW_BYTES = 4096  # rows above this are read at the wire in any order
+SORT_MIN_SPAN_BYTES = 1 << 30  # a table span below this is read fast in any order
+
+
+def use_sorted(n: int, row_bytes: int, span_bytes: int) -> bool:
+    """Whether a call of ``n`` ids of ``row_bytes``-byte rows over ``span_bytes`` of table is sorted first."""
+    return n >= SORT_MIN_IDS and row_bytes <= SORT_MAX_ROW_BYTES and span_bytes >= SORT_MIN_SPAN_BYTES

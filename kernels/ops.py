@@ -17,6 +17,10 @@ Schema::
 
 ``oob_mode``: 0 zero rows, 1 row ``row_lo``, 2 -0.0 rows (a sum over ranks keeps every owner's bits).
 ``dequant``: 0 rows as stored, 1/2 fp8 e4m3fn/e5m2 codes times ``dq_scale`` (vLLM's formula).
+
+``uvaple::gather_rows_sorted`` takes the same arguments plus ``Tensor(c!) workspace`` (int64
+``[2, >= ids.numel()]``) and ``bool dedup``: the ids are sorted into the workspace and the rows read in
+ascending id order (each written to its own output row), repeats read once when ``dedup``. Same bits.
 Valid ids are ``row_lo <= id - id_base < table.shape[0]`` and read row ``id - id_base``
 (``id_base``: the first id of a vocabulary shard stored alone).
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather import launch
+from .gather import launch, launch_sorted
 
 _SCHEMA = ("gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
            "int scale_bits, bool has_scale, int col_start, int id_base, int row_lo, int oob_mode, int dequant) -> ()")
@@ -33,6 +37,20 @@ _SCHEMA = ("gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? co
 _lib = torch.library.Library("uvaple", "DEF")
 _lib.define(_SCHEMA)
 _lib.impl("gather_rows", launch, "CompositeExplicitAutograd")
+
+
+_SORTED_SCHEMA = (
+    "gather_rows_sorted(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
+    "Tensor(c!) workspace, int scale_bits, bool has_scale, int col_start, int id_base, int row_lo, int oob_mode, "
+    "int dequant, bool dedup) -> ()")
+_lib.define(_SORTED_SCHEMA)
+_lib.impl("gather_rows_sorted", launch_sorted, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("uvaple::gather_rows_sorted", lib=_lib)
+def _gather_rows_sorted_fake(table, ids, out, counters, dq_scale, workspace, scale_bits, has_scale, col_start,
+                             id_base, row_lo, oob_mode, dequant, dedup) -> None:
+    return None
 
 
 @torch.library.register_fake("uvaple::gather_rows", lib=_lib)

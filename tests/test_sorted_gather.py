@@ -1,0 +1,168 @@
+"""The sorted (locality-ordered, de-duplicated) gather: bit-exact against the reference for every id
+pattern and policy, its workspace and path choice, its bad inputs. CPU (interpreted); the GPU run of the
+same checks is tests/test_gpu_lookup.py and the speed is `uvaple bench --workload ngram`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from uvaple.integration import GatherLookup, TableSpec
+from uvaple.kernels import heuristics, reference_gather
+from uvaple.uva import HostTable
+
+from helpers import bits, rand
+
+ROWS = 517
+
+
+def patterns(n: int, rows: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    rnd = torch.randint(0, rows, (n,), generator=g)
+    mostly = torch.full((n,), 7)
+    mostly[torch.randint(0, n, (max(1, n // 10),), generator=g)] = torch.randint(0, rows, (max(1, n // 10),),
+                                                                                  generator=g)
+    edge = torch.tensor([-1, rows, rows - 1, 0, -(2**31), 2**31 - 1, 2**31, -(2**63), 2**63 - 1, 2**62, 3, 3])
+    oob = torch.cat([edge, rnd[: max(0, n - edge.numel())]])[:n]
+    return {"random": rnd, "sorted": rnd.sort().values, "reversed": rnd.sort(descending=True).values,
+            "all_equal": torch.full((n,), rows // 2), "mostly_equal": mostly,
+            "out_of_range": oob[torch.randperm(n, generator=g)], "runs": rnd.sort().values.repeat_interleave(3)[:n]}
+
+
+@pytest.fixture(scope="module")
+def table():
+    with HostTable.from_tensor(rand(ROWS, 80, torch.bfloat16, seed=5)) as t:  # 160-byte rows
+        yield t
+
+
+def sorted_lookup(table, spec=None, dedup=True, max_rows=4096, **kw):
+    return GatherLookup(table, spec or TableSpec.of(table), "cpu", order="sorted", max_rows=max_rows, dedup=dedup,
+                        **kw)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [1, 2, 17, 300])
+def test_every_pattern_bit_exact(table, dedup, id_dtype, n):
+    with sorted_lookup(table, dedup=dedup) as lk:
+        for name, ids in patterns(n, ROWS, seed=n).items():
+            if id_dtype == torch.int32:
+                ids = ids.clamp(-(2**31), 2**31 - 1)
+            ids = ids.to(id_dtype)
+            out = torch.full((n, 80), float("nan"), dtype=torch.bfloat16)
+            lk.lookup(ids, out)
+            assert torch.equal(bits(out), bits(reference_gather(table.tensor, ids))), name
+
+
+def test_empty_call_and_shapes(table):
+    with sorted_lookup(table) as lk:
+        assert lk.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, 80)
+        ids = torch.randint(0, ROWS, (3, 5, 7))
+        out = lk.lookup(ids)
+        assert out.shape == (3, 5, 7, 80) and torch.equal(bits(out), bits(reference_gather(table.tensor, ids)))
+
+
+@pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
+def test_policies_scale_conversion_columns_window(oob):
+    t = rand(300, 96, torch.float16, seed=2)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, scale=3.5, oob=oob, out_dtype=torch.float32, id_offset=1000, row_window=(40, 250),
+                            column_block=32)
+        ids = patterns(200, 1300, seed=3)["out_of_range"] + torch.randint(0, 2, (200,)) * 1000
+        ids[::4] = 1100  # repeats of a valid id
+        with sorted_lookup(h, spec) as lk, GatherLookup(h, spec, "cpu") as direct:
+            for cols in [None, (32, 64)]:
+                want = direct.lookup(ids, columns=cols)
+                got = torch.full_like(want, float("nan"))
+                lk.lookup(ids, got, columns=cols)
+                assert torch.equal(bits(got), bits(want))
+            ref = reference_gather(t, ids, scale=3.5, oob=oob, out_dtype=torch.float32, rows=(40, 250), id_base=1000)
+            assert torch.equal(bits(lk.lookup(ids)), bits(ref))
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_dequant_every_code(fmt):
+    codes = (torch.arange(256).view(256, 1) + torch.arange(48).view(1, 48)) % 256  # each code at each column
+    with HostTable.from_tensor(codes.to(torch.uint8).view(fmt)) as h:
+        spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16, oob="neg_zero")
+        for s in (0.0173, -2.5, 1e-30, float("inf")):
+            scale = torch.tensor([s], dtype=torch.float32)
+            ids = torch.cat([torch.arange(256), torch.tensor([-1, 256, 5, 5, 5])])[torch.randperm(261)]
+            with sorted_lookup(h, spec, dequant_scale=scale) as lk:
+                got = lk.lookup(ids)
+            want = reference_gather(h.tensor, ids, dequant_scale=scale, oob="neg_zero")
+            nan = torch.isnan(want)
+            assert torch.equal(torch.isnan(got), nan)
+            assert torch.equal(bits(torch.where(nan, 0, got)), bits(torch.where(nan, 0, want))), s
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(-3, ROWS + 3), st.integers(-(2**63), 2**63 - 1), st.just(11)),
+                    min_size=1, max_size=200), dedup=st.booleans())
+def test_fuzz_against_reference(table, ids, dedup):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    with sorted_lookup(table, dedup=dedup, count=True) as lk:
+        out = torch.full((ids.numel(), 80), float("nan"), dtype=torch.bfloat16)
+        lk.lookup(ids, out)
+        assert torch.equal(bits(out), bits(reference_gather(table.tensor, ids)))
+        st_ = lk.stats()
+        assert st_["rows"] == ids.numel() and st_["out_of_range_ids"] == int(((ids < 0) | (ids >= ROWS)).sum())
+
+
+def test_sorted_needs_max_rows_and_respects_it(table):
+    with pytest.raises(ValueError, match="needs max_rows"):
+        GatherLookup(table, None, "cpu", order="sorted")
+    with pytest.raises(ValueError, match="order must be"):
+        GatherLookup(table, None, "cpu", order="fast")
+    with sorted_lookup(table, max_rows=8) as lk:
+        with pytest.raises(ValueError, match="max_rows=8"):
+            lk.lookup(torch.zeros(9, dtype=torch.int64))
+    with GatherLookup(table, None, "cpu") as lk:  # no max_rows: direct, no workspace
+        assert lk.order == "direct" and lk._workspace is None and not lk.uses_sorted(10**6)
+
+
+def test_auto_choice_follows_the_heuristic(table, monkeypatch):
+    with GatherLookup(table, None, "cpu", max_rows=100_000) as lk:
+        assert lk._workspace.shape == (2, 100_000)
+        span = table.rows * table.stride_bytes
+        for n in (1, 4096, 16384, 100_000):
+            assert lk.uses_sorted(n) == heuristics.use_sorted(n, 160, span)
+        monkeypatch.setattr(heuristics, "SORT_MIN_SPAN_BYTES", 0)
+        monkeypatch.setattr(heuristics, "SORT_MIN_IDS", 50)
+        assert lk.uses_sorted(60) and not lk.uses_sorted(49)
+        ids = torch.randint(0, ROWS, (333,))
+        assert torch.equal(bits(lk.lookup(ids)), bits(reference_gather(table.tensor, ids)))
+    lk.close()
+    assert lk._workspace is None
+
+
+def test_heuristic_thresholds():
+    big = 24 << 30
+    assert not heuristics.use_sorted(heuristics.SORT_MIN_IDS - 1, 160, big)
+    assert heuristics.use_sorted(heuristics.SORT_MIN_IDS, 160, big)
+    assert not heuristics.use_sorted(1 << 20, heuristics.SORT_MAX_ROW_BYTES + 16, big)
+    assert not heuristics.use_sorted(1 << 20, 160, heuristics.SORT_MIN_SPAN_BYTES - 1)
+
+
+def test_operator_refuses_a_bad_workspace(table):
+    ids = torch.randint(0, ROWS, (10,))
+    out = torch.empty(10, 80, dtype=torch.bfloat16)
+    op = torch.ops.uvaple.gather_rows_sorted
+    for ws in (torch.empty(2, 9, dtype=torch.int64), torch.empty(2, 10, dtype=torch.int32),
+               torch.empty(3, 10, dtype=torch.int64), torch.empty(10, 2, dtype=torch.int64).t()):
+        with pytest.raises(ValueError, match="workspace must be"):
+            op(table.tensor, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, True)
+    with pytest.raises(ValueError, match="columns"):
+        op(table.tensor, ids, torch.empty(10, 81, dtype=torch.bfloat16), None, None,
+           torch.empty(2, 10, dtype=torch.int64), 0, False, 0, 0, 0, 0, 0, True)
+
+
+def test_sorted_config_shapes():
+    c = heuristics.sorted_config(160, 1)
+    assert (c.block_rows, c.block_cols) == (16, 256)
+    big = heuristics.sorted_config(17920, 2)
+    assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
+    tiny = heuristics.sorted_config(16, 4)
+    assert tiny.block_rows == heuristics.SORTED_MAX_ROWS and tiny.block_cols == 4
