@@ -44,7 +44,8 @@ from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 from . import _capture, _gather_triton, _jit
 from .heuristics import LaunchConfig, SortedConfig, launch_config, sorted_config
 
-__all__ = ["gather_rows", "launch", "launch_sorted", "scale_bits", "column_range", "check_ids", "check_out", "OOB_POLICIES",
+__all__ = ["gather_rows", "launch", "launch_sorted", "scale_bits", "column_range", "check_ids", "check_out",
+           "OOB_POLICIES",
            "TABLE_DTYPES", "OUT_DTYPES"]
 
 OOB_POLICIES = ("zero", "row0", "neg_zero")

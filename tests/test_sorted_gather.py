@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import bits, rand
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from uvaple.integration import GatherLookup, TableSpec
 from uvaple.kernels import heuristics, reference_gather
 from uvaple.uva import HostTable
-
-from helpers import bits, rand
 
 ROWS = 517
 
