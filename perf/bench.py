@@ -167,8 +167,31 @@ def exit_code(rows: Sequence[dict[str, Any]]) -> int:
     return 0
 
 
+def _workload(argv: list[str]) -> tuple[str, list[str]]:
+    """``--workload NAME`` (``ple``, the default, or ``ngram``) and the other arguments."""
+    rest, name = [], "ple"
+    it = iter(argv)
+    for a in it:
+        if a == "--workload":
+            name = next(it, "")
+        elif a.startswith("--workload="):
+            name = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if name not in ("ple", "ngram"):
+        raise SystemExit(f"uvaple bench: --workload must be 'ple' (Gemma 3n-shaped rows, the default) or 'ngram' "
+                         f"(160-byte n-gram rows at random), got {name!r}")
+    return name, rest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``uvaple bench [options]``; returns the exit code (see :func:`exit_code`)."""
+    """``uvaple bench [options]``; returns the exit code (see :func:`exit_code`). ``--workload ngram`` runs
+    :mod:`uvaple.perf.ngram` (its own options) instead."""
+    workload, argv = _workload(list(sys.argv[1:] if argv is None else argv))
+    if workload == "ngram":
+        from . import ngram
+
+        return ngram.main(argv)
     ns = parse_args(argv)
     cfg = config_from_args(ns)
     meta = collect_meta(cfg)

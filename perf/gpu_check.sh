@@ -3,12 +3,12 @@
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready probe vllm bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram vllm bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
-mkdir -p "$R" "$R/vllm"
-STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready vllm bench e2e}
+mkdir -p "$R" "$R/vllm" "$R/ngram"
+STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram vllm bench e2e}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -57,6 +57,10 @@ if has probe; then
   timeout 240 python3 -m uvaple.perf.ready_probe --gib 16 --json "$R/ready_probe_16.json" 2>&1 | tee "$R/ready_probe.log"
   timeout 240 python3 -m uvaple.perf.ready_probe --gib 48 --json "$R/ready_probe_48.json" \
     --variants private:threads:one,private:threads:pieces,private:pipelined:-,shm:threads:one,shm:threads:pieces,shm:pipelined:-,shm:none:pieces 2>&1 | tee -a "$R/ready_probe.log"
+fi
+if has ngram; then
+  step "uvaple bench --workload ngram ${NGRAM_ARGS:---sweep} (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB table)"
+  timeout 500 uvaple bench --workload ngram --table-gib ${NGRAM_TABLE_GIB:-24} ${NGRAM_ARGS:---sweep} --out "$R/ngram" 2>&1 | tee "$R/ngram/ngram.log" | tail -60
 fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"

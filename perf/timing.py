@@ -111,6 +111,39 @@ def time_graph(call_on: Callable[[torch.Tensor, torch.Tensor], Any], out: torch.
     return {"graph_us_p20": p20, "graph_us_median": med, "graph_us_p80": p80}
 
 
+def graph_replay_us(call: Callable[[torch.Tensor], Any], ids_buf: torch.Tensor,
+                    refresh: Callable[[torch.Tensor], Any], replays: int) -> dict[str, float]:
+    """Per-call µs (p20, median, p80) of ``call(ids_buf[j])`` for every ``j``, captured in one CUDA graph and
+    replayed ``replays`` times; ``refresh(ids_buf)`` writes new ids in place before each replay (outside the
+    timed region). Warm-up runs on a side stream, as ``torch.cuda.graphs`` asks."""
+    device, calls = ids_buf.device, ids_buf.shape[0]
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for j in range(2):
+            call(ids_buf[j % calls])
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for j in range(calls):
+            call(ids_buf[j])
+    graph.replay()  # the first replay uploads the graph
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(replays):
+        refresh(ids_buf)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del graph
+    p20, med, p80 = quantiles(times)
+    return {"p20": p20, "median": med, "p80": p80}
+
+
 def reps_for(cfg: BenchConfig, est_us: float) -> int:
     if cfg.point_time_s <= 0 or not math.isfinite(est_us) or est_us <= 0:
         return cfg.min_reps

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -34,6 +33,7 @@ from uvaple.integration import GatherLookup, TableSpec
 from uvaple.uva import HostTable
 
 from .peers import memcpy_ceiling, vllm_ple_dequant, vllm_ple_gather
+from .timing import graph_replay_us
 
 HEADS = 16
 CASES = {
@@ -79,32 +79,8 @@ def _reference(table: HostTable, ids: torch.Tensor, fp8: bool, scale: torch.Tens
     return rows.reshape(*ids.shape, table.cols)
 
 
-def _graph_us(call, ids_buf: torch.Tensor, rows: int, calls: int, replays: int) -> float:
-    device = ids_buf.device
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for j in range(2):
-            call(ids_buf[j % calls])
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            call(ids_buf[j])
-    graph.replay()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(replays):
-        ids_buf.random_(0, rows)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+def _graph_us(call, ids_buf: torch.Tensor, rows: int, replays: int) -> float:
+    return graph_replay_us(call, ids_buf, lambda b: b.random_(0, rows), replays)["median"]
 
 
 def run(table_gib: float, smoke: bool, out_dir: str | None, cases: list[str]) -> list[dict]:
@@ -119,12 +95,14 @@ def run(table_gib: float, smoke: bool, out_dir: str | None, cases: list[str]) ->
         ready_s = time.perf_counter() - t0
         scale = torch.tensor([SCALE], dtype=torch.float32, device=device)
         spec = TableSpec.of(table, encoding="fp8_global", out_dtype=torch.bfloat16) if fp8 else TableSpec.of(table)
-        lookup = GatherLookup(table, spec, device, dequant_scale=scale if fp8 else None, count=False)
+        tokens = [t for t in case["tokens"] if t <= 64] if smoke else case["tokens"]
+        # as the plugin builds it: max_rows from the largest batch, so prefill-sized calls may take the sorted path
+        lookup = GatherLookup(table, spec, device, dequant_scale=scale if fp8 else None, count=False,
+                              max_rows=max(tokens) * case["heads"])
         view = table.cuda_view() if cuda else table.tensor
         row_bytes = table.cols * table.itemsize
         print(f"# {name}: {table.rows:,} rows of {row_bytes:,} B ({table.rows * row_bytes / (1 << 30):.2f} GiB, "
               f"ready in {ready_s:.1f} s)", flush=True)
-        tokens = [t for t in case["tokens"] if t <= 64] if smoke else case["tokens"]
         for tok in tokens:
             shape = (tok, case["heads"]) if case["heads"] > 1 else (tok,)
             n = tok * case["heads"]
@@ -150,21 +128,22 @@ def run(table_gib: float, smoke: bool, out_dir: str | None, cases: list[str]) ->
             got_peer = peer_out if fp8 else raw
             exact = {"ours": torch.equal(ours_out.cpu().view(torch.uint8), want.view(torch.uint8)),
                      "peer": torch.equal(got_peer.cpu().view(torch.uint8), want.view(torch.uint8))}
-            rec = {"case": name, "tokens": tok, "rows": n, "row_bytes": row_bytes, "bit_exact": exact}
+            rec = {"case": name, "tokens": tok, "rows": n, "row_bytes": row_bytes, "bit_exact": exact,
+                   "ours_path": "sorted" if lookup.uses_sorted(n) else "direct"}
             if cuda:
                 calls = max(2, min(64, (256 << 20) // max(1, n * row_bytes * 2)))
                 ids_buf = torch.randint(0, table.rows, (calls, *shape), device=device)
                 host = torch.empty(n * row_bytes, dtype=torch.uint8, pin_memory=True)
                 dev = torch.empty(n * row_bytes, dtype=torch.uint8, device=device)
-                us = {"ours": _graph_us(ours, ids_buf, table.rows, calls, 30),
-                      "peer": _graph_us(peer, ids_buf, table.rows, calls, 30),
+                us = {"ours": _graph_us(ours, ids_buf, table.rows, 30),
+                      "peer": _graph_us(peer, ids_buf, table.rows, 30),
                       "memcpy": _graph_us(lambda _i, d=dev, h=host: memcpy_ceiling(d, h),
-                                            ids_buf, table.rows, calls, 30)}
+                                            ids_buf, table.rows, 30)}
                 rec.update(us_median=us, gbps={k: n * row_bytes / (v * 1e3) for k, v in us.items()},
                            ours_over_peer=us["peer"] / us["ours"], ours_over_memcpy=us["memcpy"] / us["ours"])
                 print(f"{name:13s} tokens {tok:5d} rows {n:7d}: ours {us['ours']:8.1f} us  peer {us['peer']:8.1f} us"
                       f"  memcpy {us['memcpy']:8.1f} us  ours/peer {rec['ours_over_peer']:.3f}  ours/memcpy "
-                      f"{rec['ours_over_memcpy']:.3f}  exact {exact}", flush=True)
+                      f"{rec['ours_over_memcpy']:.3f}  path {rec['ours_path']}  exact {exact}", flush=True)
             else:
                 print(f"{name:13s} tokens {tok:5d} rows {n:7d}: exact {exact} (interpreted: not timed)", flush=True)
             results.append(rec)

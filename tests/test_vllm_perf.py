@@ -64,3 +64,26 @@ def test_vllm_startup_small_is_exact(tmp_path):
     assert res["sampled_rows_exact"] and res["rows"] % 128 == 0
     assert json.loads((tmp_path / "out" / "vllm_startup.json").read_text())["rows"] == res["rows"]
     assert list((tmp_path / "ckpt").iterdir()) == []  # the checkpoint is removed
+
+
+def test_ngram_bench_smoke_is_bit_exact(tmp_path):
+    from uvaple.perf import bench, ngram
+
+    assert bench.main(["--workload", "ngram", "--smoke", "--rows", "40,300", "--patterns", "random,ngram",
+                       "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "ngram.json").read_text())["results"]
+    assert [(r["pattern"], r["n"]) for r in res] == [("random", 40), ("random", 300), ("ngram", 40), ("ngram", 300)]
+    assert all(all(r["bit_exact"].values()) and len(r["bit_exact"]) == 5 for r in res)
+    ids = ngram.ngram_ids(320, 16_000, seed=1)
+    heads = ids.view(20, 16) // (16_000 // 16)
+    assert torch.equal(heads, torch.arange(16).expand(20, 16))  # each head hashes into its own slice
+    assert ids.unique().numel() < 320  # Zipf tokens: common n-grams repeat
+
+
+def test_bench_workload_argument():
+    from uvaple.perf import bench
+
+    assert bench._workload(["--workload", "ngram", "--smoke"]) == ("ngram", ["--smoke"])
+    assert bench._workload(["--quick"]) == ("ple", ["--quick"])
+    with pytest.raises(SystemExit, match="--workload must be"):
+        bench._workload(["--workload=zipf"])

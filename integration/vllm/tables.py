@@ -196,7 +196,9 @@ class ShardTable:
 
         if self.placement == "copy":
             return CopyBackend(self.table, spec=spec, device=self.device, max_rows=max_rows)
-        return GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale)
+        # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order
+        return GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale,
+                            max_rows=max_rows)
 
     def close(self) -> None:
         self.table.close()

@@ -1,0 +1,334 @@
+"""``uvaple bench --workload ngram``: random small rows over a big table, the n-gram PLE shape.
+
+160-byte fp8 rows (one n-gram head's row of vLLM's Qwen4Exp PLE table) over a ``--table-gib`` table
+(24 GiB by default), dequantised to bf16 with one global scale (vLLM's formula), ``n`` ids per call.
+Two id streams: ``random`` (uniform over the table) and ``ngram`` (as the model draws them: for every
+token, 16 heads hash the preceding 2-4 tokens into their own slice of the table; tokens are Zipf-
+distributed over a 151,936-token vocabulary, so common n-grams repeat).
+
+Providers, all in one run, each output compared bit for bit with a CPU reference before it is timed:
+
+* ``ours-auto``: :class:`~uvaple.integration.GatherLookup` as the plugin builds it (``order="auto"``:
+  the sorted gather where the committed sweep says so);
+* ``ours-direct`` / ``ours-sorted``: the two paths forced;
+* ``vllm-peer``: :func:`~uvaple.perf.peers.vllm_ple_gather` (one program per row, vLLM's shape) then
+  vLLM's dequantisation as a separate op;
+* ``cpu-gather``: the ids on the host (the scheduler has them), ``torch.index_select`` on every core into
+  pinned staging, one host-to-device copy, the dequantisation on the GPU; timed eagerly (it cannot be
+  captured), with the CPU seconds it burned per call;
+* ``memcpy``: a pinned host-to-device copy of the same row bytes (the wire);
+* ``sequential``: ``ours-direct`` over consecutive ids (the ceiling of the random-row path).
+
+GPU providers are timed in CUDA graphs (fresh ids written before each replay, outside the timed
+region); medians. ``--sweep`` also times the direct and the sorted gather on raw bytes by row size
+(32 B - 2 KiB, and 17,920 B), table span and ``n``: the data behind
+:func:`uvaple.kernels.heuristics.use_sorted`. ``--smoke`` runs tiny tables on the CPU (interpreted
+kernels, correctness only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from uvaple.integration import GatherLookup, TableSpec
+from uvaple.kernels import heuristics
+from uvaple.uva import HostTable
+
+from .peers import memcpy_ceiling, vllm_ple_dequant, vllm_ple_gather
+from .timing import graph_replay_us
+from .vllm_shapes import random_blocks
+
+ROW_BYTES = 160
+HEADS = 16
+VOCAB = 151_936
+SCALE = 0.0173
+N_DEFAULT = (256, 1024, 4096, 16384, 65536, 262144, 1048576)
+SWEEP_ROW_BYTES = (32, 160, 512, 2048, 17920)
+SWEEP_SPANS_GIB = (0.25, 1.0, 4.0, None)  # None: the whole table
+SWEEP_N = (1024, 4096, 16384, 65536, 262144)
+SWEEP_MAX_CALL_BYTES = 1 << 30  # a sweep point moves at most this much per call
+GIB = 1 << 30
+
+
+def make_table(table_gib: float, smoke: bool) -> HostTable:
+    rows = 20_000 if smoke else int(table_gib * GIB) // ROW_BYTES
+    t = HostTable.empty(rows, ROW_BYTES, torch.float8_e4m3fn, register="auto")
+    step = (64 << 20) // ROW_BYTES
+    keep = -0x0101010101010102  # clears bit 0 of every byte: no fp8 NaN codes, so outputs compare by bits
+    for a, blk in zip(range(0, rows, step), random_blocks(rows * ROW_BYTES, step * ROW_BYTES, 7, keep), strict=True):
+        t.write_rows(blk.view(torch.float8_e4m3fn).reshape(-1, ROW_BYTES), a)
+    return t
+
+
+def ngram_ids(n: int, rows: int, seed: int) -> torch.Tensor:
+    """``n`` ids (``n // 16`` tokens x 16 heads) drawn as the n-gram model draws them (module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens_n = max(1, -(-n // HEADS))
+    ranks = torch.arange(1, VOCAB + 1, dtype=torch.float64)
+    tok = torch.multinomial(ranks.pow(-1.1), tokens_n + 4, replacement=True, generator=g)
+    per_head = rows // HEADS
+    out = torch.empty(tokens_n, HEADS, dtype=torch.int64)
+    for h in range(HEADS):
+        order = 2 + h % 3
+        acc = torch.full((tokens_n,), 1 + h, dtype=torch.int64)
+        for j in range(order):
+            acc = (acc * 1_000_003 + tok[4 - j: 4 - j + tokens_n]) % 2_147_483_647
+        out[:, h] = h * per_head + acc % per_head
+    return out.reshape(-1)[:n].contiguous()
+
+
+def _reference(table: HostTable, ids: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return vllm_ple_dequant(table.tensor[ids.cpu()], scale.cpu())
+
+
+class Run:
+    """One table, its lookups and buffers for a largest call of ``max_n`` ids."""
+
+    def __init__(self, table: HostTable, max_n: int, device: torch.device) -> None:
+        self.table, self.device, self.cuda = table, device, device.type == "cuda"
+        self.scale = torch.tensor([SCALE], dtype=torch.float32, device=device)
+        spec = TableSpec.of(table, encoding="fp8_global", out_dtype=torch.bfloat16)
+        self.lookups = {o: GatherLookup(table, spec, device, dequant_scale=self.scale, count=False, max_rows=max_n,
+                                        order=o) for o in ("auto", "direct", "sorted")}
+        self.view = table.cuda_view() if self.cuda else table.tensor
+        self.out = torch.empty(max_n, ROW_BYTES, dtype=torch.bfloat16, device=device)
+        self.raw = torch.empty(max_n, ROW_BYTES, dtype=table.dtype, device=device)
+        self.staging = torch.empty(max_n, ROW_BYTES, dtype=torch.uint8, pin_memory=self.cuda)
+        self.dev_bytes = torch.empty(max_n * ROW_BYTES, dtype=torch.uint8, device=device)
+        self.host_bytes = torch.empty(max_n * ROW_BYTES, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def ours(self, order: str):
+        def call(ids):
+            self.lookups[order].lookup(ids, self.out[: ids.numel()])
+        return call
+
+    def peer(self, ids):
+        n = ids.numel()
+        vllm_ple_gather(self.view, ids, self.raw[:n])
+        torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
+
+    def cpu_gather(self, ids_cpu: torch.Tensor) -> None:
+        n = ids_cpu.numel()
+        stage = self.staging[:n]
+        torch.index_select(self.table.tensor.view(torch.uint8), 0, ids_cpu, out=stage)
+        raw = self.raw[:n].view(torch.uint8)
+        raw.copy_(stage, non_blocking=True)
+        torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
+
+    def memcpy(self, n: int):
+        return lambda _ids: memcpy_ceiling(self.dev_bytes[: n * ROW_BYTES], self.host_bytes[: n * ROW_BYTES])
+
+    def close(self) -> None:
+        for lk in self.lookups.values():
+            lk.close()
+
+
+def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def _time_cpu_gather(run: Run, sets: list[torch.Tensor], reps: int) -> dict[str, float]:
+    walls, cpus = [], []
+    for r in range(reps + 2):
+        ids = sets[r % len(sets)]
+        c0, t0 = time.process_time(), time.perf_counter()
+        run.cpu_gather(ids)
+        if run.cuda:
+            torch.cuda.current_stream().synchronize()
+        if r >= 2:
+            walls.append((time.perf_counter() - t0) * 1e6)
+            cpus.append((time.process_time() - c0) * 1e6)
+    return {"median": statistics.median(walls), "cpu_us": statistics.median(cpus)}
+
+
+def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
+    rows, device = run.table.rows, run.device
+    recs = []
+    for n in ns:
+        sets_cpu = [ngram_ids(n, rows, seed=n + k) if pattern == "ngram" else
+                    torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n + k)) for k in range(4)]
+        ids = sets_cpu[0].to(device)
+        want = _reference(run.table, ids, run.scale)
+        exact = {}
+        for name, call in [("ours-auto", run.ours("auto")), ("ours-direct", run.ours("direct")),
+                           ("ours-sorted", run.ours("sorted")), ("vllm-peer", run.peer)]:
+            run.out[:n].view(torch.int16).fill_(0x7FA5)
+            call(ids)
+            exact[name] = _exact(run.out[:n], want)
+        run.out[:n].view(torch.int16).fill_(0x7FA5)
+        run.cpu_gather(sets_cpu[0])
+        exact["cpu-gather"] = _exact(run.out[:n], want)
+        distinct = int(torch.unique(sets_cpu[0]).numel())
+        rec = {"pattern": pattern, "n": n, "distinct": distinct, "bit_exact": exact,
+               "auto_path": "sorted" if run.lookups["auto"].uses_sorted(n) else "direct"}
+        if run.cuda:
+            calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
+            dev_sets = torch.stack([s.to(device) for s in sets_cpu])
+
+            def refresh(buf, dev_sets=dev_sets):
+                buf.copy_(dev_sets[torch.randint(0, dev_sets.shape[0], (buf.shape[0],), device=device)])
+
+            ids_buf = dev_sets[torch.arange(calls, device=device) % dev_sets.shape[0]].clone()
+            us = {name: graph_replay_us(call, ids_buf, refresh, replays)["median"]
+                  for name, call in [("ours-auto", run.ours("auto")), ("ours-direct", run.ours("direct")),
+                                     ("ours-sorted", run.ours("sorted")), ("vllm-peer", run.peer),
+                                     ("memcpy", run.memcpy(n))]}
+            seq_buf = torch.empty(calls, n, dtype=torch.int64, device=device)
+
+            def seq_refresh(buf, n=n):
+                start = torch.randint(0, rows - n, (buf.shape[0], 1), device=device)
+                buf.copy_(start + torch.arange(n, device=device))
+
+            seq_refresh(seq_buf)
+            us["sequential"] = graph_replay_us(run.ours("direct"), seq_buf, seq_refresh, replays)["median"]
+            cpu = _time_cpu_gather(run, sets_cpu, reps=max(5, replays // 2))
+            us["cpu-gather"] = cpu["median"]
+            rec.update(us=us, rows_per_s={k: n / (v * 1e-6) for k, v in us.items()}, cpu_gather_cpu_us=cpu["cpu_us"])
+            gpu_best = min(us["ours-auto"], us["ours-direct"], us["ours-sorted"])
+            rec["ratios"] = {
+                "ours_auto_over_peer": us["vllm-peer"] / us["ours-auto"],
+                "ours_sorted_over_peer": us["vllm-peer"] / us["ours-sorted"],
+                "ours_auto_over_cpu_gather": us["cpu-gather"] / us["ours-auto"],
+                "best_gpu_over_cpu_gather": us["cpu-gather"] / gpu_best,
+                "ours_auto_of_sequential": us["sequential"] / us["ours-auto"],
+                "ours_auto_of_memcpy": us["memcpy"] / us["ours-auto"],
+            }
+            r = rec["ratios"]
+            print(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']:6s} "
+                  + " ".join(f"{k} {v:9.1f}us" for k, v in us.items())
+                  + f" | auto/peer {r['ours_auto_over_peer']:.2f} auto/cpu {r['ours_auto_over_cpu_gather']:.2f} "
+                    f"of-seq {r['ours_auto_of_sequential']:.2f} cpu-gather cpu {cpu['cpu_us']:.0f}us exact {exact}",
+                  flush=True)
+        else:
+            print(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']}: exact {exact} "
+                  "(interpreted: not timed)", flush=True)
+        recs.append(rec)
+    return recs
+
+
+def sweep(run: Run, replays: int) -> list[dict]:
+    """Direct vs sorted gathers of raw bytes by row size, table span and n (module docstring)."""
+    device = run.device
+    flat = run.view.view(torch.uint8).reshape(-1)
+    recs = []
+    for rb in SWEEP_ROW_BYTES:
+        for span_gib in SWEEP_SPANS_GIB:
+            span = flat.numel() if span_gib is None else min(flat.numel(), int(span_gib * GIB))
+            rows = span // rb
+            table = flat[: rows * rb].view(rows, rb)
+            for n in SWEEP_N:
+                if n * rb > SWEEP_MAX_CALL_BYTES or n > rows:
+                    continue
+                out = torch.empty(n, rb, dtype=torch.uint8, device=device)
+                ws = torch.empty(2, n, dtype=torch.int64, device=device)
+                ids_buf = torch.randint(0, rows, (2, n), device=device)
+
+                def direct(ids, table=table, out=out):
+                    torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0)
+
+                def ordered(ids, table=table, out=out, ws=ws):
+                    torch.ops.uvaple.gather_rows_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, True)
+
+                ids = ids_buf[0]
+                direct(ids)
+                a = out.clone()
+                out.fill_(0)
+                ordered(ids)
+                same = torch.equal(a, out)
+                refresh = (lambda b, rows=rows: b.random_(0, rows))
+                d = graph_replay_us(direct, ids_buf, refresh, replays)["median"]
+                s = graph_replay_us(ordered, ids_buf, refresh, replays)["median"]
+                rec = {"row_bytes": rb, "span_gib": span / GIB, "n": n, "direct_us": d, "sorted_us": s,
+                       "sorted_over_direct": d / s, "bit_exact": same,
+                       "heuristic_sorted": heuristics.use_sorted(n, rb, span)}
+                print(f"sweep rb {rb:6d} span {span / GIB:6.2f} GiB n {n:7d}: direct {d:9.1f} us sorted {s:9.1f} us "
+                      f"speedup {d / s:5.2f} heuristic={'sorted' if rec['heuristic_sorted'] else 'direct'} "
+                      f"exact {same}", flush=True)
+                recs.append(rec)
+    return recs
+
+
+def _plot(recs: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, pattern in zip(axes, ("random", "ngram"), strict=True):
+        rs = [r for r in recs if r["pattern"] == pattern and "rows_per_s" in r]
+        if not rs:
+            continue
+        for name in rs[0]["rows_per_s"]:
+            ax.plot([r["n"] for r in rs], [r["rows_per_s"][name] / 1e6 for r in rs], marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("rows per call")
+        ax.set_ylabel("M rows/s")
+        ax.set_title(f"160-B fp8 rows, {pattern} ids")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="uvaple bench --workload ngram", description=__doc__.splitlines()[0])
+    p.add_argument("--table-gib", type=float, default=24.0)
+    p.add_argument("--rows", default=",".join(map(str, N_DEFAULT)), help="ids per call, comma-separated")
+    p.add_argument("--patterns", default="random,ngram")
+    p.add_argument("--sweep", action="store_true", help="also the direct/sorted sweep by row size, span and n")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU: a tiny table, interpreted kernels, correctness only")
+    p.add_argument("--out", help="directory for ngram.json (and ngram_rows.png)")
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ns = [int(x) for x in a.rows.split(",") if x.strip()]
+    if a.smoke:
+        ns = [n for n in ns if n <= 4096] or [256]
+    if cuda:
+        torch.set_num_threads(min(16, os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    table = make_table(a.table_gib, a.smoke)
+    print(f"# {table.rows:,} rows of {ROW_BYTES} B fp8 ({table.rows * ROW_BYTES / GIB:.2f} GiB), ready and filled in "
+          f"{time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}; "
+          f"{'CUDA graphs' if cuda else 'interpreted, not timed'}", flush=True)
+    run = Run(table, max(ns), device)
+    recs = []
+    try:
+        for pattern in a.patterns.split(","):
+            recs += bench(run, ns, pattern.strip(), a.replays)
+        sweep_recs = sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
+    finally:
+        run.close()
+        table.close()
+    bad = [r for r in recs if not all(r["bit_exact"].values())] + [r for r in sweep_recs if not r["bit_exact"]]
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "ngram.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "table_gib": a.table_gib,
+                       "row_bytes": ROW_BYTES, "heuristic": {"SORT_MIN_IDS": heuristics.SORT_MIN_IDS,
+                                                             "SORT_MAX_ROW_BYTES": heuristics.SORT_MAX_ROW_BYTES,
+                                                             "SORT_MIN_SPAN_BYTES": heuristics.SORT_MIN_SPAN_BYTES},
+                       "results": recs, "sweep": sweep_recs}, f, indent=1)
+        if cuda:
+            _plot(recs, os.path.join(a.out, "ngram_rows.png"))
+    if bad:
+        print(f"NOT BIT-EXACT: {len(bad)} points", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
