@@ -31,11 +31,12 @@ synchronises with the device, once, at the ``stats()`` call.
 from __future__ import annotations
 
 import abc
+import threading
 
 import torch
 
 from uvaple.kernels.gather import check_ids, check_out
-from uvaple.kernels.heuristics import use_sorted
+from uvaple.kernels.heuristics import split_gpu_share, use_sorted
 from uvaple.uva import HostTable
 
 from .errors import BackendClosed
@@ -209,12 +210,16 @@ class GatherLookup(Lookup):
     dedup : bool
         With the sorted order, read each distinct id once (default True): its repeats copy the first
         reader's output row. Same bits either way.
+    split : bool
+        Also serve :meth:`lookup_split` (ids on the host; the caller's thread gathers a share of the rows
+        while the GPU gathers the rest). Needs ``max_rows``: pinned staging for that many rows and ids, and
+        a device buffer of the same size, are allocated here, once.
     """
 
     def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
                  owns_table: bool = False, max_rows: int | None = None, view: str = "cuda",
                  count: bool = True, dequant_scale: torch.Tensor | None = None, order: str = "auto",
-                 dedup: bool = True) -> None:
+                 dedup: bool = True, split: bool = False) -> None:
         if not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
         spec = spec or TableSpec.of(table)
@@ -258,6 +263,12 @@ class GatherLookup(Lookup):
         if self.order != "direct":
             self._workspace = torch.empty(2, max_rows, dtype=torch.int64, device=self.device)
         self._span_bytes = (hi - lo) * table.stride_bytes
+        self._split = None
+        if split:
+            if max_rows is None or not on_gpu or kind != "uva":
+                raise ValueError("split=True needs max_rows and the uva placement on a CUDA device (the CPU share is "
+                                 "copied to the GPU from pinned staging)")
+            self._split = _SplitState(table, max_rows, self.device)
 
     def uses_sorted(self, n: int) -> bool:
         """Whether a call of ``n`` ids takes the sorted path."""
@@ -278,6 +289,64 @@ class GatherLookup(Lookup):
                                          spec.dequant)
         return out
 
+    def lookup_split(self, ids: torch.Tensor, out: torch.Tensor, *, gpu_share: float | None = None) -> torch.Tensor:
+        """Rows for host ``ids`` (a CPU int32/int64 tensor: the scheduler's) in ``out`` (on ``device``): the
+        first ``gpu_share`` of them gathered by the GPU (the direct or sorted path, as :meth:`lookup`), the
+        rest by this thread on every core into pinned staging, copied with one host-to-device copy and
+        given the spec's policy by the same kernel. No worker thread, no queue: the staging is reused
+        only after the previous call's copy out of it has completed (an event this lookup owns, waited
+        for here). Not under CUDA graph capture (host work cannot be captured). Same bits as
+        :meth:`lookup`. ``gpu_share`` defaults to :func:`uvaple.kernels.heuristics.split_gpu_share`.
+        """
+        if self._split is None:
+            raise ValueError("this lookup was built without split=True")
+        if self._closed:
+            raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("lookup_split runs host work per call and cannot be captured in a CUDA graph; "
+                               "capture lookup() with device ids instead")
+        check_ids(ids)
+        if ids.device.type != "cpu":
+            raise ValueError(f"lookup_split takes host ids (the CPU gathers its share), got ids on {ids.device}")
+        n = ids.numel()
+        if n > self.max_rows:
+            raise ValueError(f"{n} ids in one call, but this lookup was built for max_rows={self.max_rows}")
+        c0, c1 = self.spec.columns(None)
+        check_out(out, (*ids.shape, c1 - c0), self.spec.output_dtype, self.device)
+        share = split_gpu_share(n, self.spec.cols * self.table.itemsize, self._span_bytes) if gpu_share is None \
+            else float(gpu_share)
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"gpu_share must be in [0, 1], got {gpu_share!r}")
+        k = round(n * share)
+        flat_ids, flat_out = ids.reshape(-1), out.view(n, -1)
+        sp, spec = self._split, self.spec
+        with sp.lock:
+            sp.free.synchronize()  # the previous call's copies out of the staging are done
+            if k:
+                sp.ids_host[:k].copy_(flat_ids[:k])
+                dev_ids = sp.ids_dev[:k]
+                dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
+                self.lookup(dev_ids, flat_out[:k])
+            m = n - k
+            if m:
+                lo, hi = spec.window
+                local = flat_ids[k:].to(torch.int64) - spec.id_offset
+                valid = (local >= lo) & (local < hi)
+                rows = torch.where(valid, local, lo)
+                torch.index_select(self.table.tensor.view(torch.uint8), 0, rows,
+                                   out=sp.rows_host[:m, : self.table.row_bytes])
+                # the kernel applies the policy: a valid id (or any id, oob="row0": its row lo was read) reads
+                # its staged row j, an invalid one is out of range there too
+                keep = valid | (spec.oob == "row0")
+                torch.where(keep, torch.arange(m), torch.full((m,), -1), out=sp.ids_host[k:n])
+                sp.rows_dev[:m].copy_(sp.rows_host[:m], non_blocking=True)
+                sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
+                staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
+                torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,
+                                             spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
+            sp.free.record()
+        return out
+
     def stats(self) -> dict:
         st = super().stats()
         if self._counters is not None:
@@ -293,6 +362,25 @@ class GatherLookup(Lookup):
         return 0
 
     def close(self) -> None:
+        if self._split is not None:
+            self._split.free.synchronize()  # no copy may still read the staging when it goes
         self._arg = None
         self._workspace = None
+        self._split = None
         super().close()
+
+
+class _SplitState:
+    """What :meth:`GatherLookup.lookup_split` reuses call after call: pinned staging for rows and ids, their
+    device twins, the event that says the staging is free again, and a lock (one call at a time)."""
+
+    def __init__(self, table: HostTable, max_rows: int, device: torch.device) -> None:
+        stride = table.stride_bytes  # 16-byte aligned rows, as in the table
+        self.rows_host = torch.empty(max_rows, stride, dtype=torch.uint8, pin_memory=True)
+        self.ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
+        self.rows_dev = torch.empty(max_rows, stride, dtype=torch.uint8, device=device)
+        self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
+        with torch.cuda.device(device):
+            self.free = torch.cuda.Event()
+            self.free.record()
+        self.lock = threading.Lock()

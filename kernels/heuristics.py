@@ -75,13 +75,38 @@ def sorted_config(row_bytes: int, itemsize: int, program_bytes: int | None = Non
     return SortedConfig(rows, max(1, tile // itemsize), warps)
 
 
-# When the sorted gather is used (GatherLookup(order="auto")): thresholds from the committed sweep
-# (perf/results/.../ngram/; `uvaple bench --workload ngram --sweep`).
-SORT_MIN_IDS = 16384  # ids per call below which the sort costs more than the order saves
-SORT_MAX_ROW_BYTES = 4096  # rows above this are read at the wire in any order
-SORT_MIN_SPAN_BYTES = 1 << 30  # a table span below this is read fast in any order
+# When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep
+# (perf/results/h200_2026-12-01/ngram/ngram.json, "sweep": direct vs sorted by row bytes, span and n; 24 GiB
+# table). The sort costs ~30 us at 1,024 ids and the order pays only where ids are dense enough in the table
+# for neighbours to share pages: 160-B rows gain 1.09-1.12x at 16,384 ids over 1-4 GiB, 1.04x at 65,536
+# and 1.35x at 262,144 over 24 GiB, but lose (0.96x) at 16,384 over 24 GiB and everywhere over 0.25 GiB;
+# 512-B rows gain from 4 GiB up; 2 KiB and 17,920-B rows gain nothing worth the sort.
+SORT_MIN_IDS = 16384  # below this the sort costs more than the order saves, at any span
+SORT_MIN_IDS_PER_GIB = 2730  # ... and the ids must be this dense in the table's span
+SORT_MAX_ROW_BYTES = 512
+SORT_MIN_SPAN_BYTES = {256: 1 << 30, 512: 4 << 30}  # rows up to K bytes: the smallest span that gains
 
 
 def use_sorted(n: int, row_bytes: int, span_bytes: int) -> bool:
     """Whether a call of ``n`` ids of ``row_bytes``-byte rows over ``span_bytes`` of table is sorted first."""
-    return n >= SORT_MIN_IDS and row_bytes <= SORT_MAX_ROW_BYTES and span_bytes >= SORT_MIN_SPAN_BYTES
+    if row_bytes > SORT_MAX_ROW_BYTES or n < SORT_MIN_IDS:
+        return False
+    min_span = next(v for k, v in sorted(SORT_MIN_SPAN_BYTES.items()) if row_bytes <= k)
+    return span_bytes >= min_span and n >= SORT_MIN_IDS_PER_GIB * span_bytes / (1 << 30)
+
+
+# lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
+# the CPU, by ids per call (perf/results/h200_2026-12-01/ngram/ngram.json, "split_sweep"; 160-B rows,
+# 24 GiB table, 16 host threads). The shares balance the two rates measured alone in the same run:
+# the GPU's (sorted where that is faster) and a 16-thread torch gather into pinned memory.
+SPLIT_GPU_SHARE = ((16384, 0.4), (65536, 0.35), (262144, 0.35), (1 << 20, 0.55))
+
+
+def split_gpu_share(n: int, row_bytes: int, span_bytes: int) -> float:
+    """The GPU's share of a split call of ``n`` ids (the entry for the nearest measured ``n`` at or below)."""
+    del row_bytes, span_bytes  # measured for the n-gram shape only (160-B rows, 24 GiB)
+    share = SPLIT_GPU_SHARE[0][1]
+    for at, s in SPLIT_GPU_SHARE:
+        if n >= at:
+            share = s
+    return share

@@ -16,6 +16,9 @@ Providers, all in one run, each output compared bit for bit with a CPU reference
 * ``cpu-gather``: the ids on the host (the scheduler has them), ``torch.index_select`` on every core into
   pinned staging, one host-to-device copy, the dequantisation on the GPU; timed eagerly (it cannot be
   captured), with the CPU seconds it burned per call;
+* ``split``: :meth:`~uvaple.integration.GatherLookup.lookup_split`: host ids, the GPU gathers its share
+  (``heuristics.SPLIT_GPU_SHARE``) while the calling thread gathers the rest into pinned staging, one
+  copy up, the same kernel's policy; timed eagerly, with its CPU seconds;
 * ``memcpy``: a pinned host-to-device copy of the same row bytes (the wire);
 * ``sequential``: ``ours-direct`` over consecutive ids (the ceiling of the random-row path).
 
@@ -55,6 +58,7 @@ SWEEP_SPANS_GIB = (0.25, 1.0, 4.0, None)  # None: the whole table
 SWEEP_N = (1024, 4096, 16384, 65536, 262144)
 SWEEP_MAX_CALL_BYTES = 1 << 30  # a sweep point moves at most this much per call
 GIB = 1 << 30
+HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_MAX_ROW_BYTES", "SORT_MIN_SPAN_BYTES")
 
 
 def make_table(table_gib: float, smoke: bool) -> HostTable:
@@ -97,6 +101,9 @@ class Run:
         spec = TableSpec.of(table, encoding="fp8_global", out_dtype=torch.bfloat16)
         self.lookups = {o: GatherLookup(table, spec, device, dequant_scale=self.scale, count=False, max_rows=max_n,
                                         order=o) for o in ("auto", "direct", "sorted")}
+        if self.cuda:  # the split path needs pinned staging and a GPU
+            self.lookups["split"] = GatherLookup(table, spec, device, dequant_scale=self.scale, count=False,
+                                                 max_rows=max_n, split=True)
         self.view = table.cuda_view() if self.cuda else table.tensor
         self.out = torch.empty(max_n, ROW_BYTES, dtype=torch.bfloat16, device=device)
         self.raw = torch.empty(max_n, ROW_BYTES, dtype=table.dtype, device=device)
@@ -122,6 +129,12 @@ class Run:
         raw.copy_(stage, non_blocking=True)
         torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
 
+    def split(self, share: float | None = None):
+        def call(ids_cpu):
+            n = ids_cpu.numel()
+            self.lookups["split"].lookup_split(ids_cpu, self.out[:n], gpu_share=share)
+        return call
+
     def memcpy(self, n: int):
         return lambda _ids: memcpy_ceiling(self.dev_bytes[: n * ROW_BYTES], self.host_bytes[: n * ROW_BYTES])
 
@@ -134,13 +147,14 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
 
 
-def _time_cpu_gather(run: Run, sets: list[torch.Tensor], reps: int) -> dict[str, float]:
+def _time_eager(call, sets: list[torch.Tensor], reps: int, cuda: bool) -> dict[str, float]:
+    """Wall and CPU µs per call of ``call(host ids)`` (host work inside: not capturable), to completion."""
     walls, cpus = [], []
     for r in range(reps + 2):
         ids = sets[r % len(sets)]
         c0, t0 = time.process_time(), time.perf_counter()
-        run.cpu_gather(ids)
-        if run.cuda:
+        call(ids)
+        if cuda:
             torch.cuda.current_stream().synchronize()
         if r >= 2:
             walls.append((time.perf_counter() - t0) * 1e6)
@@ -162,9 +176,11 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
             run.out[:n].view(torch.int16).fill_(0x7FA5)
             call(ids)
             exact[name] = _exact(run.out[:n], want)
-        run.out[:n].view(torch.int16).fill_(0x7FA5)
-        run.cpu_gather(sets_cpu[0])
-        exact["cpu-gather"] = _exact(run.out[:n], want)
+        host_calls = [("cpu-gather", run.cpu_gather)] + ([("split", run.split())] if run.cuda else [])
+        for name, call in host_calls:
+            run.out[:n].view(torch.int16).fill_(0x7FA5)
+            call(sets_cpu[0])
+            exact[name] = _exact(run.out[:n], want)
         distinct = int(torch.unique(sets_cpu[0]).numel())
         rec = {"pattern": pattern, "n": n, "distinct": distinct, "bit_exact": exact,
                "auto_path": "sorted" if run.lookups["auto"].uses_sorted(n) else "direct"}
@@ -188,11 +204,16 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
 
             seq_refresh(seq_buf)
             us["sequential"] = graph_replay_us(run.ours("direct"), seq_buf, seq_refresh, replays)["median"]
-            cpu = _time_cpu_gather(run, sets_cpu, reps=max(5, replays // 2))
+            cpu = _time_eager(run.cpu_gather, sets_cpu, max(5, replays // 2), True)
             us["cpu-gather"] = cpu["median"]
+            split = _time_eager(run.split(), sets_cpu, max(5, replays // 2), True)
+            us["split"] = split["median"]
+            rec["split_cpu_us"] = split["cpu_us"]
             rec.update(us=us, rows_per_s={k: n / (v * 1e-6) for k, v in us.items()}, cpu_gather_cpu_us=cpu["cpu_us"])
             gpu_best = min(us["ours-auto"], us["ours-direct"], us["ours-sorted"])
             rec["ratios"] = {
+                "best_path_over_cpu_gather": us["cpu-gather"] / min(gpu_best, us["split"]),
+                "split_over_cpu_gather": us["cpu-gather"] / us["split"],
                 "ours_auto_over_peer": us["vllm-peer"] / us["ours-auto"],
                 "ours_sorted_over_peer": us["vllm-peer"] / us["ours-sorted"],
                 "ours_auto_over_cpu_gather": us["cpu-gather"] / us["ours-auto"],
@@ -255,6 +276,53 @@ def sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
+SHAPES = [(rows, warps) for rows in (1, 4, 16, 64) for warps in (1, 4)]
+
+
+def shape_sweep(run: Run, replays: int) -> list[dict]:
+    """The sorted kernel's program shape (rows per program x warps) on 160-B rows over the whole table."""
+    from uvaple.kernels.gather import launch_sorted
+    from uvaple.kernels.heuristics import SortedConfig
+
+    device, recs = run.device, []
+    table = run.view.view(torch.uint8)
+    for n in (65536, 1048576):
+        if n > run.out.shape[0]:
+            continue
+        out = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=device)
+        ws = torch.empty(2, n, dtype=torch.int64, device=device)
+        ids_buf = torch.randint(0, table.shape[0], (2, n), device=device)
+        for rows, warps in SHAPES:
+            cfg = SortedConfig(rows, 256, warps)
+
+            def call(ids, cfg=cfg, out=out, ws=ws):
+                launch_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, True, config=cfg)
+
+            us = graph_replay_us(call, ids_buf, lambda b: b.random_(0, table.shape[0]), replays)["median"]
+            recs.append({"n": n, "block_rows": rows, "num_warps": warps, "us": us})
+            print(f"shape n {n:8d} rows/program {rows:3d} warps {warps}: {us:9.1f} us", flush=True)
+    return recs
+
+
+SPLIT_SHARES = (0.2, 0.35, 0.5, 0.65, 0.8)
+SPLIT_N = (16384, 65536, 262144, 1048576)
+
+
+def split_sweep(run: Run, reps: int) -> list[dict]:
+    """The split path by GPU share and n (random ids): the data behind ``heuristics.SPLIT_GPU_SHARE``."""
+    recs = []
+    for n in SPLIT_N:
+        if n > run.out.shape[0]:
+            continue
+        sets = [torch.randint(0, run.table.rows, (n,), generator=torch.Generator().manual_seed(99 + k))
+                for k in range(4)]
+        for share in SPLIT_SHARES:
+            t = _time_eager(run.split(share), sets, reps, True)
+            recs.append({"n": n, "gpu_share": share, "us": t["median"], "cpu_us": t["cpu_us"]})
+            print(f"split n {n:8d} gpu share {share:.2f}: {t['median']:9.1f} us (cpu {t['cpu_us']:.0f} us)", flush=True)
+    return recs
+
+
 def _plot(recs: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -310,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         for pattern in a.patterns.split(","):
             recs += bench(run, ns, pattern.strip(), a.replays)
         sweep_recs = sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
+        split_recs = split_sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
+        shape_recs = shape_sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
     finally:
         run.close()
         table.close()
@@ -318,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "ngram.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "table_gib": a.table_gib,
-                       "row_bytes": ROW_BYTES, "heuristic": {"SORT_MIN_IDS": heuristics.SORT_MIN_IDS,
-                                                             "SORT_MAX_ROW_BYTES": heuristics.SORT_MAX_ROW_BYTES,
-                                                             "SORT_MIN_SPAN_BYTES": heuristics.SORT_MIN_SPAN_BYTES},
-                       "results": recs, "sweep": sweep_recs}, f, indent=1)
+                       "row_bytes": ROW_BYTES, "heuristic": {k: getattr(heuristics, k) for k in HEURISTIC_NAMES},
+                       "split_gpu_share": [list(x) for x in heuristics.SPLIT_GPU_SHARE],
+                       "results": recs, "sweep": sweep_recs, "split_sweep": split_recs,
+                       "shape_sweep": shape_recs}, f, indent=1)
         if cuda:
             _plot(recs, os.path.join(a.out, "ngram_rows.png"))
     if bad:

@@ -148,3 +148,34 @@ def test_auto_order_on_the_gpu_matches_direct(fp8_table):
             GatherLookup(h, spec, DEV, dequant_scale=scale, order="direct") as direct:
         ids = torch.randint(0, h.rows, (n,), device=DEV)
         assert torch.equal(bits(auto.lookup(ids)), bits(direct.lookup(ids)))
+
+
+@pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
+def test_split_lookup_matches_lookup(fp8_table, oob):
+    """Host ids, a share gathered by this thread into pinned staging, the rest by the GPU: same bits,
+    call after call over the same staging, whatever the share."""
+    from uvaple.integration import GatherLookup, TableSpec
+
+    h = fp8_table
+    scale = torch.tensor([0.25], device=DEV)
+    spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16, oob=oob, id_offset=100,
+                        row_window=(5, h.rows - 7))
+    n = 30_000
+    with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
+        outs = []
+        for share in (0.0, 0.3, 0.5, 1.0, None):
+            ids = torch.randint(-3, h.rows + 110, (n,))
+            ids[:50] = 2**63 - 1
+            out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
+            lk.lookup_split(ids, out, gpu_share=share)
+            outs.append((ids, out))  # the next call reuses the staging while this one may still copy
+        for ids, out in outs:
+            assert torch.equal(bits(out), bits(lk.lookup(ids.to(DEV))))
+        with pytest.raises(ValueError, match="host ids"):
+            lk.lookup_split(ids.to(DEV), out)
+        with pytest.raises(ValueError, match="gpu_share"):
+            lk.lookup_split(ids, out, gpu_share=1.5)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot be captured"):
+            with torch.cuda.graph(graph):
+                lk.lookup_split(ids, out)

@@ -128,7 +128,7 @@ def test_auto_choice_follows_the_heuristic(table, monkeypatch):
         span = table.rows * table.stride_bytes
         for n in (1, 4096, 16384, 100_000):
             assert lk.uses_sorted(n) == heuristics.use_sorted(n, 160, span)
-        monkeypatch.setattr(heuristics, "SORT_MIN_SPAN_BYTES", 0)
+        monkeypatch.setattr(heuristics, "SORT_MIN_SPAN_BYTES", {256: 0, 512: 0})
         monkeypatch.setattr(heuristics, "SORT_MIN_IDS", 50)
         assert lk.uses_sorted(60) and not lk.uses_sorted(49)
         ids = torch.randint(0, ROWS, (333,))
@@ -138,11 +138,15 @@ def test_auto_choice_follows_the_heuristic(table, monkeypatch):
 
 
 def test_heuristic_thresholds():
-    big = 24 << 30
-    assert not heuristics.use_sorted(heuristics.SORT_MIN_IDS - 1, 160, big)
-    assert heuristics.use_sorted(heuristics.SORT_MIN_IDS, 160, big)
-    assert not heuristics.use_sorted(1 << 20, heuristics.SORT_MAX_ROW_BYTES + 16, big)
-    assert not heuristics.use_sorted(1 << 20, 160, heuristics.SORT_MIN_SPAN_BYTES - 1)
+    gib = 1 << 30
+    use = heuristics.use_sorted
+    # the measured crossovers (kernels/heuristics.py)
+    assert not use(16384, 160, 24 * gib) and use(65536, 160, 24 * gib) and use(1 << 20, 160, 24 * gib)
+    assert use(16384, 160, 4 * gib) and use(16384, 160, 1 * gib) and not use(4096, 160, 1 * gib)
+    assert not use(1 << 20, 160, gib // 4)  # a small span is read fast in any order
+    assert not use(1 << 20, 512, 2 * gib) and use(65536, 512, 24 * gib)
+    assert not use(1 << 20, 2048, 24 * gib) and not use(1 << 20, 17920, 24 * gib)
+    assert use(heuristics.SORT_MIN_IDS, 32, gib) and not use(heuristics.SORT_MIN_IDS - 1, 32, gib)
 
 
 def test_operator_refuses_a_bad_workspace(table):
@@ -165,3 +169,17 @@ def test_sorted_config_shapes():
     assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
     tiny = heuristics.sorted_config(16, 4)
     assert tiny.block_rows == heuristics.SORTED_MAX_ROWS and tiny.block_cols == 4
+
+
+def test_split_needs_a_gpu_and_max_rows(table):
+    with pytest.raises(ValueError, match="split=True needs max_rows"):
+        GatherLookup(table, None, "cpu", split=True, max_rows=10)
+    with GatherLookup(table, None, "cpu") as lk:
+        with pytest.raises(ValueError, match="without split=True"):
+            lk.lookup_split(torch.zeros(3, dtype=torch.int64), torch.empty(3, 80, dtype=torch.bfloat16))
+
+
+def test_split_share_table():
+    assert heuristics.split_gpu_share(1, 160, 0) == heuristics.SPLIT_GPU_SHARE[0][1]
+    for at, share in heuristics.SPLIT_GPU_SHARE:
+        assert heuristics.split_gpu_share(at, 160, 0) == share and 0 < share < 1
