@@ -208,8 +208,10 @@ class GatherLookup(Lookup):
         and table span), else direct. Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
         is allocated here, once; without ``max_rows`` every call is direct.
     dedup : bool
-        With the sorted order, read each distinct id once (default True): its repeats copy the first
-        reader's output row. Same bits either way.
+        With the sorted order, read each distinct id of a program once: its repeats copy the first
+        reader's output row. Same bits either way. Off by default: finding repeats needs several rows per
+        program, and on random 160-B rows that shape was 1.43x slower at 65,536 ids than one row per
+        program (heuristics.sorted_config); turn it on where ids repeat a lot (token-id tables).
     split : bool
         Also serve :meth:`lookup_split` (ids on the host; the caller's thread gathers a share of the rows
         while the GPU gathers the rest). Needs ``max_rows``: pinned staging for that many rows and ids, and
@@ -219,7 +221,7 @@ class GatherLookup(Lookup):
     def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
                  owns_table: bool = False, max_rows: int | None = None, view: str = "cuda",
                  count: bool = True, dequant_scale: torch.Tensor | None = None, order: str = "auto",
-                 dedup: bool = True, split: bool = False) -> None:
+                 dedup: bool = False, split: bool = False) -> None:
         if not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
         spec = spec or TableSpec.of(table)

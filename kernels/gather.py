@@ -250,7 +250,7 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     torch.autograd.graph.increment_version(out)
     if n == 0 or ncols == 0:
         return
-    cfg = config or sorted_config(ncols * table.element_size(), table.element_size())
+    cfg = config or sorted_config(ncols * table.element_size(), table.element_size(), dedup)
     keys = workspace[0].view(ids.dtype)[:n] if ids.dtype != torch.int64 else workspace[0, :n]
     order = workspace[1, :n]
     # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc

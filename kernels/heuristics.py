@@ -47,14 +47,17 @@ def launch_config(row_bytes: int, itemsize: int, n_rows: int, *, tile_bytes: int
     return _config(row_bytes, itemsize, tile_bytes or TILE_BYTES, num_warps or NUM_WARPS)
 
 
-# The sorted gather: one program takes BLOCK_R sorted ids x one column tile of SORTED_TILE_BYTES at most;
-# rows are packed so that a program moves about SORTED_PROGRAM_BYTES (a 160-byte row: 16 rows of a
-# 256-byte tile). At least SORTED_MIN_ROWS rows per program, so repeats of an id within a program are
-# read once even for big rows.
+# The sorted gather's program shape, from the committed shape sweep (perf/results/h200_2026-12-01/ngram/
+# ngram.json "shape_sweep": 160-B rows, 24 GiB, sorted random ids): one row per program with 4 warps took
+# 1,209 us at 65,536 ids where 4 rows took 1,728 and 16 rows 1,781 (1M ids: 8.66 ms for 1 and 4 rows,
+# 11.2-12.5 for 64). So without de-duplication a program takes one row. De-duplication needs several
+# rows per program (repeats are found within a program): then SORTED_PROGRAM_BYTES per program (16 rows
+# of a 160-byte row's 256-byte tile), at least SORTED_MIN_ROWS.
 SORTED_PROGRAM_BYTES = 4096
 SORTED_TILE_BYTES = 1024
 SORTED_MIN_ROWS = 4
 SORTED_MAX_ROWS = 64
+SORTED_NUM_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -65,14 +68,16 @@ class SortedConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def sorted_config(row_bytes: int, itemsize: int, program_bytes: int | None = None,
+def sorted_config(row_bytes: int, itemsize: int, dedup: bool = True, program_bytes: int | None = None,
                   tile_bytes: int | None = None, num_warps: int | None = None) -> SortedConfig:
     """Rows per program, tile width (elements) and warps of the sorted gather for ``row_bytes`` rows."""
     tile = min(triton.next_power_of_2(row_bytes), tile_bytes or SORTED_TILE_BYTES)
-    rows = (program_bytes or SORTED_PROGRAM_BYTES) // tile
-    rows = triton.next_power_of_2(max(SORTED_MIN_ROWS, min(SORTED_MAX_ROWS, rows)))
-    warps = num_warps or max(1, min(NUM_WARPS, rows * tile // (32 * 16)))
-    return SortedConfig(rows, max(1, tile // itemsize), warps)
+    if dedup:
+        rows = (program_bytes or SORTED_PROGRAM_BYTES) // tile
+        rows = triton.next_power_of_2(max(SORTED_MIN_ROWS, min(SORTED_MAX_ROWS, rows)))
+    else:
+        rows = 1
+    return SortedConfig(rows, max(1, tile // itemsize), num_warps or SORTED_NUM_WARPS)
 
 
 # When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep

@@ -276,7 +276,7 @@ def sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SHAPES = [(rows, warps) for rows in (1, 4, 16, 64) for warps in (1, 4)]
+SHAPES = [(1, 1, False), (1, 4, False), (4, 4, False), (4, 4, True), (16, 4, False), (16, 4, True), (64, 4, True)]
 
 
 def shape_sweep(run: Run, replays: int) -> list[dict]:
@@ -292,15 +292,15 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
         out = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=device)
         ws = torch.empty(2, n, dtype=torch.int64, device=device)
         ids_buf = torch.randint(0, table.shape[0], (2, n), device=device)
-        for rows, warps in SHAPES:
+        for rows, warps, dedup in SHAPES:
             cfg = SortedConfig(rows, 256, warps)
 
-            def call(ids, cfg=cfg, out=out, ws=ws):
-                launch_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, True, config=cfg)
+            def call(ids, cfg=cfg, out=out, ws=ws, dedup=dedup):
+                launch_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, dedup, config=cfg)
 
             us = graph_replay_us(call, ids_buf, lambda b: b.random_(0, table.shape[0]), replays)["median"]
-            recs.append({"n": n, "block_rows": rows, "num_warps": warps, "us": us})
-            print(f"shape n {n:8d} rows/program {rows:3d} warps {warps}: {us:9.1f} us", flush=True)
+            recs.append({"n": n, "block_rows": rows, "num_warps": warps, "dedup": dedup, "us": us})
+            print(f"shape n {n:8d} rows/program {rows:3d} warps {warps} dedup {dedup!s:5s}: {us:9.1f} us", flush=True)
     return recs
 
 

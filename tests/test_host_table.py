@@ -253,13 +253,15 @@ def test_registration_in_chunks_and_release(fake_cuda, monkeypatch):
     assert fake_cuda["synced"] == 1
 
 
-def test_registration_pieces_cover_the_table_once():
+def test_registration_pieces_cover_the_table_once(monkeypatch):
     gib = 1 << 30
+    # default: one registration per 128 GiB chunk (a copy may not span two registrations)
+    assert host_table.register_piece_bytes(48 * gib, 16) == host_table.REGISTER_CHUNK_BYTES
+    assert host_table.register_piece_bytes(600 * gib, 1) == host_table.REGISTER_CHUNK_BYTES
+    monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", gib)
     assert host_table.register_piece_bytes(48 * gib, 16) == 3 * gib
     assert host_table.register_piece_bytes(48 * gib + 1, 16) == 3 * gib + (2 << 20)  # 2 MiB granular
-    assert host_table.register_piece_bytes(4 * gib, 16) == host_table.REGISTER_MIN_PIECE_BYTES
-    assert host_table.register_piece_bytes(4096, 1) == host_table.REGISTER_MIN_PIECE_BYTES
-    assert host_table.register_piece_bytes(600 * gib, 1) == host_table.REGISTER_CHUNK_BYTES
+    assert host_table.register_piece_bytes(4 * gib, 16) == gib
 
 
 @pytest.mark.parametrize("threads", [1, 4])

@@ -165,6 +165,8 @@ def test_operator_refuses_a_bad_workspace(table):
 def test_sorted_config_shapes():
     c = heuristics.sorted_config(160, 1)
     assert (c.block_rows, c.block_cols) == (16, 256)
+    plain = heuristics.sorted_config(160, 1, dedup=False)  # no repeats to find: one row per program
+    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, 4)
     big = heuristics.sorted_config(17920, 2)
     assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
     tiny = heuristics.sorted_config(16, 4)

@@ -26,10 +26,10 @@ a SIGBUS later); only where the kernel lacks ``MADV_POPULATE_WRITE`` are they re
 48 GiB on the H200 host, more than populating: the pages were allocated twice over, once to the file
 and once into the page tables.)
 
-Registration. ``cudaHostRegister(Portable | Mapped [| ReadOnly])`` through cuda-python, in pieces
-registered by several threads at once (pinning pages is the driver walking them one by one; a table split
-in ``threads`` pieces of at least ``REGISTER_MIN_PIECE_BYTES`` pins in parallel), each below the driver's
-per-call limit (one call of >= 512 GiB fails). The kernels use the host pointer itself
+Registration. ``cudaHostRegister(Portable | Mapped [| ReadOnly])`` through cuda-python, one call per
+``REGISTER_CHUNK_BYTES`` (the driver's per-call limit: one call of >= 512 GiB fails), chunks registered by
+several threads at once. Not in smaller pieces: the runtime refuses a copy whose host range spans two
+registrations (``REGISTER_MIN_PIECE_BYTES``). The kernels use the host pointer itself
 (``cudaDevAttrCanUseHostPointerForRegisteredMem`` is required and checked for every piece), so the pieces
 form one contiguous device range. A piece refused rolls back every piece registered.
 
@@ -91,8 +91,12 @@ _DTYPE_BY_NAME = {k: v for k, v in SAFETENSORS_DTYPES.items() if v in TABLE_DTYP
 # One cudaHostRegister call of >= 512 GiB fails (vLLM PR 51081); 128 GiB chunks stay far below that and
 # keep the count of registrations small for ~100 GiB tables (one call).
 REGISTER_CHUNK_BYTES = 128 << 30
-# The smallest piece one registering thread takes: below it the per-call cost outweighs the parallelism.
-REGISTER_MIN_PIECE_BYTES = 1 << 30
+# The smallest piece one registering thread takes. As large as a chunk: the CUDA runtime refuses a copy
+# (cudaMemcpy, torch's copy_) whose host range spans two registrations (cudaErrorInvalidValue, seen on the
+# H200 with 1 GiB pieces), and pieces bought nothing for shared segments (48 GiB: 3.4 s in 16 pieces,
+# 2.4 s in one call; private 1.1 s vs 2.1 s). Tables above REGISTER_CHUNK_BYTES are registered in chunks
+# by several threads.
+REGISTER_MIN_PIECE_BYTES = REGISTER_CHUNK_BYTES
 
 # Ranges handed to one populate/fallocate call: large enough that syscall overhead is nil, small enough
 # that 16 threads share a 1 GiB table evenly.
