@@ -255,7 +255,7 @@ def sweep(run: Run, replays: int) -> list[dict]:
                     torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0)
 
                 def ordered(ids, table=table, out=out, ws=ws):
-                    torch.ops.uvaple.gather_rows_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, True)
+                    torch.ops.uvaple.gather_rows_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, False)
 
                 ids = ids_buf[0]
                 direct(ids)
