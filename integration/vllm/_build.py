@@ -84,6 +84,17 @@ def building(ctx: BuildContext, swaps: list[tuple[object, str, object]]) -> Iter
             _state.ctx = prev
 
 
+class FinishesLoading:
+    """Mixin of the plugin's model classes: after vLLM's own ``process_weights_after_loading`` (if the
+    parent has one), every uvaple shard of the model is finished (:func:`finish_all`)."""
+
+    def process_weights_after_loading(self) -> None:
+        parent = getattr(super(), "process_weights_after_loading", None)
+        if callable(parent):
+            parent()
+        finish_all(self)
+
+
 def finish_all(model: torch.nn.Module) -> None:
     """After weight loading: every uvaple layer's shard is marked ready (creator) or waited for (attacher),
     and its lookup is built."""

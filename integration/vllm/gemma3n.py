@@ -129,7 +129,7 @@ def _swaps():
     return [(gemma3n, "VocabParallelEmbedding", _ple_embedding)]
 
 
-class _UvapleGemma3nMixin:
+class _UvapleGemma3nMixin(_build.FinishesLoading):
     # vLLM passes (vllm_config=, prefix=) by name when the signature names both; an omitted prefix keeps
     # the parent's own default
     def __init__(self, *, vllm_config, prefix: str = _build.UNSET) -> None:
@@ -140,12 +140,6 @@ class _UvapleGemma3nMixin:
             return
         with _build.building(_build.context_for(vllm_config, cfg), _swaps()):
             super().__init__(vllm_config=vllm_config, **kw)
-
-    def process_weights_after_loading(self) -> None:
-        parent = getattr(super(), "process_weights_after_loading", None)
-        if callable(parent):
-            parent()
-        _build.finish_all(self)
 
 
 class UvapleGemma3nForCausalLM(_UvapleGemma3nMixin, Gemma3nForCausalLM):

@@ -175,7 +175,7 @@ def _swaps():
             (ngram, "Qwen4ExpPLEPinnedHostEmbedding", UvaplePLEEmbedding)]
 
 
-class _UvapleQwen4ExpMixin:
+class _UvapleQwen4ExpMixin(_build.FinishesLoading):
     # vLLM passes (vllm_config=, prefix=) by name when the signature names both; an omitted prefix keeps
     # the parent's own default
     def __init__(self, *, vllm_config, prefix: str = _build.UNSET) -> None:
@@ -191,12 +191,6 @@ class _UvapleQwen4ExpMixin:
                                     "layers elsewhere); serve this model without the uvaple plugin on ROCm")
         with _build.building(_build.context_for(vllm_config, cfg), _swaps()):
             super().__init__(vllm_config=vllm_config, **kw)
-
-    def process_weights_after_loading(self) -> None:
-        parent = getattr(super(), "process_weights_after_loading", None)
-        if callable(parent):
-            parent()
-        _build.finish_all(self)
 
 
 class UvapleQwen4ExpForCausalLM(_UvapleQwen4ExpMixin, Qwen4ExpForCausalLM):
