@@ -265,6 +265,7 @@ class GatherLookup(Lookup):
         if self.order != "direct":
             self._workspace = torch.empty(2, max_rows, dtype=torch.int64, device=self.device)
         self._span_bytes = (hi - lo) * table.stride_bytes
+        self._row_bytes = spec.cols * table.itemsize  # once: itemsize builds a tensor, not for the hot path
         self._split = None
         if split:
             if max_rows is None or not on_gpu or kind != "uva":
@@ -275,7 +276,7 @@ class GatherLookup(Lookup):
     def uses_sorted(self, n: int) -> bool:
         """Whether a call of ``n`` ids takes the sorted path."""
         if self.order == "auto":
-            return use_sorted(n, self.spec.cols * self.table.itemsize, self._span_bytes)
+            return use_sorted(n, self._row_bytes, self._span_bytes)
         return self.order == "sorted"
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
@@ -315,7 +316,7 @@ class GatherLookup(Lookup):
             raise ValueError(f"{n} ids in one call, but this lookup was built for max_rows={self.max_rows}")
         c0, c1 = self.spec.columns(None)
         check_out(out, (*ids.shape, c1 - c0), self.spec.output_dtype, self.device)
-        share = split_gpu_share(n, self.spec.cols * self.table.itemsize, self._span_bytes) if gpu_share is None \
+        share = split_gpu_share(n, self._row_bytes, self._span_bytes) if gpu_share is None \
             else float(gpu_share)
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"gpu_share must be in [0, 1], got {gpu_share!r}")

@@ -80,14 +80,16 @@ def sorted_config(row_bytes: int, itemsize: int, dedup: bool = True, program_byt
     return SortedConfig(rows, max(1, tile // itemsize), num_warps or SORTED_NUM_WARPS)
 
 
-# When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep
-# (perf/results/h200_2026-12-01/ngram/ngram.json, "sweep": direct vs sorted by row bytes, span and n; 24 GiB
-# table). The sort costs ~30 us at 1,024 ids and the order pays only where ids are dense enough in the table
-# for neighbours to share pages: 160-B rows gain 1.09-1.12x at 16,384 ids over 1-4 GiB, 1.04x at 65,536
-# and 1.35x at 262,144 over 24 GiB, but lose (0.96x) at 16,384 over 24 GiB and everywhere over 0.25 GiB;
-# 512-B rows gain from 4 GiB up; 2 KiB and 17,920-B rows gain nothing worth the sort.
+# When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep of the default
+# shape (perf/results/h200_2026-12-01/ngram/sweep_default_shape/ngram.json, "sweep": direct vs sorted by
+# row bytes, span and n; 24 GiB table). The sort costs ~30 us at 1,024 ids, and the order pays only where
+# the direct read is slow (a big span) and the ids are dense enough in it for neighbours to share pages.
+# 160-B rows: 1.32x at 16,384 ids over 4 GiB, 1.57x at 65,536 and 1.82x at 262,144 over 24 GiB, but
+# 0.81x at 16,384 over 1 GiB (1.75x at 65,536), 1.05x at 16,384 over 24 GiB, and a loss everywhere over
+# 0.25 GiB; 32-B rows alike; 512-B rows gain from 4 GiB up only; 2 KiB and 17,920-B rows never gain.
 SORT_MIN_IDS = 16384  # below this the sort costs more than the order saves, at any span
 SORT_MIN_IDS_PER_GIB = 2730  # ... and the ids must be this dense in the table's span
+SORT_MIN_IDS_SMALL_SPAN = 65536  # ... and this many where the span is below 4 GiB (the direct read is fast)
 SORT_MAX_ROW_BYTES = 512
 SORT_MIN_SPAN_BYTES = {256: 1 << 30, 512: 4 << 30}  # rows up to K bytes: the smallest span that gains
 
@@ -97,7 +99,9 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int) -> bool:
     if row_bytes > SORT_MAX_ROW_BYTES or n < SORT_MIN_IDS:
         return False
     min_span = next(v for k, v in sorted(SORT_MIN_SPAN_BYTES.items()) if row_bytes <= k)
-    return span_bytes >= min_span and n >= SORT_MIN_IDS_PER_GIB * span_bytes / (1 << 30)
+    if span_bytes < min_span or n < SORT_MIN_IDS_PER_GIB * span_bytes / (1 << 30):
+        return False
+    return span_bytes >= 4 << 30 or n >= SORT_MIN_IDS_SMALL_SPAN
 
 
 # lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on

@@ -58,7 +58,8 @@ SWEEP_SPANS_GIB = (0.25, 1.0, 4.0, None)  # None: the whole table
 SWEEP_N = (1024, 4096, 16384, 65536, 262144)
 SWEEP_MAX_CALL_BYTES = 1 << 30  # a sweep point moves at most this much per call
 GIB = 1 << 30
-HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_MAX_ROW_BYTES", "SORT_MIN_SPAN_BYTES")
+HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_MIN_IDS_SMALL_SPAN", "SORT_MAX_ROW_BYTES",
+                   "SORT_MIN_SPAN_BYTES")
 
 
 def make_table(table_gib: float, smoke: bool) -> HostTable:

@@ -130,6 +130,7 @@ def test_auto_choice_follows_the_heuristic(table, monkeypatch):
             assert lk.uses_sorted(n) == heuristics.use_sorted(n, 160, span)
         monkeypatch.setattr(heuristics, "SORT_MIN_SPAN_BYTES", {256: 0, 512: 0})
         monkeypatch.setattr(heuristics, "SORT_MIN_IDS", 50)
+        monkeypatch.setattr(heuristics, "SORT_MIN_IDS_SMALL_SPAN", 50)
         assert lk.uses_sorted(60) and not lk.uses_sorted(49)
         ids = torch.randint(0, ROWS, (333,))
         assert torch.equal(bits(lk.lookup(ids)), bits(reference_gather(table.tensor, ids)))
@@ -140,13 +141,14 @@ def test_auto_choice_follows_the_heuristic(table, monkeypatch):
 def test_heuristic_thresholds():
     gib = 1 << 30
     use = heuristics.use_sorted
-    # the measured crossovers (kernels/heuristics.py)
+    # the measured crossovers of the default shape (kernels/heuristics.py)
     assert not use(16384, 160, 24 * gib) and use(65536, 160, 24 * gib) and use(1 << 20, 160, 24 * gib)
-    assert use(16384, 160, 4 * gib) and use(16384, 160, 1 * gib) and not use(4096, 160, 1 * gib)
-    assert not use(1 << 20, 160, gib // 4)  # a small span is read fast in any order
-    assert not use(1 << 20, 512, 2 * gib) and use(65536, 512, 24 * gib)
+    assert use(16384, 160, 4 * gib) and not use(4096, 160, 4 * gib)
+    assert not use(16384, 160, 1 * gib) and use(65536, 160, 1 * gib)  # a 1 GiB span is read fast directly
+    assert not use(1 << 20, 160, gib // 4)  # ... and a 0.25 GiB one faster still
+    assert not use(262144, 512, 1 * gib) and use(16384, 512, 4 * gib) and use(65536, 512, 24 * gib)
     assert not use(1 << 20, 2048, 24 * gib) and not use(1 << 20, 17920, 24 * gib)
-    assert use(heuristics.SORT_MIN_IDS, 32, gib) and not use(heuristics.SORT_MIN_IDS - 1, 32, gib)
+    assert use(heuristics.SORT_MIN_IDS, 32, 4 * gib) and not use(heuristics.SORT_MIN_IDS - 1, 32, 4 * gib)
 
 
 def test_operator_refuses_a_bad_workspace(table):
