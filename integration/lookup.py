@@ -244,7 +244,7 @@ class GatherLookup(Lookup):
             self._arg = self._arg[:hi]  # ids >= hi are outside: the kernel's row count is hi
         self._row_lo = lo
         self._dq_scale = None
-        if spec.dequant:
+        if spec.encoding == "fp8_global":
             s = dequant_scale
             if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1 or s.device != self.device:
                 raise ValueError(f"an fp8_global lookup needs dequant_scale: a float32 tensor of one element on "

@@ -15,12 +15,16 @@ import torch
 
 from uvaple.kernels.gather import FP8_FORMATS, ID_BASE_LIMIT, OOB_MODES, check_policy, column_range, scale_bits
 
-__all__ = ["TableSpec", "ENCODINGS", "spec_for"]
+__all__ = ["TableSpec", "ENCODINGS", "ROW_SCALE_BYTES", "spec_for"]
 
 #: How rows are stored. ``raw``: the table dtype as is. ``fp8_global``: fp8 codes (e4m3fn or e5m2) times
 #: one global float32 scale held by the lookup (``dequant_scale``), dequantised in the kernel with vLLM's
-#: formula ``rows.to(out_dtype) * scale.to(out_dtype)``.
-ENCODINGS = ("raw", "fp8_global")
+#: formula ``rows.to(out_dtype) * scale.to(out_dtype)``. ``fp8_row``: each row is ``cols - 4`` fp8 codes
+#: followed by its own float32 scale (4 bytes, little-endian: one contiguous read), dequantised the same
+#: way with the row's scale; a lookup returns ``cols - 4`` values per row.
+ENCODINGS = ("raw", "fp8_global", "fp8_row")
+#: the bytes of an fp8_row row's scale
+ROW_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class TableSpec:
     stride : int, optional
         Elements between row starts in the host table (default ``cols``; a ``HostTable`` pads rows).
     encoding : str
-        How rows are stored (``"raw"``).
+        How rows are stored: ``"raw"``, ``"fp8_global"`` or ``"fp8_row"`` (see ``ENCODINGS``).
     oob : {"zero", "row0", "neg_zero"}
         What ids outside the valid range give: a zero row, row 0 of the range (Gemma 3n), or a -0.0 row
         (for a lookup whose result is summed over ranks: ``x + (-0.0) == x`` for every ``x``, so the sum
@@ -82,7 +86,10 @@ class TableSpec:
         if self.encoding not in ENCODINGS:
             raise ValueError(f"TableSpec.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         out = check_policy(self.dtype, scale=self.scale, oob=self.oob, out_dtype=self.out_dtype,
-                           dequant=self.encoding == "fp8_global")
+                           dequant=self.encoding != "raw")
+        if self.encoding == "fp8_row" and self.cols <= ROW_SCALE_BYTES:
+            raise ValueError(f"an fp8_row row is its codes then a {ROW_SCALE_BYTES}-byte float32 scale: it needs more "
+                             f"than {ROW_SCALE_BYTES} columns, this table has {self.cols}")
         object.__setattr__(self, "_out", out)
         if self.row_window is not None:
             try:
@@ -101,8 +108,8 @@ class TableSpec:
             object.__setattr__(self, "_scale_bits", scale_bits(self.scale, self.dtype))
         if self.column_block is not None:
             b = self.column_block
-            if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= self.cols:
-                raise ValueError(f"TableSpec.column_block must be an int in 1..{self.cols}, got {b!r}")
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= self.value_cols:
+                raise ValueError(f"TableSpec.column_block must be an int in 1..{self.value_cols}, got {b!r}")
 
     # ------------------------------------------------------------------ derived
     @classmethod
@@ -129,8 +136,16 @@ class TableSpec:
 
     @property
     def dequant(self) -> int:
-        """The kernel's fp8 format: 0 (rows as stored), 1 (e4m3fn) or 2 (e5m2)."""
-        return FP8_FORMATS[self.dtype] if self.encoding == "fp8_global" else 0
+        """The kernel's ``dequant``: 0 (rows as stored), 1/2 (e4m3fn/e5m2 codes x the global scale), 3/4
+        (e4m3fn/e5m2 codes x the row's own scale)."""
+        if self.encoding == "raw":
+            return 0
+        return FP8_FORMATS[self.dtype] + (2 if self.encoding == "fp8_row" else 0)
+
+    @property
+    def value_cols(self) -> int:
+        """Values a whole-row lookup returns: ``cols``, less the scale's bytes of an ``fp8_row`` row."""
+        return self.cols - ROW_SCALE_BYTES if self.encoding == "fp8_row" else self.cols
 
     @property
     def oob_mode(self) -> int:
@@ -147,11 +162,12 @@ class TableSpec:
 
     def columns(self, columns) -> tuple[int, int]:
         """``(start, stop)`` of a request's column range (``None``: the whole row), checked against the spec."""
+        cols = self.value_cols
         if columns is None:
-            return 0, self.cols
-        c0, c1 = column_range(columns, self.cols)
+            return 0, cols
+        c0, c1 = column_range(columns, cols)
         b = self.column_block
-        if (c0, c1) != (0, self.cols) and (b is None or c0 % b or (c1 % b and c1 != self.cols)):
+        if (c0, c1) != (0, cols) and (b is None or c0 % b or (c1 % b and c1 != cols)):
             allowed = "whole rows only" if b is None else f"ranges on multiples of {b}"
             raise ValueError(f"columns {columns!r}: this lookup serves {allowed} (TableSpec.column_block)")
         return c0, c1

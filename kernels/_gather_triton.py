@@ -93,15 +93,22 @@ def _round_f32(x, DTYPE: tl.constexpr):
 
 
 @jit
-def _convert(x, keep, dq_scale_ptr, scale_bits, table_ptr, out_ptr, HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr,
-             KEEP_ALL: tl.constexpr, NEG_ZERO: tl.constexpr, DEQUANT: tl.constexpr):
-    """Loaded elements ``x`` to the output's values: fp8 dequantisation, scale, dtype conversion; where
-    ``keep`` is false (and not ``KEEP_ALL``) a zero (or -0.0) instead, whatever the scale."""
+def _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE: tl.constexpr,
+             CONVERT: tl.constexpr, KEEP_ALL: tl.constexpr, NEG_ZERO: tl.constexpr, DEQUANT: tl.constexpr):
+    """Loaded elements ``x`` to the output's values: fp8 dequantisation (``DEQUANT`` 1/2: the global scale
+    at ``dq_scale_ptr``; 3/4: ``row_scale``, each row's own), scale, dtype conversion; where ``keep`` is false
+    (and not ``KEEP_ALL``) a zero (or -0.0) instead, whatever the scale."""
     if DEQUANT != 0:
         # vLLM's formula: rows.to(out_dtype) * scale.to(out_dtype); fp8 widens to any out dtype exactly
-        v = _fp8_to_f32(x, DEQUANT)
-        s = _to_f32(_round_f32(tl.load(dq_scale_ptr).to(tl.float32), out_ptr.dtype.element_ty),
-                    out_ptr.dtype.element_ty)
+        if DEQUANT == 1 or DEQUANT == 3:
+            v = _fp8_to_f32(x, 1)
+        else:
+            v = _fp8_to_f32(x, 2)
+        if DEQUANT >= 3:
+            sc = row_scale
+        else:
+            sc = tl.load(dq_scale_ptr).to(tl.float32)
+        s = _to_f32(_round_f32(sc, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
         v = _round_f32(v * s, out_ptr.dtype.element_ty)
         if not KEEP_ALL:
             v = tl.where(keep, v, _zero_row(v, NEG_ZERO))
@@ -139,11 +146,12 @@ def gather_rows_kernel(
     col_start,  # first column of the range to copy
     n_cols,  # columns to copy per row
     scale_bits,  # int32: the bits of the fp32 scale, already rounded to the table dtype (HAS_SCALE)
+    scale_col,  # the column (byte) of a row's own float32 scale (DEQUANT 3/4)
     HAS_SCALE: tl.constexpr,  # multiply by the scale with the model's rounding
     CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
     OOB_ROW0: tl.constexpr,  # out-of-range ids read row row_lo (else they give a zero row)
     NEG_ZERO: tl.constexpr,  # zero rows are -0.0 (a sum over ranks then keeps every owner's bits)
-    DEQUANT: tl.constexpr,  # 0: rows as stored; 1/2: fp8 e4m3fn/e5m2 codes x the scale at dq_scale_ptr
+    DEQUANT: tl.constexpr,  # 0: as stored; 1/2: e4m3fn/e5m2 codes x the scale at dq_scale_ptr; 3/4: x the row's
     COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id)
     BLOCK: tl.constexpr,  # columns per program
 ):
@@ -163,9 +171,22 @@ def gather_rows_kernel(
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     load_mask = cols < limit
     x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
-    y = _convert(x, load_mask, dq_scale_ptr, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
-                 NEG_ZERO, DEQUANT)
+    row_scale = 0.0
+    if DEQUANT >= 3:
+        row_scale = _row_scale(table_ptr, row, table_stride, scale_col)  # row is inside the table, valid or not
+    y = _convert(x, load_mask, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT,
+                 OOB_ROW0, NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
+
+
+@jit
+def _row_scale(table_ptr, row, table_stride, scale_col):
+    """The float32 scale stored (little-endian) at column ``scale_col`` of ``row`` (a 1-byte table), from
+    its four bytes: no alignment is assumed."""
+    p = table_ptr + row * table_stride + scale_col
+    bits = tl.load(p).to(tl.uint32) | (tl.load(p + 1).to(tl.uint32) << 8) | \
+        (tl.load(p + 2).to(tl.uint32) << 16) | (tl.load(p + 3).to(tl.uint32) << 24)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @jit
@@ -188,7 +209,7 @@ def gather_sorted_kernel(
     counters_ptr,  # as gather_rows_kernel
     dq_scale_ptr,  # as gather_rows_kernel
     n,  # ids in this call
-    id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits,  # as gather_rows_kernel
+    id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits, scale_col,  # as gather_rows_kernel
     HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
     DEQUANT: tl.constexpr, COUNT: tl.constexpr,
     DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
@@ -234,8 +255,11 @@ def gather_sorted_kernel(
     else:
         keep = (leader & valid)[:, None] & col_ok[None, :]
     x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep, other=0)
-    y = _convert(x, keep, dq_scale_ptr, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0, NEG_ZERO,
-                 DEQUANT)
+    row_scale = 0.0
+    if DEQUANT >= 3:
+        row_scale = _row_scale(table_ptr, row, table_stride, scale_col)[:, None]
+    y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
+                 NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])
     if DEDUP:
         tl.debug_barrier()  # the leaders' rows are written and visible to the whole program

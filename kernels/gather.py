@@ -51,11 +51,14 @@ __all__ = ["gather_rows", "launch", "launch_sorted", "scale_bits", "column_range
 OOB_POLICIES = ("zero", "row0", "neg_zero")
 #: oob policy -> the operator's ``oob_mode``
 OOB_MODES = {"zero": 0, "row0": 1, "neg_zero": 2}
-#: fp8 dtype -> the operator's ``dequant`` format (rows of fp8 codes times a global scale)
+#: fp8 dtype -> the operator's ``dequant`` format (rows of fp8 codes times a global scale; + 2: times the
+#: row's own scale, stored after its codes)
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 #: ids are shifted by ``id_base`` (``0 <= id_base < ID_BASE_LIMIT``) before the range check; below 2**62 a
 #: wrapped int64 difference of an extreme id stays far outside any table.
 ID_BASE_LIMIT = 1 << 62
+#: bytes of the float32 scale an fp8 row with its own scale carries after its codes (dequant 3/4)
+ROW_SCALE_BYTES = 4
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -183,14 +186,23 @@ def _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mod
         raise ValueError(f"uvaple::{what}: columns {col_start}..{col_start + ncols} are not inside the "
                          f"table's {table.shape[-1]} (or the table is not 2-D with unit column stride)")
     if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2) \
-            or dequant not in (0, 1, 2):
+            or dequant not in (0, 1, 2, 3, 4):
         raise ValueError(f"uvaple::{what}: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
                          f"{dequant} is out of range (table of {table.shape[0]} rows, id_base < 2**62)")
-    if dequant and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
-                    or table.element_size() != 1 or dq_scale.device != out.device):
+    if dequant in (1, 2) and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
+                              or table.element_size() != 1 or dq_scale.device != out.device):
         raise ValueError(f"uvaple::{what}: fp8 dequantisation needs a 1-byte table and a float32 scale of "
                          "one element on the output's device")
+    if dequant in (3, 4) and (table.element_size() != 1 or col_start + ncols > table.shape[1] - ROW_SCALE_BYTES):
+        raise ValueError(f"uvaple::{what}: fp8 rows with a row scale need a 1-byte table whose last "
+                         f"{ROW_SCALE_BYTES} columns are the scale; columns {col_start}..{col_start + ncols} reach "
+                         f"into them (table of {table.shape[1]} columns)")
     return ncols
+
+
+def _scale_col(table: torch.Tensor, dequant: int) -> int:
+    """The column of a row's own scale (``dequant`` 3/4), else 0 (unused)."""
+    return table.shape[1] - ROW_SCALE_BYTES if dequant >= 3 else 0
 
 
 def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int):
@@ -226,9 +238,9 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
         table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, id_base,
-        row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale, CONVERT=convert,
-        OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant, COUNT=counters is not None,
-        BLOCK=cfg.block, num_warps=cfg.num_warps,
+        row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
+        HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
+        COUNT=counters is not None, BLOCK=cfg.block, num_warps=cfg.num_warps,
     )
 
 
@@ -261,8 +273,8 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_sorted_kernel[grid](
         table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n,
-        id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, HAS_SCALE=has_scale,
-        CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
+        id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
+        HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
         COUNT=counters is not None, DEDUP=dedup, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,
     )

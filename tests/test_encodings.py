@@ -1,4 +1,5 @@
-"""fp8 rows dequantised in the kernel, row windows (a rank's shard of a full table), -0.0 zero rows.
+"""fp8 rows dequantised in the kernel (one global scale, or each row's own), row windows (a rank's shard
+of a full table), -0.0 zero rows.
 
 The definitions: vLLM's fp8 PLE formula ``rows.to(out_dtype) * scale.to(out_dtype)`` (one global float32
 scale), and :func:`uvaple.kernels.reference_gather`. NaN results only need to be NaN (their payload is the
@@ -146,3 +147,71 @@ def test_fp8_lookup_needs_its_scale_and_the_copy_placement_refuses(device):
             make_lookup("copy", h, device=device, spec=spec)
         with pytest.raises(ValueError, match="for fp8_global tables"):
             make_lookup("uva", h, device=device, dequant_scale=torch.ones(1, device=device))
+
+
+
+def row_scaled(codes: torch.Tensor, scales) -> torch.Tensor:
+    """An fp8_row table: each row's codes (uint8) then its float32 scale's 4 bytes."""
+    s = torch.tensor(scales, dtype=torch.float32).view(-1, 1)
+    return torch.cat([codes, s.view(torch.uint8).reshape(-1, 4)], dim=1)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("out_dtype", OUTS)
+@pytest.mark.parametrize("order", ["direct", "sorted"])
+def test_every_fp8_code_with_a_row_scale(all_codes, device, fp8, out_dtype, order):
+    """Every code at every position, each row with its own scale (signs, zeros, subnormals, inf, NaN):
+    ``codes.to(out) * row_scale.to(out)``, bit for bit, through both gather paths."""
+    scales = [SCALES[r % len(SCALES)] * (1 + r / 512) if math.isfinite(SCALES[r % len(SCALES)]) else
+              SCALES[r % len(SCALES)] for r in range(256)]
+    scales[5], scales[6] = 1.0e-40, -1.0e-40  # float32 subnormals
+    t = row_scaled(all_codes, scales).view(fp8)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, encoding="fp8_row", out_dtype=out_dtype)
+        assert spec.value_cols == 16
+        with make_lookup("uva", h, device=device, spec=spec, max_rows=512, order=order) as lk:
+            ids = torch.randperm(256, device=device).repeat(2)
+            got = lk.lookup(ids)
+            codes = all_codes.view(fp8)[ids.cpu()]
+            want = codes.to(out_dtype) * torch.tensor(scales, dtype=torch.float32)[ids.cpu()].view(-1, 1).to(out_dtype)
+            assert got.shape == (512, 16) and same(got, want), (fp8, out_dtype)
+            assert same(got, reference_gather(t, ids, row_scale=True, out_dtype=out_dtype))
+
+
+@pytest.mark.parametrize("oob", ["zero", "neg_zero", "row0"])
+def test_row_scaled_columns_window_and_out_of_range(device, oob):
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 256, (300, 37), generator=g, dtype=torch.uint8)  # odd width: the scale unaligned
+    t = row_scaled(codes, (torch.randn(300, generator=g) * 0.1).tolist()).view(torch.float8_e4m3fn)
+    with HostTable.from_tensor(t) as h:
+        assert h.cols == 41
+        spec = TableSpec.of(h, encoding="fp8_row", oob=oob, row_window=(10, 250), column_block=8, id_offset=7)
+        ids = torch.tensor([[17, 7, 256, 257], [0, -1, 2**62, 2**63 - 1], [100, 100, 100, 30]], device=device)
+        with make_lookup("uva", h, device=device, spec=spec) as lk:
+            for columns in (None, (8, 32), (32, 37)):
+                got = lk.lookup(ids, columns=columns)
+                want = reference_gather(t, ids, row_scale=True, oob=oob, rows=(10, 250), id_base=7,
+                                        columns=columns)
+                assert same(got, want), (oob, columns)
+            with pytest.raises(ValueError, match="inside 0..37"):
+                lk.lookup(ids, columns=(32, 41))  # the scale bytes are not values
+
+
+def test_row_scaled_specs_and_operator_refuse_misuse(device):
+    with pytest.raises(ValueError, match="more than 4 columns"):
+        TableSpec(rows=4, cols=4, dtype=torch.float8_e4m3fn, encoding="fp8_row")
+    with pytest.raises(TypeError, match="needs an fp8 table"):
+        TableSpec(rows=4, cols=8, dtype=torch.bfloat16, encoding="fp8_row")
+    with pytest.raises(ValueError, match="column_block"):
+        TableSpec(rows=4, cols=8, dtype=torch.float8_e4m3fn, encoding="fp8_row", column_block=5)
+    t = row_scaled(torch.zeros(10, 8, dtype=torch.uint8), [1.0] * 10).view(torch.float8_e4m3fn)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, encoding="fp8_row")
+        with pytest.raises(ValueError, match="for fp8_global tables"):
+            make_lookup("uva", h, device=device, spec=spec, dequant_scale=torch.ones(1, device=device))
+        with pytest.raises(TypeError, match="copy placement serves rows as stored"):
+            make_lookup("copy", h, device=device, spec=spec)
+        out = torch.empty(3, 12, dtype=torch.bfloat16, device=device)
+        ids = torch.zeros(3, dtype=torch.int64, device=device)
+        with pytest.raises(ValueError, match="reach into them"):  # a direct call may not read the scale as codes
+            torch.ops.uvaple.gather_rows(h.tensor, ids, out, None, None, 0, False, 0, 0, 0, 0, 3)
