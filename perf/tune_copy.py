@@ -1,12 +1,15 @@
-"""Sweep the copy backend's serial/parallel CPU-gather threshold (``cpu_gather.PARALLEL_MIN_BYTES``).
+"""Sweep the copy backend's serial/parallel CPU-gather threshold (``cpu_gather.PARALLEL_MIN_BYTES``), and
+its gather against torch's.
 
 For requests from 4 KiB to 64 MiB of gathered bytes (rows of 160 B, the n-gram PLE shape, and 17,920 B,
 Gemma 3n E4B), times the serial and the parallel numba byte gather over random rows of a 1 GiB table,
 median of repeated runs, and prints the smallest request at which parallel is faster at every larger
-size for both row sizes: the threshold to ship. CPU only (no GPU needed); run it on the serving host, since
-the crossover depends on its core count. Id sets rotate (rows come from DRAM, not the caches).
+size for both row sizes: the threshold to ship. ``torch_us`` is ``torch.index_select`` of the same rows
+on torch's threads (all cores): the bare CPU gather the copy backend is held to. CPU only (no GPU
+needed); run it on the serving host, since the crossover depends on its core count. Id sets rotate (rows
+come from DRAM, not the caches).
 
-Usage: ``python3 -m uvaple.perf.tune_copy [--table-gib 1] [--out FILE]``.
+Usage: ``python3 -m uvaple.perf.tune_copy [--table-gib 1] [--max-bytes N] [--budget-s S] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 # Id sets rotate so the rows read between two uses of a set exceed the host's caches (the table itself is
 # far larger): every timing reads rows from DRAM, as a lookup over a real table does.
 _ROTATE_BYTES = 256 << 20
+_ID_BASE = np.int64(0)  # the kernels' id_base argument: whole tables here
 
 
 def median_s(fn, sets: int, budget_s: float = 0.2, min_reps: int = 5) -> float:
@@ -39,12 +43,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--table-gib", type=float, default=1.0)
     p.add_argument("--out", default=None)
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest request (default 64 MiB)")
+    p.add_argument("--budget-s", type=float, default=0.2, help="timing seconds per point")
     a = p.parse_args(argv)
+    import torch
+
     from uvaple.integration.copy import cpu_gather
+
+    torch.set_num_threads(os.cpu_count() or 1)
 
     serial, parallel = cpu_gather._gather_kernels()
     lines = [f"# tune_copy: {os.cpu_count()} cores; serial vs parallel numba gather, median seconds"]
-    lines.append(f"{'row_B':>7} {'bytes':>10} {'rows':>8} {'serial_us':>10} {'parallel_us':>12} {'par/ser':>8}")
+    lines.append(f"{'row_B':>7} {'bytes':>10} {'rows':>8} {'serial_us':>10} {'parallel_us':>12} {'par/ser':>8} "
+                 f"{'torch_us':>10} {'best_numba/torch':>17}")
     first_win = {}
     rng = np.random.default_rng(0)
     for row_bytes in (160, 17920):
@@ -55,15 +66,22 @@ def main(argv=None) -> int:
         zero = np.zeros(2, dtype=np.uint8)
         wins = []
         size = 4 << 10
-        while size <= 64 << 20:
+        tt = torch.from_numpy(table)
+        while size <= a.max_bytes:
             n = max(1, size // row_bytes)
             sets = max(2, min(64, _ROTATE_BYTES // (n * row_bytes)))
             id_sets = rng.integers(0, rows, (sets, n), dtype=np.int64)
             out = np.empty((n, row_bytes), dtype=np.uint8)
-            s = median_s(lambda k, o=out, t=table, i=id_sets, z=zero: serial(t, i[k], o, 0, False, z), sets)
-            q = median_s(lambda k, o=out, t=table, i=id_sets, z=zero: parallel(t, i[k], o, 0, False, z), sets)
+            s = median_s(lambda k, o=out, t=table, i=id_sets, z=zero: serial(t, i[k], o, 0, False, z, _ID_BASE), sets,
+                         a.budget_s)
+            q = median_s(lambda k, o=out, t=table, i=id_sets, z=zero: parallel(t, i[k], o, 0, False, z, _ID_BASE),
+                         sets, a.budget_s)
+            tid, tout = torch.from_numpy(id_sets), torch.from_numpy(out)
+            view = tt[:, :row_bytes]
+            g = median_s(lambda k, i=tid, o=tout, v=view: torch.index_select(v, 0, i[k], out=o), sets, a.budget_s)
             wins.append((size, q < s))
-            lines.append(f"{row_bytes:>7} {size:>10} {n:>8} {s * 1e6:>10.1f} {q * 1e6:>12.1f} {q / s:>8.2f}")
+            lines.append(f"{row_bytes:>7} {size:>10} {n:>8} {s * 1e6:>10.1f} {q * 1e6:>12.1f} {q / s:>8.2f} "
+                         f"{g * 1e6:>10.1f} {min(s, q) / g:>17.2f}")
             size *= 2
         # the smallest size from which parallel wins at every larger size
         first = next((sz for i, (sz, _) in enumerate(wins) if all(w for _, w in wins[i:])), None)
