@@ -74,6 +74,20 @@ def test_enabled_only_when_asked(monkeypatch):
     assert cfg == plugin.PluginConfig(shared=True, placement="copy")  # the additional config wins
 
 
+def test_qwen4exp_on_rocm_is_refused_before_anything_is_built(monkeypatch):
+    from conftest import vllm_config
+    from vllm.platforms import current_platform
+
+    from uvaple.integration.vllm.qwen4_exp import UvapleQwen4ExpForCausalLM
+
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
+    built = []
+    monkeypatch.setattr(_build, "building", lambda *a, **k: built.append(a))
+    with pytest.raises(PluginConfigError, match="run on CUDA"):
+        UvapleQwen4ExpForCausalLM(vllm_config=vllm_config(additional_config={"uvaple": {}}))
+    assert built == []
+
+
 def _run(mode: str, nprocs: int, tmp_path, base: str) -> list[dict]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("UVAPLE_")}

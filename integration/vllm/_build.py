@@ -84,9 +84,34 @@ def building(ctx: BuildContext, swaps: list[tuple[object, str, object]]) -> Iter
             _state.ctx = prev
 
 
-class FinishesLoading:
-    """Mixin of the plugin's model classes: after vLLM's own ``process_weights_after_loading`` (if the
-    parent has one), every uvaple shard of the model is finished (:func:`finish_all`)."""
+class PluginModel:
+    """Mixin of the plugin's model classes (before vLLM's class in the bases).
+
+    Construction: vLLM's model exactly when the plugin is not enabled; else the parent is built inside
+    :func:`building` with the subclass's ``_uvaple_swaps()``, after ``_uvaple_refuse(cfg)`` has had its say.
+    After vLLM's own ``process_weights_after_loading`` (if the parent has one), every uvaple shard of the
+    model is finished (:func:`finish_all`).
+    """
+
+    @staticmethod
+    def _uvaple_swaps() -> list:
+        raise NotImplementedError
+
+    @staticmethod
+    def _uvaple_refuse(cfg) -> None:
+        """Raise a named error where this model cannot be served by the plugin (default: never)."""
+
+    # vLLM passes (vllm_config=, prefix=) by name when the signature names both; an omitted prefix keeps
+    # the parent's own default
+    def __init__(self, *, vllm_config, prefix: str = UNSET) -> None:
+        kw = {} if prefix is UNSET else {"prefix": prefix}
+        cfg = plugin_config(vllm_config)
+        if cfg is None:  # not enabled: vLLM's model exactly
+            super().__init__(vllm_config=vllm_config, **kw)
+            return
+        self._uvaple_refuse(cfg)
+        with building(context_for(vllm_config, cfg), self._uvaple_swaps()):
+            super().__init__(vllm_config=vllm_config, **kw)
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)

@@ -129,17 +129,8 @@ def _swaps():
     return [(gemma3n, "VocabParallelEmbedding", _ple_embedding)]
 
 
-class _UvapleGemma3nMixin(_build.FinishesLoading):
-    # vLLM passes (vllm_config=, prefix=) by name when the signature names both; an omitted prefix keeps
-    # the parent's own default
-    def __init__(self, *, vllm_config, prefix: str = _build.UNSET) -> None:
-        kw = {} if prefix is _build.UNSET else {"prefix": prefix}
-        cfg = _build.plugin_config(vllm_config)
-        if cfg is None:  # not enabled: vLLM's model exactly
-            super().__init__(vllm_config=vllm_config, **kw)
-            return
-        with _build.building(_build.context_for(vllm_config, cfg), _swaps()):
-            super().__init__(vllm_config=vllm_config, **kw)
+class _UvapleGemma3nMixin(_build.PluginModel):
+    _uvaple_swaps = staticmethod(_swaps)
 
 
 class UvapleGemma3nForCausalLM(_UvapleGemma3nMixin, Gemma3nForCausalLM):

@@ -175,22 +175,16 @@ def _swaps():
             (ngram, "Qwen4ExpPLEPinnedHostEmbedding", UvaplePLEEmbedding)]
 
 
-class _UvapleQwen4ExpMixin(_build.FinishesLoading):
-    # vLLM passes (vllm_config=, prefix=) by name when the signature names both; an omitted prefix keeps
-    # the parent's own default
-    def __init__(self, *, vllm_config, prefix: str = _build.UNSET) -> None:
-        kw = {} if prefix is _build.UNSET else {"prefix": prefix}
-        cfg = _build.plugin_config(vllm_config)
-        if cfg is None:  # not enabled: vLLM's model exactly
-            super().__init__(vllm_config=vllm_config, **kw)
-            return
+class _UvapleQwen4ExpMixin(_build.PluginModel):
+    _uvaple_swaps = staticmethod(_swaps)
+
+    @staticmethod
+    def _uvaple_refuse(cfg) -> None:
         from vllm.platforms import current_platform
 
         if current_platform.is_rocm():
             raise PluginConfigError("uvaple's Qwen4Exp tables run on CUDA (vLLM's ROCm Qwen4Exp builds its PLE "
                                     "layers elsewhere); serve this model without the uvaple plugin on ROCm")
-        with _build.building(_build.context_for(vllm_config, cfg), _swaps()):
-            super().__init__(vllm_config=vllm_config, **kw)
 
 
 class UvapleQwen4ExpForCausalLM(_UvapleQwen4ExpMixin, Qwen4ExpForCausalLM):
