@@ -85,6 +85,8 @@ def test_get_per_layer_input_embeddings_is_vllms_bit_for_bit(checkpoints):
     layer = ours.model.self_decoder.embed_tokens_per_layer
     assert not isinstance(stock.quant_method, UvapleEmbeddingMethod)
     assert isinstance(layer.quant_method, UvapleEmbeddingMethod)
+    with pytest.raises(RuntimeError, match="lookups only.*tied LM head"):  # never a linear layer
+        layer.quant_method.apply(layer, torch.zeros(2, 4))
     shard = layer.quant_method.shard
     assert layer.weight.device.type == "cpu" and layer.weight.data_ptr() == shard.table.ptr
     assert torch.equal(bits(shard.table.tensor[:PLE_VOCAB]), bits(table))  # the checkpoint's rows, exactly

@@ -88,6 +88,11 @@ def test_qwen4exp_on_rocm_is_refused_before_anything_is_built(monkeypatch):
     assert built == []
 
 
+def test_a_plugin_model_without_swaps_is_refused_when_defined():
+    with pytest.raises(TypeError, match="must define _uvaple_swaps"):
+        type("NoSwaps", (_build.PluginModel,), {})
+
+
 def _run(mode: str, nprocs: int, tmp_path, base: str) -> list[dict]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("UVAPLE_")}

@@ -88,14 +88,17 @@ class PluginModel:
     """Mixin of the plugin's model classes (before vLLM's class in the bases).
 
     Construction: vLLM's model exactly when the plugin is not enabled; else the parent is built inside
-    :func:`building` with the subclass's ``_uvaple_swaps()``, after ``_uvaple_refuse(cfg)`` has had its say.
-    After vLLM's own ``process_weights_after_loading`` (if the parent has one), every uvaple shard of the
-    model is finished (:func:`finish_all`).
+    :func:`building` with the subclass's ``_uvaple_swaps()`` (a subclass must define it: checked when the
+    class is made), after ``_uvaple_refuse(cfg)`` has had its say. After vLLM's own
+    ``process_weights_after_loading`` (if the parent has one), every uvaple shard of the model is
+    finished (:func:`finish_all`).
     """
 
-    @staticmethod
-    def _uvaple_swaps() -> list:
-        raise NotImplementedError
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if not callable(getattr(cls, "_uvaple_swaps", None)):
+            raise TypeError(f"{cls.__name__} must define _uvaple_swaps(): the module names its model's PLE "
+                            "layers are picked by")
 
     @staticmethod
     def _uvaple_refuse(cfg) -> None:

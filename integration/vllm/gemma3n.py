@@ -90,7 +90,12 @@ class UvapleEmbeddingMethod(QuantizeMethodBase):
         self.uvaple_finish_loading(layer)
 
     def apply(self, layer, x, bias=None):
-        raise NotImplementedError("a PLE table is only looked up")
+        # QuantizeMethodBase.apply is what a tied LM head calls (x @ weight.T); a per-layer-embedding table is
+        # never one, and this one lives in host memory: say so instead of computing over it
+        name = getattr(layer, "prefix", "the per-layer-embedding table")
+        raise RuntimeError(f"{name}: uvaple serves this per-layer-embedding table for lookups only; it cannot "
+                           "be used as a linear layer (a tied LM head). Serve this model without the uvaple "
+                           "plugin if it ties its per-layer table to a head")
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         """``F.embedding(ids, weight)`` for local ids (vLLM masked them to this rank's shard already)."""
