@@ -35,8 +35,8 @@ import threading
 
 import torch
 
+from uvaple.kernels import heuristics
 from uvaple.kernels.gather import check_ids, check_out
-from uvaple.kernels.heuristics import split_gpu_share, use_sorted
 from uvaple.uva import HostTable
 
 from .errors import BackendClosed
@@ -206,7 +206,8 @@ class GatherLookup(Lookup):
         big table are read several times faster in order. ``auto`` (default): sorted where the committed
         sweep measured it faster (:func:`uvaple.kernels.heuristics.use_sorted`: by ids per call, row bytes
         and table span), else direct. Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
-        is allocated here, once; without ``max_rows`` every call is direct.
+        is allocated here, once (with ``auto``, only for rows the heuristic may sort); without
+        ``max_rows`` every call is direct.
     dedup : bool
         With the sorted order, read each distinct id of a program once: its repeats copy the first
         reader's output row. Same bits either way. Off by default: finding repeats needs several rows per
@@ -259,13 +260,14 @@ class GatherLookup(Lookup):
             raise ValueError(f"order must be 'auto', 'direct' or 'sorted', got {order!r}")
         if order == "sorted" and max_rows is None:
             raise ValueError("order='sorted' needs max_rows: the sort's workspace is sized from it")
+        self._span_bytes = (hi - lo) * table.stride_bytes
+        self._row_bytes = spec.cols * table.itemsize  # once: itemsize builds a tensor, not for the hot path
         self.order = order if max_rows is not None else "direct"
         self.dedup = bool(dedup)
         self._workspace = None
-        if self.order != "direct":
+        # "auto" never sorts rows above SORT_MAX_ROW_BYTES (Gemma 3n's): no workspace for those
+        if self.order == "sorted" or (self.order == "auto" and self._row_bytes <= heuristics.SORT_MAX_ROW_BYTES):
             self._workspace = torch.empty(2, max_rows, dtype=torch.int64, device=self.device)
-        self._span_bytes = (hi - lo) * table.stride_bytes
-        self._row_bytes = spec.cols * table.itemsize  # once: itemsize builds a tensor, not for the hot path
         self._split = None
         if split:
             if max_rows is None or not on_gpu or kind != "uva":
@@ -276,7 +278,7 @@ class GatherLookup(Lookup):
     def uses_sorted(self, n: int) -> bool:
         """Whether a call of ``n`` ids takes the sorted path."""
         if self.order == "auto":
-            return use_sorted(n, self._row_bytes, self._span_bytes)
+            return heuristics.use_sorted(n, self._row_bytes, self._span_bytes)
         return self.order == "sorted"
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
@@ -316,7 +318,7 @@ class GatherLookup(Lookup):
             raise ValueError(f"{n} ids in one call, but this lookup was built for max_rows={self.max_rows}")
         c0, c1 = self.spec.columns(None)
         check_out(out, (*ids.shape, c1 - c0), self.spec.output_dtype, self.device)
-        share = split_gpu_share(n, self._row_bytes, self._span_bytes) if gpu_share is None \
+        share = heuristics.split_gpu_share(n, self._row_bytes, self._span_bytes) if gpu_share is None \
             else float(gpu_share)
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"gpu_share must be in [0, 1], got {gpu_share!r}")
@@ -341,7 +343,7 @@ class GatherLookup(Lookup):
                 # the kernel applies the policy: a valid id (or any id, oob="row0": its row lo was read) reads
                 # its staged row j, an invalid one is out of range there too
                 keep = valid | (spec.oob == "row0")
-                torch.where(keep, torch.arange(m), torch.full((m,), -1), out=sp.ids_host[k:n])
+                torch.where(keep, sp.iota[:m], sp.out_of_range, out=sp.ids_host[k:n])
                 sp.rows_dev[:m].copy_(sp.rows_host[:m], non_blocking=True)
                 sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
                 staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
@@ -383,6 +385,8 @@ class _SplitState:
         self.ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
         self.rows_dev = torch.empty(max_rows, stride, dtype=torch.uint8, device=device)
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
+        self.iota = torch.arange(max_rows)  # staged row j of a call is read by id j
+        self.out_of_range = torch.tensor(-1)  # ... and an invalid id by an id outside the staged rows
         with torch.cuda.device(device):
             self.free = torch.cuda.Event()
             self.free.record()

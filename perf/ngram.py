@@ -44,9 +44,9 @@ from uvaple.integration import GatherLookup, TableSpec
 from uvaple.kernels import heuristics
 from uvaple.uva import HostTable
 
-from .peers import memcpy_ceiling, vllm_ple_dequant, vllm_ple_gather
+from .peers import memcpy_ceiling, vllm_ple_gather
 from .timing import graph_replay_us
-from .vllm_shapes import random_blocks
+from .vllm_shapes import random_table, reference_rows
 
 ROW_BYTES = 160
 HEADS = 16
@@ -64,12 +64,7 @@ HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_MIN_IDS_SMALL_S
 
 def make_table(table_gib: float, smoke: bool) -> HostTable:
     rows = 20_000 if smoke else int(table_gib * GIB) // ROW_BYTES
-    t = HostTable.empty(rows, ROW_BYTES, torch.float8_e4m3fn, register="auto")
-    step = (64 << 20) // ROW_BYTES
-    keep = -0x0101010101010102  # clears bit 0 of every byte: no fp8 NaN codes, so outputs compare by bits
-    for a, blk in zip(range(0, rows, step), random_blocks(rows * ROW_BYTES, step * ROW_BYTES, 7, keep), strict=True):
-        t.write_rows(blk.view(torch.float8_e4m3fn).reshape(-1, ROW_BYTES), a)
-    return t
+    return random_table(rows, ROW_BYTES, torch.float8_e4m3fn, seed=7)
 
 
 def ngram_ids(n: int, rows: int, seed: int) -> torch.Tensor:
@@ -87,10 +82,6 @@ def ngram_ids(n: int, rows: int, seed: int) -> torch.Tensor:
             acc = (acc * 1_000_003 + tok[4 - j: 4 - j + tokens_n]) % 2_147_483_647
         out[:, h] = h * per_head + acc % per_head
     return out.reshape(-1)[:n].contiguous()
-
-
-def _reference(table: HostTable, ids: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return vllm_ple_dequant(table.tensor[ids.cpu()], scale.cpu())
 
 
 class Run:
@@ -170,7 +161,7 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
         sets_cpu = [ngram_ids(n, rows, seed=n + k) if pattern == "ngram" else
                     torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n + k)) for k in range(4)]
         ids = sets_cpu[0].to(device)
-        want = _reference(run.table, ids, run.scale)
+        want = reference_rows(run.table, ids, True, run.scale)
         exact = {}
         for name, call in [("ours-auto", run.ours("auto")), ("ours-direct", run.ours("direct")),
                            ("ours-sorted", run.ours("sorted")), ("vllm-peer", run.peer)]:

@@ -21,9 +21,8 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from uvaple.uva import _cuda, _sys
+from uvaple.uva import _cuda, _sys, host_table
 
 GIB = 1 << 30
 
@@ -37,14 +36,12 @@ def _meminfo(key: str) -> int:
 
 
 def _pieces(total: int, n: int) -> list[tuple[int, int]]:
-    size = _sys.round_up(-(-total // n), 2 << 20)
-    return [(o, min(size, total - o)) for o in range(0, total, size)]
+    """``total`` bytes in ``n`` even, 2 MiB-granular ranges (the table's own split)."""
+    return host_table._chunks(total, _sys.round_up(-(-total // n), 2 << 20))
 
 
 def _pool(fn, ranges, threads):
-    with ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(fn, *r) for r in ranges]:
-            f.result()
+    host_table._parallel(fn, ranges, threads, name="uvaple-probe")
 
 
 def run_variant(kind: str, nbytes: int, threads: int, populate: str, register: str, cuda: bool) -> dict:

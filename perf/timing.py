@@ -84,31 +84,8 @@ def time_graph(call_on: Callable[[torch.Tensor, torch.Tensor], Any], out: torch.
     calls = max(2, min(cfg.graph_calls, GRAPH_REPLAY_BYTES // max(1, out.numel() * out.element_size())))
     replays = cfg.graph_replays if calls >= cfg.graph_calls else max(5, cfg.graph_replays // 2)
     gids = torch.randint(0, rows, (calls, n), device=device, dtype=torch.int64)
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks
-        for j in range(3):
-            call_on(gids[j % calls], out)
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            call_on(gids[j], out)
-    graph.replay()  # first replay uploads the graph
-    torch.cuda.synchronize(device)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for r in range(replays):
-        gids.random_(0, rows)
-        starts[r].record()
-        graph.replay()
-        ends[r].record()
-    torch.cuda.synchronize(device)
-    per_call = [s.elapsed_time(e) * 1e3 / calls for s, e in zip(starts, ends, strict=True)]
-    del graph
-    p20, med, p80 = quantiles(per_call)
-    return {"graph_us_p20": p20, "graph_us_median": med, "graph_us_p80": p80}
+    t = graph_replay_us(lambda ids: call_on(ids, out), gids, lambda b: b.random_(0, rows), replays)
+    return {"graph_us_p20": t["p20"], "graph_us_median": t["median"], "graph_us_p80": t["p80"]}
 
 
 def graph_replay_us(call: Callable[[torch.Tensor], Any], ids_buf: torch.Tensor,

@@ -59,20 +59,27 @@ def block_pattern(k: int) -> int:
     return (k + 1) * 0x9E3779B97F4A7C1 % (1 << 62)
 
 
-def _table(case: dict, table_gib: float, smoke: bool, seed: int) -> HostTable:
-    """Random bytes (fp8: no NaN codes, so that dequantised values compare by bits), 64 MiB at a time."""
-    itemsize = torch.empty((), dtype=case["dtype"]).element_size()
-    row_bytes = case["cols"] * itemsize
-    rows = 2000 if smoke else case.get("rows") or int(table_gib * (1 << 30)) // row_bytes
-    t = HostTable.empty(rows, case["cols"], case["dtype"], register="auto")
+def random_table(rows: int, cols: int, dtype: torch.dtype, seed: int) -> HostTable:
+    """A host table of random bytes (fp8: no NaN codes, so that dequantised values compare by bits), written
+    64 MiB at a time."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row_bytes = cols * itemsize
+    t = HostTable.empty(rows, cols, dtype, register="auto")
     step = max(1, (64 << 20) // row_bytes)
-    keep = -0x0101010101010102 if case["dtype"] == torch.float8_e4m3fn else -1  # 0xFEFE...: clears each byte's bit 0
+    keep = -0x0101010101010102 if dtype == torch.float8_e4m3fn else -1  # 0xFEFE...: clears each byte's bit 0
     for a, blk in zip(range(0, rows, step), random_blocks(rows * row_bytes, step * row_bytes, seed, keep), strict=True):
-        t.write_rows(blk.view(case["dtype"]).reshape(-1, case["cols"]), a)
+        t.write_rows(blk.view(dtype).reshape(-1, cols), a)
     return t
 
 
-def _reference(table: HostTable, ids: torch.Tensor, fp8: bool, scale: torch.Tensor) -> torch.Tensor:
+def _table(case: dict, table_gib: float, smoke: bool, seed: int) -> HostTable:
+    itemsize = torch.empty((), dtype=case["dtype"]).element_size()
+    rows = 2000 if smoke else case.get("rows") or int(table_gib * (1 << 30)) // (case["cols"] * itemsize)
+    return random_table(rows, case["cols"], case["dtype"], seed)
+
+
+def reference_rows(table: HostTable, ids: torch.Tensor, fp8: bool, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's rows for ``ids`` on the CPU: the gather, then (fp8) ``rows.to(bf16) * scale.to(bf16)``."""
     rows = table.tensor[ids.cpu().reshape(-1)]
     if fp8:
         rows = vllm_ple_dequant(rows, scale.cpu())
@@ -120,7 +127,7 @@ def run(table_gib: float, smoke: bool, out_dir: str | None, cases: list[str]) ->
                     torch.mul(raw.to(torch.bfloat16), scale.to(torch.bfloat16), out=out)
 
             ids = torch.randint(0, table.rows, shape, device=device, generator=None)
-            want = _reference(table, ids, fp8, scale)
+            want = reference_rows(table, ids, fp8, scale)
             for buf in (ours_out, raw, peer_out):
                 buf.view(torch.uint8).fill_(0xA5)  # poisoned: every byte must be written
             ours(ids)
