@@ -3,12 +3,12 @@
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram vllm bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram vllm startup bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
 mkdir -p "$R" "$R/vllm" "$R/ngram"
-STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram vllm bench e2e}
+STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram vllm startup bench e2e}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -53,10 +53,15 @@ if has ready; then
   timeout 120 python3 -m uvaple.perf.table_ready --gib 64 --threads 16 | tee "$R/ready.log"
 fi
 if has probe; then
-  step "table readiness by variant: page commit, page size, registration (16 GiB all, 48 GiB the fast ones)"
-  timeout 240 python3 -m uvaple.perf.ready_probe --gib 16 --json "$R/ready_probe_16.json" 2>&1 | tee "$R/ready_probe.log"
-  timeout 240 python3 -m uvaple.perf.ready_probe --gib 48 --json "$R/ready_probe_48.json" \
-    --variants private:threads:one,private:threads:pieces,private:pipelined:-,shm:threads:one,shm:threads:pieces,shm:pipelined:-,shm:none:pieces 2>&1 | tee -a "$R/ready_probe.log"
+  step "table readiness by variant: page commit, page size, files, registration, fill-allocates (${PROBE_GIB:-48} GiB)"
+  huge=/mnt/uvaple-huge; echo "uid $(id -u)"
+  if mkdir -p $huge && mount -t tmpfs -o huge=always,size=$(( ${PROBE_GIB:-48} + 4 ))G uvaple-huge $huge; then
+    echo "mounted a huge=always tmpfs at $huge"; dirv=",dir:threads:one,dir:fill:one"
+  else echo "no huge-page tmpfs here (mount refused)"; dirv=""; fi
+  timeout 420 python3 -m uvaple.perf.ready_probe --gib ${PROBE_GIB:-48} --json "$R/ready_probe.json" --dir $huge \
+    --variants ${PROBE_VARIANTS:-private:threads:one,private:fill:one,shm:threads:one,shm:fill:one,shm16:threads:one,shm16:fill:one,shm64:fill:one}$dirv \
+    2>&1 | tee "$R/ready_probe.log"
+  umount $huge 2>/dev/null
 fi
 if has ngram; then
   step "uvaple bench --workload ngram ${NGRAM_ARGS:---sweep} (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB table)"
@@ -65,10 +70,20 @@ fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"
   timeout 300 python3 -m uvaple.perf.vllm_shapes --table-gib ${VLLM_TABLE_GIB:-24} --out "$R/vllm" 2>&1 | tee "$R/vllm/shapes.log" | tail -30
+fi
+if has startup; then
   shm_gib=$(df --output=avail -B1G /dev/shm | tail -1 | tr -d ' ')
   gib=${VLLM_STARTUP_GIB:-48}; (( shm_gib - 2 < gib )) && gib=$(( shm_gib - 2 ))  # /dev/shm holds the segment
-  step "vLLM plugin-path startup: $gib GiB fp8 n-gram table, stage by stage (/dev/shm has $shm_gib GiB free)"
-  timeout 400 python3 -m uvaple.perf.vllm_startup --gib $gib --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
+  step "vLLM plugin-path startup: $gib GiB fp8 n-gram table, stage by stage, in /dev/shm (4 KiB pages here)"
+  timeout 280 python3 -m uvaple.perf.vllm_startup --gib $gib --keep --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
+  huge=/mnt/uvaple-huge
+  if mkdir -p $huge && mount -t tmpfs -o huge=always,size=$(( gib + 4 ))G uvaple-huge $huge; then
+    step "the same in a huge=always tmpfs (segment_dir=$huge)"
+    timeout 280 python3 -m uvaple.perf.vllm_startup --gib $gib --segment-dir $huge --tag _huge_tmpfs --out "$R/vllm" \
+      2>&1 | tee "$R/vllm/startup_huge_tmpfs.log"
+    umount $huge
+  else echo "no huge-page tmpfs here (mount refused)"; fi
+  rm -rf /tmp/uvaple-startup
 fi
 if has bench; then
   step "uvaple bench ${BENCH_ARGS:---full}"

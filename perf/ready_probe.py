@@ -5,10 +5,15 @@ CUDA; without it only the memory stages run). One line per variant, seconds per 
 
 * ``private``: an anonymous mapping (2 MiB aligned, ``MADV_HUGEPAGE``), ``MADV_POPULATE_WRITE`` on
   ``threads`` threads, then registration: one call, or ``threads`` pieces registered at once;
-* ``shm``: a ``/dev/shm`` file, ``posix_fallocate`` on ``threads`` threads, mapped shared,
-  ``MADV_HUGEPAGE``, populated the same way, registered the same two ways;
+* ``shm``: a ``/dev/shm`` file, mapped shared, ``MADV_HUGEPAGE``, populated the same way (which
+  allocates its pages), registered the same two ways;
 * ``*-no-populate``: registered straight after mapping (the driver's pinning faults the pages);
-* ``*-pipelined``: each thread populates its piece and registers it (populate and register overlap).
+* ``*-pipelined``: each thread populates its piece and registers it (populate and register overlap);
+* ``shm8``/``shm64``: the table in 8 or 64 ``/dev/shm`` files mapped back to back into one range (each
+  tmpfs file has its own page-cache lock, so their allocation can run in parallel), registered as one;
+* ``dir``: a file in ``--dir`` (e.g. a ``tmpfs -o huge=always`` mount), otherwise as ``shm``;
+* populate ``fill``: no pre-fault; ``threads`` threads copy a source table in (the fill allocates the
+  pages as it writes, as a serving engine's weight loader would), then registration.
 
 The huge pages each variant got (``AnonHugePages`` / ``ShmemHugePages`` growth) are printed with it,
 and the kernel's THP settings first.
@@ -17,6 +22,7 @@ and the kernel's THP settings first.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -44,22 +50,37 @@ def _pool(fn, ranges, threads):
     host_table._parallel(fn, ranges, threads, name="uvaple-probe")
 
 
-def run_variant(kind: str, nbytes: int, threads: int, populate: str, register: str, cuda: bool) -> dict:
-    """populate: 'threads' | 'none' | 'pipelined'; register: 'one' | 'pieces' | 'none'."""
+def _files(directory: str, nbytes: int, count: int) -> tuple[int, list[int]]:
+    """``count`` unlinked files in ``directory`` holding ``nbytes`` together, mapped back to back."""
+    parts = _pieces(nbytes, count)
+    base = _sys.mmap(nbytes, 0, _sys.MAP_PRIVATE | _sys.MAP_ANONYMOUS | _sys.MAP_NORESERVE)  # the range
+    fds = []
+    for i, (o, n) in enumerate(parts):
+        path = os.path.join(directory, f"uvaple-probe-{os.getpid()}-{i}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        os.ftruncate(fd, n)
+        fds.append(fd)
+        _sys.mmap(n, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED | _sys.MAP_FIXED, fd, addr=base + o)
+    return base, fds
+
+
+def run_variant(kind: str, nbytes: int, threads: int, populate: str, register: str, cuda: bool,
+                directory: str = "/dev/shm", source: int | None = None) -> dict:
+    """populate: 'threads' | 'none' | 'pipelined' | 'fill'; register: 'one' | 'pieces' | 'none'."""
     rec: dict = {"variant": f"{kind} populate={populate} register={register}", "gib": nbytes / GIB}
+    if kind == "dir":
+        rec["dir"] = directory
     huge_key = "AnonHugePages" if kind == "private" else "ShmemHugePages"
     huge0 = _meminfo(huge_key)
-    fd = None
+    fds: list[int] = []
     t = time.perf_counter()
     if kind == "private":
         base = _sys.map_anonymous_aligned(nbytes)
     else:
-        path = f"/dev/shm/uvaple-probe-{os.getpid()}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.unlink(path)
-        _pool(lambda o, n: os.posix_fallocate(fd, o, n), _pieces(nbytes, threads * 4), threads)
-        rec["fallocate_s"] = time.perf_counter() - t
-        base = _sys.mmap(nbytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, fd)
+        count = int(kind[3:]) if kind[3:].isdigit() else 1
+        base, fds = _files("/dev/shm" if kind.startswith("shm") else directory, nbytes, count)
+        rec["create_s"] = time.perf_counter() - t
     _sys.madvise(base, nbytes, _sys.MADV_HUGEPAGE)
     flags = _cuda.HOST_REGISTER_PORTABLE | _cuda.HOST_REGISTER_MAPPED
     done: list[int] = []
@@ -74,7 +95,14 @@ def run_variant(kind: str, nbytes: int, threads: int, populate: str, register: s
         _cuda.host_register(base + o, n, flags)
         done.append(base + o)
 
+    def fill_piece(o, n):
+        ctypes.memmove(base + o, source + o, n)
+
     try:
+        if populate == "fill":
+            t = time.perf_counter()
+            _pool(fill_piece, _pieces(nbytes, threads * 4), threads)
+            rec["fill_s (allocates)"] = time.perf_counter() - t
         if populate == "threads":
             t = time.perf_counter()
             _pool(populate_piece, _pieces(nbytes, threads * 4), threads)
@@ -92,13 +120,15 @@ def run_variant(kind: str, nbytes: int, threads: int, populate: str, register: s
             rec["register_s"] = time.perf_counter() - t
         rec["huge_pages_gib"] = (_meminfo(huge_key) - huge0) / GIB
         rec["ready_s"] = sum(v for k, v in rec.items() if k.endswith("_s"))
+        if populate == "fill":
+            rec["ready_after_fill_s"] = rec.get("register_s", 0.0)
         rec["ready_gib_s"] = nbytes / GIB / rec["ready_s"] if rec["ready_s"] else None
     finally:
         t = time.perf_counter()
         for p in done:
             _cuda.host_unregister(p)
         _sys.munmap(base, nbytes)
-        if fd is not None:
+        for fd in fds:
             os.close(fd)
         rec["release_s (not counted)"] = time.perf_counter() - t
     print(json.dumps(rec), flush=True)
@@ -111,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--variants", default="all", help="comma list of kind:populate:register, or 'all'")
     p.add_argument("--json", help="write the records here")
+    p.add_argument("--dir", default="/dev/shm", help="directory of the 'dir' kind (a huge-page tmpfs, say)")
     a = p.parse_args(argv)
     for f in ("enabled", "defrag", "shmem_enabled"):
         try:
@@ -126,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                     for pop, reg in (("threads", "one"), ("threads", "pieces"), ("none", "pieces"), ("pipelined", "-"))]
     else:
         variants = [tuple(v.split(":")) for v in a.variants.split(",")]
-    recs = [run_variant(k, nbytes, a.threads, pop, reg, cuda) for k, pop, reg in variants]
+    source = None
+    if any(pop == "fill" for _k, pop, _r in variants):  # a populated private table to copy from
+        source = _sys.map_anonymous_aligned(nbytes)
+        _sys.madvise(source, nbytes, _sys.MADV_HUGEPAGE)
+        _pool(lambda o, n: _sys.memset(source + o, 0x5A, n), _pieces(nbytes, a.threads * 4), a.threads)
+    recs = [run_variant(k, nbytes, a.threads, pop, reg, cuda, a.dir, source) for k, pop, reg in variants]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(recs, f, indent=1)
