@@ -209,3 +209,51 @@ def test_unregistered_cpu_tensor_is_refused_clearly():
     ids = torch.zeros(1, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="ordinary CPU tensor"):
         gather_rows(torch.randn(4, 4), ids)
+
+
+def test_deferred_shared_tables_register_when_ready():
+    """defer_ready: registration waits for the fill (creator: mark_ready, attacher: wait_ready); the GPU
+    then reads the rows through both mappings, bit-exact; construction already checked registration."""
+    import uuid
+
+    from uvaple.uva import DeviceCapabilityError, _cuda
+
+    name = f"gpu-deferred-{uuid.uuid4().hex[:8]}"
+    src = rand(3001, 80, seed=9)
+    a = HostTable.shared(name, 3001, 80, torch.bfloat16, defer_ready=True, register=True)
+    b = HostTable.shared(name, 3001, 80, torch.bfloat16, defer_ready=True, register=True)
+    try:
+        assert not a.registered and not b.registered and not _cuda.is_registered(a.ptr)  # the probe let go
+        with pytest.raises(DeviceCapabilityError, match="registered when it is ready"):
+            a.cuda_view()
+        a.write_rows(src)
+        a.mark_ready()
+        b.wait_ready(5)
+        assert a.registered and b.registered
+        ids = torch.randint(0, 3001, (777,), device=DEV)
+        for t in (a, b):
+            out = torch.full((777, 80), float("nan"), dtype=torch.bfloat16, device=DEV)
+            gather_rows(t.cuda_view(), ids, out=out)
+            assert torch.equal(bits(out), bits(src[ids.cpu()]))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_deferred_registration_refused_is_named_at_construction(monkeypatch):
+    """The one-page check at construction: a registration the driver refuses is an error before the
+    fill, and nothing is left mapped or named."""
+    import os
+    import uuid
+
+    from uvaple.uva import RegistrationError, _cuda, _region
+
+    def refuse(ptr, nbytes, flags):
+        raise RegistrationError("cudaHostRegister failed: operation not permitted")
+
+    monkeypatch.setattr(_cuda, "host_register", refuse)
+    name = f"gpu-refused-{uuid.uuid4().hex[:8]}"
+    n_live = len(_region.live_regions())
+    with pytest.raises(RegistrationError, match="cudaHostRegister of this table's memory failed"):
+        HostTable.shared(name, 100, 80, torch.bfloat16, defer_ready=True, register=True)
+    assert not os.path.exists(f"/dev/shm/uvaple.{name}") and len(_region.live_regions()) == n_live

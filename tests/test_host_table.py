@@ -721,3 +721,22 @@ def test_attach_mmap_failure_is_named(monkeypatch):
         monkeypatch.setattr(_sys, "mmap", refuse)
         with pytest.raises(SharedSegmentError, match="mapping shared table"):
             HostTable.attach(name)
+
+
+def test_private_tables_filled_by_their_writers_are_not_prefaulted_first(monkeypatch):
+    """from_tensor: the copy commits the pages it writes; no pass zeroes the whole table before it."""
+    rows, cols = 2048, 32768  # 64 MiB
+    src = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    proc = psutil.Process()
+    seen = []
+    real = HostTable.write_rows
+
+    def spy(self, rows_, row_start=0, **kw):
+        seen.append(proc.memory_info().rss - before)
+        return real(self, rows_, row_start, **kw)
+
+    monkeypatch.setattr(HostTable, "write_rows", spy)
+    before = proc.memory_info().rss
+    with HostTable.from_tensor(src) as t:
+        assert seen and seen[0] < (16 << 20)
+        assert proc.memory_info().rss - before >= 0.97 * t.nbytes and torch.equal(t.tensor, src)

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from uvaple.uva import HostTable, SharedSegmentError, SharedSegmentTimeout, _region, segments
+from uvaple.uva import HostMemoryError, HostTable, SharedSegmentError, SharedSegmentTimeout, _region, _sys, segments
 
 ROWS, COLS = 1000, 160  # 160 fp32 columns: 640-byte rows
 
@@ -537,3 +537,144 @@ def test_deferred_ready_after_the_creator_died_is_a_named_error(name):
         if p.poll() is None:
             p.kill()
         p.stdout.close()
+
+
+# ------------------------------------------------------------------ pages committed by the writes
+def _allocated(path: str) -> int:
+    """Bytes a tmpfs file holds (its pages allocated so far)."""
+    return os.stat(path).st_blocks * 512
+
+
+def test_deferred_creator_commits_pages_as_it_writes_and_the_rest_when_ready(name):
+    """Nothing is pre-faulted before the loader writes: each write commits its own pages, mark_ready the
+    rest; the attacher maps and reads the same bytes after wait_ready."""
+    rows, cols = 4096, 4096  # 16 MiB of uint8
+    src = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    a = HostTable.shared(name, rows, cols, torch.uint8, defer_ready=True)
+    b = HostTable.shared(name, rows, cols, torch.uint8, defer_ready=True)
+    try:
+        assert _allocated(path_of(name)) < (1 << 20)  # the header only
+        a.write_rows(src[: rows // 4], 0)
+        got = _allocated(path_of(name))
+        assert rows // 4 * cols <= got < rows // 4 * cols + (1 << 20)
+        a.mark_ready()
+        assert _allocated(path_of(name)) >= segments.DATA_OFFSET + rows * cols - (1 << 20)
+        b.wait_ready(5)
+        want = src.clone()
+        want[rows // 4:] = 0  # never written: zeros
+        assert torch.equal(a.tensor, want) and torch.equal(b.tensor, want)
+    finally:
+        a.close()
+        b.close()
+    assert not os.path.exists(path_of(name))
+
+
+def test_a_full_tmpfs_during_a_deferred_fill_is_named_and_fails_the_table(name, monkeypatch):
+    """The writer's own commit meets the full tmpfs: a named error, not a SIGBUS in the copy; mark_ready
+    then fails the table for every process, and nothing is left."""
+    real = _sys.madvise
+
+    def full(addr, length, advice):  # shmem refuses pages once the tmpfs is full: EFAULT
+        return 14 if advice == _sys.MADV_POPULATE_WRITE and length > _sys.PAGE_SIZE else real(addr, length, advice)
+
+    a = HostTable.shared(name, 2048, 1024, torch.uint8, defer_ready=True)
+    b = HostTable.shared(name, 2048, 1024, torch.uint8, defer_ready=True)
+    monkeypatch.setattr(_sys, "madvise", full)
+    src = torch.randint(0, 256, (2048, 1024), dtype=torch.uint8)
+    with pytest.raises(HostMemoryError, match=rf"shared table '{name}'.*filesystem is full"):
+        a.write_rows(src)
+    with pytest.raises(HostMemoryError, match="filesystem is full"):
+        a.mark_ready()
+    with pytest.raises(SharedSegmentError, match="filesystem is full"):
+        b.wait_ready(5)
+    a.close()
+    b.close()
+    assert not os.path.exists(path_of(name))
+
+
+def test_named_tables_filled_by_their_writers_are_not_prefaulted_first(name, monkeypatch):
+    """from_tensor(name=...) and from_safetensors(name=...): the segment holds nothing when the write
+    starts, and all of it after."""
+    rows, cols = 2048, 4096
+    src = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    seen = []
+    real = HostTable.write_rows
+
+    def spy(self, rows_, row_start=0, **kw):
+        seen.append(_allocated(path_of(name)))
+        return real(self, rows_, row_start, **kw)
+
+    monkeypatch.setattr(HostTable, "write_rows", spy)
+    with HostTable.from_tensor(src, name=name) as t:
+        assert seen and seen[0] < (1 << 20)
+        assert _allocated(path_of(name)) >= rows * cols and torch.equal(t.tensor, src)
+    assert not os.path.exists(path_of(name))
+
+
+# ------------------------------------------------------------------ another tmpfs directory
+@pytest.fixture
+def tmpfs_dir():
+    d = f"/dev/shm/uvaple-test-dir-{uuid.uuid4().hex[:8]}"  # a directory on a tmpfs, as a mount would be
+    os.mkdir(d)
+    yield d
+    for f in os.listdir(d):
+        os.unlink(os.path.join(d, f))
+    os.rmdir(d)
+
+
+def test_segments_live_in_the_directory_given(name, tmpfs_dir, capsys):
+    src = expected(7)
+    t = HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: t.write_rows(src), directory=tmpfs_dir)
+    try:
+        assert os.path.exists(os.path.join(tmpfs_dir, f"uvaple.{name}")) and not os.path.exists(path_of(name))
+        with HostTable.attach(name, directory=tmpfs_dir) as b:
+            assert not b.created and torch.equal(b.tensor, src)
+        with pytest.raises(SharedSegmentError, match="no shared table named"):
+            HostTable.attach(name)  # not in /dev/shm
+        assert [i.name for i in segments.list_segments(tmpfs_dir)] == [name]
+        assert name not in [i.name for i in segments.list_segments()]
+        from uvaple import shm
+
+        assert shm.main(["list", "--dir", tmpfs_dir]) == 0 and name in capsys.readouterr().out
+    finally:
+        t.close()
+    assert os.listdir(tmpfs_dir) == []
+
+
+def test_deferred_tables_in_another_directory(name, tmpfs_dir):
+    a = HostTable.shared(name, 64, 16, torch.float32, defer_ready=True, directory=tmpfs_dir)
+    b = HostTable.shared(name, 64, 16, torch.float32, defer_ready=True, directory=tmpfs_dir)
+    src = expected(8)[:64, :16].contiguous()
+    a.write_rows(src)
+    a.mark_ready()
+    b.wait_ready(5)
+    assert not b.created and torch.equal(b.tensor, src)
+    a.close()
+    b.close()
+    assert os.listdir(tmpfs_dir) == []
+
+
+def test_directories_that_cannot_hold_a_table_are_named(name, tmp_path):
+    assert _sys.filesystem_type("/dev/shm") == segments.TMPFS_MAGIC
+    with pytest.raises(SharedSegmentError, match="not on a tmpfs"):
+        HostTable.shared(name, 4, 4, torch.float32, directory="/proc")  # procfs: not a tmpfs
+    with pytest.raises(SharedSegmentError, match="not an existing directory"):
+        HostTable.shared(name, 4, 4, torch.float32, directory=str(tmp_path / "missing"))
+    with pytest.raises(SharedSegmentError, match="is a path"):
+        HostTable.shared(name, 4, 4, torch.float32, directory=3)
+    with pytest.raises(TypeError, match="give name= too"):
+        HostTable.empty(4, 4, torch.float32, directory="/dev/shm")
+    from uvaple import shm
+
+    with pytest.raises(SystemExit):
+        shm.main(["list", "--dir", "/proc"])
+    assert not os.path.exists(path_of(name))
+
+
+def test_huge_page_option_of_a_tmpfs_mount_is_read():
+    mounts = [line.split() for line in open("/proc/self/mounts")]
+    shm = [m for m in mounts if m[1] == "/dev/shm" and m[2] == "tmpfs"]
+    want = next((o[5:] for o in shm[-1][3].split(",") if o.startswith("huge=")), "never") if shm else None
+    assert _sys.huge_pages_in("/dev/shm") == want
+    assert _sys.huge_pages_in("/dev/shm/some/file") == want  # below the mount point: the same mount
+    assert _sys.huge_pages_in("/proc") is None  # not a tmpfs

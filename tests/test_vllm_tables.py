@@ -52,6 +52,9 @@ def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
     ({"timeout_s": math.inf}, "positive number"),
     ({"timeout_s": "soon"}, "positive number"),
     ({"timeout_s": True}, "positive number"),
+    ({"segment_dir": "/proc"}, "segment_dir: .*not on a tmpfs"),
+    ({"segment_dir": "/nonexistent-uvaple-dir"}, "segment_dir: .*not an existing directory"),
+    ({"segment_dir": 5}, "segment_dir: expected a directory path"),
 ])
 def test_bad_settings_are_named(entry, match):
     with pytest.raises(PluginConfigError, match=match):
@@ -145,6 +148,29 @@ def test_one_creator_fills_and_an_attacher_reads_the_same_memory():
         attacher.close()
         creator.close()
     assert not os.path.exists(f"/dev/shm/uvaple.{creator.name}")
+
+
+def test_shards_live_in_the_configured_directory():
+    d = f"/dev/shm/uvaple-test-dir-{uuid.uuid4().hex[:8]}"  # a directory on a tmpfs, as a mount would be
+    os.mkdir(d)
+    try:
+        cfg = from_sources({"uvaple": {"segment": _name(), "timeout_s": 5}}, {"UVAPLE_SEGMENT_DIR": d})
+        assert cfg.segment_dir == d
+        creator, attacher = shard(cfg), shard(cfg)
+        w = rand(90, 40, torch.bfloat16, seed=4)
+        creator.write(w, 0)
+        attacher.write(w, 0)
+        creator.finish()
+        attacher.finish()
+        assert os.listdir(d) == [f"uvaple.{creator.name}"] and not os.path.exists(f"/dev/shm/uvaple.{creator.name}")
+        assert torch.equal(bits(attacher.tensor[:90]), bits(w))
+        attacher.close()
+        creator.close()
+        assert os.listdir(d) == []
+    finally:
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+        os.rmdir(d)
 
 
 def test_a_creator_missing_rows_fails_its_waiters_with_the_reason():

@@ -124,3 +124,41 @@ def mapped(addr: int) -> bool:
             if lo <= addr < hi:
                 return True
     return False
+
+
+class _Statfs(ctypes.Structure):  # struct statfs on 64-bit Linux: f_type first, then the counts
+    _fields_ = [("f_type", ctypes.c_long), ("f_bsize", ctypes.c_long), ("f_blocks", ctypes.c_ulong),
+                ("f_bfree", ctypes.c_ulong), ("f_bavail", ctypes.c_ulong), ("f_files", ctypes.c_ulong),
+                ("f_ffree", ctypes.c_ulong), ("f_fsid", ctypes.c_int * 2), ("f_namelen", ctypes.c_long),
+                ("f_frsize", ctypes.c_long), ("f_flags", ctypes.c_long), ("f_spare", ctypes.c_long * 4)]
+
+
+def filesystem_type(path: str) -> int | None:
+    """The ``statfs(2)`` magic of the filesystem holding ``path`` (``0x01021994``: tmpfs), or None where
+    the call fails."""
+    buf = _Statfs()
+    if _libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        return None
+    return buf.f_type & 0xFFFFFFFF
+
+
+def huge_pages_in(path: str) -> str | None:
+    """The ``huge=`` option of the tmpfs mount holding ``path`` (``never`` when absent), from
+    ``/proc/self/mounts``; None where that cannot be read."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for m in mounts:
+        if len(m) >= 4 and m[2] == "tmpfs" and (real == m[1] or real.startswith(m[1].rstrip("/") + "/")):
+            if best is None or len(m[1]) > len(best[1]):
+                best = m
+    if best is None:
+        return None
+    for opt in best[3].split(","):
+        if opt.startswith("huge="):
+            return opt[5:]
+    return "never"

@@ -17,14 +17,23 @@ found zero-copy reads need for the PCIe peak). For small rows a wider stride buy
 n-gram rows span two 128-byte lines at any 16-byte offset, and on the H200 their random-read rate was
 the same at a 256-byte stride, which cost 60% more host memory (a 48 GiB fp8 table took 77 GiB).
 
-Population. Pages are committed up front by several threads at once (``MADV_POPULATE_WRITE`` on
-disjoint ranges; ctypes drops the GIL), so a shortage fails here with ``HostMemoryError`` rather than as
-an OOM kill later, and registration does not fault 25 million pages single-threaded. A shared segment's
-pages are allocated by that same populate call (a full tmpfs makes it fail with EFAULT, named here, not
-a SIGBUS later); only where the kernel lacks ``MADV_POPULATE_WRITE`` are they reserved first with
+Population. Pages are committed by several threads at once (``MADV_POPULATE_WRITE`` on disjoint
+ranges; ctypes drops the GIL), so a shortage fails with ``HostMemoryError`` rather than as an OOM kill
+later, and registration does not fault 25 million pages single-threaded. A shared segment's pages are
+allocated by that same populate call (a full tmpfs makes it fail with EFAULT, named here, not a SIGBUS
+later); only where the kernel lacks ``MADV_POPULATE_WRITE`` are they reserved first with
 ``posix_fallocate``, because the fallback then touches them by hand. (Reserving first as well cost 8 s for
-48 GiB on the H200 host, more than populating: the pages were allocated twice over, once to the file
-and once into the page tables.)
+48 GiB on the H200 host, more than populating: the pages were allocated twice over.)
+
+When the table's own writers fill it (``from_tensor``, ``from_safetensors``, and the creator of a
+``defer_ready`` shared table writing with :meth:`HostTable.write_rows`), nothing is pre-faulted up front:
+each writer thread commits the block it is about to write (the same populate call, so the same named
+errors) and then copies into it, and registration follows the fill. The fill allocates the pages while it
+writes them, instead of a separate pass zeroing all of them first: on the H200 host, 48 GiB in a
+``huge=always`` tmpfs took 1.4 s to pre-fault plus 1.8 s to fill, and 1.8 s to fill unpopulated
+(``perf/ready_probe.py``). Whatever the fill left untouched is committed after it, before registration.
+A ``fill`` callable given to :meth:`HostTable.shared` may write any way it likes, so that table is
+pre-faulted first, as is :meth:`HostTable.empty`.
 
 Registration. ``cudaHostRegister(Portable | Mapped [| ReadOnly])`` through cuda-python, one call per
 ``REGISTER_CHUNK_BYTES`` (the driver's per-call limit: one call of >= 512 GiB fails), chunks registered by
@@ -232,11 +241,14 @@ class HostTable:
         self._tensor: torch.Tensor | None = None
         self._buffer = None
         self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
+        self._committed = False  # every page faulted in (populated)
+        self._writers_commit = False  # writers commit their pages (rows may be present before _committed)
+        self._pending: dict | None = None  # a deferred registration: (register, read_only, device, threads)
 
     @classmethod
     def empty(cls, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, *, name: str | None = None,
               register: bool | str = "auto", read_only: bool = False, device: int | None = None,
-              threads: int | None = None, check_memory: bool = True) -> HostTable:
+              threads: int | None = None, check_memory: bool = True, directory: str | None = None) -> HostTable:
         """Allocate, pre-fault and (optionally) register a table; its contents are zero.
 
         Parameters
@@ -263,14 +275,14 @@ class HostTable:
         """
         return cls._filled(rows, cols, dtype, None, dict(name=name, register=register, read_only=read_only,
                                                          device=device, threads=threads,
-                                                         check_memory=check_memory))
+                                                         check_memory=check_memory, directory=directory))
 
     @classmethod
     def shared(cls, name: str, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, *,
                timeout: float = DEFAULT_SHARED_TIMEOUT_S, fill: Callable[[HostTable], None] | None = None,
                tag: str | None = None, register: bool | str = "auto", read_only: bool = False,
                device: int | None = None, threads: int | None = None, check_memory: bool = True,
-               defer_ready: bool = False) -> HostTable:
+               defer_ready: bool = False, directory: str | None = None) -> HostTable:
         """Create-or-attach the named shared table ``name``: the node holds it once, whoever asks first.
 
         Any number of processes (tensor-parallel ranks, data-parallel replicas) may call this at the same
@@ -288,6 +300,9 @@ class HostTable:
         ----------
         name : str
             1-200 letters, digits, ``_``, ``-`` or ``.`` (the file is ``/dev/shm/uvaple.<name>``).
+        directory : str, optional
+            A tmpfs directory for the segment instead of ``/dev/shm`` (e.g. a ``huge=always`` mount, for
+            2 MiB pages); every process sharing the table gives the same one.
         rows, cols, dtype :
             The table, as in :meth:`empty`.
         timeout : float
@@ -301,10 +316,14 @@ class HostTable:
             As in :meth:`empty`.
         defer_ready : bool
             For fills that happen after construction (a serving engine's weight loader): the creator
-            gets its table at once, still ``building``, fills it and calls :meth:`mark_ready` (or
-            :meth:`mark_failed`); the others map it at once, without waiting, and call
-            :meth:`wait_ready` before the first read. No process waits during construction, so ranks
-            that meet in a collective before the fill ends cannot deadlock on it.
+            gets its table at once, still ``building``, fills it with :meth:`write_rows` and calls
+            :meth:`mark_ready` (or :meth:`mark_failed`); the others map it at once, without waiting, and
+            call :meth:`wait_ready` before the first read. No process waits during construction, so
+            ranks that meet in a collective before the fill ends cannot deadlock on it. Such a table is
+            registered when it is ready (in :meth:`mark_ready` / :meth:`wait_ready`), after its pages
+            were written; construction checks at once that registration works here (one page is
+            registered and released), so a GPU that cannot read host memory is still an error before
+            any loading.
 
         Raises
         ------
@@ -321,12 +340,14 @@ class HostTable:
                             "table itself and calls mark_ready()")
         return cls._open_shared(layout, name, meta, want, fill=fill, timeout=timeout,
                                 mode="deferred" if defer_ready else "shared", register=register,
-                                read_only=read_only, device=device, threads=threads, check_memory=check_memory)
+                                read_only=read_only, device=device, threads=threads, check_memory=check_memory,
+                                directory=directory)
 
     @classmethod
     def attach(cls, name: str, *, rows: int | None = None, cols: int | None = None,
                dtype: torch.dtype | None = None, tag: str | None = None, register: bool | str = "auto",
-               read_only: bool = False, device: int | None = None, threads: int | None = None) -> HostTable:
+               read_only: bool = False, device: int | None = None, threads: int | None = None,
+               directory: str | None = None) -> HostTable:
         """Map the ready named table ``name`` another process created (:meth:`empty`, a loader, :meth:`shared`).
 
         ``rows``/``cols``/``dtype``/``tag``, when given, must match the segment or ``SharedSegmentError``
@@ -337,35 +358,39 @@ class HostTable:
                 "tag": tag}
         return cls._open_shared(None, name, {}, want, fill=None, timeout=None, mode="attach",
                                 register=register, read_only=read_only, device=device, threads=threads,
-                                check_memory=True)
+                                check_memory=True, directory=directory)
 
     @classmethod
     def _open_shared(cls, layout: _Layout | None, name: str, meta: dict, want: dict, *, fill, timeout,
-                     mode: str, register, read_only: bool, device, threads, check_memory: bool) -> HostTable:
+                     mode: str, register, read_only: bool, device, threads, check_memory: bool,
+                     directory: str | None = None, fill_commits: bool = False) -> HostTable:
+        """``fill_commits``: ``fill`` writes through :meth:`write_rows` / the loader, which commit the pages
+        they write, so the creator does not pre-fault first."""
         _region.drain_deferred()
         _check_register_arg(register)
         threads = threads or default_threads()
-        path = segments.segment_path(name)
+        path = segments.segment_path(name, directory)
+        directory = os.path.dirname(path)
         if layout is not None:
             map_bytes = segments.DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
             _check_free_memory(map_bytes, check_memory)
-            _check_shm_space(name, map_bytes, check_memory)
+            _check_shm_space(name, map_bytes, check_memory, directory)
         else:
             map_bytes = 0
         if mode == "attach":
-            seg = segments.attach(name, want)
+            seg = segments.attach(name, want, directory=directory)
         elif mode == "create":
-            seg = segments.create(name, meta, map_bytes)
+            seg = segments.create(name, meta, map_bytes, directory=directory)
         else:
             seg = segments.create_or_attach(name, meta, want, map_bytes, timeout=timeout,
-                                            attach_building=mode == "deferred")
+                                            attach_building=mode == "deferred", directory=directory)
         table = None
         try:
             if not seg.created:
                 layout = _layout_of(seg.header() or {}, path)
                 map_bytes = segments.DATA_OFFSET + _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
             elif not _sys.populate_write_supported():  # the populate fallback below touches pages by hand
-                _parallel(lambda off, n: _reserve(seg.fd, off, n, name, map_bytes),
+                _parallel(lambda off, n: _reserve(seg.fd, off, n, name, map_bytes, directory),
                           _chunks(map_bytes, _POPULATE_CHUNK_BYTES), threads)
             try:
                 base = _sys.mmap(map_bytes, _sys.PROT_READ | _sys.PROT_WRITE, _sys.MAP_SHARED, seg.fd)
@@ -376,11 +401,27 @@ class HostTable:
             table = cls(_layout=layout, _region=region, _data_offset=segments.DATA_OFFSET, _name=name,
                         _created=seg.created)
             _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)
+            writers_commit = seg.created and _sys.populate_write_supported()
+            if mode == "deferred" and (seg.created or not seg.is_ready):
+                # Filled after construction: the writes commit their pages; registered once ready.
+                table._check_registration(register, read_only=read_only, device=device)
+                if writers_commit:
+                    table._writers_commit = True
+                elif seg.created:
+                    table._populate(threads)
+                table._pending = dict(register=register, read_only=read_only, device=device, threads=threads)
+                return table
+            fill_commits = fill_commits and fill is not None and writers_commit
             # Map the pages into this process's page tables now, not on the GPU's first reads.
-            table._populate(threads, write=seg.created)
-            if seg.created and mode != "deferred":
+            if fill_commits:
+                table._writers_commit = True
+            else:
+                table._populate(threads, write=seg.created)
+            if seg.created:
                 if fill is not None:
                     table._timed("fill", fill, table)
+                    if fill_commits:
+                        table._populate(threads)  # what the fill did not write; quick over written pages
                 seg.ready()
             table._register(register, read_only=read_only, device=device, threads=threads)
             return table
@@ -402,7 +443,8 @@ class HostTable:
             raise
 
     @classmethod
-    def _allocate_private(cls, layout: _Layout, threads: int, check_memory: bool) -> HostTable:
+    def _allocate_private(cls, layout: _Layout, threads: int, check_memory: bool,
+                          populate: bool = True) -> HostTable:
         map_bytes = _sys.round_up(layout.data_bytes, _sys.PAGE_SIZE)
         _check_free_memory(map_bytes, check_memory)
         try:
@@ -415,7 +457,8 @@ class HostTable:
         table = cls(_layout=layout, _region=region, _data_offset=0, _name=None)
         try:
             _sys.madvise(base, map_bytes, _sys.MADV_HUGEPAGE)  # a hint: ignored where THP is off
-            table._populate(threads)
+            if populate:
+                table._populate(threads)
         except BaseException:
             table.close()
             raise
@@ -431,44 +474,106 @@ class HostTable:
 
     def _populate(self, threads: int, write: bool = True) -> None:
         self._timed("populate", self._populate_ranges, threads, write)
+        self._committed = True
+        self._writers_commit = False
 
     def _populate_ranges(self, threads: int, write: bool) -> None:
-        advice = _sys.MADV_POPULATE_WRITE if write else _sys.MADV_POPULATE_READ
+        _parallel(lambda off, n: self._commit(off, n, write), _chunks(self._region.length, _POPULATE_CHUNK_BYTES),
+                  threads)
+
+    def _commit(self, off: int, length: int, write: bool = True) -> None:
+        """Fault bytes ``off .. off+length`` of the mapping in (allocating them), or a named error. Never
+        changes a byte: rows may already be there."""
         base, total = self._region.base, self._region.length
-
-        def touch(off: int, length: int) -> None:
-            err = _sys.madvise(base + off, length, advice)
-            if err == 0:
-                return
-            if err in (22, 1):  # EINVAL/EPERM: kernel without MADV_POPULATE_*; touch pages instead
-                if write:
-                    _sys.memset(base + off, 0, length)
-                else:
-                    buf = (ctypes_char * length).from_address(base + off)
-                    sum(memoryview(buf).cast("B")[:: _sys.PAGE_SIZE])
-                return
-            if not self._region.private and err == 14:  # EFAULT: shmem refused a page (the tmpfs is full)
-                raise HostMemoryError(
-                    f"allocating {fmt_bytes(total)} for shared table {self._name!r} in {segments.SHM_DIR} failed: "
-                    f"the filesystem is full. Free space there (`uvaple shm` lists uvaple's segments), enlarge "
-                    f"it (mount -o remount,size=... {segments.SHM_DIR}) or drop name= to use private memory")
+        err = _sys.madvise(base + off, length, _sys.MADV_POPULATE_WRITE if write else _sys.MADV_POPULATE_READ)
+        if err == 0:
+            return
+        if err in (22, 1):  # EINVAL/EPERM: kernel without MADV_POPULATE_*; touch pages instead
+            view = memoryview((ctypes_char * length).from_address(base + off)).cast("B")
+            if write and not self._writers_commit:  # nothing written yet: the pages hold zeros
+                _sys.memset(base + off, 0, length)
+            else:
+                sum(view[:: _sys.PAGE_SIZE])
+            return
+        if not self._region.private and err == 14:  # EFAULT: shmem refused a page (the tmpfs is full)
+            where = self._region.segment.directory if self._region.segment else segments.SHM_DIR
             raise HostMemoryError(
-                f"pre-faulting {fmt_bytes(total)} of host memory failed ({os.strerror(err)}): not enough free "
-                f"memory for this table. Free memory, use a smaller table, or quantise it")
+                f"allocating {fmt_bytes(total)} for shared table {self._name!r} in {where} failed: "
+                f"the filesystem is full. Free space there (`uvaple shm` lists uvaple's segments), enlarge "
+                f"it (mount -o remount,size=... {where}) or drop name= to use private memory")
+        raise HostMemoryError(
+            f"pre-faulting {fmt_bytes(total)} of host memory failed ({os.strerror(err)}): not enough free "
+            f"memory for this table. Free memory, use a smaller table, or quantise it")
 
-        _parallel(touch, _chunks(total, _POPULATE_CHUNK_BYTES), threads)
+    def _commit_rows(self, row: int, n: int) -> None:
+        """Commit the pages of rows ``row .. row+n`` before a writer copies into them (see Population)."""
+        if not self._writers_commit or n <= 0:
+            return
+        lo = self._data_offset + row * self.stride_bytes
+        hi = self._data_offset + (row + n) * self.stride_bytes
+        lo -= lo % _sys.PAGE_SIZE
+        hi = min(_sys.round_up(hi, _sys.PAGE_SIZE), self._region.length)
+        self._commit(lo, hi - lo)
+
+    def _check_registration(self, register: bool | str, *, read_only: bool, device: int | None) -> None:
+        """Before a deferred registration: register this table's first page and release it, so that a GPU
+        or driver that cannot read this memory is an error now, not after the fill."""
+        if not self._wants_cuda(register):
+            return
+        previous = torch.cuda.current_device()
+        dev = previous if device is None else device
+        base = self._region.base
+        try:
+            _cuda.ensure_context(dev)
+            _cuda.require_host_pointer_access(dev)
+            try:
+                _cuda.host_register(base, _sys.PAGE_SIZE, _cuda.HOST_REGISTER_PORTABLE | _cuda.HOST_REGISTER_MAPPED)
+            except RegistrationError as e:
+                raise RegistrationError(f"cudaHostRegister of this table's memory failed: {e}. Use the 'copy' "
+                                        "backend with register=False") from None
+            try:
+                dev_ptr = _cuda.host_device_pointer(base)
+            finally:
+                _cuda.host_unregister(base)
+            if dev_ptr != base:
+                raise DeviceCapabilityError(
+                    f"the device pointer of registered memory ({dev_ptr:#x}) differs from its host pointer "
+                    f"({base:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
+        finally:
+            if torch.cuda.current_device() != previous:
+                torch.cuda.set_device(previous)
+
+    def _finish_pending(self, write: bool) -> None:
+        """A deferred table is ready: commit what was not written, then register (see ``defer_ready``)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            if not self._committed:
+                self._populate(pending["threads"], write=write)
+        except BaseException:
+            self._pending = pending
+            raise
+        self._register(pending["register"], read_only=pending["read_only"], device=pending["device"],
+                       threads=pending["threads"])
 
     def _register(self, register: bool | str, *, read_only: bool, device: int | None, threads: int = 1) -> None:
+        if self._wants_cuda(register):
+            self._timed("register", self._register_chunks, read_only, device, threads)
+
+    @staticmethod
+    def _wants_cuda(register: bool | str) -> bool:
+        """Whether ``register`` asks for a registration here; ``True`` without CUDA is an error."""
         _check_register_arg(register)
         if register is False:
-            return
+            return False
         if not _cuda.cuda_available():
             if register == "auto":
-                return
+                return False
             raise DeviceCapabilityError(
                 "register=True needs a CUDA GPU visible to torch and cuda-python (`pip install cuda-python`); "
                 "none is usable here. Use register='auto' to build an unregistered table")
-        self._timed("register", self._register_chunks, read_only, device, threads)
+        return True
 
     def _register_chunks(self, read_only: bool, device: int | None, threads: int = 1) -> None:
         previous = torch.cuda.current_device()
@@ -657,6 +762,9 @@ class HostTable:
         """
         self._live()
         if not self.registered:
+            if self._pending is not None:
+                raise DeviceCapabilityError("cuda_view(): this shared table is registered when it is ready; call "
+                                            "mark_ready() (its creator) or wait_ready() first")
             raise DeviceCapabilityError("cuda_view() needs a registered table (build it where CUDA is usable)")
         itemsize = self.itemsize
         typestr = {1: "|u1", 2: "<i2", 4: "<i4"}[itemsize]
@@ -683,6 +791,7 @@ class HostTable:
         block = max(1, (64 << 20) // max(1, self.stride_bytes))  # 64 MiB per copy call
 
         def copy(a: int, b: int) -> None:
+            self._commit_rows(row_start + a, b)
             dst[a:a + b].copy_(t[a:a + b])
 
         _parallel(copy, _chunks(n, block), threads or default_threads())
@@ -718,12 +827,15 @@ class HostTable:
 
     @classmethod
     def _filled(cls, rows: int, cols: int, dtype: torch.dtype, fill, kw: dict) -> HostTable:
+        """A new table (named or private) written by ``fill``, one of this module's writers: they commit the
+        pages they write, so nothing is pre-faulted before the fill (see Population)."""
         register = kw.pop("register", "auto")
         read_only = kw.pop("read_only", False)
         device = kw.pop("device", None)
         name = kw.pop("name", None)
         threads = kw.pop("threads", None) or default_threads()
         check_memory = kw.pop("check_memory", True)
+        directory = kw.pop("directory", None)
         if kw:
             raise TypeError(f"unexpected arguments: {', '.join(kw)}")
         _check_register_arg(register)
@@ -731,12 +843,18 @@ class HostTable:
         if name is not None:
             return cls._open_shared(layout, name, layout.header(), {}, fill=fill, timeout=None, mode="create",
                                     register=register, read_only=read_only, device=device, threads=threads,
-                                    check_memory=check_memory)
+                                    check_memory=check_memory, directory=directory, fill_commits=True)
+        if directory is not None:
+            raise TypeError("directory= is for named (shared) tables; give name= too")
         _region.drain_deferred()
-        table = cls._allocate_private(layout, threads, check_memory)
+        writers_commit = fill is not None and _sys.populate_write_supported()
+        table = cls._allocate_private(layout, threads, check_memory, populate=not writers_commit)
         try:
             if fill is not None:
+                table._writers_commit = writers_commit
                 table._timed("fill", fill, table)
+                if writers_commit:
+                    table._populate(threads)  # what the fill did not write; quick over written pages
             table._register(register, read_only=read_only, device=device, threads=threads)
         except BaseException as e:
             _drop_views_of_failure(e)
@@ -753,9 +871,20 @@ class HostTable:
         return seg is None or seg.is_ready
 
     def mark_ready(self) -> None:
-        """The creator of a ``defer_ready`` shared table has filled it: processes waiting may read it."""
+        """The creator of a ``defer_ready`` shared table has filled it: processes waiting may read it.
+
+        Commits the pages the fill did not write (a shortage fails the table for every process, named),
+        marks it ready, then registers this process's mapping."""
         seg = self._creator_segment("mark_ready")
+        pending = self._pending
+        if pending is not None and not self._committed:
+            try:
+                self._populate(pending["threads"])
+            except BaseException as e:
+                seg.fail(e)
+                raise
         seg.ready()
+        self._finish_pending(write=True)
 
     def mark_failed(self, error: BaseException) -> None:
         """The creator of a ``defer_ready`` shared table could not fill it: waiters get ``error``, and the
@@ -763,11 +892,13 @@ class HostTable:
         self._creator_segment("mark_failed").fail(error)
 
     def wait_ready(self, timeout: float = DEFAULT_SHARED_TIMEOUT_S) -> None:
-        """Wait (bounded) until a ``defer_ready`` table's creator marks it ready (at once when it is)."""
+        """Wait (bounded) until a ``defer_ready`` table's creator marks it ready (at once when it is), then
+        map its pages and register them here if that was deferred."""
         self._live()
         seg = self._region.segment
         if seg is not None:
             seg.wait_ready(timeout)
+        self._finish_pending(write=False)
 
     def _creator_segment(self, what: str):
         self._live()
@@ -831,24 +962,24 @@ def _check_register_arg(register) -> None:
         raise ValueError(f"register must be True, False or 'auto', got {register!r}")
 
 
-def _reserve(fd: int, off: int, length: int, name: str, total: int) -> None:
+def _reserve(fd: int, off: int, length: int, name: str, total: int, directory: str) -> None:
     try:
         os.posix_fallocate(fd, off, length)
     except OSError as e:
         raise HostMemoryError(
-            f"reserving {fmt_bytes(total)} for shared table {name!r} in {segments.SHM_DIR} failed: {e.strerror}; "
+            f"reserving {fmt_bytes(total)} for shared table {name!r} in {directory} failed: {e.strerror}; "
             f"free space there or use a private table") from e
 
 
-def _check_shm_space(name: str, nbytes: int, check: bool) -> None:
+def _check_shm_space(name: str, nbytes: int, check: bool, directory: str) -> None:
     if not check:
         return
-    st = os.statvfs(segments.SHM_DIR)
+    st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
         raise HostMemoryError(
-            f"shared table {name!r} needs {fmt_bytes(nbytes)} in {segments.SHM_DIR} but only {fmt_bytes(free)} is "
-            f"free there; enlarge it (mount -o remount,size=... {segments.SHM_DIR}) or drop name= to use "
+            f"shared table {name!r} needs {fmt_bytes(nbytes)} in {directory} but only {fmt_bytes(free)} is "
+            f"free there; enlarge it (mount -o remount,size=... {directory}) or drop name= to use "
             f"private memory")
 
 

@@ -195,6 +195,7 @@ def stream_into(table, info: TensorInfo, *, threads: int) -> None:
             pass
 
         def load(r0: int, n: int) -> None:
+            table._commit_rows(r0, n)  # this block's pages: a shortage is a named error, never a SIGBUS
             offset = info.begin + r0 * src_row
             if direct:
                 _read_exact(fd, [raw[r0 * src_row:(r0 + n) * src_row]], offset, info.path)

@@ -4,6 +4,12 @@ One file per table, ``/dev/shm/uvaple.<name>``: a header, then the rows from ``D
 process that maps it (tensor-parallel ranks, data-parallel replicas) shares the same pages, so a node
 holds the table once.
 
+Directory. ``/dev/shm`` by default; any tmpfs directory may be given instead (``directory=``), and every
+process sharing a table must give the same one. Where ``/dev/shm`` has 4 KiB pages (the kernel default,
+``huge=never``), a tmpfs mounted with ``huge=always`` holds the table in 2 MiB pages: its pages are
+allocated and registered several times faster (measured in ``perf/ready_probe.py``). A directory that is
+not on a tmpfs is refused: a table there would be written back to a disk.
+
 Header: ``MAGIC`` (8 bytes), the JSON length (u64), then JSON: ``rows``, ``cols``, ``dtype``,
 ``stride_bytes``, ``data_offset``, ``tag`` (what the table holds, e.g. a checkpoint's identity),
 ``creator_pid``, ``created_unix``, ``state`` (``building`` → ``ready`` or ``failed``) and ``error``.
@@ -58,10 +64,11 @@ from .errors import SharedSegmentError, SharedSegmentTimeout
 
 log = logging.getLogger("uvaple.uva")
 
-__all__ = ["Segment", "SegmentInfo", "DATA_OFFSET", "segment_path", "create", "create_or_attach",
-           "attach", "list_segments", "clean", "SHM_DIR", "PREFIX"]
+__all__ = ["Segment", "SegmentInfo", "DATA_OFFSET", "segment_path", "segment_dir", "create",
+           "create_or_attach", "attach", "list_segments", "clean", "SHM_DIR", "PREFIX"]
 
 SHM_DIR = "/dev/shm"
+TMPFS_MAGIC = 0x01021994
 PREFIX = "uvaple."
 MAGIC = b"UVAPLE01"
 _HEAD = struct.Struct("<8sQ")  # magic, JSON length
@@ -79,12 +86,34 @@ _DETACH_LOCK_TIMEOUT_S = 10.0
 _FLOCK_STRUCT = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 
 
-def segment_path(name: str) -> str:
-    """``/dev/shm/uvaple.<name>``; a name is 1-200 letters, digits, ``_``, ``-`` or ``.``."""
+def segment_dir(directory: str | os.PathLike | None = None) -> str:
+    """The directory segments live in: ``directory`` (checked: an existing directory on a tmpfs), or
+    ``/dev/shm``."""
+    if directory is None:
+        return SHM_DIR
+    try:
+        d = os.fspath(directory)
+    except TypeError:
+        raise SharedSegmentError(f"a shared-table directory is a path, got {directory!r}") from None
+    if not isinstance(d, str) or not os.path.isdir(d):
+        raise SharedSegmentError(f"shared-table directory {d!r} is not an existing directory; create it (a "
+                                 f"tmpfs mount: mount -t tmpfs -o huge=always,size=<table>G none {d})")
+    fstype = _sys.filesystem_type(d)
+    if fstype is not None and fstype != TMPFS_MAGIC:
+        raise SharedSegmentError(
+            f"shared-table directory {d!r} is not on a tmpfs (filesystem type {fstype:#x}): a table there "
+            f"would be backed by a disk. Mount a tmpfs on it (mount -t tmpfs -o huge=always,size=<table>G "
+            f"none {d}) or use the default {SHM_DIR}")
+    return os.path.abspath(d)
+
+
+def segment_path(name: str, directory: str | os.PathLike | None = None) -> str:
+    """``<directory>/uvaple.<name>`` (``/dev/shm`` by default); a name is 1-200 letters, digits, ``_``,
+    ``-`` or ``.``."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
         raise SharedSegmentError(
             f"shared table name {name!r} is not valid: use 1-200 letters, digits, '_', '-' or '.'")
-    return os.path.join(SHM_DIR, PREFIX + name)
+    return os.path.join(segment_dir(directory), PREFIX + name)
 
 
 # ---------------------------------------------------------------------------------------- locks
@@ -105,7 +134,7 @@ def _held_by_other(fd: int, byte: int, ltype: int = fcntl.F_WRLCK) -> bool:
     return _FLOCK_STRUCT.unpack(res)[0] != fcntl.F_UNLCK
 
 
-_held = threading.local()  # this thread's namespace-lock depth (a finalizer may re-enter inside a decision)
+_held = threading.local()  # this thread's namespace-lock depth per directory (a finalizer may re-enter)
 _ns_fds: set[int] = set()  # namespace-lock descriptors open in this process (closed in a forked child)
 _fork_hook = False
 
@@ -124,22 +153,25 @@ def _close_inherited() -> None:
 
 
 @contextmanager
-def _namespace(deadline: float, what: str) -> Iterator[None]:
-    """Hold the namespace lock (``flock`` on the ``/dev/shm`` directory) until the block ends.
+def _namespace(deadline: float, what: str, directory: str = SHM_DIR) -> Iterator[None]:
+    """Hold the namespace lock (``flock`` on the segments' directory) until the block ends.
 
     Re-entrant on one thread: a finalizer that detaches a segment may run inside another decision."""
     global _fork_hook
-    if getattr(_held, "depth", 0):
-        _held.depth += 1
+    depth = getattr(_held, "depth", None)
+    if depth is None:
+        depth = _held.depth = {}
+    if depth.get(directory, 0):
+        depth[directory] += 1
         try:
             yield
         finally:
-            _held.depth -= 1
+            depth[directory] -= 1
         return
     if not _fork_hook:
         _fork_hook = True
         os.register_at_fork(after_in_child=_close_inherited)
-    fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     _ns_fds.add(fd)
     try:
         delay = _POLL_MIN_S
@@ -150,16 +182,16 @@ def _namespace(deadline: float, what: str) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise SharedSegmentTimeout(
-                        f"{what}: another process held the {SHM_DIR} namespace lock (flock on the "
+                        f"{what}: another process held the {directory} namespace lock (flock on the "
                         f"directory) for the whole wait; it is held for microseconds at a time, so that "
-                        f"process is stopped or stuck: find it with `fuser {SHM_DIR}`") from None
+                        f"process is stopped or stuck: find it with `fuser {directory}`") from None
                 time.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
-        _held.depth = 1
+        depth[directory] = 1
         try:
             yield
         finally:
-            _held.depth = 0
+            depth[directory] = 0
     finally:
         _ns_fds.discard(fd)
         os.close(fd)  # closing drops the flock
@@ -232,6 +264,10 @@ class Segment:
         self.created = created
         self.pid = os.getpid()
 
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(self.path)
+
     def header(self) -> dict | None:
         return _read_header(self.fd)
 
@@ -264,7 +300,8 @@ class Segment:
             log.warning("marking shared table %r failed did not work: %s", self.name, e)
         finally:
             try:
-                with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"removing {self.name!r}"):
+                with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"removing {self.name!r}",
+                            self.directory):
                     _unlink_if_same(self.path, self.fd)
             except Exception as e:  # noqa: BLE001
                 log.warning("removing the failed shared table %r did not work: %s", self.name, e)
@@ -275,7 +312,8 @@ class Segment:
         """Remove the name now, if it is still this segment's (every mapping stays valid)."""
         if self.fd is None or self.pid != os.getpid():
             return
-        with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"unlinking {self.name!r}"):
+        with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"unlinking {self.name!r}",
+                            self.directory):
             _unlink_if_same(self.path, self.fd)
 
     @property
@@ -305,7 +343,8 @@ class Segment:
             return
         try:
             if self.pid == os.getpid():
-                with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"detaching {self.name!r}"):
+                with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"detaching {self.name!r}",
+                            self.directory):
                     try:
                         # Our locks go first, inside the namespace lock: of processes detaching at once the
                         # last then sees no one left and unlinks. Explicitly: a mapping of the file keeps
@@ -414,7 +453,7 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
           attach_building: bool = False) -> Segment | tuple[int, dict]:
     """One decision under the namespace lock: a Segment (created or attached), or (fd, header) of a
     segment still being built, to wait on outside the lock."""
-    with _namespace(deadline, f"shared table {name!r}"):
+    with _namespace(deadline, f"shared table {name!r}", os.path.dirname(path)):
         while True:
             fd = _open_existing(path)
             if fd is None:
@@ -499,13 +538,13 @@ def _wait_built(name: str, fd: int, head: dict, deadline: float, timeout: float)
 
 def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, timeout: float,
                      create_ok: bool = True, attach_ok: bool = True, replace_orphan: bool = True,
-                     attach_building: bool = False) -> Segment:
+                     attach_building: bool = False, directory: str | os.PathLike | None = None) -> Segment:
     """Create segment ``name`` (``seg.created``: this process must fill it and call ``seg.ready()``) or
     attach to the ready one, waiting at most ``timeout`` seconds for a live creator to finish.
 
     ``attach_building``: attach to one a live creator is still filling at once (the caller waits later,
     with :meth:`Segment.wait_ready`)."""
-    path = segment_path(name)
+    path = segment_path(name, directory)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout
@@ -522,14 +561,16 @@ def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, tim
         # ready, or the creator died: decide again under the namespace lock (the file may be gone)
 
 
-def create(name: str, meta: dict, total_bytes: int, *, timeout: float = _DETACH_LOCK_TIMEOUT_S) -> Segment:
+def create(name: str, meta: dict, total_bytes: int, *, timeout: float = _DETACH_LOCK_TIMEOUT_S,
+           directory: str | os.PathLike | None = None) -> Segment:
     """Create segment ``name``; a live one of that name is an error, a stale one is replaced."""
-    return create_or_attach(name, meta, {}, total_bytes, timeout=timeout, attach_ok=False)
+    return create_or_attach(name, meta, {}, total_bytes, timeout=timeout, attach_ok=False, directory=directory)
 
 
-def attach(name: str, want: dict, *, timeout: float = _DETACH_LOCK_TIMEOUT_S) -> Segment:
+def attach(name: str, want: dict, *, timeout: float = _DETACH_LOCK_TIMEOUT_S,
+           directory: str | os.PathLike | None = None) -> Segment:
     """Attach to the ready segment ``name`` (no wait for a creator: that is ``create_or_attach``)."""
-    path = segment_path(name)
+    path = segment_path(name, directory)
     deadline = time.monotonic() + timeout
     got = _step(name, path, {}, want, 0, deadline, create_ok=False, attach_ok=True, replace_orphan=False)
     if isinstance(got, Segment):
@@ -595,27 +636,29 @@ def _info(path: str) -> SegmentInfo | None:
         os.close(fd)
 
 
-def list_segments() -> list[SegmentInfo]:
-    """Every ``/dev/shm/uvaple.*`` file, with its state and who has it open."""
+def list_segments(directory: str | os.PathLike | None = None) -> list[SegmentInfo]:
+    """Every ``uvaple.*`` file of the directory (``/dev/shm``), with its state and who has it open."""
+    d = segment_dir(directory)
     try:
-        names = sorted(os.listdir(SHM_DIR))
+        names = sorted(os.listdir(d))
     except FileNotFoundError:
         return []
-    infos = [_info(os.path.join(SHM_DIR, n)) for n in names if n.startswith(PREFIX)]
+    infos = [_info(os.path.join(d, n)) for n in names if n.startswith(PREFIX)]
     return [i for i in infos if i is not None]
 
 
-def clean(names: list[str] | None = None, *, dry_run: bool = False,
-          timeout: float = _DETACH_LOCK_TIMEOUT_S) -> list[SegmentInfo]:
+def clean(names: list[str] | None = None, *, dry_run: bool = False, timeout: float = _DETACH_LOCK_TIMEOUT_S,
+          directory: str | os.PathLike | None = None) -> list[SegmentInfo]:
     """Remove segments nobody uses (stale, failed, or ready with no process attached); returns them.
 
     ``names`` limits it to those segments. Files that are not uvaple's are never removed. The scan of
     ``/proc`` runs outside the namespace lock; each candidate is checked again under it before removal.
     """
-    candidates = [i for i in list_segments() if (names is None or i.name in names)
+    d = segment_dir(directory)
+    candidates = [i for i in list_segments(d) if (names is None or i.name in names)
                   and i.state != "foreign" and not i.in_use]
     removed = []
-    with _namespace(time.monotonic() + timeout, "uvaple shm clean"):
+    with _namespace(time.monotonic() + timeout, "uvaple shm clean", d):
         for info in candidates:
             try:
                 fd = os.open(info.path, os.O_RDONLY)

@@ -35,6 +35,7 @@ class Capabilities:
     pcie_link: str | None = None
     memlock_soft_bytes: int | None = None
     mem_available_bytes: int | None = None
+    shm_huge_pages: str | None = None  # the huge= option of /dev/shm's tmpfs (shared tables' page size)
     h2d_ceiling_gbps: float | None = None
     zero_copy_read_gbps: float | None = None
     torch_build: str | None = None  # "cuda 13.0" or "cpu"
@@ -106,6 +107,7 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
     soft, _ = _sys.memlock_limit()
     caps.memlock_soft_bytes = soft
     caps.mem_available_bytes = _sys.mem_available_bytes()
+    caps.shm_huge_pages = _sys.huge_pages_in("/dev/shm")
     try:
         import torch
     except ImportError:
@@ -168,6 +170,15 @@ def _limit(n: int | None) -> str:
     return fmt_bytes(n)
 
 
+def _shm_pages(huge: str | None) -> str:
+    if huge is None:
+        return "unknown (no tmpfs at /dev/shm)"
+    if huge in ("always", "within_size"):
+        return f"2 MiB pages (huge={huge})"
+    return (f"4 KiB pages (huge={huge}); for a faster start mount a tmpfs with huge=always and give it as the "
+            "segment directory (directory=, or the vLLM plugin's segment_dir)")
+
+
 def format_report(caps: Capabilities) -> str:
     yes = {True: "yes", False: "NO", None: "unknown"}
     lines = [
@@ -182,6 +193,7 @@ def format_report(caps: Capabilities) -> str:
         f"PCIe link                     : {caps.pcie_link or 'unknown (NVML not available)'}",
         f"memlock limit (ulimit -l)     : {_limit(caps.memlock_soft_bytes)}",
         f"host memory available         : {_limit(caps.mem_available_bytes)}",
+        f"shared tables in /dev/shm     : {_shm_pages(caps.shm_huge_pages)}",
     ]
     if caps.h2d_ceiling_gbps is not None:
         lines.append(f"pinned H2D copy ceiling       : {caps.h2d_ceiling_gbps:.1f} GB/s")

@@ -4,6 +4,7 @@
 ``stale``: its creator died before it was ready, ``foreign``: not a uvaple file), the creator's pid, the
 table's shape and tag, and the processes that have it mapped. ``clean`` removes the segments no process
 has open (stale, failed, or ready and orphaned by a killed process); ``--dry-run`` only says which.
+``--dir`` looks in another tmpfs directory (the ``directory=`` the tables were made with).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from uvaple.uva import segments
 _size = fmt_bytes
 
 
-def format_list(infos: list[segments.SegmentInfo]) -> str:
+def format_list(infos: list[segments.SegmentInfo], directory: str = segments.SHM_DIR) -> str:
     if not infos:
-        return f"no uvaple shared tables in {segments.SHM_DIR}"
+        return f"no uvaple shared tables in {directory}"
     lines = [f"{'name':<28} {'size':>10} {'state':<9} {'creator':>8} {'shape':<18} {'dtype':<8} "
              f"{'open by':<16} tag"]
     for i in infos:
@@ -36,19 +37,25 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     lst = sub.add_parser("list", help="show the segments")
     lst.add_argument("--json", action="store_true", help="print JSON")
+    lst.add_argument("--dir", help=f"the segments' directory (default {segments.SHM_DIR})")
     cl = sub.add_parser("clean", help="remove the segments no process has open")
     cl.add_argument("names", nargs="*", help="only these segments (default: every unused one)")
     cl.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    cl.add_argument("--dir", help=f"the segments' directory (default {segments.SHM_DIR})")
     a = p.parse_args(argv)
+    try:
+        directory = segments.segment_dir(a.dir)
+    except segments.SharedSegmentError as e:
+        p.error(str(e))
     if a.cmd == "list":
-        infos = segments.list_segments()
-        print(json.dumps([asdict(i) for i in infos], indent=2) if a.json else format_list(infos))
+        infos = segments.list_segments(directory)
+        print(json.dumps([asdict(i) for i in infos], indent=2) if a.json else format_list(infos, directory))
         return 0
-    removed = segments.clean(a.names or None, dry_run=a.dry_run)
+    removed = segments.clean(a.names or None, dry_run=a.dry_run, directory=directory)
     verb = "would remove" if a.dry_run else "removed"
     for i in removed:
         print(f"{verb} {i.path} ({_size(i.size_bytes)}, {i.state})")
     if not removed:
-        print("nothing to remove: every uvaple segment is in use" if segments.list_segments()
-              else f"no uvaple shared tables in {segments.SHM_DIR}")
+        print("nothing to remove: every uvaple segment is in use" if segments.list_segments(directory)
+              else f"no uvaple shared tables in {directory}")
     return 0

@@ -20,6 +20,10 @@ key                 environment                 meaning
                                                 the model, its revision and dtype).
 ``timeout_s``       ``UVAPLE_TIMEOUT_S``        Bound, in seconds, on waiting for another process's fill
                                                 of a shared table (default 600).
+``segment_dir``     ``UVAPLE_SEGMENT_DIR``      tmpfs directory of the shared segments (default
+                                                ``/dev/shm``). A ``huge=always`` tmpfs mount gives the table
+                                                2 MiB pages: ready several times sooner where ``/dev/shm``
+                                                has 4 KiB pages (``uvaple doctor`` says which).
 ==================  ==========================  ===========================================================
 """
 
@@ -44,7 +48,7 @@ log = logging.getLogger("uvaple.vllm")
 
 #: setting -> its environment variable
 ENV_VARS = {"placement": "UVAPLE_PLACEMENT", "fallback": "UVAPLE_FALLBACK", "shared": "UVAPLE_SHARED",
-            "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S"}
+            "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S", "segment_dir": "UVAPLE_SEGMENT_DIR"}
 
 
 class PluginConfigError(BackendError, ValueError):
@@ -60,6 +64,7 @@ class PluginConfig:
     shared: bool = True
     segment: str | None = None
     timeout_s: float = 600.0
+    segment_dir: str | None = None
 
 
 def _bool(value, where: str) -> bool:
@@ -87,6 +92,17 @@ def _check(key: str, value, where: str):
             raise PluginConfigError(f"{where}: a segment name is 1-120 letters, digits, '_', '-' or '.', "
                                     f"got {value!r}")
         return value
+    if key == "segment_dir":
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise PluginConfigError(f"{where}: expected a directory path, got {value!r}")
+        from uvaple.uva import SharedSegmentError, segments
+
+        try:
+            return segments.segment_dir(value)
+        except SharedSegmentError as e:
+            raise PluginConfigError(f"{where}: {e}") from None
     if key == "timeout_s":
         try:
             t = float(value) if not isinstance(value, bool) else math.nan

@@ -26,6 +26,12 @@ rows (the creator writes them) and checks only their shape. After loading (:meth
 creator checks that every row of its shard was written and marks the segment ready, or marks it failed
 with the reason; an attacher waits, bounded by ``timeout_s``, for the creator's mark. A creator that dies
 while filling releases its build lock: the waiters get a named error at once rather than a hang.
+
+Pages and registration. Nothing is pre-faulted at construction: each write commits the pages it writes
+(so the allocation runs inside the fill, which reads the checkpoint anyway), :meth:`ShardTable.finish`
+commits what was left and registers the mapping (an attacher: after the creator's mark). Construction
+still registers one page of the segment and releases it, so a GPU that cannot read host memory is a
+named error (or the copy fallback) before any loading, not after it.
 """
 
 from __future__ import annotations
@@ -137,7 +143,8 @@ class ShardTable:
         base = self.cfg.segment or f"vllm-{identity[:16]}"
         self.name = segment_name(base, self.layer, rank, size)
         return HostTable.shared(self.name, rows, cols, dtype, defer_ready=True, timeout=self.cfg.timeout_s,
-                                tag=f"{identity}:{self.layer}:{rank}/{size}", register=register)
+                                tag=f"{identity}:{self.layer}:{rank}/{size}", register=register,
+                                directory=self.cfg.segment_dir)
 
     # ------------------------------------------------------------------ loading
     @property
