@@ -15,10 +15,11 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from uvaple.integration.copy import CopyBackend
+from uvaple.integration.copy import CopyBackend, cpu_gather
 from uvaple.integration.copy.device_ops import DeviceOps
 from uvaple.integration.errors import (
     BackendClosed,
@@ -29,6 +30,7 @@ from uvaple.integration.errors import (
     CopyRequestTooLarge,
     CopyTimeout,
 )
+from uvaple.integration.spec import TableSpec
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable
 from uvaple.uva.errors import UvapleError
@@ -70,7 +72,7 @@ def random_ids(shape, rows: int, dtype: torch.dtype, seed: int, oob: bool = True
 
 def poisoned(shape, dtype) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype)
-    bits(out).fill_(0x7F0F if out.element_size() == 2 else 0x7F80F0F0)  # NaN-ish garbage
+    bits(out).fill_({1: 0x7F, 2: 0x7F0F, 4: 0x7F80F0F0}[out.element_size()])  # NaN-ish garbage
     return out
 
 
@@ -301,6 +303,214 @@ def test_parallel_gather_path(cpu_backends):
         ids = random_ids((512,), 300, torch.int64, seed=9)  # 512 * 1020 B > the 8 KiB threshold
         assert_bits_equal(big.lookup(ids), reference_gather(b.table.tensor, ids))
     assert not b.table.closed  # shared table, not owned
+
+
+# ------------------------------------------------------------------------------ the gather's torch path
+# Gathered row sizes the torch path must copy exactly: odd byte counts through uint8 tables (padded rows
+# in the host table), 160 bytes (the n-gram PLE rows) as bf16, fp32 and fp8 elements.
+ROW_SHAPES = [(torch.uint8, 1), (torch.uint8, 15), (torch.uint8, 17), (torch.bfloat16, 80), (torch.float32, 40),
+              (torch.float8_e4m3fn, 160), (torch.uint8, 161)]
+
+
+def byte_table(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows of any table dtype, no zero bytes (a zero row must come from the oob policy)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(1, 120, (rows, cols * itemsize), generator=g, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def oob_ids(n: int, rows: int, id_base: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``n`` ids of table rows (``id_base`` is row 0's id) with every kind of out-of-range id mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows, (n,), generator=g, dtype=torch.int64) + id_base
+    bad = [id_base - 1, id_base + rows, id_base + rows + 7, -1, -(2**31), 2**31 - 1]
+    if dtype == torch.int64:
+        bad += [2**40, -(2**62), 2**63 - 1, -(2**63), id_base - 2**63 + 5]
+    bad = [b for b in bad if not id_base <= b < id_base + rows]
+    for k, pos in enumerate(torch.randperm(n, generator=g)[: len(bad)].tolist()):
+        ids[pos] = bad[k]
+    return ids.to(dtype)
+
+
+def zero_element(dtype: torch.dtype, negative: bool) -> np.ndarray:
+    """The zero element the backend stages: +0.0, or -0.0 (sign bit) for float dtypes."""
+    z = np.zeros(torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+    if negative and dtype.is_floating_point:
+        z[-1] = 0x80
+    return z
+
+
+class IndexSelectCalls:
+    """``torch.index_select`` patched to count its calls (the torch path's copy)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        real = torch.index_select
+
+        def counting(*args, **kw):
+            self.calls += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(torch, "index_select", counting)
+
+
+def gather_bytes(path: str, table: np.ndarray, ids: np.ndarray, nbytes: int, byte_start: int, oob_row0: bool,
+                 zero: np.ndarray, id_base: int) -> tuple[int, np.ndarray]:
+    out = np.full((len(ids), nbytes), 0xA5, dtype=np.uint8)  # poisoned staging
+    row_ids = np.full(len(ids) + 3, -7, dtype=np.int64)  # a slot's buffer, longer than the call
+    bad = cpu_gather.cpu_gather(table, ids, out, byte_start, oob_row0, zero, id_base=id_base,
+                                row_ids=row_ids, path=path)
+    return bad, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,cols", ROW_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("oob", ["zero", "neg_zero", "row0"])
+def test_torch_path_stages_the_numba_bytes(monkeypatch, dtype, cols, ids_dtype, oob):
+    """The torch path writes exactly the bytes of both numba kernels (and of an independent numpy
+    gather), returns the same count, and does its copy with index_select: under oob='row0' also with
+    out-of-range ids; under oob='zero' those calls are numba's."""
+    calls = IndexSelectCalls(monkeypatch)
+    rows = 37
+    t = byte_table(rows, cols, dtype, seed=cols)
+    table = HostTable.from_tensor(t)
+    try:
+        tb = table.bytes_view()  # padded rows, as the backend reads them
+        isz = t.element_size()
+        zero = zero_element(dtype, oob == "neg_zero")
+        oob_row0 = oob == "row0"
+        cases = 0
+        for id_base in (0, 5, 2**40):
+            for c0, c1 in [(0, cols), (cols // 3, cols), (0, max(1, cols - 2)), (cols - 1, cols)]:
+                byte_start, nbytes = c0 * isz, (c1 - c0) * isz
+                for n, with_oob in [(0, False), (1, False), (53, False), (53, True), (2, True)]:
+                    ids_t = (oob_ids(n, rows, id_base, ids_dtype, seed=n + c0) if with_oob else
+                             (torch.randint(0, rows, (n,), dtype=torch.int64) + id_base).to(ids_dtype))
+                    if ids_dtype == torch.int32 and id_base >= 2**31:
+                        continue  # int32 ids cannot name these rows
+                    ids = ids_t.numpy()
+                    r = ids.astype(np.int64) - id_base
+                    valid = (r >= 0) & (r < rows)
+                    want = tb[np.where(valid, r, 0), byte_start:byte_start + nbytes].copy()
+                    if not oob_row0:
+                        want[~valid] = np.resize(zero, nbytes)
+                    before = calls.calls
+                    got = {p: gather_bytes(p, tb, ids, nbytes, byte_start, oob_row0, zero, id_base)
+                           for p in ("serial", "parallel", "torch")}
+                    assert calls.calls - before == (1 if oob_row0 or valid.all() else 0)
+                    for p, (bad, out) in got.items():
+                        assert bad == int((~valid).sum()), p
+                        np.testing.assert_array_equal(out, want, err_msg=f"{p} path, ids {ids}")
+                    cases += 1
+        assert cases >= 40
+    finally:
+        table.close()
+
+
+def torch_path_everywhere(m: pytest.MonkeyPatch) -> None:
+    """Every gather with a row_ids buffer takes the torch path (whatever its size or row length)."""
+    m.setattr(cpu_gather, "TORCH_MIN_BYTES", 0)
+    m.setattr(cpu_gather, "TORCH_MAX_ROW_BYTES", 1 << 40)
+    m.setattr(cpu_gather, "_numba_threads", lambda: 1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,cols", ROW_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_torch_path_lookups_equal_numba_lookups(monkeypatch, dtype, cols):
+    """Backend lookups through the torch path equal those through numba and the reference, for every oob
+    policy, scale, column range, a row window with an id offset, int32/int64 ids, out-of-range ids of
+    every kind, poisoned outputs and empty calls."""
+    rows = 41
+    t = byte_table(rows, cols, dtype, seed=cols + 1)
+    table = HostTable.from_tensor(t)
+    policies = [dict(oob="zero"), dict(oob="row0")]
+    if dtype in DTYPES:
+        policies += [dict(oob="neg_zero"), dict(oob="zero", scale=-2.0), dict(oob="neg_zero", scale=-0.5),
+                     dict(oob="row0", scale=3.3), dict(oob="zero", scale=float("inf"))]
+    calls = IndexSelectCalls(monkeypatch)
+    try:
+        for policy in policies:
+            for base, lo, hi in [(0, 0, rows), (1000, 3, 30)]:
+                window = {} if base == 0 else dict(row_window=(lo, hi), id_offset=base)
+                spec = TableSpec.of(table, column_block=1, **policy, **window)
+                with (CopyBackend(table, device="cpu", spec=spec, max_rows=300, max_in_flight=2) as numba_b,
+                      CopyBackend(table, device="cpu", spec=spec, max_rows=300, max_in_flight=2) as torch_b):
+                    for k, (shape, ids_dtype) in enumerate([((0,), torch.int64), ((1,), torch.int32),
+                                                            ((7, 3), torch.int64), ((300,), torch.int32),
+                                                            ((2, 150), torch.int64)]):
+                        ids = oob_ids(int(np.prod(shape)), rows, base, ids_dtype, seed=k).reshape(shape)
+                        clean = (torch.randint(lo, hi, shape, dtype=torch.int64) + base).to(ids_dtype)
+                        for cols_arg in (None, (cols // 2, cols)):
+                            for id_set in (ids, clean):
+                                want = reference_gather(t, id_set, columns=cols_arg, rows=(lo, hi), id_base=base,
+                                                        **policy)
+                                before = calls.calls
+                                # the module's thresholds: numba (these calls are small)
+                                got = numba_b.lookup(id_set, poisoned(want.shape, want.dtype), columns=cols_arg)
+                                assert_bits_equal(got, want)
+                                assert calls.calls == before
+                                with monkeypatch.context() as m:
+                                    torch_path_everywhere(m)
+                                    got = torch_b.lookup(id_set, poisoned(want.shape, want.dtype),
+                                                         columns=cols_arg)
+                                assert_bits_equal(got, want)
+                                r = id_set.to(torch.int64) - base
+                                takes_torch = id_set.numel() and (policy["oob"] == "row0" or
+                                                                  bool(((r >= lo) & (r < hi)).all()))
+                                assert calls.calls - before == (1 if takes_torch else 0)
+                    assert numba_b.stats()["out_of_range_ids"] == torch_b.stats()["out_of_range_ids"] > 0
+    finally:
+        table.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_path_taken_above_its_threshold(monkeypatch):
+    """The backend's gather takes the torch path exactly from TORCH_MIN_BYTES, for rows up to
+    TORCH_MAX_ROW_BYTES, while torch has as many threads as numba."""
+    calls = IndexSelectCalls(monkeypatch)
+    monkeypatch.setattr(cpu_gather, "_numba_threads", lambda: 1)
+    monkeypatch.setattr(cpu_gather, "TORCH_MIN_BYTES", 64 * 160)
+    monkeypatch.setattr(cpu_gather, "TORCH_MAX_ROW_BYTES", 160)
+    t = byte_table(500, 80, torch.bfloat16, seed=3)  # 160-byte rows
+    wide = byte_table(500, 81, torch.bfloat16, seed=4)  # 162-byte rows: above the row bound
+    with (CopyBackend(t, device="cpu", max_rows=256, column_block=40) as b,
+          CopyBackend(wide, device="cpu", max_rows=256) as w):
+        for n, taken in [(63, 0), (64, 1), (256, 1)]:
+            ids = torch.randint(0, 500, (n,))
+            before = calls.calls
+            assert_bits_equal(b.lookup(ids), reference_gather(t, ids))
+            assert calls.calls - before == taken, n
+            assert cpu_gather.gather_path(n, 160) == ("torch" if taken else "parallel")
+            before = calls.calls
+            assert_bits_equal(w.lookup(ids), reference_gather(wide, ids))
+            assert calls.calls == before  # long rows stay on numba
+        before = calls.calls
+        b.lookup(torch.randint(0, 500, (127,)), columns=(0, 40))  # 127 * 80 bytes: below the threshold
+        assert calls.calls == before
+        # torch on fewer threads than numba (OMP_NUM_THREADS=1 under numba's pool): numba
+        monkeypatch.setattr(cpu_gather, "_numba_threads", lambda: torch.get_num_threads() + 1)
+        ids = torch.randint(0, 500, (256,))
+        assert_bits_equal(b.lookup(ids), reference_gather(t, ids))
+        assert calls.calls == before and cpu_gather.gather_path(256, 160) == "parallel"
+
+
+def test_torch_path_bounds_follow_the_tuning_log():
+    """The shipped bounds: 160-byte rows from 1 MiB on torch (where it won on the H200 host, its fixed cost
+    included), rows above the bound (17,920-byte E4B rows among them) on numba, the serial kernel below
+    PARALLEL_MIN_BYTES."""
+    assert cpu_gather.TORCH_MIN_BYTES >= cpu_gather.PARALLEL_MIN_BYTES
+    assert 160 <= cpu_gather.TORCH_MAX_ROW_BYTES < 17920
+    same_threads = torch.get_num_threads() >= cpu_gather._numba_threads()
+    big = cpu_gather.TORCH_MIN_BYTES // 160 + 1
+    assert cpu_gather.gather_path(big, 160) == ("torch" if same_threads else "parallel")
+    assert cpu_gather.gather_path(big - 2, 160) == "parallel"
+    assert cpu_gather.gather_path(4096, 17920) == "parallel"
+    assert cpu_gather.gather_path(1, 160) == "serial"
+    with pytest.raises(ValueError, match="path must be"):
+        cpu_gather.cpu_gather(np.zeros((2, 16), np.uint8), np.zeros(1, np.int64), np.zeros((1, 16), np.uint8),
+                              0, False, np.zeros(1, np.uint8), path="gpu")
 
 
 @pytest.mark.timeout(60)

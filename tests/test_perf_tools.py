@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from uvaple.integration.copy import cpu_gather
 from uvaple.perf import tune_copy
 
 
@@ -10,8 +13,26 @@ def test_tune_copy_runs_and_reports_torch_beside_numba(tmp_path):
     assert tune_copy.main(["--table-gib", "0.01", "--max-bytes", "16384", "--budget-s", "0.001",
                            "--out", str(out)]) == 0
     lines = out.read_text().splitlines()
-    assert "torch_us" in lines[1] and "best_numba/torch" in lines[1]
-    rows = [line.split() for line in lines[2:-1]]
-    assert [(r[0], r[1]) for r in rows] == [(rb, str(sz)) for rb in ("160", "17920") for sz in (4096, 8192, 16384)]
-    assert all(len(r) == 8 and float(r[6]) > 0 for r in rows)
+    assert lines[0].startswith("# tune_copy:") and "TORCH_MIN_BYTES=" in lines[0]
+    assert lines[1].split() == ["row_B", "bytes", "rows", "serial_us", "parallel_us", "par/ser", "torch_us",
+                                "best_numba/torch", "torch_path_us", "path", "gather_us", "gather/torch"]
+    rows = [line.split() for line in lines[2:-2]]
+    assert [(r[0], r[1]) for r in rows] == [(rb, str(sz)) for rb in ("160", "1024", "4096", "17920")
+                                            for sz in (4096, 8192, 16384)]
+    assert all(len(r) == 12 and float(r[6]) > 0 and float(r[8]) > 0 and float(r[10]) > 0 for r in rows)
+    # the backend's own choice for each request: serial below PARALLEL_MIN_BYTES (8 KiB), then parallel
+    assert [r[9] for r in rows] == [cpu_gather.gather_path(int(r[2]), int(r[0])) for r in rows]
+    assert [r[9] for r in rows if r[0] == "1024"] == ["serial", "parallel", "parallel"]
+    assert lines[-2].startswith("# the torch path beats the better numba gather from:")
     assert lines[-1].startswith("# parallel wins from:")
+
+
+def test_tune_copy_reports_the_torch_path_where_the_backend_takes_it(tmp_path):
+    out = tmp_path / "tune.log"
+    assert tune_copy.main(["--table-gib", "0.02", "--max-bytes", str(4 << 20), "--budget-s", "0.001",
+                           "--row-bytes", "160", "--out", str(out)]) == 0
+    rows = [r.split() for r in out.read_text().splitlines()[2:-2]]
+    assert [r[9] for r in rows] == [cpu_gather.gather_path(int(r[2]), 160) for r in rows]
+    assert torch.get_num_threads() >= cpu_gather._numba_threads()  # tune_copy gives torch every core
+    assert rows[-1][1] == str(4 << 20) and cpu_gather.TORCH_MIN_BYTES <= (4 << 20) - 160
+    assert rows[-1][9] == "torch"

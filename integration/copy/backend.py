@@ -9,7 +9,8 @@ Design
 ------
 One worker thread per backend takes admitted jobs, gathers their rows on the CPU with a numba kernel
 (a byte copy over ``HostTable.bytes_view()``, columns as a byte range, out-of-range ids as a zero row or
-row 0) into the job's pinned staging slot, and launches the host-to-device copy on a dedicated copy
+row 0; ``torch.index_select`` for big calls of short rows, same bytes: :mod:`.cpu_gather`) into the
+job's pinned staging slot, and launches the host-to-device copy on a dedicated copy
 stream. The consumer's stream waits on that job's own event; nothing synchronises the host with the GPU
 on the hot path. Pipelined use: ``job = backend.submit(ids, out)`` early, ``job.wait()`` when the model
 needs the rows; ``lookup`` is both at once (small CPU-ids lookups do the gather and launch on the
@@ -100,7 +101,8 @@ submit point and the worker polls for it (``ids_timeout``); pass CPU ids (the sc
 possible. ``out=None`` allocates the result; pass ``out=`` on the hot path. A request larger than
 ``max_rows`` raises :class:`CopyRequestTooLarge`. Staging is one pinned block of
 ``max_in_flight * max_rows * row_bytes`` bytes (``torch.empty(pin_memory=True)``, which rounds up to a
-power of two). ``submit`` is not CUDA-graph capturable (it is host work by nature).
+power of two), plus an int64 ``[max_rows]`` buffer per slot for the torch gather's row ids. ``submit``
+is not CUDA-graph capturable (it is host work by nature).
 """
 
 from __future__ import annotations
@@ -215,6 +217,8 @@ class _Slot:
         self.staging_np = staging.numpy()
         self.ids_buf = ids_buf  # uint8 [max_rows * 8], pinned (int32/int64 views)
         self.ids_np = ids_buf.numpy()
+        # int64 [max_rows]: the rows read by the gather's torch path (cpu_gather's row_ids), not pinned
+        self.row_ids = np.empty(ids_buf.numel() // 8, dtype=np.int64)
         self.submit_event = ops.new_event()  # recorded on the caller's stream at submit
         self.ids_event = ops.new_event()  # recorded on the d2h stream after the ids copy (CUDA ids)
         self.done_event = ops.new_event()  # recorded on the copy stream after the job's last copy
@@ -808,7 +812,7 @@ class CopyBackend(Lookup):
             if n:
                 bad = cpu_gather.cpu_gather(self._bytes, ids_np, staged, job._byte_start, job._oob_row0,
                                             self._zero_neg if neg != self._neg_zero else self._zero_pos,
-                                            id_base=self._id_base)
+                                            id_base=self._id_base, row_ids=slot.row_ids)
                 with self._cond:
                     self._counts["out_of_range_ids"] += bad
                     self._counts["rows"] += n

@@ -1,13 +1,33 @@
-"""The copy backend's CPU gather: a numba byte copy of rows into pinned staging.
+"""The copy backend's CPU gather: row bytes into pinned staging, by numba or by ``torch.index_select``.
 
 Rows are copied as bytes (columns as a byte range), so every dtype is exact. Out-of-range ids write the
 zero element given (the backend passes -0.0 when a negative scale follows on the device) or row 0. The
-kernel returns how many ids were out of range (the backend's counter).
+gather returns how many ids were out of range (the backend's counter).
 
-Two compiled variants: serial, and parallel (``numba.prange`` over all cores) above
-``PARALLEL_MIN_BYTES`` of output. Concurrent calls of a parallel numba function from several threads
-abort under numba's default "workqueue" threading layer, so one process-wide lock serialises gathers of
-several backends (each parallel gather already uses every core).
+Three paths, one result (the numba kernel is the definition):
+
+* serial numba, below ``PARALLEL_MIN_BYTES`` of output;
+* parallel numba (``numba.prange`` over all cores);
+* torch: calls of ``TORCH_MIN_BYTES`` or more, rows of at most ``TORCH_MAX_ROW_BYTES``, while torch has
+  at least as many threads as numba. ``torch.index_select`` copies straight into the staging rows; its
+  per-row ``memcpy`` beats numba's slice copy on short rows. Numba stays where the two are even (long
+  rows) and where torch runs on fewer threads (a process that set ``OMP_NUM_THREADS=1``, as vLLM does
+  in its worker processes).
+
+Out-of-range ids on the torch path. ``index_select`` refuses them, so a serial numba pass first writes
+each id's row into the caller's int64 buffer (``row_ids``: the slot's, so nothing is allocated), row 0
+for an out-of-range id, and counts those. Under ``oob="row0"`` that is the whole answer: ``index_select``
+copies row 0 for them. Under zero rows a call with any out-of-range id is gathered by the numba kernel
+instead; nothing was written to ``out`` yet. So the torch path adds one vectorised pass over the ids (a
+few percent of the copy) and never a second write of ``out``: zeroing rows after ``index_select`` would
+need their positions (a compaction pass that does not vectorise) or a masked pass over all of ``out``,
+and a call with many out-of-range ids (a shard's) is mostly zero rows, which numba writes in the same
+pass as the rest. The ids pass is serial, so that it never starts numba's thread pool while torch's
+threads may still be spinning after the previous ``index_select``.
+
+Concurrent calls of a parallel numba function from several threads abort under numba's default
+"workqueue" threading layer, so one process-wide lock serialises gathers of several backends (each
+parallel gather already uses every core; so does ``index_select``).
 """
 
 from __future__ import annotations
@@ -17,13 +37,27 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
-__all__ = ["cpu_gather", "warm_up", "PARALLEL_MIN_BYTES"]
+__all__ = ["cpu_gather", "gather_path", "warm_up", "PARALLEL_MIN_BYTES", "TORCH_MIN_BYTES",
+           "TORCH_MAX_ROW_BYTES"]
 
 # Below this many gathered bytes the serial gather is used. Swept on the H200 host (16 cores) by
 # perf/tune_copy.py (perf/results/h200_2026-12-01/tune_copy.log): the parallel gather is faster from 8 KiB
 # (160-byte rows) and 4 KiB (17,920-byte rows) at every larger size, and 8-150x faster above 64 KiB.
 PARALLEL_MIN_BYTES = 8 << 10
+# From this many gathered bytes, rows of at most TORCH_MAX_ROW_BYTES go through torch.index_select.
+# perf/tune_copy.py on the H200 host (16 cores; perf/results/h200_2026-12-01/tune_copy_with_torch.log), 160-byte
+# rows: index_select beats the parallel numba gather by 1.1-2.2x at every size from 512 KiB (419,430 rows:
+# 1634 us against 2743 us) and loses below (0.81-0.88x at 64-256 KiB). At 512 KiB and 1 MiB it wins by
+# 1.6 and 3.3 us, about what the torch path adds to index_select (tensor views and the ids pass: 3.4 us
+# a call on a 2-core CPU; tune_copy's torch_path_us column measures it), so the torch path takes over at
+# 1 MiB, where the two are even, and wins from 2 MiB (by 40 us of 74).
+TORCH_MIN_BYTES = 1 << 20
+# The same log: with 17,920-byte rows the two are within 6% at every size (0.94-1.05x), so long rows
+# stay on numba. Between 160 and 17,920 bytes nothing was measured; the bound sits low in that gap, and
+# perf/tune_copy.py sweeps 1,024- and 4,096-byte rows (either side of it) to place it.
+TORCH_MAX_ROW_BYTES = 1024
 
 _GATHER_LOCK = threading.Lock()
 
@@ -59,23 +93,82 @@ def _gather_kernels() -> tuple[Callable, Callable]:
     return serial, parallel
 
 
-def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: int, oob_row0: bool,
-               zero: np.ndarray, *, id_base: int = 0, parallel_min_bytes: int | None = None) -> int:
-    """Gather ``table[ids - id_base, byte_start:byte_start+out.shape[1]]`` into ``out``; returns the count
-    of out-of-range ids."""
-    serial, parallel = _gather_kernels()
+@functools.lru_cache(maxsize=1)
+def _rows_kernel() -> Callable:
+    """The torch path's serial numba pass over the ids, compiled lazily."""
+    import numba
+
+    @numba.njit(parallel=False, nogil=True, cache=False)
+    def rows_of(ids, rows, id_base, row_ids):
+        # row_ids[i] = ids[i] - id_base, or 0 when out of range (the gather kernel's test); branch-free,
+        # so it vectorises
+        bad = 0
+        for i in range(ids.shape[0]):
+            r = np.int64(ids[i]) - id_base
+            ok = (r >= 0) & (r < rows)
+            bad += 1 - np.int64(ok)
+            row_ids[i] = r if ok else 0
+        return bad
+
+    return rows_of
+
+
+def _numba_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def gather_path(n: int, row_bytes: int, *, parallel_min_bytes: int | None = None) -> str:
+    """The path of a gather of ``n`` rows of ``row_bytes``: ``"serial"``, ``"parallel"`` or ``"torch"`` (a
+    torch-path call with zero rows and an out-of-range id is gathered by the parallel kernel)."""
+    total = n * row_bytes
+    if total >= TORCH_MIN_BYTES and row_bytes <= TORCH_MAX_ROW_BYTES \
+            and torch.get_num_threads() >= _numba_threads():
+        return "torch"
     threshold = PARALLEL_MIN_BYTES if parallel_min_bytes is None else parallel_min_bytes
-    fn = parallel if out.size >= threshold else serial
+    return "parallel" if total >= threshold else "serial"
+
+
+def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: int, oob_row0: bool,
+               zero: np.ndarray, *, id_base: int = 0, parallel_min_bytes: int | None = None,
+               row_ids: np.ndarray | None = None, path: str | None = None) -> int:
+    """Gather ``table[ids - id_base, byte_start:byte_start+out.shape[1]]`` into ``out``; returns the count
+    of out-of-range ids.
+
+    ``row_ids``: an int64 buffer of at least ``len(ids)`` elements that the gather may overwrite; without
+    it the torch path is not taken. ``out`` is C-contiguous (staging rows are). ``path`` forces one of
+    :func:`gather_path`'s answers (the tuning sweep and the tests compare them); ``"torch"`` still needs
+    ``row_ids``, and still hands a zero-row call (not ``oob_row0``) with an out-of-range id to numba.
+    """
+    serial, parallel = _gather_kernels()
+    n, nbytes = out.shape
+    if path is None:
+        path = gather_path(n, nbytes, parallel_min_bytes=parallel_min_bytes)
+    elif path not in ("serial", "parallel", "torch"):
+        raise ValueError(f"path must be 'serial', 'parallel' or 'torch', got {path!r}")
+    base = np.int64(id_base)
     with _GATHER_LOCK:
-        return int(fn(table, ids, out, byte_start, oob_row0, zero, np.int64(id_base)))
+        if path == "torch" and row_ids is not None:
+            idx = row_ids[:n]
+            bad = int(_rows_kernel()(ids, table.shape[0], base, idx))
+            if not bad or oob_row0:
+                src = torch.from_numpy(table[:, byte_start:byte_start + nbytes])  # numpy slices faster
+                torch.index_select(src, 0, torch.from_numpy(idx), out=torch.from_numpy(out))
+                return bad
+        fn = serial if path == "serial" else parallel
+        return int(fn(table, ids, out, byte_start, oob_row0, zero, base))
 
 
 def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
-    """Compile both variants for int32 and int64 ids now, not in the first lookup."""
+    """Compile every kernel for int32 and int64 ids now, not in the first lookup."""
     out = np.empty((1, min(8, table.shape[1])), dtype=np.uint8)
     serial, parallel = _gather_kernels()
+    rows_of = _rows_kernel()
+    row_ids = np.empty(1, dtype=np.int64)
     for dt in (np.int32, np.int64):
         ids = np.zeros(1, dtype=dt)
         with _GATHER_LOCK:
             serial(table, ids, out, 0, False, zero, np.int64(0))
             parallel(table, ids, out, 0, False, zero, np.int64(0))
+            rows_of(ids, table.shape[0], np.int64(0), row_ids)
