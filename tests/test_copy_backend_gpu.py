@@ -194,7 +194,9 @@ def test_gpu_close_with_pending_jobs(stream):
     with torch.cuda.stream(stream):
         # CUDA ids made before the sleep (a pageable .cuda() would wait for the stream)
         pending_ids = [random_ids(16, 400, seed=10 + i).cuda() for i in range(3)]
-        torch.cuda._sleep(SLEEP_CYCLES * 8)
+        # ~2 s: the pending jobs' ids must still be behind it when close() runs, however slow the host is
+        # between here and there (a shorter sleep ran out first once, after other GPU tests)
+        torch.cuda._sleep(SLEEP_CYCLES * 80)
         ids_launched = random_ids(64, 400, seed=9)
         j_launched = b.submit(ids_launched)  # CPU ids: launched, its copy waits on the stream
         until_done = time.monotonic() + 30

@@ -447,11 +447,16 @@ def test_a_fill_error_too_long_for_the_header_still_cleans_up(name):
 def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
     """A forked child's inherited table, once closed in the child, holds nothing of the segment: when the
     parent is killed the segment is no longer attached (clean removes it) though the child lives on. (A
-    child that keeps the inherited mapping keeps the segment attached: it can still read it.)"""
+    child that keeps the inherited mapping keeps the segment attached: it can still read it.)
+
+    Where the parent registered the table with a GPU, the child also inherited the GPU driver's device
+    descriptors, and through them the parent's registration, which references the segment: then the
+    segment stays attached until the child exits too, and clean removes it after that."""
     code = textwrap.dedent(f"""
         import os, sys, time, torch
         from uvaple.uva import HostTable
         t = HostTable.shared({name!r}, 4, 4, torch.float32)
+        print("registered" if t.registered else "unregistered", flush=True)
         pid = os.fork()
         if pid == 0:
             assert t._region.segment.fd is None  # the fork hook closed the child's descriptor copy
@@ -463,19 +468,32 @@ def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
         time.sleep(600)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    registered = p.stdout.readline().strip() == "registered"
     lines = [p.stdout.readline().strip(), p.stdout.readline().strip()]
     child = int(next(x for x in lines if x.isdigit()))
     assert "child let go" in lines
+
+    def attached_within(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while (info := {i.name: i for i in segments.list_segments()}[name]).attached and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return info.attached
+
     try:
-        info = {i.name: i for i in segments.list_segments()}[name]
-        assert info.attached
+        assert {i.name: i for i in segments.list_segments()}[name].attached
         p.send_signal(signal.SIGKILL)
         p.wait(30)
-        info = {i.name: i for i in segments.list_segments()}[name]
-        assert not info.attached, info  # the living child holds no copy of the attach lock
+        if registered:
+            driver = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
+            assert any(d.startswith("/dev/nvidia") for d in driver), driver  # what keeps it referenced
+            os.kill(child, signal.SIGKILL)
+        assert not attached_within(20)  # the living (unregistered) or dead (registered) child holds no lock
         assert [i.name for i in segments.clean([name])] == [name]
     finally:
-        os.kill(child, signal.SIGKILL)
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         p.stdout.close()
 
 
@@ -678,3 +696,23 @@ def test_huge_page_option_of_a_tmpfs_mount_is_read():
     assert _sys.huge_pages_in("/dev/shm") == want
     assert _sys.huge_pages_in("/dev/shm/some/file") == want  # below the mount point: the same mount
     assert _sys.huge_pages_in("/proc") is None  # not a tmpfs
+
+
+def test_the_commit_after_the_fill_covers_only_what_no_write_committed(name, monkeypatch):
+    rows, cols = 4096, 4096
+    a = HostTable.shared(name, rows, cols, torch.uint8, defer_ready=True)
+    try:
+        a.write_rows(torch.randint(0, 256, (rows // 2, cols), dtype=torch.uint8), rows // 4)  # the middle half
+        calls = []
+        real = _sys.madvise
+        monkeypatch.setattr(_sys, "madvise", lambda ad, n, adv: (calls.append((ad - a._region.base, n, adv)),
+                                                                 real(ad, n, adv))[1])
+        a.mark_ready()
+        done = sorted((o, o + n) for o, n, adv in calls if adv == _sys.MADV_POPULATE_WRITE)
+        head, quarter = segments.DATA_OFFSET, rows // 4 * cols
+        assert done[0][0] == 0 and done[-1][1] == a._region.length  # header and both unwritten quarters...
+        assert sum(hi - lo for lo, hi in done) <= head + 2 * quarter + 2 * _sys.PAGE_SIZE  # ...not the written half
+        page = _sys.PAGE_SIZE
+        assert all(hi <= head + quarter + page or lo >= head + 3 * quarter - page for lo, hi in done)
+    finally:
+        a.close()

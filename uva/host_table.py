@@ -58,7 +58,10 @@ owns) nor copies the table. A forked child sees zeros through any view it inheri
 table object raises ``TableForkedError``. A shared table's pages stay shared: a child's inherited views
 read the table, and while the child keeps that mapping the segment counts as attached (closing the
 child's copy of the table object lets go of it). A child that needs to use the table attaches it itself
-(``HostTable.attach`` / ``HostTable.shared``), registering in its own CUDA context.
+(``HostTable.attach`` / ``HostTable.shared``), registering in its own CUDA context. A child forked after
+the parent registered a shared table also inherits the GPU driver's device descriptors, and with them the
+parent's registration, which references the segment: it then counts as attached until that child exits
+as well, even if the parent is gone (``uvaple shm clean`` removes it after that).
 """
 
 from __future__ import annotations
@@ -243,6 +246,7 @@ class HostTable:
         self.timings: dict[str, float] = {}  # seconds spent in populate / fill / register
         self._committed = False  # every page faulted in (populated)
         self._writers_commit = False  # writers commit their pages (rows may be present before _committed)
+        self._commits: list[tuple[int, int]] = []  # byte ranges the writers committed
         self._pending: dict | None = None  # a deferred registration: (register, read_only, device, threads)
 
     @classmethod
@@ -476,10 +480,24 @@ class HostTable:
         self._timed("populate", self._populate_ranges, threads, write)
         self._committed = True
         self._writers_commit = False
+        self._commits = []
 
     def _populate_ranges(self, threads: int, write: bool) -> None:
-        _parallel(lambda off, n: self._commit(off, n, write), _chunks(self._region.length, _POPULATE_CHUNK_BYTES),
-                  threads)
+        ranges = [(lo + off, n) for lo, hi in self._uncommitted() for off, n in _chunks(hi - lo, _POPULATE_CHUNK_BYTES)]
+        _parallel(lambda off, n: self._commit(off, n, write), ranges, threads)
+
+    def _uncommitted(self) -> list[tuple[int, int]]:
+        """Byte ranges ``(lo, hi)`` of the mapping no writer has committed (all of it when none has)."""
+        with self._lock:
+            done = sorted(self._commits)
+        gaps, at = [], 0
+        for lo, hi in done:
+            if lo > at:
+                gaps.append((at, lo))
+            at = max(at, hi)
+        if at < self._region.length:
+            gaps.append((at, self._region.length))
+        return gaps
 
     def _commit(self, off: int, length: int, write: bool = True) -> None:
         """Fault bytes ``off .. off+length`` of the mapping in (allocating them), or a named error. Never
@@ -514,6 +532,8 @@ class HostTable:
         lo -= lo % _sys.PAGE_SIZE
         hi = min(_sys.round_up(hi, _sys.PAGE_SIZE), self._region.length)
         self._commit(lo, hi - lo)
+        with self._lock:
+            self._commits.append((lo, hi))  # the populate after the fill skips these
 
     def _check_registration(self, register: bool | str, *, read_only: bool, device: int | None) -> None:
         """Before a deferred registration: register this table's first page and release it, so that a GPU
