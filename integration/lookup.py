@@ -39,6 +39,7 @@ from uvaple.kernels import heuristics
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
+from .copy.cpu_gather import split_rows, warm_split
 from .errors import BackendClosed
 from .spec import TableSpec
 
@@ -327,7 +328,8 @@ class GatherLookup(Lookup):
         sp, spec = self._split, self.spec
         with sp.lock:
             sp.free.synchronize()  # the previous call's copies out of the staging are done
-            if k:
+            stream = torch.cuda.current_stream(self.device)
+            if k:  # the GPU's share first: it runs while this thread gathers the rest
                 sp.ids_host[:k].copy_(flat_ids[:k])
                 dev_ids = sp.ids_dev[:k]
                 dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
@@ -335,21 +337,22 @@ class GatherLookup(Lookup):
             m = n - k
             if m:
                 lo, hi = spec.window
-                local = flat_ids[k:].to(torch.int64) - spec.id_offset
-                valid = (local >= lo) & (local < hi)
-                rows = torch.where(valid, local, lo)
-                torch.index_select(self.table.tensor.view(torch.uint8), 0, rows,
+                split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, spec.oob == "row0", sp.rows_idx[:m].numpy(),
+                           sp.ids_host[k:n].numpy())
+                torch.index_select(self.table.tensor.view(torch.uint8), 0, sp.rows_idx[:m],
                                    out=sp.rows_host[:m, : self.table.row_bytes])
-                # the kernel applies the policy: a valid id (or any id, oob="row0": its row lo was read) reads
-                # its staged row j, an invalid one is out of range there too
-                keep = valid | (spec.oob == "row0")
-                torch.where(keep, sp.iota[:m], sp.out_of_range, out=sp.ids_host[k:n])
-                sp.rows_dev[:m].copy_(sp.rows_host[:m], non_blocking=True)
-                sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
+                # The staged rows go up on this lookup's copy stream, beside the GPU share's reads still
+                # running on the caller's stream; the caller's stream waits for them before the kernel that
+                # applies the policy. The staging is this lookup's alone and free (the wait above).
+                with torch.cuda.stream(sp.copy_stream):
+                    sp.rows_dev[:m].copy_(sp.rows_host[:m], non_blocking=True)
+                    sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
+                    sp.staged.record(sp.copy_stream)
+                stream.wait_event(sp.staged)
                 staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
                 torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,
                                              spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
-            sp.free.record()
+            sp.free.record(stream)  # after everything of this call (the copy stream's work is waited for above)
         return out
 
     def stats(self) -> dict:
@@ -385,9 +388,11 @@ class _SplitState:
         self.ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
         self.rows_dev = torch.empty(max_rows, stride, dtype=torch.uint8, device=device)
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
-        self.iota = torch.arange(max_rows)  # staged row j of a call is read by id j
-        self.out_of_range = torch.tensor(-1)  # ... and an invalid id by an id outside the staged rows
+        self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
         with torch.cuda.device(device):
             self.free = torch.cuda.Event()
             self.free.record()
+            self.staged = torch.cuda.Event()
+            self.copy_stream = torch.cuda.Stream(device)
+        warm_split()
         self.lock = threading.Lock()

@@ -105,16 +105,17 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int) -> bool:
 
 
 # lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
-# the CPU, by ids per call (perf/results/h200_2026-12-01/ngram/ngram.json, "split_sweep"; 160-B rows,
-# 24 GiB table, 16 host threads). The shares balance the two rates measured alone in the same run:
-# the GPU's (sorted where that is faster) and a 16-thread torch gather into pinned memory.
-SPLIT_GPU_SHARE = ((16384, 0.4), (65536, 0.35), (262144, 0.35), (1 << 20, 0.55))
+# the CPU, by ids per call (perf/results/h200_2026-12-01/ngram/split_overlapped/ngram.json, "split_sweep";
+# 160-B rows, 24 GiB table, 16 host threads, random ids; the fastest share of 0.1-0.65 at each n). Below
+# the first entry the GPU takes every row: the host work of a split (about 250 us a call) costs more
+# than such a call.
+SPLIT_GPU_SHARE = ((16384, 0.4), (65536, 0.4), (262144, 0.4), (1 << 20, 0.5))
 
 
 def split_gpu_share(n: int, row_bytes: int, span_bytes: int) -> float:
     """The GPU's share of a split call of ``n`` ids (the entry for the nearest measured ``n`` at or below)."""
     del row_bytes, span_bytes  # measured for the n-gram shape only (160-B rows, 24 GiB)
-    share = SPLIT_GPU_SHARE[0][1]
+    share = 1.0
     for at, s in SPLIT_GPU_SHARE:
         if n >= at:
             share = s

@@ -3,7 +3,7 @@
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram vllm startup bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram split vllm startup bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
@@ -66,6 +66,10 @@ fi
 if has ngram; then
   step "uvaple bench --workload ngram ${NGRAM_ARGS:---sweep} (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB table)"
   timeout 500 uvaple bench --workload ngram --table-gib ${NGRAM_TABLE_GIB:-24} ${NGRAM_ARGS:---sweep} --out "$R/ngram" 2>&1 | tee "$R/ngram/ngram.log" | tail -60
+fi
+if has split; then
+  step "split lookup by stage (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): GPU share, CPU gather by threads, H2D, whole"
+  timeout 300 python3 -m uvaple.perf.split_profile --table-gib ${NGRAM_TABLE_GIB:-24} 2>&1 | tee "$R/ngram/split_profile.log" | grep -v "^-\|^ *Name"
 fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"

@@ -296,7 +296,7 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SPLIT_SHARES = (0.2, 0.35, 0.5, 0.65, 0.8)
+SPLIT_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.65)
 SPLIT_N = (16384, 65536, 262144, 1048576)
 
 

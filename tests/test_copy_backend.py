@@ -1214,3 +1214,47 @@ def test_interrupt_in_inline_gather_propagates_as_itself(fake, exc):
     assert_bits_equal(got, reference_gather(b.table.tensor, torch.tensor([4])))
     b.close()
     assert b.closed
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("row0", [False, True])
+def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
+    """The split lookup's one pass over its CPU share: the row to stage (the id's, or ``lo`` outside the
+    window) and the staged id the device kernel reads (``j``, or -1 outside under zero rows)."""
+    from uvaple.integration.copy.cpu_gather import split_rows
+
+    lo, hi, base = 7, 900, 50
+    info = torch.iinfo(id_dtype)
+    ids = torch.randint(-100, 1100, (5000,), dtype=torch.int64)
+    ids[:6] = torch.tensor([info.min, info.max, base + lo - 1, base + lo, base + hi - 1, base + hi])
+    ids = ids.to(id_dtype)
+    rows = torch.full((5000,), -7, dtype=torch.int64)
+    staged = torch.full((5000,), -7, dtype=torch.int64)
+    split_rows(ids.numpy(), base, lo, hi, row0, rows.numpy(), staged.numpy())
+    local = ids.to(torch.int64) - base
+    ok = (local >= lo) & (local < hi)
+    assert torch.equal(rows, torch.where(ok, local, lo))
+    j = torch.arange(5000)
+    assert torch.equal(staged, torch.where(ok | row0, j, -1))
+    assert ok[3] and ok[4] and not ok[2] and not ok[5]  # the window's edges are in the data
+
+
+@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
+def test_torch_path_takes_in_range_ids_as_they_are(monkeypatch, ids_dtype):
+    """No id offset and every id a row: index_select gets the ids themselves, the serial ids pass does
+    not run; an offset or one out-of-range id brings the pass back, with the same bytes."""
+    table = np.random.default_rng(3).integers(0, 256, (500, 160), dtype=np.uint8)
+    zero = np.zeros(160, dtype=np.uint8)
+    ids = np.random.default_rng(4).integers(0, 500, 3000).astype(ids_dtype)
+    ids[:2] = (0, 499)
+    passes = []
+    real = cpu_gather._rows_kernel()
+    monkeypatch.setattr(cpu_gather, "_rows_kernel", lambda: lambda *a: (passes.append(1), real(*a))[1])
+    bad, out = gather_bytes("torch", table, ids, 160, 0, False, zero, 0)
+    assert bad == 0 and not passes and np.array_equal(out, table[ids.astype(np.int64)])
+    bad, out = gather_bytes("torch", table, ids + 5, 160, 0, False, zero, 5)  # an offset: the pass maps them
+    assert bad == 0 and passes == [1] and np.array_equal(out, table[ids.astype(np.int64)])
+    ids[7] = 500  # == rows: out of range
+    bad, out = gather_bytes("torch", table, ids, 160, 0, True, zero, 0)
+    want = table[np.where(ids == 500, 0, ids).astype(np.int64)]
+    assert bad == 1 and passes == [1, 1] and np.array_equal(out, want)

@@ -163,9 +163,12 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
     n = 30_000
     with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
         outs = []
-        for share in (0.0, 0.3, 0.5, 1.0, None):
+        for share, id_dtype in ((0.0, torch.int64), (0.3, torch.int32), (0.5, torch.int64), (1.0, torch.int64),
+                                (None, torch.int32)):
             ids = torch.randint(-3, h.rows + 110, (n,))
-            ids[:50] = 2**63 - 1
+            ids[:50] = 2**31 - 1
+            ids[50:60] = -2**31
+            ids = ids.to(id_dtype)
             out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
             lk.lookup_split(ids, out, gpu_share=share)
             outs.append((ids, out))  # the next call reuses the staging while this one may still copy

@@ -184,6 +184,7 @@ def test_split_needs_a_gpu_and_max_rows(table):
 
 
 def test_split_share_table():
-    assert heuristics.split_gpu_share(1, 160, 0) == heuristics.SPLIT_GPU_SHARE[0][1]
+    first = heuristics.SPLIT_GPU_SHARE[0][0]
+    assert heuristics.split_gpu_share(1, 160, 0) == heuristics.split_gpu_share(first - 1, 160, 0) == 1.0
     for at, share in heuristics.SPLIT_GPU_SHARE:
         assert heuristics.split_gpu_share(at, 160, 0) == share and 0 < share < 1

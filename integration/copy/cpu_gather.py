@@ -14,12 +14,16 @@ Three paths, one result (the numba kernel is the definition):
   rows) and where torch runs on fewer threads (a process that set ``OMP_NUM_THREADS=1``, as vLLM does
   in its worker processes).
 
-Out-of-range ids on the torch path. ``index_select`` refuses them, so a serial numba pass first writes
+Ids on the torch path. When the table has no id offset and every id is a row (a vectorised min and max
+over the ids say so), ``index_select`` takes the ids as they are. Otherwise, as ``index_select`` refuses
+out-of-range ids, a serial numba pass first writes
 each id's row into the caller's int64 buffer (``row_ids``: the slot's, so nothing is allocated), row 0
 for an out-of-range id, and counts those. Under ``oob="row0"`` that is the whole answer: ``index_select``
 copies row 0 for them. Under zero rows a call with any out-of-range id is gathered by the numba kernel
-instead; nothing was written to ``out`` yet. So the torch path adds one vectorised pass over the ids (a
-few percent of the copy) and never a second write of ``out``: zeroing rows after ``index_select`` would
+instead; nothing was written to ``out`` yet. That pass is serial: on the H200 host it cost a third of the
+copy of 160-B rows (``perf/results/h200_2026-12-01/tune_copy_torch_path.log``: the backend's gather
+1.36-1.49x a bare ``index_select``), hence the direct case first. The torch path never writes ``out``
+twice: zeroing rows after ``index_select`` would
 need their positions (a compaction pass that does not vectorise) or a masked pass over all of ``out``,
 and a call with many out-of-range ids (a shard's) is mostly zero rows, which numba writes in the same
 pass as the rest. The ids pass is serial, so that it never starts numba's thread pool while torch's
@@ -150,10 +154,15 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
     base = np.int64(id_base)
     with _GATHER_LOCK:
         if path == "torch" and row_ids is not None:
+            src = torch.from_numpy(table[:, byte_start:byte_start + nbytes])  # numpy slices faster
+            if base == 0 and n and ids.min() >= 0 and ids.max() < table.shape[0]:
+                # every id is a row already: index_select takes them as they are (two vectorised
+                # reductions instead of the serial pass, which cost a third of the copy on the H200 host)
+                torch.index_select(src, 0, torch.from_numpy(ids), out=torch.from_numpy(out))
+                return 0
             idx = row_ids[:n]
             bad = int(_rows_kernel()(ids, table.shape[0], base, idx))
             if not bad or oob_row0:
-                src = torch.from_numpy(table[:, byte_start:byte_start + nbytes])  # numpy slices faster
                 torch.index_select(src, 0, torch.from_numpy(idx), out=torch.from_numpy(out))
                 return bad
         fn = serial if path == "serial" else parallel
@@ -172,3 +181,34 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
             serial(table, ids, out, 0, False, zero, np.int64(0))
             parallel(table, ids, out, 0, False, zero, np.int64(0))
             rows_of(ids, table.shape[0], np.int64(0), row_ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _split_kernel() -> Callable:
+    import numba
+
+    @numba.njit(parallel=False, nogil=True, cache=False)
+    def split_rows(ids, id_base, lo, hi, row0, rows, staged):
+        for j in range(ids.shape[0]):
+            r = np.int64(ids[j]) - id_base
+            ok = (r >= lo) & (r < hi)
+            rows[j] = r if ok else lo
+            staged[j] = j if (ok | row0) else -1
+
+    return split_rows
+
+
+def split_rows(ids: np.ndarray, id_base: int, lo: int, hi: int, row0: bool, rows: np.ndarray,
+               staged: np.ndarray) -> None:
+    """A split lookup's CPU share, in one serial pass over its ids: ``rows[j]``, the table row to stage (id
+    ``j`` less ``id_base`` when inside ``[lo, hi)``, else ``lo``: any row, read and never used unless
+    ``row0``), and ``staged[j]``, the id of staged row ``j`` for the device kernel that applies the policy
+    (``j``, or ``-1``, out of range there too, for an id outside the window under zero rows)."""
+    _split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged)
+
+
+def warm_split() -> None:
+    """Compile :func:`split_rows` for int32 and int64 ids now, not in the first split lookup."""
+    rows, staged = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
+    for dt in (np.int32, np.int64):
+        split_rows(np.zeros(1, dtype=dt), 0, 0, 1, False, rows, staged)
