@@ -218,12 +218,17 @@ class GatherLookup(Lookup):
         Also serve :meth:`lookup_split` (ids on the host; the caller's thread gathers a share of the rows
         while the GPU gathers the rest). Needs ``max_rows``: pinned staging for that many rows and ids, and
         a device buffer of the same size, are allocated here, once.
+    hot : HotSet, optional
+        Rows of this table resident in device memory (:class:`uvaple.integration.HotSet`): each call reads
+        them from there and the others from the table, in one launch, same bits. Calls are read in id
+        order (``order`` must not be ``sorted``); ``stats()`` adds hits, misses and the bytes the hits did
+        not move.
     """
 
     def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
                  owns_table: bool = False, max_rows: int | None = None, view: str = "cuda",
                  count: bool = True, dequant_scale: torch.Tensor | None = None, order: str = "auto",
-                 dedup: bool = False, split: bool = False) -> None:
+                 dedup: bool = False, split: bool = False, hot=None) -> None:
         if not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
         spec = spec or TableSpec.of(table)
@@ -256,7 +261,17 @@ class GatherLookup(Lookup):
             raise ValueError("dequant_scale is for fp8_global tables; this spec's encoding is "
                              f"{spec.encoding!r}")
         # static too: a compiled CUDA graph mutates the counters in place, replay after replay
-        self._counters = _static(torch.zeros(3, dtype=torch.int64, device=self.device)) if count else None
+        self._counters = _static(torch.zeros(4, dtype=torch.int64, device=self.device)) if count else None
+        self._hot = None
+        if hot is not None:
+            from .hotset import HotSet
+
+            if not isinstance(hot, HotSet) or hot.table is not table or hot.device != self.device:
+                raise ValueError(f"hot must be a HotSet of this table on {self.device}, got {hot!r}")
+            if kind != "uva" or order == "sorted" or split:
+                raise ValueError("a hot set serves the uva placement's direct order (not order='sorted', not split)")
+            self._hot = hot
+            order = "direct"
         if order not in ("auto", "direct", "sorted"):
             raise ValueError(f"order must be 'auto', 'direct' or 'sorted', got {order!r}")
         if order == "sorted" and max_rows is None:
@@ -285,7 +300,11 @@ class GatherLookup(Lookup):
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         ids, out, c0 = self._prepare(ids, out, columns)
         spec = self.spec
-        if self._workspace is not None and self.uses_sorted(ids.numel()):
+        if self._hot is not None:
+            torch.ops.uvaple.gather_rows_hot(self._arg, ids, out, self._counters, self._dq_scale, self._hot.rows,
+                                             self._hot.slot_map, spec.scale_arg, spec.has_scale, c0, spec.id_offset,
+                                             self._row_lo, spec.oob_mode, spec.dequant)
+        elif self._workspace is not None and self.uses_sorted(ids.numel()):
             torch.ops.uvaple.gather_rows_sorted(self._arg, ids, out, self._counters, self._dq_scale, self._workspace,
                                                 spec.scale_arg, spec.has_scale, c0, spec.id_offset, self._row_lo,
                                                 spec.oob_mode, spec.dequant, self.dedup)
@@ -360,8 +379,11 @@ class GatherLookup(Lookup):
         if self._counters is not None:
             if self._counters.is_cuda:  # count work launched on any stream, not only the current one
                 torch.cuda.synchronize(self._counters.device)
-            lookups, rows, oob = self._counters.tolist()  # the one synchronisation: here, not per call
+            lookups, rows, oob, hits = self._counters.tolist()  # the one synchronisation: here, not per call
             st.update(lookups=lookups, rows=rows, out_of_range_ids=oob)
+            if self._hot is not None:
+                st.update(hot_hits=hits, hot_misses=rows - oob - hits, hot_bytes_saved=hits * self._row_bytes,
+                          hot_rows=self._hot.size)
         return st
 
     def device_bytes(self) -> int:

@@ -138,6 +138,9 @@ def gather_rows_kernel(
     out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
     counters_ptr,  # *Pointer* to int64 [3]: lookups, rows, out-of-range ids (read only when COUNT)
     dq_scale_ptr,  # *Pointer* to the fp32 dequantisation scale [1] (read only when DEQUANT)
+    hot_ptr,  # *Pointer* to row 0 of the hot set: device copies of table rows, the table's stride (HOT)
+    slot_ptr,  # *Pointer* to int32 [n_rows]: the hot slot of each table row, or -1 (HOT)
+    n_hot,  # slots in the hot set (a slot outside 0..n_hot is a miss, whatever the map holds)
     n_ids,  # ids in this call
     id_base,  # the id of table row 0 (a rank's vocabulary shard stored alone; 0 for a whole table)
     row_lo,  # valid rows are row_lo <= id - id_base < n_rows (a rank's shard of a full table; else 0)
@@ -152,40 +155,62 @@ def gather_rows_kernel(
     OOB_ROW0: tl.constexpr,  # out-of-range ids read row row_lo (else they give a zero row)
     NEG_ZERO: tl.constexpr,  # zero rows are -0.0 (a sum over ranks then keeps every owner's bits)
     DEQUANT: tl.constexpr,  # 0: as stored; 1/2: e4m3fn/e5m2 codes x the scale at dq_scale_ptr; 3/4: x the row's
-    COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id)
+    COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id; HOT: per hit)
+    HOT: tl.constexpr,  # rows in the hot set are read from it (HBM), the others from the table
     BLOCK: tl.constexpr,  # columns per program
 ):
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     row, valid = safe_row(ids_ptr, pid, id_base, row_lo, n_rows)
-    if COUNT:
-        if tile == 0:
-            first = pid == 0
-            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
-            tl.atomic_add(counters_ptr + 1, n_ids, mask=first, sem="relaxed")
-            tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
     if OOB_ROW0:
         limit = n_cols
     else:
         limit = tl.where(valid, n_cols, 0)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     load_mask = cols < limit
-    x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
+    if HOT:
+        # row is inside the table (valid or not), so its map entry is too; a slot outside the hot set is a
+        # miss, so no address outside either buffer is formed, whatever the map holds
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        hit = (slot >= 0) & (slot < n_hot)
+        if not OOB_ROW0:
+            hit = hit & valid  # an out-of-range id reads nothing
+        slot = tl.where(hit, slot, 0)
+        hit_cols = (tl.full([BLOCK], 0, tl.int32) + hit.to(tl.int32)) != 0  # the masks as blocks of bool
+        x_hot = tl.load(hot_ptr + slot * table_stride + col_start + cols, mask=load_mask & hit_cols, other=0)
+        x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask & (hit_cols == 0), other=0)
+        x = tl.where(hit_cols, x_hot, x)
+    else:
+        hit = False
+        x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
+    if COUNT:
+        if tile == 0:
+            first = pid == 0
+            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 1, n_ids, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
+            if HOT:
+                tl.atomic_add(counters_ptr + 3, 1, mask=hit & valid, sem="relaxed")
     row_scale = 0.0
     if DEQUANT >= 3:
-        row_scale = _row_scale(table_ptr, row, table_stride, scale_col)  # row is inside the table, valid or not
+        if HOT:
+            row_scale = tl.where(hit, _row_scale(hot_ptr, slot, table_stride, scale_col, hit),
+                                 _row_scale(table_ptr, row, table_stride, scale_col, hit == 0))
+        else:
+            row_scale = _row_scale(table_ptr, row, table_stride, scale_col, True)  # row is inside the table
     y = _convert(x, load_mask, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT,
                  OOB_ROW0, NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
 
 
 @jit
-def _row_scale(table_ptr, row, table_stride, scale_col):
+def _row_scale(table_ptr, row, table_stride, scale_col, mask):
     """The float32 scale stored (little-endian) at column ``scale_col`` of ``row`` (a 1-byte table), from
-    its four bytes: no alignment is assumed."""
+    its four bytes: no alignment is assumed. Where ``mask`` is false nothing is read (0.0)."""
     p = table_ptr + row * table_stride + scale_col
-    bits = tl.load(p).to(tl.uint32) | (tl.load(p + 1).to(tl.uint32) << 8) | \
-        (tl.load(p + 2).to(tl.uint32) << 16) | (tl.load(p + 3).to(tl.uint32) << 24)
+    bits = tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8) | \
+        (tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16) | \
+        (tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -257,7 +282,7 @@ def gather_sorted_kernel(
     x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep, other=0)
     row_scale = 0.0
     if DEQUANT >= 3:
-        row_scale = _row_scale(table_ptr, row, table_stride, scale_col)[:, None]
+        row_scale = _row_scale(table_ptr, row, table_stride, scale_col, in_n)[:, None]
     y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
                  NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])

@@ -44,8 +44,8 @@ from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 from . import _capture, _gather_triton, _jit
 from .heuristics import LaunchConfig, SortedConfig, launch_config, sorted_config
 
-__all__ = ["gather_rows", "launch", "launch_sorted", "scale_bits", "column_range", "check_ids", "check_out",
-           "OOB_POLICIES",
+__all__ = ["gather_rows", "launch", "launch_hot", "launch_sorted", "scale_bits", "column_range", "check_ids",
+           "check_out", "OOB_POLICIES",
            "TABLE_DTYPES", "OUT_DTYPES"]
 
 OOB_POLICIES = ("zero", "row0", "neg_zero")
@@ -221,27 +221,62 @@ def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int)
 
 def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
            dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
-           oob_mode: int, dequant: int, *, config: LaunchConfig | None = None) -> None:
+           oob_mode: int, dequant: int, *, config: LaunchConfig | None = None, hot_rows: torch.Tensor | None = None,
+           slot_map: torch.Tensor | None = None) -> None:
     """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
 
     The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
-    with an explicit ``config`` to sweep tile widths).
+    with an explicit ``config`` to sweep tile widths). ``hot_rows``/``slot_map``: :func:`launch_hot`'s.
     """
     n = ids.numel()
-    ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, "gather_rows")
+    what = "gather_rows" if hot_rows is None else "gather_rows_hot"
+    ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, what)
+    if hot_rows is not None:
+        _check_hot(table, ids, counters, hot_rows, slot_map)
     torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
     if n == 0 or ncols == 0:
         return
     cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
+    hot = hot_rows is not None
+    if hot:
+        if _capture.capturing(ids):
+            _capture.keep_for_graph(hot_rows)
+        hot_rows = _kernel_views(hot_rows, ids, out, has_scale, oob_mode, dequant)[0]
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
-        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n, id_base,
+        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
+        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0, n, id_base,
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, BLOCK=cfg.block, num_warps=cfg.num_warps,
+        COUNT=counters is not None, HOT=hot, BLOCK=cfg.block, num_warps=cfg.num_warps,
     )
+
+
+def launch_hot(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
+               dq_scale: torch.Tensor | None, hot_rows: torch.Tensor, slot_map: torch.Tensor, bits: int,
+               has_scale: bool, col_start: int, id_base: int, row_lo: int, oob_mode: int, dequant: int) -> None:
+    """The body of ``uvaple::gather_rows_hot``: as :func:`launch`, but a row whose ``slot_map`` entry is a
+    slot ``0 <= s < len(hot_rows)`` is read from ``hot_rows[s]`` (device memory, the same bytes as the
+    table row) and the others from the table; ``counters`` (int64 ``[>= 4]``) also count hits."""
+    launch(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
+           hot_rows=hot_rows, slot_map=slot_map)
+
+
+def _check_hot(table, ids, counters, hot_rows, slot_map) -> None:
+    if hot_rows.dim() != 2 or hot_rows.dtype != table.dtype or hot_rows.shape[1] != table.shape[1] or \
+            hot_rows.stride(0) != table.stride(0) or hot_rows.stride(1) != 1 or hot_rows.device != ids.device:
+        raise ValueError(f"uvaple::gather_rows_hot: the hot rows must be a {table.dtype} [slots, {table.shape[1]}] "
+                         f"tensor with the table's row stride ({table.stride(0)}) on {ids.device}, got "
+                         f"{hot_rows.dtype} {tuple(hot_rows.shape)} stride {hot_rows.stride()} on {hot_rows.device}")
+    if slot_map is None or slot_map.dtype != torch.int32 or slot_map.dim() != 1 or \
+            slot_map.numel() < table.shape[0] or not slot_map.is_contiguous() or slot_map.device != ids.device:
+        raise ValueError(f"uvaple::gather_rows_hot: the slot map must be a contiguous int32 [>= {table.shape[0]}] "
+                         f"tensor on {ids.device}")
+    if counters is not None and counters.numel() < 4:
+        raise ValueError("uvaple::gather_rows_hot: counters must be int64 [>= 4] (lookups, rows, out-of-range "
+                         "ids, hits)")
 
 
 def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,

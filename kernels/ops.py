@@ -21,6 +21,11 @@ Schema::
 ``uvaple::gather_rows_sorted`` takes the same arguments plus ``Tensor(c!) workspace`` (int64
 ``[2, >= ids.numel()]``) and ``bool dedup``: the ids are sorted into the workspace and the rows read in
 ascending id order (each written to its own output row), repeats read once when ``dedup``. Same bits.
+
+``uvaple::gather_rows_hot`` takes the arguments of ``gather_rows`` plus ``Tensor hot_rows`` (device copies
+of some table rows, the table's dtype, width and row stride) and ``Tensor slot_map`` (int32, one entry per
+table row: its slot in ``hot_rows`` or -1): hits are read from ``hot_rows``, misses from the table, in one
+launch. Same bits; ``counters`` (int64 ``[>= 4]``) count hits in their fourth entry.
 Valid ids are ``row_lo <= id - id_base < table.shape[0]`` and read row ``id - id_base``
 (``id_base``: the first id of a vocabulary shard stored alone).
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather import launch, launch_sorted
+from .gather import launch, launch_hot, launch_sorted
 
 _SCHEMA = ("gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
            "int scale_bits, bool has_scale, int col_start, int id_base, int row_lo, int oob_mode, int dequant) -> ()")
@@ -45,6 +50,20 @@ _SORTED_SCHEMA = (
     "int dequant, bool dedup) -> ()")
 _lib.define(_SORTED_SCHEMA)
 _lib.impl("gather_rows_sorted", launch_sorted, "CompositeExplicitAutograd")
+
+
+_HOT_SCHEMA = (
+    "gather_rows_hot(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
+    "Tensor hot_rows, Tensor slot_map, int scale_bits, bool has_scale, int col_start, int id_base, int row_lo, "
+    "int oob_mode, int dequant) -> ()")
+_lib.define(_HOT_SCHEMA)
+_lib.impl("gather_rows_hot", launch_hot, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("uvaple::gather_rows_hot", lib=_lib)
+def _gather_rows_hot_fake(table, ids, out, counters, dq_scale, hot_rows, slot_map, scale_bits, has_scale,
+                          col_start, id_base, row_lo, oob_mode, dequant) -> None:
+    return None
 
 
 @torch.library.register_fake("uvaple::gather_rows_sorted", lib=_lib)

@@ -1,0 +1,152 @@
+"""``HotSet``: the most frequent rows of a host table, resident in device memory, for token-id PLE tables.
+
+Token ids follow real text, which is Zipfian: a few percent of a 200k vocabulary cover most lookups.
+A hot set keeps ``capacity`` rows of a :class:`~uvaple.uva.HostTable` in HBM, byte for byte (the table's
+dtype and row stride: a row's own fp8 scale comes along), with a device map from table row to slot (or
+-1). A lookup built with ``hot=`` (:class:`~uvaple.integration.GatherLookup`) reads hits from HBM and
+misses from the host table in the same launch (``uvaple::gather_rows_hot``), so the bits are those of the
+uncached lookup whatever is resident.
+
+Which rows: :meth:`HotSet.set_rows` takes them (distinct table rows, most important first), and
+:func:`rank_rows` makes them from a profile: counts per row (a file of counts, or the ids of a text the
+user gives, :func:`counts_of_ids`).
+
+Changing the rows (``set_rows``) is stream-ordered work on the current CUDA stream, in place: the map
+entries of the rows leaving are cleared, the new rows copied into their slots, their map entries set. Call
+it on the stream the lookups run on, between steps: every lookup enqueued before it reads the old set,
+every one after it the new one, and a lookup never sees a slot whose row is being replaced (stream order;
+no second stream: seed 004). The buffers never move, so CUDA graphs captured with the lookup stay valid
+and see the new contents.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from uvaple.uva import HostTable
+
+__all__ = ["HotSet", "rank_rows", "counts_of_ids"]
+
+
+class HotSet:
+    """``capacity`` rows of ``table`` in the memory of ``device`` (see the module docstring).
+
+    Parameters
+    ----------
+    table : HostTable
+        The table whose rows are cached (registered for a GPU lookup).
+    capacity : int
+        Slots (rows) in device memory; :meth:`capacity_for` converts bytes or a fraction.
+    device : torch.device
+        Where the hot rows and the map live (the lookup's device).
+    rows : tensor, optional
+        The first rows to hold (as :meth:`set_rows`).
+    """
+
+    def __init__(self, table: HostTable, capacity: int, device: torch.device | str | int, *,
+                 rows: torch.Tensor | None = None) -> None:
+        if not isinstance(table, HostTable):
+            raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity <= table.rows:
+            raise ValueError(f"capacity must be an int in 1..{table.rows} (the table's rows), got {capacity!r}")
+        self.table = table
+        self.device = torch.device(device)
+        self.capacity = capacity
+        # the table's full stride, so the kernel addresses both with one row stride
+        self._raw = torch.zeros(capacity, table.stride, dtype=table.dtype, device=self.device)
+        self.rows = self._raw[:, : table.cols]
+        self.slot_map = torch.full((table.rows,), -1, dtype=torch.int32, device=self.device)
+        self.held = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)  # the row of each slot
+        self._slots = torch.arange(capacity, dtype=torch.int32, device=self.device)
+        self._count = 0
+        if rows is not None:
+            self.set_rows(rows)
+
+    @staticmethod
+    def capacity_for(table: HostTable, *, cache_gb: float | None = None, fraction: float | None = None) -> int:
+        """Slots for ``cache_gb`` (10^9 bytes of device memory) or ``fraction`` of the table's rows (one of
+        them), at least 1 and at most every row."""
+        if (cache_gb is None) == (fraction is None):
+            raise ValueError("give exactly one of cache_gb= and fraction=")
+        if cache_gb is not None:
+            if not cache_gb > 0:
+                raise ValueError(f"cache_gb must be positive, got {cache_gb!r}")
+            n = int(cache_gb * 1e9) // table.stride_bytes
+        else:
+            if not 0 < fraction <= 1:
+                raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+            n = int(table.rows * fraction)
+        return max(1, min(table.rows, n))
+
+    @property
+    def size(self) -> int:
+        """Rows held now."""
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the hot rows and the map."""
+        return self._raw.numel() * self._raw.element_size() + self.slot_map.numel() * 4 + self.held.numel() * 8
+
+    def set_rows(self, rows: torch.Tensor) -> None:
+        """Hold ``rows`` (distinct table rows, int, at most ``capacity``; the first ones when there are
+        more) from now on, in stream order on the current stream (see the module docstring)."""
+        if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int32, torch.int64) or rows.dim() != 1:
+            raise TypeError(f"rows must be a 1-D int32/int64 tensor, got {rows!r}")
+        rows = rows[: self.capacity].to(device=self.device, dtype=torch.int64)
+        k = rows.numel()
+        if k and (int(rows.min()) < 0 or int(rows.max()) >= self.table.rows):  # a profile's, not the hot path
+            raise ValueError(f"hot rows must be table rows 0..{self.table.rows - 1}")
+        if k and torch.unique(rows).numel() != k:
+            raise ValueError("hot rows must be distinct")
+        old = self.held[: self._count]
+        if self._count:
+            self.slot_map.index_fill_(0, old, -1)  # leaving: misses from here on
+        self.held.fill_(-1)
+        if k:
+            self._copy_rows(rows, k)
+            self.held[:k].copy_(rows)
+            self.slot_map.index_copy_(0, rows, self._slots[:k])
+        self._count = k
+
+    def _copy_rows(self, rows: torch.Tensor, k: int) -> None:
+        """The table's bytes of ``rows`` into slots ``0..k`` (whole strides: a row scale comes along)."""
+        t = self.table
+        if self.device.type == "cuda":
+            src = t.cuda_view(self.device.index)  # the registered pages, read by the GPU
+            full = torch.as_strided(src, (t.rows, t.stride), (t.stride, 1))
+            torch.index_select(full, 0, rows, out=self._raw[:k])
+        else:
+            full = torch.as_strided(t.tensor, (t.rows, t.stride), (t.stride, 1))
+            torch.index_select(full, 0, rows.cpu(), out=self._raw[:k])
+
+    def __repr__(self) -> str:
+        return f"HotSet({self._count}/{self.capacity} rows of {self.table.rows}, {self.device})"
+
+
+def counts_of_ids(ids, rows: int) -> torch.Tensor:
+    """Counts per table row (int64 ``[rows]``) of ``ids``: a tensor, an array, or a path to a ``.npy``
+    file or a text file of whitespace-separated ids (a tokenised text). Ids outside ``0..rows`` are not
+    counted."""
+    if isinstance(ids, (str, os.PathLike)):
+        path = os.fspath(ids)
+        if path.endswith(".npy"):
+            ids = np.load(path)
+        else:
+            with open(path) as f:
+                ids = np.array(f.read().split(), dtype=np.int64)
+    t = torch.as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids).reshape(-1).to(torch.int64)
+    t = t[(t >= 0) & (t < rows)].cpu()
+    return torch.bincount(t, minlength=rows)
+
+
+def rank_rows(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` rows with the highest counts (ties: the lower row first), rows never counted excluded."""
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 1:
+        raise TypeError("counts must be a 1-D tensor of counts per row")
+    order = torch.sort(counts.cpu().to(torch.int64), descending=True, stable=True).indices
+    top = order[:k]
+    return top[counts.cpu()[top] > 0]

@@ -1,0 +1,184 @@
+"""The hot set: rows resident in device memory, read in the same launch as the misses, same bits.
+
+Every test compares with the uncached lookup of the same table (the definition), on poisoned outputs,
+and proves the hits were read from the hot rows (spoiling them changes exactly the hit rows). CPU here
+(interpreter), CUDA on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import bits, rand
+
+from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, rank_rows
+from uvaple.uva import HostTable
+
+ROWS = 700
+
+
+def poisoned(n: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    out = torch.empty(n, cols, dtype=dtype, device=device)
+    out.view(torch.uint8).fill_(0xA7)
+    return out
+
+
+def ids_of(pattern: str, hot_rows: torch.Tensor, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    hot = hot_rows.cpu()
+    cold = torch.tensor(sorted(set(range(ROWS)) - set(hot.tolist())))
+    if pattern == "all_hits":
+        ids = hot[torch.randint(0, len(hot), (333,), generator=g)]
+    elif pattern == "all_misses":
+        ids = cold[torch.randint(0, len(cold), (333,), generator=g)]
+    elif pattern == "mixed":
+        ids = torch.randint(0, ROWS, (333,), generator=g)
+    elif pattern == "out_of_range":
+        ids = torch.tensor([-1, ROWS, ROWS + 5, 2**31 - 1, -2**31, 2**62, -2**63, 2**63 - 1, int(hot[0]), 0])
+    elif pattern == "duplicates":
+        ids = torch.cat([hot[:3].repeat(40), cold[:2].repeat(30)])[torch.randperm(180, generator=g)]
+    else:
+        raise AssertionError(pattern)
+    return ids.to(device)
+
+
+def fp8_row_table(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (ROWS, 37), generator=g, dtype=torch.uint8)
+    scales = (torch.randn(ROWS, generator=g) * 0.1).to(torch.float32).view(-1, 1)
+    return torch.cat([codes, scales.view(torch.uint8).reshape(-1, 4)], dim=1).view(torch.float8_e4m3fn)
+
+
+ENCODINGS = {
+    "bf16": lambda: (rand(ROWS, 40, torch.bfloat16, seed=1), {}),
+    "bf16_scaled_to_fp32": lambda: (rand(ROWS, 40, torch.bfloat16, seed=2), {"scale": -3.5,
+                                                                              "out_dtype": torch.float32}),
+    "fp32_odd": lambda: (rand(ROWS, 13, torch.float32, seed=3), {}),
+    "fp8_global": lambda: (torch.randint(0, 256, (ROWS, 24), dtype=torch.uint8,
+                                         generator=torch.Generator().manual_seed(4)).view(torch.float8_e4m3fn),
+                           {"encoding": "fp8_global", "out_dtype": torch.bfloat16}),
+    "fp8_row": lambda: (fp8_row_table(5), {"encoding": "fp8_row", "out_dtype": torch.bfloat16}),
+}
+
+
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+@pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
+@pytest.mark.parametrize("pattern", ["all_hits", "all_misses", "mixed", "out_of_range", "duplicates"])
+def test_hits_and_misses_are_the_uncached_bits(device, encoding, oob, pattern):
+    data, kw = ENCODINGS[encoding]()
+    if oob == "neg_zero" and kw.get("out_dtype", data.dtype) not in (torch.bfloat16, torch.float16, torch.float32):
+        pytest.skip("neg_zero needs a float output")
+    with HostTable.from_tensor(data) as h:
+        spec = TableSpec.of(h, oob=oob, **kw)
+        scale = torch.tensor([0.75], device=device) if kw.get("encoding") == "fp8_global" else None
+        hot_rows = torch.randperm(ROWS, generator=torch.Generator().manual_seed(6))[:70]
+        hs = HotSet(h, 80, device, rows=hot_rows)
+        with GatherLookup(h, spec, device, dequant_scale=scale, hot=hs) as cached, \
+                GatherLookup(h, spec, device, dequant_scale=scale, order="direct") as plain:
+            ids = ids_of(pattern, hot_rows, device)
+            c0, c1 = spec.columns(None)
+            width = c1 - c0
+            got = cached.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
+            want = plain.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
+            assert torch.equal(bits(got), bits(want)), (encoding, oob, pattern)
+            # the hits were read from the hot rows: spoiling them changes exactly the rows of hit ids
+            hs._raw.view(torch.uint8).fill_(0x3C)
+            spoiled = cached.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
+            in_hot = torch.isin(ids.cpu(), hot_rows) & (ids.cpu() >= 0) & (ids.cpu() < ROWS)
+            changed = (bits(spoiled).view(len(ids), -1) != bits(want).view(len(ids), -1)).any(dim=1)
+            assert torch.equal(changed, in_hot), (encoding, oob, pattern)
+            st = cached.stats()
+            valid = ((ids.cpu() >= 0) & (ids.cpu() < ROWS)).sum().item()
+            assert st["hot_hits"] == 2 * in_hot.sum().item()
+            assert st["hot_misses"] == 2 * (valid - in_hot.sum().item())
+            assert st["hot_bytes_saved"] == st["hot_hits"] * spec.cols * h.itemsize
+
+
+def test_refresh_swaps_the_set_in_place_and_stays_exact(device):
+    data = rand(ROWS, 64, torch.bfloat16, seed=7)
+    with HostTable.from_tensor(data) as h:
+        spec = TableSpec.of(h)
+        hs = HotSet(h, 50, device)
+        buffers = (hs.rows.data_ptr(), hs.slot_map.data_ptr())
+        with GatherLookup(h, spec, device, hot=hs) as lk:
+            ids = torch.randint(0, ROWS, (500,), generator=torch.Generator().manual_seed(8)).to(device)
+            want = bits(data[ids.cpu()])
+            outs = []
+            for k, rows in enumerate([torch.arange(50), torch.arange(600, 650), torch.arange(0, 700, 14)[:50],
+                                      torch.tensor([3, 1, 2], dtype=torch.int32), torch.empty(0, dtype=torch.int64)]):
+                hs.set_rows(rows.to(device))
+                outs.append(lk.lookup(ids, poisoned(500, 64, torch.bfloat16, device)))
+                assert hs.size == len(rows)
+                held = set(rows.tolist())
+                assert torch.equal((hs.slot_map.cpu() >= 0).nonzero().view(-1).sort().values,
+                                   torch.tensor(sorted(held), dtype=torch.int64))  # the rows that left are misses
+            for out in outs:  # each pass was exact, whatever set it ran against
+                assert torch.equal(bits(out), want)
+        assert (hs.rows.data_ptr(), hs.slot_map.data_ptr()) == buffers  # fixed buffers: graphs stay valid
+
+
+def test_a_map_holding_garbage_reads_nothing_outside(device):
+    """The map is a device tensor anyone could write: a slot outside the hot set is a miss."""
+    data = rand(ROWS, 32, torch.bfloat16, seed=9)
+    with HostTable.from_tensor(data) as h:
+        hs = HotSet(h, 10, device, rows=torch.arange(10))
+        hs.slot_map[:] = torch.tensor([10, 11, -2, 2**31 - 1, -2**31] * (ROWS // 5), dtype=torch.int32)
+        with GatherLookup(h, TableSpec.of(h), device, hot=hs) as lk:
+            ids = torch.arange(ROWS, device=device)
+            assert torch.equal(bits(lk.lookup(ids)), bits(data))
+            assert lk.stats()["hot_hits"] == 0
+
+
+def test_bad_hot_sets_are_named(device):
+    data = rand(ROWS, 16, torch.bfloat16, seed=10)
+    with HostTable.from_tensor(data) as h, HostTable.from_tensor(data) as other:
+        with pytest.raises(ValueError, match="capacity"):
+            HotSet(h, 0, device)
+        with pytest.raises(ValueError, match="capacity"):
+            HotSet(h, ROWS + 1, device)
+        hs = HotSet(h, 8, device)
+        with pytest.raises(ValueError, match="table rows"):
+            hs.set_rows(torch.tensor([0, ROWS]))
+        with pytest.raises(ValueError, match="table rows"):
+            hs.set_rows(torch.tensor([-1]))
+        with pytest.raises(ValueError, match="distinct"):
+            hs.set_rows(torch.tensor([4, 4]))
+        with pytest.raises(TypeError, match="1-D int32/int64"):
+            hs.set_rows(torch.tensor([1.0]))
+        with pytest.raises(ValueError, match="HotSet of this table"):
+            GatherLookup(other, TableSpec.of(other), device, hot=hs)
+        with pytest.raises(ValueError, match="direct order"):
+            GatherLookup(h, TableSpec.of(h), device, hot=hs, order="sorted", max_rows=16)
+        ids = torch.arange(4, device=device)
+        out = torch.empty(4, 16, dtype=torch.bfloat16, device=device)
+        table = h.cuda_view() if device.type == "cuda" else h.tensor
+        with pytest.raises(ValueError, match="slot map"):
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, hs.rows, hs.slot_map[:5], 0, False, 0, 0,
+                                             0, 0, 0)
+        with pytest.raises(ValueError, match="hot rows"):
+            wide = torch.empty(8, 2 * h.stride, dtype=torch.bfloat16, device=device)[:, :16]  # another stride
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, wide, hs.slot_map, 0, False, 0, 0, 0, 0, 0)
+        with pytest.raises(ValueError, match="counters"):
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, torch.zeros(3, dtype=torch.int64, device=device),
+                                             None, hs.rows, hs.slot_map, 0, False, 0, 0, 0, 0, 0)
+
+
+def test_profiles_rank_rows_by_count(tmp_path):
+    text = tmp_path / "ids.txt"
+    text.write_text("5 3 5 9 5 3 1000 -1\n3 7")
+    counts = counts_of_ids(str(text), 10)
+    assert counts.tolist() == [0, 0, 0, 3, 0, 3, 0, 1, 0, 1]  # ids outside 0..10 are not counted
+    np.save(tmp_path / "ids.npy", np.array([2, 2, 8]))
+    assert counts_of_ids(str(tmp_path / "ids.npy"), 10).tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 1, 0]
+    assert rank_rows(counts, 3).tolist() == [3, 5, 7]  # a tie: the lower row first
+    assert rank_rows(counts, 10).tolist() == [3, 5, 7, 9]  # rows never seen are not held
+    data = rand(1000, 8, torch.bfloat16, seed=11)
+    with HostTable.from_tensor(data) as h:
+        assert HotSet.capacity_for(h, fraction=0.05) == 50
+        assert HotSet.capacity_for(h, cache_gb=h.stride_bytes * 20 / 1e9) == 20
+        assert HotSet.capacity_for(h, fraction=1e-9) == 1
+        with pytest.raises(ValueError, match="exactly one"):
+            HotSet.capacity_for(h)
+        with pytest.raises(ValueError, match="fraction"):
+            HotSet.capacity_for(h, fraction=1.5)
