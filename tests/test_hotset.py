@@ -105,8 +105,8 @@ def test_refresh_swaps_the_set_in_place_and_stays_exact(device):
             ids = torch.randint(0, ROWS, (500,), generator=torch.Generator().manual_seed(8)).to(device)
             want = bits(data[ids.cpu()])
             outs = []
-            for k, rows in enumerate([torch.arange(50), torch.arange(600, 650), torch.arange(0, 700, 14)[:50],
-                                      torch.tensor([3, 1, 2], dtype=torch.int32), torch.empty(0, dtype=torch.int64)]):
+            for rows in [torch.arange(50), torch.arange(600, 650), torch.arange(0, 700, 14)[:50],
+                         torch.tensor([3, 1, 2], dtype=torch.int32), torch.empty(0, dtype=torch.int64)]:
                 hs.set_rows(rows.to(device))
                 outs.append(lk.lookup(ids, poisoned(500, 64, torch.bfloat16, device)))
                 assert hs.size == len(rows)
