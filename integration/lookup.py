@@ -220,9 +220,9 @@ class GatherLookup(Lookup):
         a device buffer of the same size, are allocated here, once.
     hot : HotSet, optional
         Rows of this table resident in device memory (:class:`uvaple.integration.HotSet`): each call reads
-        them from there and the others from the table, in one launch, same bits. Calls are read in id
-        order (``order`` must not be ``sorted``); ``stats()`` adds hits, misses and the bytes the hits did
-        not move.
+        them from there and the others from the table, in one launch, same bits, in either order (and
+        with ``dedup``: a prefill's repeats read once, its hot ids from HBM); ``stats()`` adds hits,
+        misses and the bytes the hits did not move.
     """
 
     def __init__(self, table: HostTable, spec: TableSpec | None = None, device=None, *, kind: str = "uva",
@@ -268,10 +268,9 @@ class GatherLookup(Lookup):
 
             if not isinstance(hot, HotSet) or hot.table is not table or hot.device != self.device:
                 raise ValueError(f"hot must be a HotSet of this table on {self.device}, got {hot!r}")
-            if kind != "uva" or order == "sorted" or split:
-                raise ValueError("a hot set serves the uva placement's direct order (not order='sorted', not split)")
+            if kind != "uva" or split:
+                raise ValueError("a hot set serves the uva placement (not split)")
             self._hot = hot
-            order = "direct"
         if order not in ("auto", "direct", "sorted"):
             raise ValueError(f"order must be 'auto', 'direct' or 'sorted', got {order!r}")
         if order == "sorted" and max_rows is None:
@@ -301,9 +300,10 @@ class GatherLookup(Lookup):
         ids, out, c0 = self._prepare(ids, out, columns)
         spec = self.spec
         if self._hot is not None:
+            ws = self._workspace if self._workspace is not None and self.uses_sorted(ids.numel()) else None
             torch.ops.uvaple.gather_rows_hot(self._arg, ids, out, self._counters, self._dq_scale, self._hot.rows,
-                                             self._hot.slot_map, spec.scale_arg, spec.has_scale, c0, spec.id_offset,
-                                             self._row_lo, spec.oob_mode, spec.dequant)
+                                             self._hot.slot_map, ws, spec.scale_arg, spec.has_scale, c0,
+                                             spec.id_offset, self._row_lo, spec.oob_mode, spec.dequant, self.dedup)
         elif self._workspace is not None and self.uses_sorted(ids.numel()):
             torch.ops.uvaple.gather_rows_sorted(self._arg, ids, out, self._counters, self._dq_scale, self._workspace,
                                                 spec.scale_arg, spec.has_scale, c0, spec.id_offset, self._row_lo,

@@ -233,10 +233,11 @@ def gather_sorted_kernel(
     out_ptr,  # *Pointer* to the output [n, n_cols]
     counters_ptr,  # as gather_rows_kernel
     dq_scale_ptr,  # as gather_rows_kernel
+    hot_ptr, slot_ptr, n_hot,  # as gather_rows_kernel (HOT)
     n,  # ids in this call
     id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits, scale_col,  # as gather_rows_kernel
     HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
-    DEQUANT: tl.constexpr, COUNT: tl.constexpr,
+    DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr,
     DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
     BLOCK_R: tl.constexpr,  # sorted ids per program
     BLOCK_C: tl.constexpr,  # columns per program
@@ -259,6 +260,12 @@ def gather_sorted_kernel(
     valid = (row >= row_lo) & (row < n_rows) & in_n
     row = tl.where(valid, row, row_lo)  # no address outside the table, whatever the id
     pos = tl.load(order_ptr + r, mask=in_n, other=0)
+    if HOT:  # as in gather_rows_kernel: a slot outside the hot set is a miss
+        slot = tl.load(slot_ptr + row, mask=in_n, other=-1).to(tl.int64)
+        hit = (slot >= 0) & (slot < n_hot) & in_n
+        if not OOB_ROW0:
+            hit = hit & valid
+        slot = tl.where(hit, slot, 0)
     if COUNT:
         if tile == 0:
             first = pid == 0
@@ -268,6 +275,9 @@ def gather_sorted_kernel(
             # interpreted copy of this module (kernels/_jit.py) cannot call
             bad = tl.reduce((in_n & (valid == 0)).to(tl.int64), 0, _add)
             tl.atomic_add(counters_ptr + 2, bad, mask=bad > 0, sem="relaxed")
+            if HOT:
+                hits = tl.reduce((hit & valid).to(tl.int64), 0, _add)
+                tl.atomic_add(counters_ptr + 3, hits, mask=hits > 0, sem="relaxed")
     if DEDUP:
         prev = tl.load(sorted_ptr + r - 1, mask=in_n & (local > 0), other=0)
         leader = in_n & ((local == 0) | (raw != prev))
@@ -279,10 +289,21 @@ def gather_sorted_kernel(
         keep = leader[:, None] & col_ok[None, :]
     else:
         keep = (leader & valid)[:, None] & col_ok[None, :]
-    x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep, other=0)
+    if HOT:
+        hot2 = hit[:, None] & col_ok[None, :]
+        x_hot = tl.load(hot_ptr + slot[:, None] * table_stride + col_start + cols[None, :], mask=keep & hot2, other=0)
+        x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep & (hot2 == 0),
+                    other=0)
+        x = tl.where(hot2, x_hot, x)
+    else:
+        x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep, other=0)
     row_scale = 0.0
     if DEQUANT >= 3:
-        row_scale = _row_scale(table_ptr, row, table_stride, scale_col, in_n)[:, None]
+        if HOT:
+            row_scale = tl.where(hit, _row_scale(hot_ptr, slot, table_stride, scale_col, leader & hit),
+                                 _row_scale(table_ptr, row, table_stride, scale_col, leader & (hit == 0)))[:, None]
+        else:
+            row_scale = _row_scale(table_ptr, row, table_stride, scale_col, in_n)[:, None]
     y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
                  NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])

@@ -255,13 +255,19 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
 
 
 def launch_hot(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-               dq_scale: torch.Tensor | None, hot_rows: torch.Tensor, slot_map: torch.Tensor, bits: int,
-               has_scale: bool, col_start: int, id_base: int, row_lo: int, oob_mode: int, dequant: int) -> None:
-    """The body of ``uvaple::gather_rows_hot``: as :func:`launch`, but a row whose ``slot_map`` entry is a
-    slot ``0 <= s < len(hot_rows)`` is read from ``hot_rows[s]`` (device memory, the same bytes as the
-    table row) and the others from the table; ``counters`` (int64 ``[>= 4]``) also count hits."""
-    launch(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
-           hot_rows=hot_rows, slot_map=slot_map)
+               dq_scale: torch.Tensor | None, hot_rows: torch.Tensor, slot_map: torch.Tensor,
+               workspace: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
+               oob_mode: int, dequant: int, dedup: bool) -> None:
+    """The body of ``uvaple::gather_rows_hot``: as :func:`launch` (or, with a ``workspace``, as
+    :func:`launch_sorted`, repeats read once when ``dedup``), but a row whose ``slot_map`` entry is a slot
+    ``0 <= s < len(hot_rows)`` is read from ``hot_rows[s]`` (device memory, the same bytes as the table
+    row) and the others from the table; ``counters`` (int64 ``[>= 4]``) also count hits."""
+    if workspace is not None:
+        launch_sorted(table, ids, out, counters, dq_scale, workspace, bits, has_scale, col_start, id_base, row_lo,
+                      oob_mode, dequant, dedup, hot_rows=hot_rows, slot_map=slot_map)
+    else:
+        launch(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
+               hot_rows=hot_rows, slot_map=slot_map)
 
 
 def _check_hot(table, ids, counters, hot_rows, slot_map) -> None:
@@ -282,14 +288,17 @@ def _check_hot(table, ids, counters, hot_rows, slot_map) -> None:
 def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
                   dq_scale: torch.Tensor | None, workspace: torch.Tensor, bits: int, has_scale: bool, col_start: int,
                   id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool, *,
-                  config: SortedConfig | None = None) -> None:
+                  config: SortedConfig | None = None, hot_rows: torch.Tensor | None = None,
+                  slot_map: torch.Tensor | None = None) -> None:
     """The body of ``uvaple::gather_rows_sorted``: sort the ids into ``workspace`` (int64 ``[2, max_rows]``:
     the sorted ids, as the ids' dtype, and their positions), then gather in sorted order, each row to its
     own output position, repeats de-duplicated when ``dedup``. Same arguments and bits as :func:`launch`.
     """
     n = ids.numel()
     ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant,
-                          "gather_rows_sorted")
+                          "gather_rows_sorted" if hot_rows is None else "gather_rows_hot")
+    if hot_rows is not None:
+        _check_hot(table, ids, counters, hot_rows, slot_map)
     if workspace.dtype != torch.int64 or workspace.dim() != 2 or workspace.shape[0] != 2 or \
             workspace.shape[1] < n or not workspace.is_contiguous() or workspace.device != ids.device:
         raise ValueError(f"uvaple::gather_rows_sorted: the workspace must be a contiguous int64 [2, >= {n}] "
@@ -303,14 +312,20 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc
     # once warm, and a captured graph owns it.
     torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
+    hot = hot_rows is not None
+    if hot:
+        if _capture.capturing(ids):
+            _capture.keep_for_graph(hot_rows)
+        hot_rows = _kernel_views(hot_rows, ids, out, has_scale, oob_mode, dequant)[0]
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_sorted_kernel[grid](
-        table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, n,
+        table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
+        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0, n,
         id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, DEDUP=dedup, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
+        COUNT=counters is not None, HOT=hot, DEDUP=dedup, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,
     )
 

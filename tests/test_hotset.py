@@ -62,10 +62,20 @@ ENCODINGS = {
 }
 
 
-@pytest.mark.parametrize("encoding", list(ENCODINGS))
-@pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
-@pytest.mark.parametrize("pattern", ["all_hits", "all_misses", "mixed", "out_of_range", "duplicates"])
-def test_hits_and_misses_are_the_uncached_bits(device, encoding, oob, pattern):
+ORDERS = {"direct": {"order": "direct"}, "sorted": {"order": "sorted", "max_rows": 400},
+          "sorted_dedup": {"order": "sorted", "max_rows": 400, "dedup": True}}
+
+
+PATTERNS = ["all_hits", "all_misses", "mixed", "out_of_range", "duplicates"]
+# every encoding, policy and pattern in id order; the sorted orders (the same kernel body) on the
+# patterns that differ there (repeats, out-of-range ids in the sort, a mix), two policies
+CASES = [(e, o, p, "direct") for e in ENCODINGS for o in ("zero", "row0", "neg_zero") for p in PATTERNS] + \
+    [(e, o, p, order) for order in ("sorted", "sorted_dedup") for e in ENCODINGS for o in ("zero", "row0")
+     for p in ("mixed", "out_of_range", "duplicates")]
+
+
+@pytest.mark.parametrize("encoding,oob,pattern,order", CASES)
+def test_hits_and_misses_are_the_uncached_bits(device, encoding, oob, pattern, order):
     data, kw = ENCODINGS[encoding]()
     if oob == "neg_zero" and kw.get("out_dtype", data.dtype) not in (torch.bfloat16, torch.float16, torch.float32):
         pytest.skip("neg_zero needs a float output")
@@ -74,20 +84,20 @@ def test_hits_and_misses_are_the_uncached_bits(device, encoding, oob, pattern):
         scale = torch.tensor([0.75], device=device) if kw.get("encoding") == "fp8_global" else None
         hot_rows = torch.randperm(ROWS, generator=torch.Generator().manual_seed(6))[:70]
         hs = HotSet(h, 80, device, rows=hot_rows)
-        with GatherLookup(h, spec, device, dequant_scale=scale, hot=hs) as cached, \
+        with GatherLookup(h, spec, device, dequant_scale=scale, hot=hs, **ORDERS[order]) as cached, \
                 GatherLookup(h, spec, device, dequant_scale=scale, order="direct") as plain:
             ids = ids_of(pattern, hot_rows, device)
             c0, c1 = spec.columns(None)
             width = c1 - c0
             got = cached.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
             want = plain.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
-            assert torch.equal(bits(got), bits(want)), (encoding, oob, pattern)
+            assert torch.equal(bits(got), bits(want)), (encoding, oob, pattern, order)
             # the hits were read from the hot rows: spoiling them changes exactly the rows of hit ids
             hs._raw.view(torch.uint8).fill_(0x3C)
             spoiled = cached.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
             in_hot = torch.isin(ids.cpu(), hot_rows) & (ids.cpu() >= 0) & (ids.cpu() < ROWS)
             changed = (bits(spoiled).view(len(ids), -1) != bits(want).view(len(ids), -1)).any(dim=1)
-            assert torch.equal(changed, in_hot), (encoding, oob, pattern)
+            assert torch.equal(changed, in_hot), (encoding, oob, pattern, order)
             st = cached.stats()
             valid = ((ids.cpu() >= 0) & (ids.cpu() < ROWS)).sum().item()
             assert st["hot_hits"] == 2 * in_hot.sum().item()
@@ -148,20 +158,22 @@ def test_bad_hot_sets_are_named(device):
             hs.set_rows(torch.tensor([1.0]))
         with pytest.raises(ValueError, match="HotSet of this table"):
             GatherLookup(other, TableSpec.of(other), device, hot=hs)
-        with pytest.raises(ValueError, match="direct order"):
-            GatherLookup(h, TableSpec.of(h), device, hot=hs, order="sorted", max_rows=16)
+        if device.type == "cuda":
+            with pytest.raises(ValueError, match="not split"):
+                GatherLookup(h, TableSpec.of(h), device, hot=hs, split=True, max_rows=16)
         ids = torch.arange(4, device=device)
         out = torch.empty(4, 16, dtype=torch.bfloat16, device=device)
         table = h.cuda_view() if device.type == "cuda" else h.tensor
         with pytest.raises(ValueError, match="slot map"):
-            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, hs.rows, hs.slot_map[:5], 0, False, 0, 0,
-                                             0, 0, 0)
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, hs.rows, hs.slot_map[:5], None, 0, False,
+                                             0, 0, 0, 0, 0, False)
         with pytest.raises(ValueError, match="hot rows"):
             wide = torch.empty(8, 2 * h.stride, dtype=torch.bfloat16, device=device)[:, :16]  # another stride
-            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, wide, hs.slot_map, 0, False, 0, 0, 0, 0, 0)
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, wide, hs.slot_map, None, 0, False, 0, 0, 0,
+                                             0, 0, False)
         with pytest.raises(ValueError, match="counters"):
             torch.ops.uvaple.gather_rows_hot(table, ids, out, torch.zeros(3, dtype=torch.int64, device=device),
-                                             None, hs.rows, hs.slot_map, 0, False, 0, 0, 0, 0, 0)
+                                             None, hs.rows, hs.slot_map, None, 0, False, 0, 0, 0, 0, 0, False)
 
 
 def test_profiles_rank_rows_by_count(tmp_path):
