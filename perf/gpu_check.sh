@@ -3,12 +3,12 @@
 # readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
 # run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram split vllm startup bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench e2e (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
 mkdir -p "$R" "$R/vllm" "$R/ngram"
-STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram vllm startup bench e2e}
+STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram hotset vllm startup bench e2e}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -66,6 +66,10 @@ fi
 if has ngram; then
   step "uvaple bench --workload ngram ${NGRAM_ARGS:---sweep} (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB table)"
   timeout 500 uvaple bench --workload ngram --table-gib ${NGRAM_TABLE_GIB:-24} ${NGRAM_ARGS:---sweep} --out "$R/ngram" 2>&1 | tee "$R/ngram/ngram.log" | tail -60
+fi
+if has hotset; then
+  step "uvaple bench --workload hotset ${HOTSET_ARGS:-} (E4B rows: hot set, dedup, fp8 rows, all three vs the peer)"
+  timeout 500 uvaple bench --workload hotset ${HOTSET_ARGS:-} --out "$R/hotset" 2>&1 | tee "$R/hotset.log" | tail -20
 fi
 if has split; then
   step "split lookup by stage (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): GPU share, CPU gather by threads, H2D, whole"

@@ -36,3 +36,28 @@ def test_tune_copy_reports_the_torch_path_where_the_backend_takes_it(tmp_path):
     assert torch.get_num_threads() >= cpu_gather._numba_threads()  # tune_copy gives torch every core
     assert rows[-1][1] == str(4 << 20) and cpu_gather.TORCH_MIN_BYTES <= (4 << 20) - 160
     assert rows[-1][9] == "torch"
+
+
+def test_hotset_bench_smoke_is_exact_and_reports_the_held_out_hit_rate(tmp_path):
+    """``uvaple bench --workload hotset --smoke``: every lossless provider bit-exact, the fp8 error and the
+    held-out hit rate reported (a Zipf profile and serve trace of different seeds)."""
+    import json
+
+    import numpy as np
+
+    from uvaple.cli import main
+    from uvaple.perf import hotset
+
+    profile, serve = hotset.zipf_ids(20_000, 4096, seed=1), hotset.zipf_ids(20_000, 4096, seed=2)
+    np.save(tmp_path / "profile.npy", profile)
+    (tmp_path / "serve.txt").write_text(" ".join(map(str, serve)))
+    assert main(["bench", "--workload", "hotset", "--smoke", "--rows", "1,64,200", "--profile-ids",
+                 str(tmp_path / "profile.npy"), "--serve-ids", str(tmp_path / "serve.txt"),
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "hotset.json").read_text())
+    assert res["traces"] == "files" and [r["n"] for r in res["results"]] == [1, 64, 200]
+    assert all(all(r["bit_exact"].values()) for r in res["results"])
+    held = np.zeros(4096, dtype=bool)
+    held[np.argsort(-np.bincount(profile, minlength=4096), kind="stable")[: res["hot_rows"]]] = True
+    assert abs(res["held_out_hit_rate"] - held[serve].mean()) < 1e-6 and 0.5 < res["held_out_hit_rate"] < 1
+    assert 0 < res["fp8_error"]["max_rel"] <= 2 ** -4 + 2 ** -8

@@ -1,0 +1,198 @@
+"""``uvaple bench --workload hotset``: fewer bytes for token-id PLE rows (hot set, de-duplication, fp8 rows).
+
+Gemma 3n E4B-shaped rows (17,920 B: 35 layers x 256 bf16) over its 262,144-row vocabulary, read by token
+ids. Two traces of ids: a *profile* (ranks the rows the hot set holds) and a *serve* trace (timed; its
+hit rate is the held-out one). From ``--profile-ids`` / ``--serve-ids`` (``.npy`` or whitespace-separated
+ids: a tokenised text, e.g. by :func:`tokenize_files`), else two Zipf(1.1) draws with different seeds (a
+stand-in for text, said so in the output).
+
+Providers, each timed in CUDA graphs on the same serve ids (fresh ids written into the captured buffers
+before every replay), every lossless one bit-exact against the uncached lookup first:
+
+* ``uncached``: the direct gather from host memory (the baseline every ratio is over);
+* ``peer``: vLLM's kernel shape (one program per row, ``perf/peers.py``);
+* ``hot``: a hot set of ``--hot-fraction`` of the rows (5%) ranked on the profile trace;
+* ``dedup``: the sorted gather with ``dedup`` (each distinct id of a program read once);
+* ``fp8``: the table quantised to ``fp8_row`` (its error report printed), direct;
+* ``all``: fp8 rows, the hot set and the sorted/dedup gather together.
+
+``--smoke``: a small table on the CPU (interpreted kernels), correctness only (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, rank_rows
+from uvaple.integration.quantize import fp8_row_table
+from uvaple.uva import HostTable
+
+from .peers import vllm_ple_gather
+from .timing import graph_replay_us
+
+VOCAB, COLS = 262_144, 35 * 256
+NS = (1, 8, 64, 8192, 16384)
+
+
+def zipf_ids(n: int, vocab: int, seed: int, s: float = 1.1) -> np.ndarray:
+    """``n`` ids drawn by rank from Zipf(``s``) over ``vocab``, the ranks shuffled onto ids by a fixed
+    permutation (so frequent ids are spread over the table, as a tokenizer's are)."""
+    g = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1) ** s
+    ranks = g.choice(vocab, size=n, p=p / p.sum())
+    perm = np.random.default_rng(12345).permutation(vocab)
+    return perm[ranks].astype(np.int64)
+
+
+def tokenize_files(paths: list[str]) -> np.ndarray:
+    """Token ids of text files with the RWKV "world" tokenizer (``pip install rwkv``: its 65,536-token
+    vocabulary ships in the package)."""
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+
+    import rwkv
+
+    vocab = os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt")
+    tok = TRIE_TOKENIZER(vocab)
+    ids: list[int] = []
+    for p in paths:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            ids += tok.encode(f.read())
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _load_ids(path: str) -> np.ndarray:
+    if path.endswith(".npy"):
+        return np.load(path).astype(np.int64).reshape(-1)
+    with open(path) as f:
+        return np.array(f.read().split(), dtype=np.int64)
+
+
+def normal_table(rows: int, cols: int, seed: int) -> HostTable:
+    """A bf16 host table of N(0, 1) values times a per-layer magnitude (finite: it is quantised too),
+    written 64 MiB at a time."""
+    t = HostTable.empty(rows, cols, torch.bfloat16, register="auto")
+    g = torch.Generator().manual_seed(seed)
+    layer_scale = torch.logspace(-2, 0, -(-cols // 256)).repeat_interleave(256)[:cols]
+    step = max(1, (64 << 20) // (cols * 2))
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        t.write_rows((torch.randn(n, cols, generator=g) * layer_scale).to(torch.bfloat16), r0)
+    return t
+
+
+def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fraction: float, ns, device,
+        replays: int, smoke: bool) -> dict:
+    table = normal_table(rows, cols, seed=3)
+    fp8_table, err = fp8_row_table(table.tensor, out_dtype=torch.bfloat16)
+    res: dict = {"rows": rows, "row_bytes": cols * 2, "fp8_row_bytes": cols + 4, "hot_fraction": hot_fraction,
+                 "fp8_error": err.summary(), "results": []}
+    k = HotSet.capacity_for(table, fraction=hot_fraction)
+    ranked = rank_rows(counts_of_ids(profile, rows), k)
+    serve_t = torch.as_tensor(serve % rows)
+    held = torch.zeros(rows, dtype=torch.bool)
+    held[ranked] = True
+    res["hot_rows"] = int(ranked.numel())
+    res["held_out_hit_rate"] = float(held[serve_t].float().mean())
+    max_n = max(ns)
+    spec = TableSpec.of(table)
+    fspec = TableSpec.of(fp8_table, encoding="fp8_row", out_dtype=torch.bfloat16)
+    hot = HotSet(table, k, device, rows=ranked.to(device))
+    fhot = HotSet(fp8_table, k, device, rows=ranked.to(device))
+    lookups = {
+        "uncached": GatherLookup(table, spec, device, order="direct"),
+        "hot": GatherLookup(table, spec, device, hot=hot, order="direct"),
+        "dedup": GatherLookup(table, spec, device, order="sorted", dedup=True, max_rows=max_n),
+        "fp8": GatherLookup(fp8_table, fspec, device, order="direct"),
+        "all": GatherLookup(fp8_table, fspec, device, hot=fhot, order="sorted", dedup=True, max_rows=max_n),
+    }
+    view = table.cuda_view() if device.type == "cuda" else table.tensor
+    out = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
+    raw = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
+    try:
+        for n in ns:
+            starts = np.random.default_rng(n).integers(0, max(1, len(serve_t) - n), 8)
+            sets = torch.stack([serve_t[s: s + n] if len(serve_t) >= n else serve_t[torch.randint(0, len(serve_t), (n,))]
+                                for s in starts]).to(device)
+            ids = sets[0]
+            want = lookups["uncached"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
+            rec = {"n": n, "distinct": int(torch.unique(ids).numel()),
+                   "hit_rate": float(held[ids.cpu()].float().mean())}
+            exact = {}
+            for name in ("hot", "dedup"):
+                o = out[:n]
+                o.view(torch.int16).fill_(0x7FA5)
+                exact[name] = _exact(lookups[name].lookup(ids, o), want)
+            vllm_ple_gather(view, ids, raw[:n])
+            exact["peer"] = _exact(raw[:n], want)
+            f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
+            exact["all_vs_fp8"] = _exact(lookups["all"].lookup(ids, out[:n]), f_want)
+            rec["bit_exact"] = exact
+            if device.type == "cuda" and not smoke:
+                calls = max(2, min(16, (512 << 20) // (n * cols * 2 * 3)))
+                ids_buf = sets[torch.arange(calls, device=device) % sets.shape[0]].clone()
+
+                def refresh(buf, sets=sets):
+                    buf.copy_(sets[torch.randint(0, sets.shape[0], (buf.shape[0],), device=device)])
+
+                us = {name: graph_replay_us(lambda i, lk=lk: lk.lookup(i, out[: i.numel()]), ids_buf, refresh,
+                                            replays)["median"] for name, lk in lookups.items()}
+                us["peer"] = graph_replay_us(lambda i: vllm_ple_gather(view, i, raw[: i.numel()]), ids_buf, refresh,
+                                             replays)["median"]
+                rec["us"] = us
+                rec["over_uncached"] = {k2: us["uncached"] / v for k2, v in us.items()}
+                rec["all_over_peer"] = us["peer"] / us["all"]
+            print(json.dumps(rec), flush=True)
+            res["results"].append(rec)
+    finally:
+        for lk in lookups.values():
+            lk.close()
+        table.close()
+        fp8_table.close()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="uvaple bench --workload hotset", description=__doc__.splitlines()[0])
+    p.add_argument("--profile-ids", help="ids ranking the hot set (.npy or text of ids)")
+    p.add_argument("--serve-ids", help="ids served and timed (a different text)")
+    p.add_argument("--hot-fraction", type=float, default=0.05)
+    p.add_argument("--rows", default=",".join(map(str, NS)), help="ids per call, comma-separated")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU: a small table, interpreted kernels, correctness only")
+    p.add_argument("--out", help="directory for hotset.json")
+    a = p.parse_args(argv)
+    rows, cols = (4096, 2 * 256) if a.smoke else (VOCAB, COLS)
+    if a.profile_ids and a.serve_ids:
+        profile, serve, source = _load_ids(a.profile_ids), _load_ids(a.serve_ids), "files"
+    else:
+        profile, serve = zipf_ids(200_000, rows, seed=1), zipf_ids(200_000, rows, seed=2)
+        source = "zipf(1.1) draws, not text: pass --profile-ids/--serve-ids for real text"
+    print(f"traces: {source}", flush=True)
+    ns = [int(x) for x in a.rows.split(",") if x.strip()]
+    if a.smoke:
+        ns = [n for n in ns if n <= 512] or [64]
+    device = torch.device("cuda") if torch.cuda.is_available() and not a.smoke else torch.device("cpu")
+    res = run(rows, cols, profile, serve, a.hot_fraction, ns, device, a.replays, a.smoke)
+    res["traces"] = source
+    print(f"hot set {res['hot_rows']} rows ({a.hot_fraction:.0%}); held-out hit rate {res['held_out_hit_rate']:.3f}; "
+          f"fp8 error {res['fp8_error']}", flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "hotset.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    ok = all(all(r["bit_exact"].values()) for r in res["results"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
