@@ -53,9 +53,8 @@ def zipf_ids(n: int, vocab: int, seed: int, s: float = 1.1) -> np.ndarray:
 def tokenize_files(paths: list[str]) -> np.ndarray:
     """Token ids of text files with the RWKV "world" tokenizer (``pip install rwkv``: its 65,536-token
     vocabulary ships in the package)."""
-    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
-
     import rwkv
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
 
     vocab = os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt")
     tok = TRIE_TOKENIZER(vocab)
