@@ -120,7 +120,8 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     try:
         for n in ns:
             starts = np.random.default_rng(n).integers(0, max(1, len(serve_t) - n), 8)
-            sets = torch.stack([serve_t[s: s + n] if len(serve_t) >= n else serve_t[torch.randint(0, len(serve_t), (n,))]
+            short = len(serve_t) < n  # a trace shorter than a call: ids drawn from it
+            sets = torch.stack([serve_t[torch.randint(0, len(serve_t), (n,))] if short else serve_t[s: s + n]
                                 for s in starts]).to(device)
             ids = sets[0]
             want = lookups["uncached"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
