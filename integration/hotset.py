@@ -9,7 +9,10 @@ uncached lookup whatever is resident.
 
 Which rows: :meth:`HotSet.set_rows` takes them (distinct table rows, most important first), and
 :func:`rank_rows` makes them from a profile: counts per row (a file of counts, or the ids of a text the
-user gives, :func:`counts_of_ids`).
+user gives, :func:`counts_of_ids`). Or the served ids themselves: with ``count_ids=True`` every lookup
+through the hot set adds its valid ids to a device histogram (one relaxed atomic per id, in the kernel,
+no host work), and :meth:`HotSet.refresh` ranks that histogram on the device and swaps the set, with no
+host synchronisation at all.
 
 Changing the rows (``set_rows``) is stream-ordered work on the current CUDA stream, in place: the map
 entries of the rows leaving are cleared, the new rows copied into their slots, their map entries set. Call
@@ -44,10 +47,12 @@ class HotSet:
         Where the hot rows and the map live (the lookup's device).
     rows : tensor, optional
         The first rows to hold (as :meth:`set_rows`).
+    count_ids : bool
+        Count the ids served through this set on the device, for :meth:`refresh`.
     """
 
     def __init__(self, table: HostTable, capacity: int, device: torch.device | str | int, *,
-                 rows: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None, count_ids: bool = False) -> None:
         if not isinstance(table, HostTable):
             raise TypeError(f"table must be a HostTable, got {type(table).__name__}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity <= table.rows:
@@ -62,6 +67,8 @@ class HotSet:
         self.held = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)  # the row of each slot
         self._slots = torch.arange(capacity, dtype=torch.int32, device=self.device)
         self._count = 0
+        # lookups per table row, added to by the kernel (count_ids); ranked by refresh()
+        self.id_counts = torch.zeros(table.rows, dtype=torch.int64, device=self.device) if count_ids else None
         if rows is not None:
             self.set_rows(rows)
 
@@ -102,9 +109,26 @@ class HotSet:
             raise ValueError(f"hot rows must be table rows 0..{self.table.rows - 1}")
         if k and torch.unique(rows).numel() != k:
             raise ValueError("hot rows must be distinct")
-        old = self.held[: self._count]
+        self._swap(rows, k)
+
+    def refresh(self, *, decay: int = 1) -> None:
+        """Hold the ``capacity`` rows served most often so far (``count_ids``), ranked on the device; then
+        divide the counts by ``2**decay`` (0: keep them), so that recent ids weigh more. Stream-ordered
+        on the current stream, without a host synchronisation (rows never served may fill the last slots:
+        their ranking is arbitrary and they cost nothing but HBM)."""
+        if self.id_counts is None:
+            raise ValueError("refresh() ranks the served ids: build the HotSet with count_ids=True")
+        if isinstance(decay, bool) or not isinstance(decay, int) or not 0 <= decay < 63:
+            raise ValueError(f"decay must be an int in 0..62, got {decay!r}")
+        top = torch.sort(self.id_counts, descending=True, stable=True).indices[: self.capacity]
+        self._swap(top, top.numel())
+        if decay:
+            self.id_counts.bitwise_right_shift_(decay)
+
+    def _swap(self, rows: torch.Tensor, k: int) -> None:
+        """The set becomes ``rows`` (distinct, valid, ``k`` of them, int64 on the device): stream order."""
         if self._count:
-            self.slot_map.index_fill_(0, old, -1)  # leaving: misses from here on
+            self.slot_map.index_fill_(0, self.held[: self._count], -1)  # leaving: misses from here on
         self.held.fill_(-1)
         if k:
             self._copy_rows(rows, k)

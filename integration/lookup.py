@@ -301,8 +301,9 @@ class GatherLookup(Lookup):
         spec = self.spec
         if self._hot is not None:
             ws = self._workspace if self._workspace is not None and self.uses_sorted(ids.numel()) else None
-            torch.ops.uvaple.gather_rows_hot(self._arg, ids, out, self._counters, self._dq_scale, self._hot.rows,
-                                             self._hot.slot_map, ws, spec.scale_arg, spec.has_scale, c0,
+            hot = self._hot
+            torch.ops.uvaple.gather_rows_hot(self._arg, ids, out, self._counters, self._dq_scale, hot.rows,
+                                             hot.slot_map, ws, hot.id_counts, spec.scale_arg, spec.has_scale, c0,
                                              spec.id_offset, self._row_lo, spec.oob_mode, spec.dequant, self.dedup)
         elif self._workspace is not None and self.uses_sorted(ids.numel()):
             torch.ops.uvaple.gather_rows_sorted(self._arg, ids, out, self._counters, self._dq_scale, self._workspace,

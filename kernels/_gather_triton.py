@@ -141,6 +141,7 @@ def gather_rows_kernel(
     hot_ptr,  # *Pointer* to row 0 of the hot set: device copies of table rows, the table's stride (HOT)
     slot_ptr,  # *Pointer* to int32 [n_rows]: the hot slot of each table row, or -1 (HOT)
     n_hot,  # slots in the hot set (a slot outside 0..n_hot is a miss, whatever the map holds)
+    id_counts_ptr,  # *Pointer* to int64 [n_rows]: lookups of each table row, added to (COUNT_IDS)
     n_ids,  # ids in this call
     id_base,  # the id of table row 0 (a rank's vocabulary shard stored alone; 0 for a whole table)
     row_lo,  # valid rows are row_lo <= id - id_base < n_rows (a rank's shard of a full table; else 0)
@@ -157,6 +158,7 @@ def gather_rows_kernel(
     DEQUANT: tl.constexpr,  # 0: as stored; 1/2: e4m3fn/e5m2 codes x the scale at dq_scale_ptr; 3/4: x the row's
     COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id; HOT: per hit)
     HOT: tl.constexpr,  # rows in the hot set are read from it (HBM), the others from the table
+    COUNT_IDS: tl.constexpr,  # count each valid id's lookup at id_counts_ptr (a hot set's profile)
     BLOCK: tl.constexpr,  # columns per program
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -191,6 +193,9 @@ def gather_rows_kernel(
             tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
             if HOT:
                 tl.atomic_add(counters_ptr + 3, 1, mask=hit & valid, sem="relaxed")
+    if COUNT_IDS:
+        if tile == 0:
+            tl.atomic_add(id_counts_ptr + row, 1, mask=valid, sem="relaxed")
     row_scale = 0.0
     if DEQUANT >= 3:
         if HOT:
@@ -234,10 +239,11 @@ def gather_sorted_kernel(
     counters_ptr,  # as gather_rows_kernel
     dq_scale_ptr,  # as gather_rows_kernel
     hot_ptr, slot_ptr, n_hot,  # as gather_rows_kernel (HOT)
+    id_counts_ptr,  # as gather_rows_kernel (COUNT_IDS)
     n,  # ids in this call
     id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits, scale_col,  # as gather_rows_kernel
     HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
-    DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr,
+    DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr, COUNT_IDS: tl.constexpr,
     DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
     BLOCK_R: tl.constexpr,  # sorted ids per program
     BLOCK_C: tl.constexpr,  # columns per program
@@ -278,6 +284,9 @@ def gather_sorted_kernel(
             if HOT:
                 hits = tl.reduce((hit & valid).to(tl.int64), 0, _add)
                 tl.atomic_add(counters_ptr + 3, hits, mask=hits > 0, sem="relaxed")
+    if COUNT_IDS:
+        if tile == 0:
+            tl.atomic_add(id_counts_ptr + row, tl.full([BLOCK_R], 1, tl.int64), mask=valid, sem="relaxed")
     if DEDUP:
         prev = tl.load(sorted_ptr + r - 1, mask=in_n & (local > 0), other=0)
         leader = in_n & ((local == 0) | (raw != prev))

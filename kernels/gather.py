@@ -222,7 +222,7 @@ def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int)
 def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
            dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
            oob_mode: int, dequant: int, *, config: LaunchConfig | None = None, hot_rows: torch.Tensor | None = None,
-           slot_map: torch.Tensor | None = None) -> None:
+           slot_map: torch.Tensor | None = None, id_counts: torch.Tensor | None = None) -> None:
     """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
 
     The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
@@ -232,7 +232,7 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     what = "gather_rows" if hot_rows is None else "gather_rows_hot"
     ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, what)
     if hot_rows is not None:
-        _check_hot(table, ids, counters, hot_rows, slot_map)
+        _check_hot(table, ids, counters, hot_rows, slot_map, id_counts)
     torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
     if n == 0 or ncols == 0:
         return
@@ -247,30 +247,33 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
         table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
-        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0, n, id_base,
+        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0,
+        ids if id_counts is None else id_counts, n, id_base,
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot, BLOCK=cfg.block, num_warps=cfg.num_warps,
+        COUNT=counters is not None, HOT=hot, COUNT_IDS=id_counts is not None, BLOCK=cfg.block,
+        num_warps=cfg.num_warps,
     )
 
 
 def launch_hot(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
                dq_scale: torch.Tensor | None, hot_rows: torch.Tensor, slot_map: torch.Tensor,
-               workspace: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
-               oob_mode: int, dequant: int, dedup: bool) -> None:
+               workspace: torch.Tensor | None, id_counts: torch.Tensor | None, bits: int, has_scale: bool,
+               col_start: int, id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool) -> None:
     """The body of ``uvaple::gather_rows_hot``: as :func:`launch` (or, with a ``workspace``, as
     :func:`launch_sorted`, repeats read once when ``dedup``), but a row whose ``slot_map`` entry is a slot
     ``0 <= s < len(hot_rows)`` is read from ``hot_rows[s]`` (device memory, the same bytes as the table
-    row) and the others from the table; ``counters`` (int64 ``[>= 4]``) also count hits."""
+    row) and the others from the table; ``counters`` (int64 ``[>= 4]``) also count hits; ``id_counts``
+    (int64, one per table row) counts each valid id's lookup, on the device."""
     if workspace is not None:
         launch_sorted(table, ids, out, counters, dq_scale, workspace, bits, has_scale, col_start, id_base, row_lo,
-                      oob_mode, dequant, dedup, hot_rows=hot_rows, slot_map=slot_map)
+                      oob_mode, dequant, dedup, hot_rows=hot_rows, slot_map=slot_map, id_counts=id_counts)
     else:
         launch(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
-               hot_rows=hot_rows, slot_map=slot_map)
+               hot_rows=hot_rows, slot_map=slot_map, id_counts=id_counts)
 
 
-def _check_hot(table, ids, counters, hot_rows, slot_map) -> None:
+def _check_hot(table, ids, counters, hot_rows, slot_map, id_counts=None) -> None:
     if hot_rows.dim() != 2 or hot_rows.dtype != table.dtype or hot_rows.shape[1] != table.shape[1] or \
             hot_rows.stride(0) != table.stride(0) or hot_rows.stride(1) != 1 or hot_rows.device != ids.device:
         raise ValueError(f"uvaple::gather_rows_hot: the hot rows must be a {table.dtype} [slots, {table.shape[1]}] "
@@ -279,6 +282,11 @@ def _check_hot(table, ids, counters, hot_rows, slot_map) -> None:
     if slot_map is None or slot_map.dtype != torch.int32 or slot_map.dim() != 1 or \
             slot_map.numel() < table.shape[0] or not slot_map.is_contiguous() or slot_map.device != ids.device:
         raise ValueError(f"uvaple::gather_rows_hot: the slot map must be a contiguous int32 [>= {table.shape[0]}] "
+                         f"tensor on {ids.device}")
+    if id_counts is not None and (id_counts.dtype != torch.int64 or id_counts.dim() != 1 or
+                                  id_counts.numel() < table.shape[0] or not id_counts.is_contiguous() or
+                                  id_counts.device != ids.device):
+        raise ValueError(f"uvaple::gather_rows_hot: id counts must be a contiguous int64 [>= {table.shape[0]}] "
                          f"tensor on {ids.device}")
     if counters is not None and counters.numel() < 4:
         raise ValueError("uvaple::gather_rows_hot: counters must be int64 [>= 4] (lookups, rows, out-of-range "
@@ -289,7 +297,7 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
                   dq_scale: torch.Tensor | None, workspace: torch.Tensor, bits: int, has_scale: bool, col_start: int,
                   id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool, *,
                   config: SortedConfig | None = None, hot_rows: torch.Tensor | None = None,
-                  slot_map: torch.Tensor | None = None) -> None:
+                  slot_map: torch.Tensor | None = None, id_counts: torch.Tensor | None = None) -> None:
     """The body of ``uvaple::gather_rows_sorted``: sort the ids into ``workspace`` (int64 ``[2, max_rows]``:
     the sorted ids, as the ids' dtype, and their positions), then gather in sorted order, each row to its
     own output position, repeats de-duplicated when ``dedup``. Same arguments and bits as :func:`launch`.
@@ -298,7 +306,7 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant,
                           "gather_rows_sorted" if hot_rows is None else "gather_rows_hot")
     if hot_rows is not None:
-        _check_hot(table, ids, counters, hot_rows, slot_map)
+        _check_hot(table, ids, counters, hot_rows, slot_map, id_counts)
     if workspace.dtype != torch.int64 or workspace.dim() != 2 or workspace.shape[0] != 2 or \
             workspace.shape[1] < n or not workspace.is_contiguous() or workspace.device != ids.device:
         raise ValueError(f"uvaple::gather_rows_sorted: the workspace must be a contiguous int64 [2, >= {n}] "
@@ -322,10 +330,12 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_sorted_kernel[grid](
         table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
-        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0, n,
+        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0,
+        ids if id_counts is None else id_counts, n,
         id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot, DEDUP=dedup, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
+        COUNT=counters is not None, HOT=hot, COUNT_IDS=id_counts is not None, DEDUP=dedup, BLOCK_R=cfg.block_rows,
+        BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,
     )
 

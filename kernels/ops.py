@@ -25,7 +25,8 @@ ascending id order (each written to its own output row), repeats read once when 
 ``uvaple::gather_rows_hot`` takes the arguments of ``gather_rows`` plus ``Tensor hot_rows`` (device copies
 of some table rows, the table's dtype, width and row stride) and ``Tensor slot_map`` (int32, one entry per
 table row: its slot in ``hot_rows`` or -1): hits are read from ``hot_rows``, misses from the table, in one
-launch; with ``Tensor(c!)? workspace`` and ``bool dedup`` (last), in sorted order as ``gather_rows_sorted``.
+launch; with ``Tensor(c!)? workspace`` and ``bool dedup`` (last), in sorted order as ``gather_rows_sorted``;
+``Tensor(d!)? id_counts`` (int64, one per table row), when given, counts each valid id's lookup.
 Same bits; ``counters`` (int64 ``[>= 4]``) count hits in their fourth entry.
 Valid ids are ``row_lo <= id - id_base < table.shape[0]`` and read row ``id - id_base``
 (``id_base``: the first id of a vocabulary shard stored alone).
@@ -55,15 +56,15 @@ _lib.impl("gather_rows_sorted", launch_sorted, "CompositeExplicitAutograd")
 
 _HOT_SCHEMA = (
     "gather_rows_hot(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
-    "Tensor hot_rows, Tensor slot_map, Tensor(c!)? workspace, int scale_bits, bool has_scale, int col_start, "
-    "int id_base, int row_lo, int oob_mode, int dequant, bool dedup) -> ()")
+    "Tensor hot_rows, Tensor slot_map, Tensor(c!)? workspace, Tensor(d!)? id_counts, int scale_bits, "
+    "bool has_scale, int col_start, int id_base, int row_lo, int oob_mode, int dequant, bool dedup) -> ()")
 _lib.define(_HOT_SCHEMA)
 _lib.impl("gather_rows_hot", launch_hot, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("uvaple::gather_rows_hot", lib=_lib)
-def _gather_rows_hot_fake(table, ids, out, counters, dq_scale, hot_rows, slot_map, workspace, scale_bits, has_scale,
-                          col_start, id_base, row_lo, oob_mode, dequant, dedup) -> None:
+def _gather_rows_hot_fake(table, ids, out, counters, dq_scale, hot_rows, slot_map, workspace, id_counts, scale_bits,
+                          has_scale, col_start, id_base, row_lo, oob_mode, dequant, dedup) -> None:
     return None
 
 

@@ -182,3 +182,29 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
         with pytest.raises(RuntimeError, match="cannot be captured"):
             with torch.cuda.graph(graph):
                 lk.lookup_split(ids, out)
+
+
+def test_hot_set_lookups_counting_and_refresh_never_synchronise():
+    """The hot path of a counting hot set, and its refresh, under torch's sync debug mode set to error: no
+    host synchronisation anywhere (the served ids are counted and ranked on the device)."""
+    from uvaple.integration import GatherLookup, HotSet, TableSpec
+
+    g = torch.Generator().manual_seed(17)
+    data = (torch.randn(5000, 8960, generator=g) * 0.1).to(torch.bfloat16)  # E4B-wide rows
+    with HostTable.from_tensor(data, register=True) as h:
+        hs = HotSet(h, 250, DEV, count_ids=True)
+        with GatherLookup(h, TableSpec.of(h), DEV, hot=hs, max_rows=8192, order="sorted", dedup=True) as lk:
+            ids = torch.randint(0, 5000, (4, 8192), device=DEV)
+            out = torch.empty(8192, 8960, dtype=torch.bfloat16, device=DEV)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for step in range(4):
+                    lk.lookup(ids[step, : 64 if step % 2 else 8192], out[: 64 if step % 2 else 8192])
+                    hs.refresh()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            check = ids[0, :2000]
+            assert torch.equal(bits(lk.lookup(check)), bits(data[check.cpu()]))
+            assert lk.stats()["hot_hits"] > 0

@@ -165,15 +165,23 @@ def test_bad_hot_sets_are_named(device):
         out = torch.empty(4, 16, dtype=torch.bfloat16, device=device)
         table = h.cuda_view() if device.type == "cuda" else h.tensor
         with pytest.raises(ValueError, match="slot map"):
-            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, hs.rows, hs.slot_map[:5], None, 0, False,
-                                             0, 0, 0, 0, 0, False)
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, hs.rows, hs.slot_map[:5], None, None, 0,
+                                             False, 0, 0, 0, 0, 0, False)
         with pytest.raises(ValueError, match="hot rows"):
             wide = torch.empty(8, 2 * h.stride, dtype=torch.bfloat16, device=device)[:, :16]  # another stride
-            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, wide, hs.slot_map, None, 0, False, 0, 0, 0,
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, wide, hs.slot_map, None, None, 0, False, 0,
+                                             0, 0, 0, 0, False)
+        with pytest.raises(ValueError, match="id counts"):
+            torch.ops.uvaple.gather_rows_hot(table, ids, out, None, None, hs.rows, hs.slot_map, None,
+                                             torch.zeros(ROWS, dtype=torch.int32, device=device), 0, False, 0, 0, 0,
                                              0, 0, False)
+        with pytest.raises(ValueError, match="count_ids=True"):
+            hs.refresh()
+        with pytest.raises(ValueError, match="decay"):
+            HotSet(h, 8, device, count_ids=True).refresh(decay=-1)
         with pytest.raises(ValueError, match="counters"):
             torch.ops.uvaple.gather_rows_hot(table, ids, out, torch.zeros(3, dtype=torch.int64, device=device),
-                                             None, hs.rows, hs.slot_map, None, 0, False, 0, 0, 0, 0, 0, False)
+                                             None, hs.rows, hs.slot_map, None, None, 0, False, 0, 0, 0, 0, 0, False)
 
 
 def test_profiles_rank_rows_by_count(tmp_path):
@@ -194,3 +202,30 @@ def test_profiles_rank_rows_by_count(tmp_path):
             HotSet.capacity_for(h)
         with pytest.raises(ValueError, match="fraction"):
             HotSet.capacity_for(h, fraction=1.5)
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_served_ids_are_counted_on_the_device_and_refresh_holds_the_most_served(device, order):
+    """count_ids: each valid id of every lookup is counted in the kernel (repeats too, out-of-range ids
+    not); refresh() then holds the most-served rows, ranked on the device, and lookups stay exact."""
+    data = rand(ROWS, 48, torch.bfloat16, seed=15)
+    with HostTable.from_tensor(data) as h:
+        hs = HotSet(h, 20, device, count_ids=True)
+        with GatherLookup(h, TableSpec.of(h), device, hot=hs, **ORDERS[order]) as lk:
+            g = torch.Generator().manual_seed(16)
+            favourites = torch.randperm(ROWS, generator=g)[:20]
+            served = []
+            for _ in range(3):
+                ids = torch.cat([favourites.repeat(5), torch.randint(0, ROWS, (60,), generator=g),
+                                 torch.tensor([-1, ROWS, 2**40])])[torch.randperm(163, generator=g)]
+                lk.lookup(ids.to(device))
+                served.append(ids)
+            ids = torch.cat(served)
+            valid = ids[(ids >= 0) & (ids < ROWS)]
+            assert torch.equal(hs.id_counts.cpu(), torch.bincount(valid, minlength=ROWS))
+            hs.refresh(decay=1)
+            assert set(hs.held.cpu().tolist()) == set(favourites.tolist())  # 15 lookups each: the top 20
+            assert torch.equal(hs.id_counts.cpu(), torch.bincount(valid, minlength=ROWS) // 2)
+            probe = torch.randint(0, ROWS, (300,), generator=g).to(device)
+            assert torch.equal(bits(lk.lookup(probe)), bits(data[probe.cpu()]))
+            assert lk.stats()["hot_hits"] == torch.isin(probe.cpu(), favourites).sum().item()
