@@ -46,6 +46,7 @@ from torch import nn
 from uvaple._util import fmt_bytes
 
 from .factory import make_lookup
+from .hotset import HOT_OPTIONS, hot_set_from_options
 from .spec import TableSpec
 
 __all__ = ["HostScaledEmbedding", "host_state_dict_excluded"]
@@ -110,7 +111,10 @@ class HostScaledEmbedding(nn.Module):
     scale_value : float, optional
         The exact scale already cast to the table dtype (set when taken from a live HF module).
     backend_options : dict, optional
-        Extra keyword arguments for ``make_lookup``.
+        Extra keyword arguments for ``make_lookup``; and, for the ``uva`` placement, a hot set of the most
+        frequent rows in HBM (:class:`uvaple.integration.HotSet`, one per device): ``cache_gb`` or
+        ``hot_fraction`` (its size), ``hot_profile`` (counts per row, or token ids / a file of them, to
+        rank the rows held) and ``count_ids`` (count the served ids; :meth:`hot_sets`' ``refresh()``).
     max_tokens : int, optional
         Most ids per forward: the output is preallocated and written in place (see the module docstring).
     own_table : bool
@@ -337,6 +341,12 @@ class HostScaledEmbedding(nn.Module):
             out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
             spec = TableSpec.of(self._table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
             options = dict(self.backend_options)
+            if self.backend_kind != "uva" and any(k in options for k in HOT_OPTIONS):
+                raise ValueError(f"{sorted(k for k in options if k in HOT_OPTIONS)}: a hot set is for the 'uva' "
+                                 f"placement, not {self.backend_kind!r}")
+            hot = hot_set_from_options(self._table, device, options)
+            if hot is not None:
+                options["hot"] = hot
             if self.max_tokens is not None:
                 options.setdefault("max_rows", self.max_tokens)  # the copy placement sizes its slots from it
             lookup = make_lookup(self.backend_kind, self._table, device=device, spec=spec, **options)
@@ -351,6 +361,11 @@ class HostScaledEmbedding(nn.Module):
     def lookups(self) -> list:
         """The lookups built so far (one per device and output dtype), e.g. for their ``stats()``."""
         return [lookup for lookup, _ in self._backends.values()]
+
+    @property
+    def hot_sets(self) -> list:
+        """The hot sets of the lookups built so far (``backend_options`` with ``cache_gb``/``hot_fraction``)."""
+        return [lk._hot for lk in self.lookups if getattr(lk, "_hot", None) is not None]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [*]`` (int) -> ``[*, embedding_dim]`` in ``compute_dtype`` on ``input_ids.device``.

@@ -31,7 +31,10 @@ import torch
 
 from uvaple.uva import HostTable
 
-__all__ = ["HotSet", "rank_rows", "counts_of_ids"]
+__all__ = ["HotSet", "rank_rows", "counts_of_ids", "HOT_OPTIONS", "hot_set_from_options"]
+
+#: the lookup options that describe a hot set (``make_lookup``'s ``backend_options`` in the HF modules)
+HOT_OPTIONS = ("cache_gb", "hot_fraction", "hot_profile", "count_ids")
 
 
 class HotSet:
@@ -174,3 +177,25 @@ def rank_rows(counts: torch.Tensor, k: int) -> torch.Tensor:
     order = torch.sort(counts.cpu().to(torch.int64), descending=True, stable=True).indices
     top = order[:k]
     return top[counts.cpu()[top] > 0]
+
+
+def hot_set_from_options(table: HostTable, device, options: dict) -> HotSet | None:
+    """Take the hot-set settings out of ``options`` (a module's lookup options) and build its HotSet, or
+    None without them: ``cache_gb`` or ``hot_fraction`` (the size), ``hot_profile`` (counts per row, or
+    ids / a file of ids ranked by :func:`rank_rows`), ``count_ids`` (count served ids for
+    :meth:`HotSet.refresh`)."""
+    cache_gb, fraction = options.pop("cache_gb", None), options.pop("hot_fraction", None)
+    profile, count_ids = options.pop("hot_profile", None), options.pop("count_ids", False)
+    if cache_gb is None and fraction is None:
+        if profile is not None or count_ids:
+            raise ValueError("hot_profile and count_ids describe a hot set: give its size too (cache_gb= or "
+                             "hot_fraction=)")
+        return None
+    k = HotSet.capacity_for(table, cache_gb=cache_gb, fraction=fraction)
+    rows = None
+    if profile is not None:
+        # one integer count per table row is a counts profile; anything else, ids (or a file of them)
+        is_counts = isinstance(profile, torch.Tensor) and profile.dim() == 1 and profile.numel() == table.rows \
+            and not profile.is_floating_point()
+        rows = rank_rows(profile if is_counts else counts_of_ids(profile, table.rows), k)
+    return HotSet(table, k, device, rows=rows, count_ids=bool(count_ids))

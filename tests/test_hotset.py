@@ -229,3 +229,34 @@ def test_served_ids_are_counted_on_the_device_and_refresh_holds_the_most_served(
             probe = torch.randint(0, ROWS, (300,), generator=g).to(device)
             assert torch.equal(bits(lk.lookup(probe)), bits(data[probe.cpu()]))
             assert lk.stats()["hot_hits"] == torch.isin(probe.cpu(), favourites).sum().item()
+
+
+def test_the_hf_module_serves_through_a_hot_set(device, tmp_path):
+    """HostScaledEmbedding (the Gemma 3n swap-in) with hot-set options: same bits as without, the rows of
+    the profile held, hits counted; misused options named."""
+    from uvaple.integration.embedding import HostScaledEmbedding
+
+    data = rand(ROWS, 64, torch.bfloat16, seed=18)
+    profile = tmp_path / "ids.txt"
+    profile.write_text("3 3 3 5 5 9 -4 100000")
+    with HostTable.from_tensor(data) as h:
+        plain = HostScaledEmbedding(ROWS, 64, embed_scale=8.0, table=h)
+        cached = HostScaledEmbedding(ROWS, 64, embed_scale=8.0, table=h, backend_options={
+            "hot_fraction": 0.01, "hot_profile": str(profile), "count_ids": True})
+        ids = torch.tensor([[3, 5, 9, 100, -1, ROWS, 3]], device=device)
+        assert torch.equal(bits(cached(ids)), bits(plain(ids)))
+        (hs,) = cached.hot_sets
+        assert hs.capacity == 7 and set(hs.held[: hs.size].tolist()) == {3, 5, 9}
+        assert cached.lookups[0].stats()["hot_hits"] == 4 and hs.id_counts[3].item() == 2
+        counts = torch.zeros(ROWS, dtype=torch.int64)
+        counts[[7, 8]] = 5
+        by_counts = HostScaledEmbedding(ROWS, 64, embed_scale=8.0, table=h, backend_options={
+            "hot_fraction": 0.01, "hot_profile": counts})
+        assert torch.equal(bits(by_counts(ids)), bits(plain(ids)))
+        assert set(by_counts.hot_sets[0].held[:2].tolist()) == {7, 8}
+        with pytest.raises(ValueError, match="for the 'uva' placement"):
+            HostScaledEmbedding(ROWS, 64, table=h, backend="device", backend_options={"cache_gb": 0.1})(ids)
+        with pytest.raises(ValueError, match="give its size"):
+            HostScaledEmbedding(ROWS, 64, table=h, backend_options={"hot_profile": counts})(ids)
+        for m in (plain, cached, by_counts):
+            m.close()
