@@ -46,7 +46,7 @@ from torch import nn
 from uvaple._util import fmt_bytes
 
 from .factory import make_lookup
-from .hotset import HOT_OPTIONS, hot_set_from_options
+from .hotset import hot_set_from_options
 from .spec import TableSpec
 
 __all__ = ["HostScaledEmbedding", "host_state_dict_excluded"]
@@ -341,10 +341,7 @@ class HostScaledEmbedding(nn.Module):
             out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
             spec = TableSpec.of(self._table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
             options = dict(self.backend_options)
-            if self.backend_kind != "uva" and any(k in options for k in HOT_OPTIONS):
-                raise ValueError(f"{sorted(k for k in options if k in HOT_OPTIONS)}: a hot set is for the 'uva' "
-                                 f"placement, not {self.backend_kind!r}")
-            hot = hot_set_from_options(self._table, device, options)
+            hot = hot_set_from_options(self._table, device, options, self.backend_kind)
             if hot is not None:
                 options["hot"] = hot
             if self.max_tokens is not None:
@@ -365,7 +362,7 @@ class HostScaledEmbedding(nn.Module):
     @property
     def hot_sets(self) -> list:
         """The hot sets of the lookups built so far (``backend_options`` with ``cache_gb``/``hot_fraction``)."""
-        return [lk._hot for lk in self.lookups if getattr(lk, "_hot", None) is not None]
+        return [lk.hot for lk in self.lookups if getattr(lk, "hot", None) is not None]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [*]`` (int) -> ``[*, embedding_dim]`` in ``compute_dtype`` on ``input_ids.device``.

@@ -142,13 +142,10 @@ class HotSet:
     def _copy_rows(self, rows: torch.Tensor, k: int) -> None:
         """The table's bytes of ``rows`` into slots ``0..k`` (whole strides: a row scale comes along)."""
         t = self.table
-        if self.device.type == "cuda":
-            src = t.cuda_view(self.device.index)  # the registered pages, read by the GPU
-            full = torch.as_strided(src, (t.rows, t.stride), (t.stride, 1))
-            torch.index_select(full, 0, rows, out=self._raw[:k])
-        else:
-            full = torch.as_strided(t.tensor, (t.rows, t.stride), (t.stride, 1))
-            torch.index_select(full, 0, rows.cpu(), out=self._raw[:k])
+        # on a GPU, the registered pages read by the GPU; on the CPU, the table itself
+        src = t.cuda_view(self.device.index) if self.device.type == "cuda" else t.tensor
+        full = torch.as_strided(src, (t.rows, t.stride), (t.stride, 1))
+        torch.index_select(full, 0, rows.to(full.device), out=self._raw[:k])
 
     def __repr__(self) -> str:
         return f"HotSet({self._count}/{self.capacity} rows of {self.table.rows}, {self.device})"
@@ -179,11 +176,14 @@ def rank_rows(counts: torch.Tensor, k: int) -> torch.Tensor:
     return top[counts.cpu()[top] > 0]
 
 
-def hot_set_from_options(table: HostTable, device, options: dict) -> HotSet | None:
-    """Take the hot-set settings out of ``options`` (a module's lookup options) and build its HotSet, or
-    None without them: ``cache_gb`` or ``hot_fraction`` (the size), ``hot_profile`` (counts per row, or
-    ids / a file of ids ranked by :func:`rank_rows`), ``count_ids`` (count served ids for
-    :meth:`HotSet.refresh`)."""
+def hot_set_from_options(table: HostTable, device, options: dict, kind: str = "uva") -> HotSet | None:
+    """Take the hot-set settings out of ``options`` (a module's lookup options for placement ``kind``) and
+    build its HotSet, or None without them: ``cache_gb`` or ``hot_fraction`` (the size), ``hot_profile``
+    (counts per row, or ids / a file of ids ranked by :func:`rank_rows`), ``count_ids`` (count served ids
+    for :meth:`HotSet.refresh`)."""
+    if kind != "uva" and any(k in options for k in HOT_OPTIONS):
+        raise ValueError(f"{sorted(k for k in options if k in HOT_OPTIONS)}: a hot set is for the 'uva' "
+                         f"placement, not {kind!r}")
     cache_gb, fraction = options.pop("cache_gb", None), options.pop("hot_fraction", None)
     profile, count_ids = options.pop("hot_profile", None), options.pop("count_ids", False)
     if cache_gb is None and fraction is None:

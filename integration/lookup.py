@@ -290,6 +290,11 @@ class GatherLookup(Lookup):
                                  "copied to the GPU from pinned staging)")
             self._split = _SplitState(table, max_rows, self.device)
 
+    @property
+    def hot(self):
+        """The :class:`~uvaple.integration.HotSet` this lookup reads hits from, or None."""
+        return self._hot
+
     def uses_sorted(self, n: int) -> bool:
         """Whether a call of ``n`` ids takes the sorted path."""
         if self.order == "auto":

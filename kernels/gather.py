@@ -237,23 +237,27 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     if n == 0 or ncols == 0:
         return
     cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
-    hot = hot_rows is not None
-    if hot:
-        if _capture.capturing(ids):
-            _capture.keep_for_graph(hot_rows)
-        hot_rows = _kernel_views(hot_rows, ids, out, has_scale, oob_mode, dequant)[0]
+    hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (n, triton.cdiv(ncols, cfg.block))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
-        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
-        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0,
-        ids if id_counts is None else id_counts, n, id_base,
+        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, *hot_args,
+        n, id_base,
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot, COUNT_IDS=id_counts is not None, BLOCK=cfg.block,
+        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None, BLOCK=cfg.block,
         num_warps=cfg.num_warps,
     )
+
+
+def _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale: bool, oob_mode: int, dequant: int) -> tuple:
+    """The kernels' hot-set arguments (rows viewed as the table is, map, slots, id counts), or stand-ins
+    (never read) without a hot set."""
+    if hot_rows is not None:
+        hot_rows = _kernel_views(hot_rows, ids, out, has_scale, oob_mode, dequant)[0]  # kept for a graph too
+    return (ids if hot_rows is None else hot_rows, ids if slot_map is None else slot_map,
+            0 if hot_rows is None else hot_rows.shape[0], ids if id_counts is None else id_counts)
 
 
 def launch_hot(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
@@ -320,21 +324,17 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc
     # once warm, and a captured graph owns it.
     torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
-    hot = hot_rows is not None
-    if hot:
-        if _capture.capturing(ids):
-            _capture.keep_for_graph(hot_rows)
-        hot_rows = _kernel_views(hot_rows, ids, out, has_scale, oob_mode, dequant)[0]
+    hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_sorted_kernel[grid](
         table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
-        hot_rows if hot else ids, slot_map if hot else ids, hot_rows.shape[0] if hot else 0,
-        ids if id_counts is None else id_counts, n,
+        *hot_args, n,
         id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot, COUNT_IDS=id_counts is not None, DEDUP=dedup, BLOCK_R=cfg.block_rows,
+        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None, DEDUP=dedup,
+        BLOCK_R=cfg.block_rows,
         BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,
     )

@@ -501,7 +501,7 @@ class HostTable:
 
     def _commit(self, off: int, length: int, write: bool = True) -> None:
         """Fault bytes ``off .. off+length`` of the mapping in (allocating them), or a named error. Never
-        changes a byte: rows may already be there."""
+        changes a written row (the no-populate fallback zeroes pages only before any write)."""
         base, total = self._region.base, self._region.length
         err = _sys.madvise(base + off, length, _sys.MADV_POPULATE_WRITE if write else _sys.MADV_POPULATE_READ)
         if err == 0:
@@ -552,13 +552,9 @@ class HostTable:
                 raise RegistrationError(f"cudaHostRegister of this table's memory failed: {e}. Use the 'copy' "
                                         "backend with register=False") from None
             try:
-                dev_ptr = _cuda.host_device_pointer(base)
+                _check_device_pointer(base)
             finally:
                 _cuda.host_unregister(base)
-            if dev_ptr != base:
-                raise DeviceCapabilityError(
-                    f"the device pointer of registered memory ({dev_ptr:#x}) differs from its host pointer "
-                    f"({base:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
         finally:
             if torch.cuda.current_device() != previous:
                 torch.cuda.set_device(previous)
@@ -630,11 +626,7 @@ class HostTable:
                     f"free host memory, or use the 'copy' backend with register=False") from None
             with lock:
                 region.chunks.append((off, length))
-            dev_ptr = _cuda.host_device_pointer(region.base + off)
-            if dev_ptr != region.base + off:
-                raise DeviceCapabilityError(
-                    f"the device pointer of registered memory ({dev_ptr:#x}) differs from its host pointer "
-                    f"({region.base + off:#x}); uvaple's kernels need them equal. Use the 'copy' backend")
+            _check_device_pointer(region.base + off)
 
         try:
             _parallel(register_piece, pieces, min(threads, len(pieces)), name="uvaple-register")
@@ -975,6 +967,15 @@ def _drop_views_of_failure(exc: BaseException) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
+
+
+def _check_device_pointer(ptr: int) -> None:
+    """The kernels read registered memory at its host address: its device pointer must be that address."""
+    dev_ptr = _cuda.host_device_pointer(ptr)
+    if dev_ptr != ptr:
+        raise DeviceCapabilityError(
+            f"the device pointer of registered memory ({dev_ptr:#x}) differs from its host pointer ({ptr:#x}); "
+            "uvaple's kernels need them equal. Use the 'copy' backend")
 
 
 def _check_register_arg(register) -> None:
