@@ -31,6 +31,8 @@ import torch
 
 from uvaple.uva import HostTable
 
+from .lookup import resolve_device
+
 __all__ = ["HotSet", "rank_rows", "counts_of_ids", "HOT_OPTIONS", "hot_set_from_options"]
 
 #: the lookup options that describe a hot set (``make_lookup``'s ``backend_options`` in the HF modules)
@@ -61,7 +63,7 @@ class HotSet:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity <= table.rows:
             raise ValueError(f"capacity must be an int in 1..{table.rows} (the table's rows), got {capacity!r}")
         self.table = table
-        self.device = torch.device(device)
+        self.device = resolve_device(device)  # "cuda" is the current device, as a lookup's
         self.capacity = capacity
         # the table's full stride, so the kernel addresses both with one row stride
         self._raw = torch.zeros(capacity, table.stride, dtype=table.dtype, device=self.device)

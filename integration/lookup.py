@@ -53,7 +53,8 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _resolve_device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
+    """A lookup's device: None is :func:`default_device`, an int or a bare ``cuda`` the indexed CUDA device."""
     if device is None:
         return default_device()
     if isinstance(device, int):
@@ -104,7 +105,7 @@ class Lookup(abc.ABC):
             raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
         self.table = table
         self.spec = spec
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.max_rows = max_rows
         self._owns_table = owns_table
         self._closed = False
