@@ -251,10 +251,11 @@ def gather_sorted_kernel(
     """Program ``(p, j)``: column tile ``j`` of sorted ids ``p*BLOCK_R ...``, each written to its own output
     row (``order``): rows are read in ascending id order, so one program's reads cluster in the table.
 
-    De-duplication, in the same pass: within a program, only the first of equal ids (a "leader"; the
-    first id of every program is one) reads the table; after a barrier, the others copy the leader's
-    output row, which this program has just written. A run of equal ids that spans programs is read once
-    per program it touches, so the table is read at most ``distinct + programs`` times.
+    De-duplication: only the first of equal ids in the whole sorted order (a "leader") reads the table,
+    so each distinct id is read once. After a barrier, the repeats whose leader is in this program copy
+    its output row, which this program has just written. The repeats whose run began in an earlier
+    program (at most one run per program: the one its first id continues) are left to
+    :func:`dedup_tail_kernel`, launched next in the same stream.
     """
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -288,8 +289,8 @@ def gather_sorted_kernel(
         if tile == 0:
             tl.atomic_add(id_counts_ptr + row, tl.full([BLOCK_R], 1, tl.int64), mask=valid, sem="relaxed")
     if DEDUP:
-        prev = tl.load(sorted_ptr + r - 1, mask=in_n & (local > 0), other=0)
-        leader = in_n & ((local == 0) | (raw != prev))
+        prev = tl.load(sorted_ptr + r - 1, mask=in_n & (r > 0), other=0)
+        leader = in_n & ((r == 0) | (raw != prev))
     else:
         leader = in_n
     cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -318,8 +319,52 @@ def gather_sorted_kernel(
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])
     if DEDUP:
         tl.debug_barrier()  # the leaders' rows are written and visible to the whole program
-        lead = tl.associative_scan(tl.where(leader, local, 0), 0, _leader_index)
-        lead_pos = tl.load(order_ptr + pid * BLOCK_R + lead, mask=in_n, other=0)
-        dup = (in_n & (leader == 0))[:, None] & col_ok[None, :]
+        lead = tl.associative_scan(tl.where(leader, local, -1), 0, _leader_index)  # -1: led from before
+        has_lead = lead >= 0
+        lead_pos = tl.load(order_ptr + pid * BLOCK_R + lead, mask=in_n & has_lead, other=0)
+        dup = (in_n & (leader == 0) & has_lead)[:, None] & col_ok[None, :]
         v = tl.load(out_ptr + lead_pos[:, None] * n_cols + cols[None, :], mask=dup, other=0)
         tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], v, mask=dup)
+
+
+@jit(do_not_specialize=["n"])
+def dedup_tail_kernel(
+    sorted_ptr,  # *Pointer* to the sorted ids [n] (as gather_sorted_kernel's)
+    order_ptr,  # *Pointer* to int64 [n]: the output row of each sorted id
+    out_ptr,  # *Pointer* to the output [n, n_cols], every leader's row already written
+    n,  # ids in this call
+    n_cols,  # columns per output row
+    STEPS: tl.constexpr,  # binary-search steps: at least n.bit_length()
+    BLOCK_R: tl.constexpr,  # sorted ids per program of the gather it follows
+    BLOCK_C: tl.constexpr,  # columns per program
+):
+    """Program ``(p, j)``: column tile ``j`` of the repeats at the start of gather program ``p`` whose run of
+    equal ids began in an earlier program. Each copies the output row of its run's leader (the first equal
+    id: a binary search of the sorted ids), which the gather launched before this kernel wrote. A program
+    whose first id starts a run copies nothing.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    first = pid * BLOCK_R
+    in_run = (first > 0) & (first < n)
+    v0 = tl.load(sorted_ptr + first, mask=in_run, other=0)
+    before = tl.load(sorted_ptr + first - 1, mask=in_run, other=0)
+    in_run = in_run & (v0 == before)
+    if in_run:
+        lo = first * 0  # the first position holding v0: in [0, first), sorted[first - 1] is v0
+        hi = first
+        for _ in range(STEPS):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            v = tl.load(sorted_ptr + mid, mask=active, other=0)
+            less = active & (v < v0)
+            lo, hi = tl.where(less, mid + 1, lo), tl.where(active & (less == 0), mid, hi)
+        lead_pos = tl.load(order_ptr + lo)
+        r = first + tl.arange(0, BLOCK_R)
+        raw = tl.load(sorted_ptr + r, mask=r < n, other=0)
+        rep = (r < n) & (raw == v0)  # a prefix of the program: its ids are sorted
+        pos = tl.load(order_ptr + r, mask=rep, other=0)
+        cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = rep[:, None] & (cols < n_cols)[None, :]
+        v = tl.load(out_ptr + lead_pos * n_cols + cols[None, :] + pos[:, None] * 0, mask=m, other=0)
+        tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], v, mask=m)

@@ -42,7 +42,7 @@ import triton
 from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 
 from . import _capture, _gather_triton, _jit
-from .heuristics import LaunchConfig, SortedConfig, launch_config, sorted_config
+from .heuristics import NUM_WARPS, TILE_BYTES, LaunchConfig, SortedConfig, launch_config, sorted_config
 
 __all__ = ["gather_rows", "launch", "launch_hot", "launch_sorted", "scale_bits", "column_range", "check_ids",
            "check_out", "OOB_POLICIES",
@@ -338,6 +338,14 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
         BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,
     )
+    if dedup and grid[0] > 1:  # the repeats of runs that cross into a program copy their leader's row
+        rows_out = out.view(_INT_OF_SIZE[out.element_size()])  # a copy of bits, whatever the dtype
+        # a plain HBM copy: wide tiles, so few programs repeat the leader's search; steps for n ids, in
+        # multiples of 4 (few variants)
+        block_c = min(triton.next_power_of_2(ncols), max(1, TILE_BYTES // out.element_size()))
+        kernels.dedup_tail_kernel[(grid[0], triton.cdiv(ncols, block_c))](
+            keys, order, rows_out, n, ncols, STEPS=-(-n.bit_length() // 4) * 4, BLOCK_R=cfg.block_rows,
+            BLOCK_C=block_c, num_warps=NUM_WARPS)
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None, *,

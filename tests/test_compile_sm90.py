@@ -53,3 +53,15 @@ def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
         assert out.asm.get("cubin"), (kernel, cx)  # through ptxas: a binary for sm_90
         compiled += 1
     assert compiled == 24
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("id_type", ["*i32", "*i64"])
+def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = _jit.variant(_gather_triton, False).dedup_tail_kernel
+    cx = {"STEPS": 32, "BLOCK_R": 4, "BLOCK_C": 512}
+    sig = {"sorted_ptr": id_type, "order_ptr": "*i64", "out_ptr": "*i16", "n": "i64", "n_cols": "i64",
+           "STEPS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
+    assert out.asm.get("cubin")
