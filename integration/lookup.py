@@ -39,7 +39,7 @@ from uvaple.kernels import heuristics
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
-from .copy.cpu_gather import split_rows, warm_split
+from .copy.cpu_gather import gather_up, split_rows, warm_split
 from .errors import BackendClosed
 from .spec import TableSpec
 
@@ -321,11 +321,14 @@ class GatherLookup(Lookup):
                                          spec.dequant)
         return out
 
-    def lookup_split(self, ids: torch.Tensor, out: torch.Tensor, *, gpu_share: float | None = None) -> torch.Tensor:
+    def lookup_split(self, ids: torch.Tensor, out: torch.Tensor, *, gpu_share: float | None = None,
+                     chunk_rows: int | None = None) -> torch.Tensor:
         """Rows for host ``ids`` (a CPU int32/int64 tensor: the scheduler's) in ``out`` (on ``device``): the
         first ``gpu_share`` of them gathered by the GPU (the direct or sorted path, as :meth:`lookup`), the
         rest by this thread on every core into pinned staging, copied with one host-to-device copy and
-        given the spec's policy by the same kernel. No worker thread, no queue: the staging is reused
+        given the spec's policy by the same kernel. The staged rows are copied up ``chunk_rows`` at a time
+        (default :func:`uvaple.kernels.heuristics.split_chunk_rows`), each chunk's copy beside the gather of
+        the next. No worker thread, no queue: the staging is reused
         only after the previous call's copy out of it has completed (an event this lookup owns, waited
         for here). Not under CUDA graph capture (host work cannot be captured). Same bits as
         :meth:`lookup`. ``gpu_share`` defaults to :func:`uvaple.kernels.heuristics.split_gpu_share`.
@@ -349,6 +352,9 @@ class GatherLookup(Lookup):
             else float(gpu_share)
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"gpu_share must be in [0, 1], got {gpu_share!r}")
+        if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                       or chunk_rows < 1):
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         k = round(n * share)
         flat_ids, flat_out = ids.reshape(-1), out.view(n, -1)
         sp, spec = self._split, self.spec
@@ -365,15 +371,17 @@ class GatherLookup(Lookup):
                 lo, hi = spec.window
                 split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, spec.oob == "row0", sp.rows_idx[:m].numpy(),
                            sp.ids_host[k:n].numpy())
-                torch.index_select(self.table.tensor.view(torch.uint8), 0, sp.rows_idx[:m],
-                                   out=sp.rows_host[:m, : self.table.row_bytes])
-                # The staged rows go up on this lookup's copy stream, beside the GPU share's reads still
-                # running on the caller's stream; the caller's stream waits for them before the kernel that
-                # applies the policy. The staging is this lookup's alone and free (the wait above).
+                # The staged rows go up on this lookup's copy stream, chunk by chunk as they are gathered,
+                # beside the GPU share's reads still running on the caller's stream; the caller's stream
+                # waits for them before the kernel that applies the policy. The staging is this lookup's
+                # alone and free (the wait above).
                 with torch.cuda.stream(sp.copy_stream):
-                    sp.rows_dev[:m].copy_(sp.rows_host[:m], non_blocking=True)
                     sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
-                    sp.staged.record(sp.copy_stream)
+                gather_up(self.table.tensor.view(torch.uint8), sp.rows_idx[:m], sp.rows_host, sp.rows_dev,
+                          sp.copy_stream, self.table.row_bytes,
+                          heuristics.split_chunk_rows(n) if chunk_rows is None else chunk_rows,
+                          path=heuristics.SPLIT_CPU_PATH)
+                sp.staged.record(sp.copy_stream)
                 stream.wait_event(sp.staged)
                 staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
                 torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,

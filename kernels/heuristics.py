@@ -105,18 +105,34 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int) -> bool:
 
 
 # lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
-# the CPU, by ids per call (perf/results/h200_2026-12-01/ngram/split_overlapped/ngram.json, "split_sweep";
-# 160-B rows, 24 GiB table, 16 host threads, random ids; the fastest share of 0.1-0.65 at each n). Below
-# the first entry the GPU takes every row: the host work of a split (about 250 us a call) costs more
-# than such a call.
-SPLIT_GPU_SHARE = ((16384, 0.4), (65536, 0.4), (262144, 0.4), (1 << 20, 0.5))
+# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call; the fastest of
+# shares 0.1-0.65 x chunks (whole, 4,096-32,768 rows) in perf/results/h200_2026-12-01/ngram/split_chunked/
+# ngram.log (160-B rows, 24 GiB table, 16 host threads, random ids, torch's index_select as the CPU gather):
+# 16,384 ids 0.5 (339 us), 65,536 0.3 unchunked (840 us; chunks of 16,384-32,768 took 1,031-1,262),
+# 262,144 0.2 in chunks of 32,768 (2,373 us; unchunked 2,936), 1M 0.4 in chunks of 32,768 (7,090 us;
+# unchunked 7,843). Below the first entry the GPU takes every row: the host work of a split (about 250 us
+# a call) costs more than such a call.
+SPLIT_PLAN = ((16384, 0.5, 0), (65536, 0.3, 0), (262144, 0.2, 32768), (1 << 20, 0.4, 32768))
+SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
+# The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
+# word gather ("parallel", integration/copy/cpu_gather.py) is the alternative the split sweep times too.
+SPLIT_CPU_PATH = "torch"
+
+
+def _split_entry(n: int) -> tuple[float, int]:
+    share, chunk = 1.0, 0
+    for at, s, c in SPLIT_PLAN:
+        if n >= at:
+            share, chunk = s, c
+    return share, chunk
 
 
 def split_gpu_share(n: int, row_bytes: int, span_bytes: int) -> float:
     """The GPU's share of a split call of ``n`` ids (the entry for the nearest measured ``n`` at or below)."""
     del row_bytes, span_bytes  # measured for the n-gram shape only (160-B rows, 24 GiB)
-    share = 1.0
-    for at, s in SPLIT_GPU_SHARE:
-        if n >= at:
-            share = s
-    return share
+    return _split_entry(n)[0]
+
+
+def split_chunk_rows(n: int) -> int:
+    """Rows per copy up of a split call's CPU share (``n`` ids): the plan's chunk, or all of them (``n``)."""
+    return _split_entry(n)[1] or max(1, n)

@@ -16,9 +16,13 @@ Providers, all in one run, each output compared bit for bit with a CPU reference
 * ``cpu-gather``: the ids on the host (the scheduler has them), ``torch.index_select`` on every core into
   pinned staging, one host-to-device copy, the dequantisation on the GPU; timed eagerly (it cannot be
   captured), with the CPU seconds it burned per call;
+* ``cpu-gather-chunked``: the split's CPU gather alone (``integration.copy.cpu_gather.gather_up``), the
+  copy up in the split's chunks (``heuristics.split_chunk_rows``), each beside the gather of the next; the
+  better of the two CPU providers is the one every ratio compares with. The split sweep also times it by
+  chunk with torch's ``index_select`` and with the copy backend's numba word gather;
 * ``split``: :meth:`~uvaple.integration.GatherLookup.lookup_split`: host ids, the GPU gathers its share
-  (``heuristics.SPLIT_GPU_SHARE``) while the calling thread gathers the rest into pinned staging, one
-  copy up, the same kernel's policy; timed eagerly, with its CPU seconds;
+  (``heuristics.SPLIT_GPU_SHARE``) while the calling thread gathers the rest into pinned staging, copied
+  up chunk by chunk, the same kernel's policy; timed eagerly, with its CPU seconds;
 * ``memcpy``: a pinned host-to-device copy of the same row bytes (the wire);
 * ``sequential``: ``ours-direct`` over consecutive ids (the ceiling of the random-row path).
 
@@ -41,6 +45,7 @@ import time
 import torch
 
 from uvaple.integration import GatherLookup, TableSpec
+from uvaple.integration.copy.cpu_gather import gather_up
 from uvaple.kernels import heuristics
 from uvaple.uva import HostTable
 
@@ -102,6 +107,8 @@ class Run:
         self.staging = torch.empty(max_n, ROW_BYTES, dtype=torch.uint8, pin_memory=self.cuda)
         self.dev_bytes = torch.empty(max_n * ROW_BYTES, dtype=torch.uint8, device=device)
         self.host_bytes = torch.empty(max_n * ROW_BYTES, dtype=torch.uint8, pin_memory=self.cuda)
+        if self.cuda:
+            self.copy_stream, self.uploaded = torch.cuda.Stream(device), torch.cuda.Event()
 
     def ours(self, order: str):
         def call(ids):
@@ -121,10 +128,22 @@ class Run:
         raw.copy_(stage, non_blocking=True)
         torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
 
-    def split(self, share: float | None = None):
+    def cpu_gather_chunked(self, ids_cpu: torch.Tensor, chunk_rows: int | None = None,
+                           path: str = heuristics.SPLIT_CPU_PATH) -> None:
+        """As :meth:`cpu_gather`, with the split's CPU gather (``path``: torch, or the numba word gather) and
+        the copy up chunk by chunk (the split's chunks for ``n`` by default) beside the gather of the next."""
+        n = ids_cpu.numel()
+        chunk_rows = chunk_rows or heuristics.split_chunk_rows(n)
+        gather_up(self.table.tensor.view(torch.uint8), ids_cpu.to(torch.int64), self.staging,
+                  self.raw.view(torch.uint8), self.copy_stream, ROW_BYTES, chunk_rows, path=path)
+        self.uploaded.record(self.copy_stream)
+        torch.cuda.current_stream().wait_event(self.uploaded)
+        torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
+
+    def split(self, share: float | None = None, chunk_rows: int | None = None):
         def call(ids_cpu):
             n = ids_cpu.numel()
-            self.lookups["split"].lookup_split(ids_cpu, self.out[:n], gpu_share=share)
+            self.lookups["split"].lookup_split(ids_cpu, self.out[:n], gpu_share=share, chunk_rows=chunk_rows)
         return call
 
     def memcpy(self, n: int):
@@ -168,7 +187,8 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
             run.out[:n].view(torch.int16).fill_(0x7FA5)
             call(ids)
             exact[name] = _exact(run.out[:n], want)
-        host_calls = [("cpu-gather", run.cpu_gather)] + ([("split", run.split())] if run.cuda else [])
+        host_calls = [("cpu-gather", run.cpu_gather)] + \
+            ([("cpu-gather-chunked", run.cpu_gather_chunked), ("split", run.split())] if run.cuda else [])
         for name, call in host_calls:
             run.out[:n].view(torch.int16).fill_(0x7FA5)
             call(sets_cpu[0])
@@ -198,25 +218,29 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
             us["sequential"] = graph_replay_us(run.ours("direct"), seq_buf, seq_refresh, replays)["median"]
             cpu = _time_eager(run.cpu_gather, sets_cpu, max(5, replays // 2), True)
             us["cpu-gather"] = cpu["median"]
+            chunked = _time_eager(run.cpu_gather_chunked, sets_cpu, max(5, replays // 2), True)
+            us["cpu-gather-chunked"] = chunked["median"]
+            cpu_best = min(us["cpu-gather"], us["cpu-gather-chunked"])  # the better CPU provider decides
             split = _time_eager(run.split(), sets_cpu, max(5, replays // 2), True)
             us["split"] = split["median"]
             rec["split_cpu_us"] = split["cpu_us"]
             rec.update(us=us, rows_per_s={k: n / (v * 1e-6) for k, v in us.items()}, cpu_gather_cpu_us=cpu["cpu_us"])
             gpu_best = min(us["ours-auto"], us["ours-direct"], us["ours-sorted"])
             rec["ratios"] = {
-                "best_path_over_cpu_gather": us["cpu-gather"] / min(gpu_best, us["split"]),
-                "split_over_cpu_gather": us["cpu-gather"] / us["split"],
+                "best_path_over_cpu_gather": cpu_best / min(gpu_best, us["split"]),
+                "split_over_cpu_gather": cpu_best / us["split"],
                 "ours_auto_over_peer": us["vllm-peer"] / us["ours-auto"],
                 "ours_sorted_over_peer": us["vllm-peer"] / us["ours-sorted"],
-                "ours_auto_over_cpu_gather": us["cpu-gather"] / us["ours-auto"],
-                "best_gpu_over_cpu_gather": us["cpu-gather"] / gpu_best,
+                "ours_auto_over_cpu_gather": cpu_best / us["ours-auto"],
+                "best_gpu_over_cpu_gather": cpu_best / gpu_best,
                 "ours_auto_of_sequential": us["sequential"] / us["ours-auto"],
                 "ours_auto_of_memcpy": us["memcpy"] / us["ours-auto"],
             }
             r = rec["ratios"]
             print(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']:6s} "
                   + " ".join(f"{k} {v:9.1f}us" for k, v in us.items())
-                  + f" | auto/peer {r['ours_auto_over_peer']:.2f} auto/cpu {r['ours_auto_over_cpu_gather']:.2f} "
+                  + f" | auto/peer {r['ours_auto_over_peer']:.2f} best/cpu {r['best_path_over_cpu_gather']:.2f} "
+                    f"split/cpu {r['split_over_cpu_gather']:.2f} auto/cpu {r['ours_auto_over_cpu_gather']:.2f} "
                     f"of-seq {r['ours_auto_of_sequential']:.2f} cpu-gather cpu {cpu['cpu_us']:.0f}us exact {exact}",
                   flush=True)
         else:
@@ -297,21 +321,31 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
 
 
 SPLIT_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.65)
+SPLIT_CHUNKS = (0, 4096, 8192, 16384, 32768)  # rows per copy up (0: the whole share at once)
 SPLIT_N = (16384, 65536, 262144, 1048576)
 
 
 def split_sweep(run: Run, reps: int) -> list[dict]:
-    """The split path by GPU share and n (random ids): the data behind ``heuristics.SPLIT_GPU_SHARE``."""
+    """The split path by GPU share, chunk rows and n (random ids): the data behind ``heuristics.SPLIT_PLAN``."""
     recs = []
     for n in SPLIT_N:
         if n > run.out.shape[0]:
             continue
         sets = [torch.randint(0, run.table.rows, (n,), generator=torch.Generator().manual_seed(99 + k))
                 for k in range(4)]
-        for share in SPLIT_SHARES:
-            t = _time_eager(run.split(share), sets, reps, True)
-            recs.append({"n": n, "gpu_share": share, "us": t["median"], "cpu_us": t["cpu_us"]})
-            print(f"split n {n:8d} gpu share {share:.2f}: {t['median']:9.1f} us (cpu {t['cpu_us']:.0f} us)", flush=True)
+        for chunk in SPLIT_CHUNKS:
+            for share in SPLIT_SHARES:
+                t = _time_eager(run.split(share, chunk or n), sets, reps, True)
+                recs.append({"n": n, "gpu_share": share, "chunk_rows": chunk or n, "us": t["median"],
+                             "cpu_us": t["cpu_us"]})
+                print(f"split n {n:8d} gpu share {share:.2f} chunk {chunk or n:8d}: {t['median']:9.1f} us "
+                      f"(cpu {t['cpu_us']:.0f} us)", flush=True)
+            for path in ("parallel", "torch"):
+                t = _time_eager(lambda i, c=chunk or n, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True)
+                recs.append({"n": n, "cpu_gather_chunk_rows": chunk or n, "cpu_path": path, "us": t["median"],
+                             "cpu_us": t["cpu_us"]})
+                print(f"cpu-gather-chunked n {n:8d} chunk {chunk or n:8d} {path:8s}: {t['median']:9.1f} us "
+                      f"(cpu {t['cpu_us']:.0f} us)", flush=True)
     return recs
 
 
@@ -348,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=",".join(map(str, N_DEFAULT)), help="ids per call, comma-separated")
     p.add_argument("--patterns", default="random,ngram")
     p.add_argument("--sweep", action="store_true", help="also the direct/sorted sweep by row size, span and n")
+    p.add_argument("--split-sweep", action="store_true", help="also the split sweep (GPU share x chunk rows) alone")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny table, interpreted kernels, correctness only")
     p.add_argument("--out", help="directory for ngram.json (and ngram_rows.png)")
@@ -370,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         for pattern in a.patterns.split(","):
             recs += bench(run, ns, pattern.strip(), a.replays)
         sweep_recs = sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
-        split_recs = split_sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
+        split_recs = split_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.split_sweep) and cuda else []
         shape_recs = shape_sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
     finally:
         run.close()
@@ -381,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "ngram.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "table_gib": a.table_gib,
                        "row_bytes": ROW_BYTES, "heuristic": {k: getattr(heuristics, k) for k in HEURISTIC_NAMES},
-                       "split_gpu_share": [list(x) for x in heuristics.SPLIT_GPU_SHARE],
+                       "split_plan": [list(x) for x in heuristics.SPLIT_PLAN],
                        "results": recs, "sweep": sweep_recs, "split_sweep": split_recs,
                        "shape_sweep": shape_recs}, f, indent=1)
         if cuda:

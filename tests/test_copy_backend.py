@@ -1258,3 +1258,30 @@ def test_torch_path_takes_in_range_ids_as_they_are(monkeypatch, ids_dtype):
     bad, out = gather_bytes("torch", table, ids, 160, 0, True, zero, 0)
     want = table[np.where(ids == 500, 0, ids).astype(np.int64)]
     assert bad == 1 and passes == [1, 1] and np.array_equal(out, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("oob_row0", [False, True])
+def test_word_gather_gives_the_byte_gathers_bytes(itemsize, oob_row0):
+    """Aligned rows go through the 8-byte word kernels, unaligned ones through the byte kernels: the same
+    bytes (and count) as a numpy gather either way, every zero-element size, serial and parallel."""
+    rows, stride = 41, 96
+    rng = np.random.default_rng(itemsize)
+    table = rng.integers(0, 256, (rows, stride), dtype=np.uint8)
+    zero = rng.integers(0, 256, itemsize, dtype=np.uint8)  # a recognisable "zero" element
+    ids = rng.integers(-5, rows + 5, 300).astype(np.int64)
+    ids[:3] = [np.iinfo(np.int64).max, np.iinfo(np.int64).min, rows]
+    valid = (ids >= 0) & (ids < rows)
+    for byte_start, nbytes, words in [(0, 96, True), (8, 80, True), (16, 8, True), (3, 80, False), (0, 92, False)]:
+        want = table[np.where(valid, ids, 0), byte_start:byte_start + nbytes].copy()
+        if not oob_row0:
+            want[~valid] = np.resize(zero, nbytes)
+        probe = np.empty((len(ids), nbytes), dtype=np.uint8)
+        assert (cpu_gather._as_words(table, probe, byte_start, zero) is not None) == words
+        for path in ("serial", "parallel"):
+            out = np.full((len(ids), nbytes), 0xA5, dtype=np.uint8)
+            bad = cpu_gather.cpu_gather(table, ids, out, byte_start, oob_row0, zero, path=path)
+            assert bad == int((~valid).sum())
+            np.testing.assert_array_equal(out, want, err_msg=f"{path} at byte {byte_start}, {nbytes} bytes")
+    assert cpu_gather._as_words(table[:, 1:], np.empty((1, 8), np.uint8), 0, zero) is None  # a misaligned table

@@ -163,14 +163,14 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
     n = 30_000
     with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
         outs = []
-        for share, id_dtype in ((0.0, torch.int64), (0.3, torch.int32), (0.5, torch.int64), (1.0, torch.int64),
-                                (None, torch.int32)):
+        for share, id_dtype, chunk in ((0.0, torch.int64, 4096), (0.3, torch.int32, 7), (0.5, torch.int64, None),
+                                       (1.0, torch.int64, 1), (None, torch.int32, 29_999), (0.2, torch.int64, 1 << 20)):
             ids = torch.randint(-3, h.rows + 110, (n,))
             ids[:50] = 2**31 - 1
             ids[50:60] = -2**31
             ids = ids.to(id_dtype)
             out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
-            lk.lookup_split(ids, out, gpu_share=share)
+            lk.lookup_split(ids, out, gpu_share=share, chunk_rows=chunk)
             outs.append((ids, out))  # the next call reuses the staging while this one may still copy
         for ids, out in outs:
             assert torch.equal(bits(out), bits(lk.lookup(ids.to(DEV))))
@@ -178,6 +178,9 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
             lk.lookup_split(ids.to(DEV), out)
         with pytest.raises(ValueError, match="gpu_share"):
             lk.lookup_split(ids, out, gpu_share=1.5)
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="chunk_rows"):
+                lk.lookup_split(ids, out, chunk_rows=bad)
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="cannot be captured"):
             with torch.cuda.graph(graph):

@@ -98,6 +98,49 @@ def _gather_kernels() -> tuple[Callable, Callable]:
 
 
 @functools.lru_cache(maxsize=1)
+def _word_kernels() -> tuple[Callable, Callable]:
+    """(serial, parallel) numba gathers of 8-byte words: the byte kernels' result where rows, the column
+    range and both buffers are 8-byte aligned. A slice copy of bytes is not vectorised by numba (about
+    0.4 GB/s a thread on the H200 host, ``perf/results/h200_2026-12-01/tune_copy.log``); a loop of words is."""
+    import numba
+
+    def gather(table, ids, out, word_start, oob_row0, zero_word, id_base):
+        # table: uint64 [rows, stride_words]; out: uint64 [n, words]; zero_word: the zero element repeated
+        rows = table.shape[0]
+        words = out.shape[1]
+        bad = 0
+        for i in numba.prange(ids.shape[0]):
+            r = np.int64(ids[i]) - id_base
+            if r < 0 or r >= rows:
+                bad += 1
+                if oob_row0:
+                    for j in range(words):
+                        out[i, j] = table[0, word_start + j]
+                else:
+                    for j in range(words):
+                        out[i, j] = zero_word
+            else:
+                for j in range(words):
+                    out[i, j] = table[r, word_start + j]
+        return bad
+
+    serial = numba.njit(parallel=False, nogil=True, cache=False)(gather)
+    parallel = numba.njit(parallel=True, nogil=True, cache=False)(gather)
+    return serial, parallel
+
+
+def _as_words(table: np.ndarray, out: np.ndarray, byte_start: int, zero: np.ndarray):
+    """(table words, out words, word start, zero word) when the word kernels apply, else None."""
+    nbytes = out.shape[1]
+    if byte_start % 8 or nbytes % 8 or table.shape[1] % 8 or 8 % zero.shape[0] or \
+            table.ctypes.data % 8 or out.ctypes.data % 8 or table.strides[1] != 1 or out.strides[1] != 1 or \
+            table.strides[0] % 8 or out.strides[0] % 8:
+        return None
+    zero_word = np.frombuffer(np.tile(zero, 8 // zero.shape[0]).tobytes(), dtype=np.uint64)[0]
+    return table.view(np.uint64), out.view(np.uint64), np.int64(byte_start // 8), zero_word
+
+
+@functools.lru_cache(maxsize=1)
 def _rows_kernel() -> Callable:
     """The torch path's serial numba pass over the ids, compiled lazily."""
     import numba
@@ -165,6 +208,11 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
             if not bad or oob_row0:
                 torch.index_select(src, 0, torch.from_numpy(idx), out=torch.from_numpy(out))
                 return bad
+        words = _as_words(table, out, byte_start, zero) if n and nbytes else None
+        if words is not None:
+            w_serial, w_parallel = _word_kernels()
+            t64, o64, w0, zw = words
+            return int((w_serial if path == "serial" else w_parallel)(t64, ids, o64, w0, oob_row0, zw, base))
         fn = serial if path == "serial" else parallel
         return int(fn(table, ids, out, byte_start, oob_row0, zero, base))
 
@@ -175,11 +223,16 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
     serial, parallel = _gather_kernels()
     rows_of = _rows_kernel()
     row_ids = np.empty(1, dtype=np.int64)
+    w_serial, w_parallel = _word_kernels()
+    t64 = np.zeros((1, 1), dtype=np.uint64)
+    o64 = np.empty((1, 1), dtype=np.uint64)
     for dt in (np.int32, np.int64):
         ids = np.zeros(1, dtype=dt)
         with _GATHER_LOCK:
             serial(table, ids, out, 0, False, zero, np.int64(0))
             parallel(table, ids, out, 0, False, zero, np.int64(0))
+            w_serial(t64, ids, o64, np.int64(0), False, np.uint64(0), np.int64(0))
+            w_parallel(t64, ids, o64, np.int64(0), False, np.uint64(0), np.int64(0))
             rows_of(ids, table.shape[0], np.int64(0), row_ids)
 
 
@@ -187,9 +240,9 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
 def _split_kernel() -> Callable:
     import numba
 
-    @numba.njit(parallel=False, nogil=True, cache=False)
+    @numba.njit(parallel=True, nogil=True, cache=False)  # on numba's threads, as the gather after it
     def split_rows(ids, id_base, lo, hi, row0, rows, staged):
-        for j in range(ids.shape[0]):
+        for j in numba.prange(ids.shape[0]):
             r = np.int64(ids[j]) - id_base
             ok = (r >= lo) & (r < hi)
             rows[j] = r if ok else lo
@@ -200,11 +253,12 @@ def _split_kernel() -> Callable:
 
 def split_rows(ids: np.ndarray, id_base: int, lo: int, hi: int, row0: bool, rows: np.ndarray,
                staged: np.ndarray) -> None:
-    """A split lookup's CPU share, in one serial pass over its ids: ``rows[j]``, the table row to stage (id
+    """A split lookup's CPU share, in one parallel pass over its ids: ``rows[j]``, the table row to stage (id
     ``j`` less ``id_base`` when inside ``[lo, hi)``, else ``lo``: any row, read and never used unless
     ``row0``), and ``staged[j]``, the id of staged row ``j`` for the device kernel that applies the policy
     (``j``, or ``-1``, out of range there too, for an id outside the window under zero rows)."""
-    _split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged)
+    with _GATHER_LOCK:  # a parallel numba function, called from one thread at a time (see the module)
+        _split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged)
 
 
 def warm_split() -> None:
@@ -212,3 +266,27 @@ def warm_split() -> None:
     rows, staged = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
     for dt in (np.int32, np.int64):
         split_rows(np.zeros(1, dtype=dt), 0, 0, 1, False, rows, staged)
+
+
+def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_rows: int, *,
+              path: str = "torch") -> None:
+    """Rows ``rows`` (int64, CPU, every one inside the table) of ``table_bytes`` (a uint8 ``[rows, stride]``
+    CPU tensor) gathered on every core into pinned ``host`` and copied to ``dev`` on ``copy_stream``,
+    ``chunk_rows`` rows at a time: the copy of one chunk runs while the next is gathered. ``path``:
+    ``"parallel"`` (this module's numba gather: 8-byte words on every numba thread) or ``"torch"``
+    (``torch.index_select``, which runs on one or two threads below about 1M ids). The caller owns
+    ``host`` until the copies are done (an event recorded on ``copy_stream`` after this)."""
+    if path not in ("parallel", "torch"):
+        raise ValueError(f"path must be 'parallel' or 'torch', got {path!r}")
+    m = rows.shape[0]
+    step = max(1, int(chunk_rows))
+    t_np, r_np, h_np = table_bytes.numpy(), rows.numpy(), host.numpy()
+    zero = np.zeros(1, dtype=np.uint8)  # unused: every row is inside the table
+    for a in range(0, m, step):
+        b = min(m, a + step)
+        if path == "torch":
+            torch.index_select(table_bytes, 0, rows[a:b], out=host[a:b, :row_bytes])
+        else:
+            cpu_gather(t_np, r_np[a:b], h_np[a:b, :row_bytes], 0, True, zero, path="parallel")
+        with torch.cuda.stream(copy_stream):
+            dev[a:b].copy_(host[a:b], non_blocking=True)
