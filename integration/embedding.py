@@ -26,6 +26,17 @@ Matching the reference
   (``out_dtype``). That equals HF's ``weight.to(dtype) * scale.to(dtype)`` whenever the scale is a power of
   two (Gemma 3n: sqrt(256) = 16) except for fp16 subnormals.
 
+Rows quantised to fp8
+---------------------
+``backend_options={"quantize": "fp8_row"}`` (``uva`` or ``device`` placement) serves the table as fp8 codes
+with a float32 scale per row (:mod:`uvaple.integration.quantize`): about half the bytes per row across
+PCIe (or in HBM). The quantised table is built once, block by block, from the host table's rows times the
+module's scale (the values HF's module returns), when the first lookup is built; the host table itself
+stays as it is (the state dict, ``revert()`` and the lossless placements read it). The output keeps the
+model's dtype (``compute_dtype``): ``codes.to(dtype) * row_scale.to(dtype)``, vLLM's formula. The
+quantisation error, per 256-value slice (one Gemma 3n layer), is :attr:`HostScaledEmbedding.quant_error`
+(``.summary()``: largest absolute and relative error). ``"fp8_row_e5m2"`` uses e5m2 codes instead of e4m3fn.
+
 State dict
 ----------
 The table is not a parameter or buffer (``model.to("cuda")`` would copy it to the GPU): it is a plain
@@ -49,10 +60,13 @@ from .factory import make_lookup
 from .hotset import hot_set_from_options
 from .spec import TableSpec
 
-__all__ = ["HostScaledEmbedding", "host_state_dict_excluded"]
+__all__ = ["HostScaledEmbedding", "host_state_dict_excluded", "QUANTIZE"]
 
 BACKENDS = ("uva", "device", "copy")
 OOB_RULES = ("row0", "zero")
+#: ``backend_options["quantize"]`` values: the fp8 format of the ``fp8_row`` table served instead of the rows
+QUANTIZE = {"fp8_row": torch.float8_e4m3fn, "fp8_row_e5m2": torch.float8_e5m2}
+_QUANTIZE_PLACEMENTS = ("uva", "device")  # the copy placement reads raw rows only
 
 # Rows initialised per block when a fresh table is filled with random values: 64 MiB of fp32 normals at a
 # time keeps the transient small next to a 3.75 GiB table.
@@ -78,6 +92,19 @@ def host_state_dict_excluded() -> Iterator[None]:
         yield
     finally:
         _local.exclude -= 1
+
+
+def _quantize_format(backend: str, options: dict) -> torch.dtype | None:
+    """The fp8 format ``options["quantize"]`` asks for (None: rows as stored), checked against the placement."""
+    q = options.get("quantize")
+    if q is None:
+        return None
+    if not isinstance(q, str) or q not in QUANTIZE:
+        raise ValueError(f"backend_options['quantize'] must be one of {sorted(QUANTIZE)} or None, got {q!r}")
+    if backend not in _QUANTIZE_PLACEMENTS:
+        raise ValueError(f"backend_options['quantize']={q!r} serves the {_QUANTIZE_PLACEMENTS} placements, not "
+                         f"{backend!r} (the copy placement reads the rows as stored)")
+    return QUANTIZE[q]
 
 
 def _exact_scale(value: float, dtype: torch.dtype, *, source_dtype: torch.dtype | None = None) -> float:
@@ -114,7 +141,9 @@ class HostScaledEmbedding(nn.Module):
         Extra keyword arguments for ``make_lookup``; and, for the ``uva`` placement, a hot set of the most
         frequent rows in HBM (:class:`uvaple.integration.HotSet`, one per device): ``cache_gb`` or
         ``hot_fraction`` (its size), ``hot_profile`` (counts per row, or token ids / a file of them, to
-        rank the rows held) and ``count_ids`` (count the served ids; :meth:`hot_sets`' ``refresh()``).
+        rank the rows held) and ``count_ids`` (count the served ids; :meth:`hot_sets`' ``refresh()``);
+        and, for ``uva`` or ``device``, ``quantize``: ``"fp8_row"`` (or ``"fp8_row_e5m2"``) serves the rows
+        quantised to fp8 with a scale per row (see the module docstring; a hot set then holds fp8 rows).
     max_tokens : int, optional
         Most ids per forward: the output is preallocated and written in place (see the module docstring).
     own_table : bool
@@ -141,6 +170,7 @@ class HostScaledEmbedding(nn.Module):
         self.backend_kind = backend
         self.oob = oob
         self.backend_options = dict(backend_options or {})
+        _quantize_format(backend, self.backend_options)  # a bad value is named here, not at the first forward
         self.register_mode = register
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
@@ -161,6 +191,7 @@ class HostScaledEmbedding(nn.Module):
         self._backends: dict = {}  # (device type, index, output dtype) -> (lookup, static output or None)
         self._last_device: torch.device | None = None
         self._last = None  # the (lookup, static output) of _last_device
+        self._quant = None  # (fp8 format, fp8_row HostTable, QuantError) while backend_options quantize
         if table is not None:
             self.attach_table(table, own=bool(own_table))
         elif materialize or (materialize is None and torch.get_default_device().type != "meta"):
@@ -311,19 +342,31 @@ class HostScaledEmbedding(nn.Module):
         """Read rows through ``backend`` from now on (the current backends are closed; the table stays)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        options = dict(backend_options or {})
+        fmt = _quantize_format(backend, options)
         devices = {torch.device(t, i) if i is not None else torch.device(t) for t, i, _ in self._backends}
         old = (self._backends, self.backend_kind, self.backend_options, self._last_device, self._last)
+        old_quant = self._quant
         self._backends, self._last_device, self._last = {}, None, None
-        self.backend_kind, self.backend_options = backend, dict(backend_options or {})
+        self.backend_kind, self.backend_options = backend, options
         try:  # build the new lookups first: a failure leaves the module as it was
             for d in devices:
                 self._lookup_for(d)
         except BaseException:
-            self._close_backends()
+            new, self._backends = self._backends, {}
+            for lookup, _ in new.values():
+                lookup.close()
+            if self._quant is not None and self._quant is not old_quant:
+                self._quant[1].close()
+            self._quant = old_quant
             self._backends, self.backend_kind, self.backend_options, self._last_device, self._last = old
             raise
         for lookup, _ in old[0].values():
             lookup.close()
+        if old_quant is not None and old_quant is not self._quant:
+            old_quant[1].close()  # lookups still reading it hold its memory (a view outlives close)
+        if self._quant is not None and self._quant[0] != fmt:
+            self._drop_quantized()  # no lookup was built: the new options' table is made on first use
 
     # ------------------------------------------------------------------ lookup
     def _lookup_for(self, device: torch.device):
@@ -338,21 +381,58 @@ class HostScaledEmbedding(nn.Module):
         key = (device.type, device.index, self.compute_dtype)
         entry = self._backends.get(key)
         if entry is None:
-            out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
-            spec = TableSpec.of(self._table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
             options = dict(self.backend_options)
-            hot = hot_set_from_options(self._table, device, options, self.backend_kind)
+            fmt = _quantize_format(self.backend_kind, options)
+            options.pop("quantize", None)
+            if fmt is None:
+                table = self._table
+                out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
+                spec = TableSpec.of(table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
+            else:  # the module's scale is in the quantised rows: the lookup only dequantises
+                table = self._quantized(fmt)
+                spec = TableSpec.of(table, encoding="fp8_row", oob=self.oob, out_dtype=self.compute_dtype)
+            hot = hot_set_from_options(table, device, options, self.backend_kind)
             if hot is not None:
                 options["hot"] = hot
             if self.max_tokens is not None:
                 options.setdefault("max_rows", self.max_tokens)  # the copy placement sizes its slots from it
-            lookup = make_lookup(self.backend_kind, self._table, device=device, spec=spec, **options)
+            lookup = make_lookup(self.backend_kind, table, device=device, spec=spec, **options)
             static = None
             if self.max_tokens is not None:
                 static = torch.empty(self.max_tokens, self.embedding_dim, dtype=spec.output_dtype, device=device)
             entry = self._backends[key] = (lookup, static)
         self._last_device, self._last = device, entry
         return entry
+
+    def _quantized(self, fmt: torch.dtype):
+        """The ``fp8_row`` table of this module's rows times its scale, in ``fmt`` (built once, block by block)."""
+        from .quantize import fp8_row_table
+
+        if self._quant is None or self._quant[0] != fmt:
+            if self.table_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise TypeError(f"backend_options['quantize'] needs a bf16, fp16 or fp32 table, this one is "
+                                f"{self.table_dtype}")
+            table, err = fp8_row_table(self._table.tensor, fmt, out_dtype=self.compute_dtype, scale=self.scale_value,
+                                       register=self.register_mode)
+            self._quant = (fmt, table, err)
+        return self._quant[1]
+
+    def _drop_quantized(self) -> None:
+        quant, self._quant = self._quant, None
+        if quant is not None:
+            quant[1].close()
+
+    @property
+    def quant_error(self):
+        """The :class:`~uvaple.integration.quantize.QuantError` of the rows served quantised (``quantize``
+        in ``backend_options``; ``.summary()`` for the largest errors), measured against this module's
+        unquantised output in ``compute_dtype``; None until such a lookup is built, and without ``quantize``."""
+        return None if self._quant is None else self._quant[2]
+
+    @property
+    def quantized_table(self):
+        """The ``fp8_row`` :class:`~uvaple.uva.HostTable` served (``quantize``), or None."""
+        return None if self._quant is None else self._quant[1]
 
     @property
     def lookups(self) -> list:
@@ -402,10 +482,12 @@ class HostScaledEmbedding(nn.Module):
                         "state_dict() (or the model's, e.g. save_pretrained) instead")
 
     def _close_backends(self) -> None:
+        """Close every lookup and drop the quantised table (the rows or the output dtype change)."""
         backends, self._backends = self._backends, {}
         self._last_device, self._last = None, None
         for lookup, _ in backends.values():
             lookup.close()
+        self._drop_quantized()
 
     def close(self) -> None:
         """Release the backends and (when owned) the host table. The module is unusable afterwards."""
@@ -424,5 +506,9 @@ class HostScaledEmbedding(nn.Module):
             where = (f"table=host {str(t.dtype).replace('torch.', '')} {fmt_bytes(t.nbytes)} "
                      f"({t.nbytes} B, {state}{shared})")
         dt = "" if self.compute_dtype == self.table_dtype else f", out_dtype={self.compute_dtype}"
+        q = self.backend_options.get("quantize")
+        if q is not None:
+            served = "" if self._quant is None else f" ({fmt_bytes(self._quant[1].nbytes)} host)"
+            dt += f", quantize={q}{served}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
                 f"scale={self.scale_value:g}, oob={self.oob}, backend={self.backend_kind}, {where}{dt}")

@@ -85,15 +85,22 @@ def _dequant(q: torch.Tensor, cols: int, out_dtype: torch.dtype) -> torch.Tensor
 
 
 def fp8_row_table(src: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, out_dtype: torch.dtype | None = None,
-                  slice_cols: int = 256, **table_kw) -> tuple[HostTable, QuantError]:
+                  slice_cols: int = 256, scale: float | None = None, **table_kw) -> tuple[HostTable, QuantError]:
     """A new ``fp8_row`` :class:`HostTable` holding ``src`` quantised, written block by block (no full
     quantised copy in RAM), and its error report against ``src`` in ``out_dtype`` (default ``src``'s).
-    ``table_kw`` go to :meth:`HostTable.empty` (``name=``, ``register=``, ...)."""
+
+    ``scale``: quantise ``src * torch.tensor(scale).to(src.dtype)`` (rounded to ``src``'s dtype, as HF's
+    scaled embedding computes its output) instead, and measure the error against those values: the table
+    then serves what the scaled embedding returns, with no second scale at lookup time. ``table_kw`` go
+    to :meth:`HostTable.empty` (``name=``, ``register=``, ...)."""
     rows, cols = src.shape if isinstance(src, torch.Tensor) and src.dim() == 2 else (0, 0)
     if not rows or not cols:
         raise TypeError(f"fp8_row_table expects a non-empty 2-D float tensor, got {src!r:.80}")
     if isinstance(slice_cols, bool) or not isinstance(slice_cols, int) or slice_cols <= 0:
         raise ValueError(f"slice_cols must be a positive int, got {slice_cols!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+    factor = None if scale is None else torch.tensor(float(scale), dtype=torch.float32).to(src.dtype)
     out_dtype = out_dtype or src.dtype
     slices = -(-cols // slice_cols)
     err = QuantError(slice_cols, torch.zeros(slices, dtype=torch.float64), torch.zeros(slices, dtype=torch.float64),
@@ -103,6 +110,8 @@ def fp8_row_table(src: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, 
         block = max(1, _BLOCK_BYTES // (cols * 4))
         for r0 in range(0, rows, block):
             x = src[r0: r0 + block].detach().cpu()
+            if factor is not None:
+                x = x * factor  # in src's dtype: one rounding, HF's
             q = quantize_fp8_rows(x, fmt, row_start=r0)
             table.write_rows(q, r0)
             diff = (_dequant(q, cols, out_dtype).to(torch.float64) - x.to(torch.float64)).abs()

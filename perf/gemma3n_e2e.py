@@ -14,10 +14,10 @@ What it checks and measures (one run, one process; every figure below comes from
    * eager (one token per sequence with a DynamicCache, CUDA events, median), sequential and with the
      backends interleaved step by step. HF's eager Gemma 3n decode is bound by the host's launch rate,
      so these times say little about the table;
-   * one decode step (StaticCache) captured in a CUDA graph and replayed (:func:`decode_graph`): the GPU
-     time of the step, launch overhead gone, each replay checked against the eager step. This is the
-     comparison that decides "uva within x% of device". The copy backend cannot be captured (its lookup
-     runs host code) and is reported as such;
+   * one decode step (StaticCache) captured in a CUDA graph and replayed
+     (:func:`uvaple.perf.graph_decode.decode_graph`): the GPU time of the step, launch overhead gone,
+     each replay checked against the eager step. This is the comparison that decides "uva within x% of
+     device". The copy backend cannot be captured (its lookup runs host code) and is reported as such;
    * the PLE lookup alone at the same batch;
    * as far as the budget allows, ``generate(cache_implementation="static")``, which transformers
      compiles with ``mode="reduce-overhead"`` (CUDA graphs) on CUDA: ms per token and whether CUDA graphs
@@ -30,8 +30,8 @@ Usage (H200, ~7 min with two compiled runs)::
     python perf/gemma3n_e2e.py --out perf/results/gemma3n_e2e_$(date +%Y%m%d)
 
 ``--tiny --device cpu`` runs a toy config on CPU (Triton interpreter) to smoke-test the script.
-The model has random weights (HF's own init, fixed seed), built directly on the GPU in bf16: no
-checkpoint, nothing downloaded.
+The model has random weights (HF's own init, fixed seed, the per-layer branch made live:
+:func:`live_per_layer_path`), built directly on the GPU in bf16: no checkpoint, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ import traceback
 
 import torch
 
+from uvaple.perf.graph_decode import cache_kwarg, decode_graph, random_ids
 from uvaple.perf.timing import EventTimer as Timer
 
 log = logging.getLogger("uvaple.perf.gemma3n_e2e")
@@ -98,6 +98,8 @@ def mem(device) -> dict:
 
 
 def build_model(cfg_kw: dict, dtype, device, seed: int):
+    """A Gemma 3n text model with HF's own random init (fixed seed), built on ``device`` in ``dtype``, its
+    per-layer path made live (:func:`live_per_layer_path`)."""
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
     cfg = Gemma3nTextConfig(**cfg_kw)
@@ -109,18 +111,21 @@ def build_model(cfg_kw: dict, dtype, device, seed: int):
             model = Gemma3nForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
+    live_per_layer_path(model)
     return model.eval()
 
 
-def random_ids(n_seq, length, high, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, high, (n_seq, length), generator=g).to(device)
+@torch.no_grad()
+def live_per_layer_path(model) -> None:
+    """Make the PLE rows reach the logits of a randomly initialised Gemma 3n.
 
-
-def cache_kwarg(model) -> str:
-    """The name forward() takes the KV cache under: transformers >= 5.24 renamed ``past_key_values`` to
-    ``cache`` (the old name warns until 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    HF's init sets every layer's ``altup.correct_output_scale`` to zeros, and each layer's per-layer
+    branch starts from the corrected output times that scale: the branch (gate, product with the
+    per-layer input, projection, norm) is then exactly zero and no PLE row changes a logit. A trained
+    checkpoint has it nonzero; here it is set to ones, so comparisons of logits and tokens test the PLE.
+    """
+    for layer in model.model.layers:
+        layer.altup.correct_output_scale.fill_(1.0)
 
 
 @torch.no_grad()
@@ -200,172 +205,6 @@ def decode_interleaved(model, module, kinds, batches, *, prompt_len, steps, warm
     return out
 
 
-class HostConstants(torch.overrides.TorchFunctionMode):
-    """Serve a forward's tiny host-built constants from device tensors recorded one forward earlier.
-
-    HF's Gemma 3n text model builds small constants on the host at every forward: the activation-sparsity
-    target (``torch.tensor(..., device=cuda)``) and, in transformers < 5.24, an epsilon
-    (``torch.tensor(1e-5).to(cuda)``). Each is a synchronous host-to-device copy, which CUDA graph capture
-    refuses. This is a ``TorchFunctionMode`` (torch's own extension point, active only inside its
-    ``with`` block on this thread; no torch function is replaced): inside ``record()`` an eager forward
-    runs as usual and each such constant (a CPU value of at most ``MAX_NUMEL`` elements bound for
-    ``device``) is kept by value; inside ``serve()`` (the captured forward) the kept tensor is returned
-    instead, the constant folding torch.compile does. Everything else the capture holds is the model's own
-    kernels; :func:`decode_graph` checks a replay against an eager step bit for bit.
-    """
-
-    MAX_NUMEL = 64
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device = torch.device(device)
-        self.kept: dict = {}
-        self._mode: str | None = None
-
-    def _freeze(self, data):
-        if isinstance(data, (bool, int, float)):
-            return (type(data).__name__, data)
-        if isinstance(data, (list, tuple)) and len(data) <= self.MAX_NUMEL and all(
-                isinstance(v, (bool, int, float)) for v in data):
-            return (type(data).__name__, tuple(data))
-        return None
-
-    def _bound_here(self, target) -> bool:
-        """Whether ``target`` is the capture device; a device without an index ("cuda") matches any index."""
-        if target is None:
-            return False
-        target = torch.device(target)
-        return target.type == self.device.type and (
-            target.index is None or self.device.index is None or target.index == self.device.index)
-
-    def _serve(self, key, make):
-        if self._mode == "record":
-            if key not in self.kept:
-                self.kept[key] = make()
-            return self.kept[key]
-        if key not in self.kept:
-            raise RuntimeError(f"host constant {key!r} first built during capture; run one forward under "
-                               f"record() with the same shapes first")
-        return self.kept[key]
-
-    def _key(self, func, args, kwargs):
-        """The constant's key when this call builds one we fold, else None."""
-        if func is torch.tensor:
-            data = args[0] if args else kwargs.get("data")
-            frozen = self._freeze(data)
-            if len(args) > 1 or frozen is None or not self._bound_here(kwargs.get("device")) or \
-                    kwargs.get("requires_grad"):
-                return None
-            return ("tensor", frozen, kwargs.get("dtype"), str(torch.device(kwargs["device"])))
-        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
-            t = args[0]
-            if t.device.type != "cpu" or t.numel() > self.MAX_NUMEL or t.requires_grad:
-                return None
-            try:
-                target, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            except Exception:  # noqa: BLE001 - not a form we fold; torch reports it
-                return None
-            if not self._bound_here(target):
-                return None
-            return ("to", (str(t.dtype), tuple(t.shape), tuple(t.flatten().tolist())), dtype, str(target))
-        return None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        key = self._key(func, args, kwargs) if self._mode is not None else None
-        if key is None:
-            return func(*args, **kwargs)
-        return self._serve(key, lambda: func(*args, **kwargs))
-
-    @contextlib.contextmanager
-    def _active(self, mode: str):
-        self._mode = mode
-        try:
-            with self:
-                yield self
-        finally:
-            self._mode = None
-
-    def record(self):
-        return self._active("record")
-
-    def serve(self):
-        return self._active("serve")
-
-
-def _cache_counters(cache) -> list:
-    """The positions a static cache keeps: each layer's device counter and, for sliding layers, its int."""
-    return [(layer, layer.cumulative_length.clone() if isinstance(getattr(layer, "cumulative_length", None),
-                                                                  torch.Tensor) else None,
-             getattr(layer, "cumulative_length_int", None)) for layer in cache.layers]
-
-
-def _rewind(counters) -> None:
-    for layer, dev, n in counters:
-        if dev is not None:
-            layer.cumulative_length.copy_(dev)
-        if n is not None:
-            layer.cumulative_length_int = n
-
-
-@torch.no_grad()
-def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21) -> dict:
-    """One decode step (StaticCache) captured in a CUDA graph, replayed and timed with CUDA events.
-
-    Prefill, then one eager step (which records the host constants, see :class:`HostConstants`) and the
-    capture, both from the same cache state: the cache counters are rewound after the eager step and
-    before every replay, so the capture takes the branches the eager step took and each replay decodes
-    position ``prompt_len`` from the same state with new token ids. A replay is checked against the eager
-    step from that state bit for bit. The position must stay inside the sliding window: past it the cache
-    rolls its contents, which no rewind undoes. Returns ``{"ms": median replay ms,
-    "replay_equals_eager": bool}``.
-    """
-    from transformers import StaticCache
-
-    window = getattr(model.config, "sliding_window", None)
-    if window is not None and prompt_len + 1 > window:
-        raise ValueError(f"decode_graph decodes position {prompt_len}, past the sliding window ({window}); "
-                         f"use a prompt of at most {window - 1} tokens")
-    key = cache_kwarg(model)
-    ids = random_ids(batch, prompt_len, high, device, seed)
-    toks = random_ids(warm + steps + 2, batch, high, device, seed + 1)
-    cache = StaticCache(config=model.config, max_cache_len=prompt_len + 8)
-
-    def step(x):
-        return model(input_ids=x, use_cache=True, logits_to_keep=1, **{key: cache}).logits
-
-    step(ids)
-    counters = _cache_counters(cache)
-    static_ids = toks[0].view(batch, 1).clone()
-    consts = HostConstants(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), consts.record():
-        step(static_ids)
-    torch.cuda.current_stream(device).wait_stream(side)
-    _rewind(counters)
-    graph = torch.cuda.CUDAGraph()
-    with consts.serve(), torch.cuda.graph(graph):
-        out = step(static_ids)
-    try:
-        _rewind(counters)
-        static_ids.copy_(toks[1].view(batch, 1))
-        graph.replay()
-        replayed = out.clone()
-        _rewind(counters)
-        eager = step(toks[1].view(batch, 1).clone())
-        same = bool(torch.equal(replayed, eager))
-        timer = Timer(device)
-        for i in range(warm + steps):
-            static_ids.copy_(toks[2 + i].view(batch, 1))
-            _rewind(counters)
-            timer(graph.replay)
-        return {"ms": timer.median(skip=warm), "replay_equals_eager": same}
-    finally:
-        del graph, out
-        _rewind(counters)
-
-
 @torch.no_grad()
 def lookup_ms(module, batch, *, steps, warm, high, device) -> float:
     ids = random_ids(warm + steps, batch, high, device, 7)
@@ -420,20 +259,37 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "gemma3n_e2e.log")
-    # The run's own handlers on the module's logger: the log file is written whoever configured logging.
-    handlers = [logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stdout)]
+    with logging_to(log, log_path):
+        return _run(args, log_path)
+
+
+@contextlib.contextmanager
+def logging_to(logger: logging.Logger, path: str):
+    """The run's own handlers on ``logger`` (a file at ``path`` and stdout) while the block runs: the log
+    file is written whoever configured logging."""
+    handlers = [logging.FileHandler(path, mode="w"), logging.StreamHandler(sys.stdout)]
     for h in handlers:
         h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+        logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     try:
-        return _run(args, log_path)
+        yield
     finally:
         for h in handlers:
-            log.removeHandler(h)
+            logger.removeHandler(h)
             h.close()
-        log.propagate = True
+        logger.propagate = True
+
+
+def environment(args, device: torch.device, config: str) -> dict:
+    """What a run's JSON says it ran on."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "host_cpus": os.cpu_count(), "config": config, "dtype": args.dtype, "args": vars(args)}
 
 
 def _run(args, log_path: str) -> int:
@@ -451,11 +307,7 @@ def _run(args, log_path: str) -> int:
     v_ple, vocab = cfg_kw["vocab_size_per_layer_input"], cfg_kw["vocab_size"]
     suppress = list(range(v_ple, vocab))
     res: dict = {
-        "env": {"torch": torch.__version__, "transformers": transformers.__version__,
-                "triton": getattr(__import__("triton"), "__version__", "?"), "python": platform.python_version(),
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                "host_cpus": os.cpu_count(), "config": "tiny" if args.tiny else "E2B-shaped (random weights)",
-                "dtype": args.dtype, "args": vars(args)},
+        "env": environment(args, device, "tiny" if args.tiny else "E2B-shaped (random weights)"),
         "correctness": {}, "memory": {}, "decode_ms": {}, "lookup_ms": {}, "decode_graph": {}, "compiled": {},
         "errors": [],
     }

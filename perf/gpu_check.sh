@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, doctor, the whole test suite on CUDA, the tile sweep, table
-# readiness, the benchmarks and the Gemma 3n end-to-end run. Logs go to $OUT (default ./gpu-out):
-# run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
+# readiness, the benchmarks, the Gemma 3n end-to-end run and the E4B levers run. Logs go to $OUT
+# (default ./gpu-out): run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench e2e (default: all)
+#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench e2e levers
+#   (default: all)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
 mkdir -p "$R" "$R/vllm" "$R/ngram"
-STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram hotset vllm startup bench e2e}
+STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram hotset vllm startup bench e2e levers}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -100,6 +101,10 @@ fi
 if has e2e; then
   step "Gemma 3n E2B end to end"
   timeout 500 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
+fi
+if has levers; then
+  step "Gemma 3n E4B levers: hot set, sorted+dedup, fp8 rows vs the table in HBM (graph decode, greedy tokens, logits)"
+  timeout 480 python3 -m uvaple.perf.gemma3n_levers --out "$R/levers" ${LEVERS_ARGS:-} 2>&1 | tail -40
 fi
 step "done"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$R"

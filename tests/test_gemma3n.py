@@ -26,6 +26,7 @@ from uvaple.integration.gemma3n import (  # noqa: E402
     load_gemma3n_with_host_ple,
 )
 from uvaple.integration.hf import SPECS, apply_uvaple  # noqa: E402
+from uvaple.perf.gemma3n_e2e import live_per_layer_path  # noqa: E402
 from uvaple.uva import HostTable  # noqa: E402
 
 BACKENDS = ["uva", "device", "copy"]
@@ -54,6 +55,7 @@ def build_reference(dtype=torch.float32, seed=0, device="cpu") -> Gemma3nForCaus
     model = Gemma3nForCausalLM(tiny_config()).to(dtype).eval()
     with torch.no_grad():  # random, never zero; the padding row too
         model.model.embed_tokens_per_layer.weight.normal_(0.0, 1.0)
+    live_per_layer_path(model)  # HF's init zeroes the per-layer branch: no PLE row would reach a logit
     return model.to(device)
 
 
@@ -222,6 +224,18 @@ def test_scale_is_the_modules_own(device):
 
 
 # ---------------------------------------------------------------------- whole model, live patch
+def test_the_reference_logits_depend_on_every_ple_row_read(ref32):
+    """Otherwise the model-level comparisons below would not test the PLE at all."""
+    ids = prompts("cpu", shape=(2, 7), seed=20)
+    model = copy.deepcopy(ref32)
+    with torch.no_grad():
+        want = model(ids).logits
+        model.model.embed_tokens_per_layer.weight[ids[0, 3]].mul_(1.5)
+        got = model(ids).logits
+    changed = (got != want).any(dim=-1)
+    assert changed[0, 3:].all() and not changed[0, :3].any()  # that token's position and the causal rest
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_bit_identical(device, ref32, backend):
     ref = ref32.to(device)

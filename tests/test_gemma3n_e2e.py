@@ -1,5 +1,6 @@
-"""The Gemma 3n end-to-end harness (``uvaple.perf.gemma3n_e2e``): its host-constant folding for CUDA graph
-capture, the graph-captured decode step against the eager one, and a whole tiny run on CPU."""
+"""The Gemma 3n end-to-end harness (``uvaple.perf.gemma3n_e2e``) and its graph-captured decode step
+(``uvaple.perf.graph_decode``): the host-constant folding for CUDA graph capture, the captured step against
+the eager one, and a whole tiny run on CPU."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 from test_gemma3n import VOCAB_PLE, build_reference, patched_copy  # noqa: E402
 
 from uvaple.perf import gemma3n_e2e as e2e  # noqa: E402
+from uvaple.perf import graph_decode as gd  # noqa: E402
 
 
 def test_host_constants_record_then_serve_the_same_tensors():
-    consts = e2e.HostConstants(torch.device("cpu"))
+    consts = gd.HostConstants(torch.device("cpu"))
     orig_tensor, orig_to = torch.tensor, torch.Tensor.to
     with consts.record():
         a = torch.tensor([0.95, 0.0], dtype=torch.float32, device="cpu")
@@ -37,7 +39,7 @@ def test_host_constants_record_then_serve_the_same_tensors():
 
 def test_host_constants_restore_torch_after_an_error():
     orig_tensor, orig_to = torch.tensor, torch.Tensor.to
-    consts = e2e.HostConstants(torch.device("cpu"))
+    consts = gd.HostConstants(torch.device("cpu"))
     with pytest.raises(RuntimeError), consts.serve():
         torch.tensor([3.0], device="cpu")
     assert torch.tensor is orig_tensor and torch.Tensor.to is orig_to
@@ -47,7 +49,7 @@ def test_host_constants_leave_other_threads_alone():
     """A torch function mode, not a swapped function: another thread builds its constants as usual."""
     import threading
 
-    consts = e2e.HostConstants(torch.device("cpu"))
+    consts = gd.HostConstants(torch.device("cpu"))
     seen = {}
 
     def other():
@@ -61,7 +63,7 @@ def test_host_constants_leave_other_threads_alone():
 
 
 def test_host_constants_match_a_device_with_or_without_its_index():
-    plain, first, second = (e2e.HostConstants(torch.device(d)) for d in ("cuda", "cuda:0", "cuda:1"))
+    plain, first, second = (gd.HostConstants(torch.device(d)) for d in ("cuda", "cuda:0", "cuda:1"))
     assert plain._bound_here("cuda:0") and plain._bound_here("cuda:1") and plain._bound_here("cuda")
     assert first._bound_here("cuda") and first._bound_here(torch.device("cuda", 0))
     assert not first._bound_here("cuda:1") and not second._bound_here("cuda:0")
@@ -69,8 +71,8 @@ def test_host_constants_match_a_device_with_or_without_its_index():
 
 
 def test_host_constants_leave_other_devices_and_big_tensors_alone():
-    consts = e2e.HostConstants(torch.device("cuda", 0))
-    big = torch.arange(e2e.HostConstants.MAX_NUMEL + 1, dtype=torch.float32)
+    consts = gd.HostConstants(torch.device("cuda", 0))
+    big = torch.arange(gd.HostConstants.MAX_NUMEL + 1, dtype=torch.float32)
     with consts.record():
         x = torch.tensor([1.0], device="cpu")  # bound for the CPU, not the capture device
         y = big.to(torch.float64)  # a dtype change on the host
@@ -84,12 +86,12 @@ def test_cache_counters_rewind():
     cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():
         model(input_ids=torch.randint(0, VOCAB_PLE, (2, 5)), past_key_values=cache, use_cache=True)
-    counters = e2e._cache_counters(cache)
+    counters = gd._cache_counters(cache)
     before = cache.get_seq_length()
     with torch.no_grad():
         model(input_ids=torch.randint(0, VOCAB_PLE, (2, 1)), past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == before + 1
-    e2e._rewind(counters)
+    gd._rewind(counters)
     assert cache.get_seq_length() == before
     assert all(int(layer.cumulative_length) == int(dev) for layer, dev, _ in counters if dev is not None)
 
@@ -102,14 +104,14 @@ def test_graph_decode_step_replays_the_eager_step_gpu(backend):
     if backend != "hf":
         model, _ = patched_copy(ref, backend)
     for batch in (1, 5):
-        r = e2e.decode_graph(model, batch, prompt_len=7, steps=4, warm=1, high=VOCAB_PLE, device=torch.device("cuda"))
+        r = gd.decode_graph(model, batch, prompt_len=7, steps=4, warm=1, high=VOCAB_PLE, device=torch.device("cuda"))
         assert r["replay_equals_eager"] and r["ms"] > 0
 
 
 def test_graph_decode_refuses_a_position_past_the_sliding_window():
     model = build_reference(torch.float32)  # sliding window 8
     with pytest.raises(ValueError, match=r"past the sliding window \(8\); use a prompt of at most 7 tokens"):
-        e2e.decode_graph(model, 1, prompt_len=8, steps=1, warm=0, high=VOCAB_PLE, device=torch.device("cpu"))
+        gd.decode_graph(model, 1, prompt_len=8, steps=1, warm=0, high=VOCAB_PLE, device=torch.device("cpu"))
 
 
 def test_tiny_run(tmp_path, device):

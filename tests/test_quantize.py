@@ -114,3 +114,20 @@ def test_bad_inputs_are_named():
     bad[4, 0] = float("nan")
     with pytest.raises(ValueError, match="row 4"):
         fp8_row_table(bad)  # the table made for it is released
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_scale_quantises_the_scaled_rows(dtype):
+    """scale=: the rows quantised are src * scale rounded to src's dtype (HF's scaled embedding), and the
+    error is measured against those."""
+    g = torch.Generator().manual_seed(15)
+    src = torch.randn(30, 100, generator=g).to(dtype)
+    scale = 2048 ** 0.5  # not a power of two: one rounding to the dtype, in the product's dtype
+    scaled = src * torch.tensor(scale).to(dtype)
+    got, got_err = fp8_row_table(src, scale=scale)
+    want, want_err = fp8_row_table(scaled)
+    with got, want:
+        assert torch.equal(bits(got.tensor), bits(want.tensor))
+    assert got_err.summary() == want_err.summary()
+    with pytest.raises(TypeError, match="scale must be a Python number"):
+        fp8_row_table(src, scale=torch.tensor(2.0))
