@@ -23,9 +23,11 @@ Lifetime: a lookup holds views of its table, so the table's memory stays mapped 
 the lookup lives, also if the table is closed under it. ``close()`` drops them (and closes a table the
 lookup owns); a lookup dropped without ``close()`` is freed by reference counting.
 
-Counters: ``stats()`` reads an int64 ``[3]`` tensor that the kernel adds to on the device (lookups,
-rows, out-of-range ids): correct under CUDA graph replays, and no host work on the hot path. Reading it
-synchronises with the device, once, at the ``stats()`` call.
+Counters: ``stats()`` reads an int64 ``[4]`` tensor that the kernel adds to on the device (lookups,
+rows, out-of-range ids, hot-set hits): correct under CUDA graph replays, and no host work on the hot
+path. Reading it synchronises with the device, once, at the ``stats()`` call. ``progress()`` reads it
+without any synchronisation: the newest completed copy to pinned host memory, and its age
+(:mod:`uvaple.integration.metrics`).
 """
 
 from __future__ import annotations
@@ -40,31 +42,12 @@ from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
 from .copy.cpu_gather import gather_up, split_rows, warm_split
+from .devices import default_device, resolve_device
 from .errors import BackendClosed
+from .metrics import CounterSnapshots, Progress
 from .spec import TableSpec
 
 __all__ = ["Lookup", "GatherLookup", "default_device"]
-
-
-def default_device() -> torch.device:
-    """The current CUDA device, or the CPU where there is none (kernels then run interpreted)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def resolve_device(device) -> torch.device:
-    """A lookup's device: None is :func:`default_device`, an int or a bare ``cuda`` the indexed CUDA device."""
-    if device is None:
-        return default_device()
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"a lookup runs on cuda or cpu devices, not {device}")
-    return device
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:
@@ -154,6 +137,11 @@ class Lookup(abc.ABC):
     def stats(self) -> dict:
         """Progress counters (lookups, rows, out-of-range ids) and what the lookup holds."""
         return {"kind": self.kind, "closed": self._closed, "device_bytes": self.device_bytes()}
+
+    def progress(self) -> Progress:
+        """The counters as far as they are known without a host synchronisation, and how old they may be
+        (:class:`~uvaple.integration.metrics.Progress`; never waits, allocates no device memory)."""
+        return Progress(kind=self.kind, closed=self._closed)
 
     def device_bytes(self) -> int:
         """Bytes of device memory this lookup holds for the table."""
@@ -263,6 +251,9 @@ class GatherLookup(Lookup):
                              f"{spec.encoding!r}")
         # static too: a compiled CUDA graph mutates the counters in place, replay after replay
         self._counters = _static(torch.zeros(4, dtype=torch.int64, device=self.device)) if count else None
+        # progress(): double-buffered pinned copies of the counters on a side stream, made here, once (a
+        # lookup built while torch.compile traces, as a module's lazy one, makes them at its first progress())
+        self._snapshots = CounterSnapshots(self._counters) if count and not torch.compiler.is_compiling() else None
         self._hot = None
         if hot is not None:
             from .hotset import HotSet
@@ -355,6 +346,8 @@ class GatherLookup(Lookup):
         if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                        or chunk_rows < 1):
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        if n == 0:
+            return out  # as lookup(): nothing launched, nothing counted
         k = round(n * share)
         flat_ids, flat_out = ids.reshape(-1), out.view(n, -1)
         sp, spec = self._split, self.spec
@@ -369,8 +362,9 @@ class GatherLookup(Lookup):
             m = n - k
             if m:
                 lo, hi = spec.window
-                split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, spec.oob == "row0", sp.rows_idx[:m].numpy(),
-                           sp.ids_host[k:n].numpy())
+                row0 = spec.oob == "row0"
+                bad = split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, row0, sp.rows_idx[:m].numpy(),
+                                 sp.ids_host[k:n].numpy())
                 # The staged rows go up on this lookup's copy stream, chunk by chunk as they are gathered,
                 # beside the GPU share's reads still running on the caller's stream; the caller's stream
                 # waits for them before the kernel that applies the policy. The staging is this lookup's
@@ -386,6 +380,11 @@ class GatherLookup(Lookup):
                 staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
                 torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,
                                              spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
+                if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
+                    if k:
+                        self._counters[0].sub_(1)
+                    if row0 and bad:
+                        self._counters[2].add_(bad)
             sp.free.record(stream)  # after everything of this call (the copy stream's work is waited for above)
         return out
 
@@ -400,6 +399,25 @@ class GatherLookup(Lookup):
                 st.update(hot_hits=hits, hot_misses=rows - oob - hits, hot_bytes_saved=hits * self._row_bytes,
                           hot_rows=self._hot.size)
         return st
+
+    def progress(self) -> Progress:
+        """The newest completed snapshot of the device counters, without a host synchronisation.
+
+        Polls the snapshot copy in flight and enqueues the next one on the lookup's side stream (which
+        waits on nothing of the model's); returns values at most ``age_s`` seconds old, eventually those of
+        ``stats()``. Under CUDA graph capture on this thread it returns the last snapshot and enqueues
+        nothing. See :class:`~uvaple.integration.metrics.CounterSnapshots` for the race with the kernels.
+        """
+        if self._counters is None:
+            return Progress(kind=self.kind, closed=self._closed)
+        if self._snapshots is None:
+            if self._counters.is_cuda and torch.cuda.is_current_stream_capturing():
+                return Progress(kind=self.kind, closed=self._closed)  # made at a read outside capture
+            self._snapshots = CounterSnapshots(self._counters)
+        (lookups, rows, oob, hits), age = self._snapshots.read()
+        return Progress(kind=self.kind, closed=self._closed, lookups=lookups, rows=rows,
+                        bytes=rows * self._row_bytes, out_of_range_ids=oob,
+                        hot_hits=hits if self._hot is not None else None, age_s=age)
 
     def device_bytes(self) -> int:
         if self.kind == "device" and self._arg is not None and self._arg.is_cuda:

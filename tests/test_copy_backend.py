@@ -1230,9 +1230,10 @@ def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
     ids = ids.to(id_dtype)
     rows = torch.full((5000,), -7, dtype=torch.int64)
     staged = torch.full((5000,), -7, dtype=torch.int64)
-    split_rows(ids.numpy(), base, lo, hi, row0, rows.numpy(), staged.numpy())
+    bad = split_rows(ids.numpy(), base, lo, hi, row0, rows.numpy(), staged.numpy())
     local = ids.to(torch.int64) - base
     ok = (local >= lo) & (local < hi)
+    assert bad == int((~ok).sum()) > 0  # counted whatever the policy: row0's staged ids look valid
     assert torch.equal(rows, torch.where(ok, local, lo))
     j = torch.arange(5000)
     assert torch.equal(staged, torch.where(ok | row0, j, -1))

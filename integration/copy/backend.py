@@ -90,6 +90,15 @@ recorded on the caller's stream at submit, so it cannot overwrite ``out`` while 
 submit (the previous pass's readers) still reads it. Contract: reuse an ``out`` buffer only for a job
 submitted after the previous job using it was waited on and its readers were enqueued.
 
+Progress and health. ``progress()`` and ``health(stall_s)`` take no lock: they must answer while the
+worker is stuck, possibly inside a CUDA call made under the backend's lock. They read each slot's job and
+its ``(state, since)`` pair (one attribute, set at every transition, so never torn), and ask a job done on
+the host whether the device work recorded for it has completed (``event.query()``, which never waits; a
+slot's events are re-recorded only for a next job, after ``slot.job`` changed, so a query followed by
+``slot.job`` still being the job was about that job). A job admitted more than ``stall_s`` seconds ago
+and not finished makes the backend unhealthy, named with its stage (seeds 000 and 002: ``/health`` said
+200 while nothing progressed; track the oldest outstanding operation and its stage, not liveness).
+
 Testing. The stream/event operations sit behind ``DeviceOps`` (``CudaOps``; ``CpuOps``, synchronous,
 for CPU-only runs); the tests inject a fake whose copies complete only when the test says
 (``CopyBackend(..., _ops=fake)``), so ownership, WAR, failure delivery, admission and shutdown are
@@ -131,6 +140,7 @@ from ..errors import (
     CopyTimeout,
 )
 from ..lookup import Lookup
+from ..metrics import Health, Progress, RelaxedCaptureMode
 from ..spec import TableSpec, spec_for
 from . import cpu_gather
 from ._exit import ExitRegistry
@@ -151,6 +161,9 @@ DEFAULT_ADMISSION_TIMEOUT_S = 10.0
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 DEFAULT_IDS_TIMEOUT_S = 60.0
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
+# health(): a job outstanding this long has stalled (a healthy one takes milliseconds). The admission bound:
+# a submit that finds every slot busy for this long is refused.
+DEFAULT_STALL_S = DEFAULT_ADMISSION_TIMEOUT_S
 # Polling of GPU completion (no callback exists without cudaLaunchHostFunc): back off from 20 us, about
 # the cost of a Python sleep round trip, to 1 ms, well under a forward pass.
 _POLL_MIN_S = 20e-6
@@ -206,6 +219,8 @@ def _worker_loop(ref: weakref.ref, wake: threading.Event) -> None:
 
 # --------------------------------------------------------------------------- jobs and slots
 _PENDING, _RUNNING, _LAUNCHING, _LAUNCHED, _FAILED = "pending", "running", "launching", "launched", "failed"
+# health()'s name of where a job is (pending: "ids" while its CUDA ids are owed to the host)
+_STAGES = {_PENDING: "queued", _RUNNING: "gather", _LAUNCHING: "launch", _LAUNCHED: "copy", _FAILED: "failed"}
 
 
 class _Slot:
@@ -235,7 +250,7 @@ class CopyJob:
     def __init__(self, backend: CopyBackend, seq: int) -> None:
         self._backend = backend
         self.seq = seq
-        self._state = _PENDING
+        self._stage: tuple[str, float] = (_PENDING, time.monotonic())  # (state, since): read without the lock
         self._exc: BaseException | None = None
         self._host_done = threading.Event()
         self._slot: _Slot | None = None
@@ -263,6 +278,14 @@ class CopyJob:
     @property
     def state(self) -> str:
         return self._state
+
+    @property
+    def _state(self) -> str:
+        return self._stage[0]
+
+    @_state.setter
+    def _state(self, state: str) -> None:
+        self._stage = (state, time.monotonic())  # one store: health() never sees a state with another's time
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Wait (on the host, bounded) until the job's copy was launched; return ``out`` ``[*ids.shape, ncols]``.
@@ -562,6 +585,80 @@ class CopyBackend(Lookup):
                         oldest_pending_s=0.0 if oldest is None else now - oldest,
                         worker_alive=self._worker.is_alive(), closed=self._closed, closing=self._closing,
                         inline_running=len(self._inline_jobs), abandoned_at_close=self._abandoned)
+
+    def progress(self) -> Progress:
+        """Counters and the oldest outstanding job, without the backend's lock (see the module docstring)."""
+        c = self._counts  # host integers, updated under the lock; each read whole (maybe one job behind)
+        rows = c["rows"]
+        jobs = self._outstanding()
+        now = time.monotonic()
+        oldest = min(jobs) if jobs else None
+        return Progress(kind=self.kind, closed=self._closed, lookups=c["lookups"], rows=rows,
+                        bytes=rows * self.cols * self._itemsize, out_of_range_ids=c["out_of_range_ids"],
+                        age_s=0.0, outstanding=len(jobs),
+                        oldest_job=None if oldest is None else oldest[0],
+                        oldest_stage=None if oldest is None else oldest[1],
+                        oldest_age_s=None if oldest is None else now - oldest[2])
+
+    def health(self, stall_s: float = DEFAULT_STALL_S) -> Health:
+        """Whether work progresses: unhealthy when a job has been outstanding (admitted, not finished on the
+        host and the device) for more than ``stall_s`` seconds, naming it (``CopyJob.seq``) and its stage;
+        also when the worker died or the backend is closed. Takes no lock and waits for nothing (event
+        queries only), so it answers while the worker is stuck, in a time bounded by ``max_in_flight``.
+        """
+        if not stall_s > 0:
+            raise ValueError(f"stall_s must be positive seconds, got {stall_s!r}")
+        broken = self._broken
+        if broken is not None:
+            return Health(False, f"the copy worker died ({broken!r}); build a new CopyBackend")
+        if self._closing or self._closed:
+            return Health(False, "the CopyBackend is closed")
+        top = self._seq  # before the scan: jobs admitted during it are not counted as finished
+        jobs = self._outstanding()
+        worker_alive = self._worker.is_alive()
+        if not jobs:
+            if not worker_alive:
+                return Health(False, "the copy worker is not running")
+            return Health(True, "no copy job outstanding")
+        now = time.monotonic()
+        seq, stage, admitted, since = min(jobs)
+        age, in_stage = now - admitted, now - since
+        # jobs admitted after the oldest one that have finished since it was admitted
+        later_done = top - seq + 1 - sum(1 for j in jobs if j[0] <= top)
+        what = (f"copy job {seq} admitted {age:.3g} s ago, in stage {stage!r} for {in_stage:.3g} s "
+                f"({len(jobs)} outstanding; ")
+        what += f"{later_done} later job(s) finished since)" if later_done else "no job finished since)"
+        healthy = age <= stall_s and worker_alive
+        if healthy:
+            reason = what
+        elif not worker_alive:
+            reason = f"the copy worker is not running; {what}"
+        else:
+            reason = f"stalled: {what}, over stall_s={stall_s:.3g} s"
+        return Health(healthy, reason, oldest_job=seq, stage=stage, age_s=age, stage_age_s=in_stage,
+                      outstanding=len(jobs))
+
+    def _outstanding(self) -> list[tuple[int, str, float, float]]:
+        """``(seq, stage, admitted_at, stage_since)`` of every job holding a slot and not finished, read
+        without the lock (a job finished on the host is asked about its device work: a query, no wait)."""
+        if self._ops.device.type == "cuda":  # event queries from any thread, also during a graph capture
+            with RelaxedCaptureMode():
+                return self._scan()
+        return self._scan()
+
+    def _scan(self) -> list[tuple[int, str, float, float]]:
+        found = []
+        for slot in self._slots:  # one read of the list: close() swaps in an empty one
+            job = slot.job
+            if job is None or slot.leaked:  # a leaked slot is counted in stats()['slots_leaked']
+                continue
+            state, since = job._stage
+            if state in (_LAUNCHED, _FAILED):
+                if all(self._ops.query(ev) for ev in tuple(job._recorded)) or slot.job is not job:
+                    continue  # its device work is done (the slot awaits reclaim), or it was reclaimed
+            stage = "ids" if state == _PENDING and job._device_ids is not None else _STAGES[state]
+            found.append((job.seq, stage, job._submitted_at, since))
+        return found
 
     @property
     def closed(self) -> bool:

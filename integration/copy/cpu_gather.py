@@ -68,60 +68,34 @@ _GATHER_LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=1)
 def _gather_kernels() -> tuple[Callable, Callable]:
-    """(serial, parallel) numba byte-gather kernels, compiled lazily (numba imports slowly)."""
+    """(serial, parallel) numba gathers, compiled lazily (numba imports slowly) for each element type they
+    meet: bytes, or 8-byte words where rows, the column range and both buffers are 8-byte aligned
+    (:func:`_as_words`). Rows are copied by an explicit loop: a slice copy of bytes is not vectorised by
+    numba (about 0.4 GB/s a thread on the H200 host, ``perf/results/h200_2026-12-01/tune_copy.log``)."""
     import numba
 
-    def gather(table, ids, out, byte_start, oob_row0, zero, id_base):
-        # table: uint8 [rows, stride_bytes]; ids: int32/int64 [n]; out: uint8 [n, nbytes];
-        # zero: uint8 [itemsize], the element written for out-of-range ids under oob="zero";
+    def gather(table, ids, out, start, oob_row0, zero, id_base):
+        # table: [rows, stride] and out: [n, width] of one element type (uint8 or uint64); ids: int32/int64
+        # [n]; start: the first element of a row copied; zero: the elements written for out-of-range ids
+        # under oob="zero" (repeated: the zero of the model's dtype as bytes, or one word of it);
         # id_base: the id of table row 0 (0 <= id_base < 2**62, so a wrapped difference stays out of range)
         rows = table.shape[0]
-        nbytes = out.shape[1]
-        isz = zero.shape[0]
+        width = out.shape[1]
+        nz = zero.shape[0]
         bad = 0
         for i in numba.prange(ids.shape[0]):
             r = np.int64(ids[i]) - id_base
             if r < 0 or r >= rows:
                 bad += 1
                 if oob_row0:
-                    out[i, :] = table[0, byte_start:byte_start + nbytes]
+                    for j in range(width):
+                        out[i, j] = table[0, start + j]
                 else:
-                    for j in range(nbytes):
-                        out[i, j] = zero[j % isz]
+                    for j in range(width):
+                        out[i, j] = zero[j % nz]
             else:
-                out[i, :] = table[r, byte_start:byte_start + nbytes]
-        return bad
-
-    serial = numba.njit(parallel=False, nogil=True, cache=False)(gather)
-    parallel = numba.njit(parallel=True, nogil=True, cache=False)(gather)
-    return serial, parallel
-
-
-@functools.lru_cache(maxsize=1)
-def _word_kernels() -> tuple[Callable, Callable]:
-    """(serial, parallel) numba gathers of 8-byte words: the byte kernels' result where rows, the column
-    range and both buffers are 8-byte aligned. A slice copy of bytes is not vectorised by numba (about
-    0.4 GB/s a thread on the H200 host, ``perf/results/h200_2026-12-01/tune_copy.log``); a loop of words is."""
-    import numba
-
-    def gather(table, ids, out, word_start, oob_row0, zero_word, id_base):
-        # table: uint64 [rows, stride_words]; out: uint64 [n, words]; zero_word: the zero element repeated
-        rows = table.shape[0]
-        words = out.shape[1]
-        bad = 0
-        for i in numba.prange(ids.shape[0]):
-            r = np.int64(ids[i]) - id_base
-            if r < 0 or r >= rows:
-                bad += 1
-                if oob_row0:
-                    for j in range(words):
-                        out[i, j] = table[0, word_start + j]
-                else:
-                    for j in range(words):
-                        out[i, j] = zero_word
-            else:
-                for j in range(words):
-                    out[i, j] = table[r, word_start + j]
+                for j in range(width):
+                    out[i, j] = table[r, start + j]
         return bad
 
     serial = numba.njit(parallel=False, nogil=True, cache=False)(gather)
@@ -130,13 +104,13 @@ def _word_kernels() -> tuple[Callable, Callable]:
 
 
 def _as_words(table: np.ndarray, out: np.ndarray, byte_start: int, zero: np.ndarray):
-    """(table words, out words, word start, zero word) when the word kernels apply, else None."""
+    """(table words, out words, word start, zero word) when rows can be copied as 8-byte words, else None."""
     nbytes = out.shape[1]
     if byte_start % 8 or nbytes % 8 or table.shape[1] % 8 or 8 % zero.shape[0] or \
             table.ctypes.data % 8 or out.ctypes.data % 8 or table.strides[1] != 1 or out.strides[1] != 1 or \
             table.strides[0] % 8 or out.strides[0] % 8:
         return None
-    zero_word = np.frombuffer(np.tile(zero, 8 // zero.shape[0]).tobytes(), dtype=np.uint64)[0]
+    zero_word = np.frombuffer(np.tile(zero, 8 // zero.shape[0]).tobytes(), dtype=np.uint64)
     return table.view(np.uint64), out.view(np.uint64), np.int64(byte_start // 8), zero_word
 
 
@@ -208,12 +182,10 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
             if not bad or oob_row0:
                 torch.index_select(src, 0, torch.from_numpy(idx), out=torch.from_numpy(out))
                 return bad
+        fn = serial if path == "serial" else parallel
         words = _as_words(table, out, byte_start, zero) if n and nbytes else None
         if words is not None:
-            w_serial, w_parallel = _word_kernels()
-            t64, o64, w0, zw = words
-            return int((w_serial if path == "serial" else w_parallel)(t64, ids, o64, w0, oob_row0, zw, base))
-        fn = serial if path == "serial" else parallel
+            return int(fn(words[0], ids, words[1], words[2], oob_row0, words[3], base))
         return int(fn(table, ids, out, byte_start, oob_row0, zero, base))
 
 
@@ -223,16 +195,13 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
     serial, parallel = _gather_kernels()
     rows_of = _rows_kernel()
     row_ids = np.empty(1, dtype=np.int64)
-    w_serial, w_parallel = _word_kernels()
-    t64 = np.zeros((1, 1), dtype=np.uint64)
-    o64 = np.empty((1, 1), dtype=np.uint64)
+    t64, o64, z64 = np.zeros((1, 1), dtype=np.uint64), np.empty((1, 1), dtype=np.uint64), np.zeros(1, np.uint64)
     for dt in (np.int32, np.int64):
         ids = np.zeros(1, dtype=dt)
         with _GATHER_LOCK:
-            serial(table, ids, out, 0, False, zero, np.int64(0))
-            parallel(table, ids, out, 0, False, zero, np.int64(0))
-            w_serial(t64, ids, o64, np.int64(0), False, np.uint64(0), np.int64(0))
-            w_parallel(t64, ids, o64, np.int64(0), False, np.uint64(0), np.int64(0))
+            for fn in (serial, parallel):
+                fn(table, ids, out, 0, False, zero, np.int64(0))
+                fn(t64, ids, o64, np.int64(0), False, z64, np.int64(0))
             rows_of(ids, table.shape[0], np.int64(0), row_ids)
 
 
@@ -242,23 +211,27 @@ def _split_kernel() -> Callable:
 
     @numba.njit(parallel=True, nogil=True, cache=False)  # on numba's threads, as the gather after it
     def split_rows(ids, id_base, lo, hi, row0, rows, staged):
+        bad = 0
         for j in numba.prange(ids.shape[0]):
             r = np.int64(ids[j]) - id_base
             ok = (r >= lo) & (r < hi)
             rows[j] = r if ok else lo
             staged[j] = j if (ok | row0) else -1
+            bad += 0 if ok else 1
+        return bad
 
     return split_rows
 
 
 def split_rows(ids: np.ndarray, id_base: int, lo: int, hi: int, row0: bool, rows: np.ndarray,
-               staged: np.ndarray) -> None:
+               staged: np.ndarray) -> int:
     """A split lookup's CPU share, in one parallel pass over its ids: ``rows[j]``, the table row to stage (id
     ``j`` less ``id_base`` when inside ``[lo, hi)``, else ``lo``: any row, read and never used unless
     ``row0``), and ``staged[j]``, the id of staged row ``j`` for the device kernel that applies the policy
-    (``j``, or ``-1``, out of range there too, for an id outside the window under zero rows)."""
+    (``j``, or ``-1``, out of range there too, for an id outside the window under zero rows). Returns
+    how many ids were outside the window (under ``row0`` the device kernel cannot see them)."""
     with _GATHER_LOCK:  # a parallel numba function, called from one thread at a time (see the module)
-        _split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged)
+        return int(_split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged))
 
 
 def warm_split() -> None:

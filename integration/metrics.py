@@ -1,0 +1,384 @@
+"""Progress, not liveness: counters read without a host synchronisation, and their Prometheus export.
+
+A lookup's ``stats()`` is exact but synchronises: on a GPU it waits until every kernel queued on the device
+has finished, which in a serving process stalls the caller behind the model's queued work. A health check
+or a metrics scrape needs something else: *the latest values the device has certainly reached*, and how
+old they may be, at no cost to the model. That is ``lookup.progress()``:
+
+* ``GatherLookup`` (``uva``/``device``): :class:`CounterSnapshots` copies the device counters to pinned
+  host memory on a side stream the lookup owns and returns the newest copy that has completed
+  (``event.query()``, never a synchronisation), with its age. Stale by at most ``age_s``; never torn.
+* ``CopyBackend`` (``copy``): its counters are host integers; ``progress()`` reads them without the
+  backend's lock and adds the oldest outstanding copy job (its sequence number, stage and age).
+  ``CopyBackend.health(stall_s)`` turns that into a verdict (:class:`Health`): work outstanding that has
+  not finished for ``stall_s`` seconds is unhealthy, naming the job and the stage it is stuck in.
+
+:func:`register_prometheus` exports both through ``prometheus_client`` (imported only when called) with a
+collector that reads ``progress()`` at scrape time: no synchronisation, no thread of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import BackendError
+
+__all__ = ["Progress", "Health", "CounterSnapshots", "ProgressReadError", "ProgressCollector",
+           "RelaxedCaptureMode", "register_prometheus"]
+
+log = logging.getLogger("uvaple.integration.metrics")
+
+
+class ProgressReadError(BackendError, RuntimeError):
+    """A CUDA call of the non-blocking counter read failed (the read itself never waits)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a lookup has certainly done, read without a host synchronisation (``lookup.progress()``).
+
+    A field is None where the lookup does not keep it (``count=False``, no hot set, not the copy placement).
+
+    Attributes
+    ----------
+    kind : str
+        The placement (``uva``, ``device``, ``copy``).
+    closed : bool
+        The lookup was closed (its counters are final).
+    lookups, rows, out_of_range_ids : int
+        Calls with at least one id, ids served, ids outside the table (as ``stats()``).
+    bytes : int
+        ``rows`` x the table's row bytes (whole rows: a column range reads fewer).
+    hot_hits : int
+        Ids served from the hot set (a lookup with ``hot=``).
+    age_s : float
+        How old the values may be, in seconds: since the snapshot's device-to-host copy was enqueued (the
+        device had done at least the counted work then). 0.0 for a plain host read (CPU, copy placement).
+        A growing age means the device ran not even a 32-byte copy since.
+    outstanding : int
+        Copy placement: jobs admitted and not finished (host gather, launch or device copy).
+    oldest_job, oldest_stage, oldest_age_s :
+        Copy placement: the oldest outstanding job's sequence number, stage (``queued``, ``ids``,
+        ``gather``, ``launch``, ``copy``, ``failed``: see ``CopyBackend.health``) and seconds since it
+        was admitted; None when nothing is outstanding.
+    """
+
+    kind: str
+    closed: bool = False
+    lookups: int | None = None
+    rows: int | None = None
+    bytes: int | None = None
+    out_of_range_ids: int | None = None
+    hot_hits: int | None = None
+    age_s: float | None = None
+    outstanding: int | None = None
+    oldest_job: int | None = None
+    oldest_stage: str | None = None
+    oldest_age_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """The copy placement's progress verdict (``CopyBackend.health(stall_s)``).
+
+    Attributes
+    ----------
+    healthy : bool
+        False when a job has been outstanding for more than ``stall_s`` seconds, or the backend's worker
+        died, or it is closed.
+    reason : str
+        One sentence: what is outstanding, what is stuck where, since when.
+    oldest_job : int or None
+        Sequence number (``CopyJob.seq``) of the oldest outstanding job.
+    stage : str or None
+        Its stage: ``queued`` (waiting for the worker), ``ids`` (its CUDA ids are being copied to the
+        host, then the worker takes it), ``gather`` (CPU gather), ``launch`` (enqueueing its copy),
+        ``copy`` (its device copy has not completed), ``failed`` (failed on the host; device work recorded
+        for it has not completed, so its slot is still held).
+    age_s : float
+        Seconds since the oldest outstanding job was admitted (0.0 when none is).
+    stage_age_s : float
+        Seconds it has been in its current stage.
+    outstanding : int
+        Jobs admitted and not finished.
+    """
+
+    healthy: bool
+    reason: str
+    oldest_job: int | None = None
+    stage: str | None = None
+    age_s: float = 0.0
+    stage_age_s: float = 0.0
+    outstanding: int = 0
+
+
+# ----------------------------------------------------------------------------------- non-blocking counter read
+@functools.lru_cache(maxsize=1)
+def _driver():
+    """cuda-python's driver bindings (a dependency), or None where they cannot be imported."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    return driver
+
+
+class RelaxedCaptureMode:
+    """This thread's stream-capture interaction mode set to relaxed for a few CUDA calls, then restored.
+
+    Under ``torch.cuda.graph``'s default (global) capture mode, a ``cudaEventQuery`` or an event record
+    from *another* thread counts as a potentially unsafe call and invalidates that capture (PyTorch's NCCL
+    watchdog met this; it now queries in a non-global mode). The reads here (a lookup's snapshots, the copy
+    placement's health) touch only their own streams and events, never one recorded inside a capture, so
+    they may run during any capture.
+    """
+
+    __slots__ = ("_old",)
+
+    def __enter__(self) -> None:
+        self._old = None
+        drv = _driver()
+        if drv is None:
+            return
+        try:
+            err, old = drv.cuThreadExchangeStreamCaptureMode(
+                drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        except Exception as e:  # noqa: BLE001 - the bindings could not reach the driver
+            raise ProgressReadError(f"cuThreadExchangeStreamCaptureMode could not be called: {e}") from e
+        if int(err) != 0:
+            raise ProgressReadError(f"cuThreadExchangeStreamCaptureMode failed: {getattr(err, 'name', err)}; the "
+                                    "CUDA context of this lookup is not usable")
+        self._old = old
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            _driver().cuThreadExchangeStreamCaptureMode(self._old)
+
+
+class CounterSnapshots:
+    """Double-buffered, non-blocking snapshots of an int64 counter tensor (a lookup's device counters).
+
+    ``read()`` returns ``(values, age_s)``: the newest snapshot whose copy has completed, and the seconds
+    since that copy was enqueued. On CUDA each call first polls the copy in flight (``event.query()``);
+    if it has completed it becomes the snapshot returned, and the other buffer receives the next copy
+    (``copy_(non_blocking=True)`` into pinned memory on a side stream owned here, then an event record).
+    A copy still in flight is left alone: there is only ever one, and the buffer returned is never the
+    one being written. Nothing waits: not the host, and not the side stream, which depends on nothing
+    of the model's (one wait, at construction, for the counters' own zeroing). Everything is allocated
+    here; a read allocates no device or pinned memory. On the CPU a read is a plain copy, current.
+
+    Under CUDA graph capture on this thread's current stream a read enqueues, records and queries nothing:
+    it returns the last snapshot. Capture on another thread is unaffected (:class:`RelaxedCaptureMode`).
+
+    The race. Kernels on any stream add to the counters with relaxed atomics while the copy engine reads
+    them. A snapshot may miss the adds of kernels still running (stale, by at most ``age_s``), and two
+    counters of one snapshot may be from slightly different moments (``rows`` may include a call that
+    ``lookups`` does not yet). A single value is never torn: the counters are naturally aligned 8-byte
+    words (the caching allocator aligns blocks to 512 B), the copy engine reads each word whole (in
+    32-byte sectors, through L2, where the atomics are performed), and each atomic updates its word whole.
+    Each counter only grows, and the snapshots of one reader are in stream order, so successive reads
+    never go back.
+    """
+
+    def __init__(self, counters: torch.Tensor) -> None:
+        if counters.dtype != torch.int64 or counters.dim() != 1 or not counters.is_contiguous():
+            raise ValueError(f"counters must be a contiguous 1-D int64 tensor, got {counters!r}")
+        self._src = counters
+        self._device = counters.device
+        self._synchronous = not counters.is_cuda
+        n = counters.numel()
+        # normal tensors even when built under inference mode: a read may come from any thread (a scrape's
+        # is not in inference mode), and only a normal tensor may be written in place there
+        with torch.inference_mode(False):
+            self._bufs = tuple(torch.zeros(n, dtype=torch.int64, device="cpu", pin_memory=counters.is_cuda)
+                               for _ in range(2))
+        self._views = tuple(b.numpy() for b in self._bufs)  # host reads of the pinned words: no torch op
+        now = time.monotonic()
+        # buffer 0 starts as the first snapshot: zeros, exact at construction (the counters start at 0)
+        self._taken = [now, now]
+        self._published = 0
+        self._inflight: int | None = None
+        self._lock = threading.Lock()  # reads from several threads (a scrape and a health check)
+        self._stream = None
+        self._events: tuple = (None, None)
+        if counters.is_cuda:
+            with torch.cuda.device(self._device):
+                self._stream = torch.cuda.Stream(self._device)  # a pool stream: non-blocking, never the legacy one
+                zeroed = torch.cuda.Event()
+                zeroed.record()  # the current stream, after the counters' zeroing
+                self._stream.wait_event(zeroed)  # the only wait of the side stream, once
+                self._events = (torch.cuda.Event(), torch.cuda.Event())
+                for ev in self._events:
+                    ev.record(self._stream)  # created now, not during a read
+            counters.record_stream(self._stream)  # freed only after the side stream's last copy of them
+
+    def read(self) -> tuple[list[int], float]:
+        """``(values, age_s)`` of the newest completed snapshot; polls and enqueues, never waits."""
+        with self._lock:
+            self._advance()
+            i = self._published
+            values = self._views[i].tolist()
+            age = time.monotonic() - self._taken[i]
+        return values, age
+
+    def _advance(self) -> None:
+        if self._synchronous:
+            k = 1 - self._published
+            self._taken[k] = time.monotonic()
+            self._start_copy(k)
+            self._published = k
+            return
+        with RelaxedCaptureMode():
+            try:
+                capturing = torch.cuda.is_current_stream_capturing()
+            except RuntimeError:  # the capture status itself could not be read: do nothing this time
+                capturing = True
+            if capturing:
+                return  # this thread's stream is capturing: nothing enqueued; the last snapshot stands
+            j = self._inflight
+            if j is not None:
+                if not self._copy_done(j):
+                    return  # the previous snapshot stands; its buffer is not the one being written
+                self._published, self._inflight = j, None
+            k = 1 - self._published
+            self._taken[k] = time.monotonic()  # before the enqueue: the copy runs at or after this time
+            self._start_copy(k)
+            self._inflight = k
+
+    def _start_copy(self, k: int) -> None:
+        """Copy the counters into buffer ``k`` (enqueued on the side stream; at once on the CPU)."""
+        if self._synchronous:
+            self._bufs[k].copy_(self._src)
+            return
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            self._bufs[k].copy_(self._src, non_blocking=True)
+            self._events[k].record(self._stream)
+
+    def _copy_done(self, k: int) -> bool:
+        return bool(self._events[k].query())
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two preallocated host buffers (for tests: they are reused, never reallocated)."""
+        return self._bufs
+
+
+# ----------------------------------------------------------------------------------- Prometheus
+_COUNTERS = (  # (Progress field, metric name, help)
+    ("lookups", "uvaple_lookups", "Lookup calls with at least one id."),
+    ("rows", "uvaple_rows", "Ids served (rows gathered)."),
+    ("bytes", "uvaple_bytes", "Bytes of the rows served (rows x row bytes)."),
+    ("out_of_range_ids", "uvaple_out_of_range_ids", "Ids outside the table (served as the oob policy says)."),
+    ("hot_hits", "uvaple_hot_hits", "Ids served from the hot set in device memory."),
+)
+_LABELS = ["lookup", "placement"]
+
+
+class ProgressCollector:
+    """A ``prometheus_client`` collector over named lookups; ``collect()`` reads each one's ``progress()``.
+
+    Holds the lookups weakly: a lookup dropped or closed disappears from the next scrape. Register one
+    collector per registry (the metric names are declared by :meth:`describe`); :meth:`add` and
+    :meth:`remove` change the lookups it exports.
+    """
+
+    def __init__(self, lookups: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> None:
+        self._lock = threading.Lock()
+        self._refs: dict[str, weakref.ref] = {}
+        items = lookups.items() if isinstance(lookups, Mapping) else lookups
+        for name, lk in items:
+            self.add(name, lk)
+
+    def add(self, name: str, lookup) -> None:
+        """Export ``lookup`` (anything with ``progress()`` and ``kind``) under the label ``lookup=name``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a lookup's name must be a non-empty str, got {name!r}")
+        if not callable(getattr(lookup, "progress", None)):
+            raise TypeError(f"{name!r}: {type(lookup).__name__} has no progress(); pass a uvaple Lookup")
+        with self._lock:
+            if name in self._refs and self._refs[name]() is not None:
+                raise ValueError(f"a lookup named {name!r} is already exported; names label the series")
+            self._refs[name] = weakref.ref(lookup)
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._refs.pop(name, None)
+
+    def describe(self):
+        return self._families()
+
+    def collect(self):
+        families = self._families()
+        counters, age, outstanding, oldest = (families[:len(_COUNTERS)], *families[len(_COUNTERS):])
+        with self._lock:
+            refs = list(self._refs.items())
+        for name, ref in refs:
+            lk = ref()
+            if lk is None:
+                continue
+            try:
+                p = lk.progress()
+            except Exception as e:  # noqa: BLE001 - one broken lookup must not fail the whole scrape
+                log.warning("uvaple: progress() of lookup %r failed at scrape: %s", name, e)
+                continue
+            if p.closed:
+                continue
+            labels = [name, p.kind]
+            for (field, _, _), fam in zip(_COUNTERS, counters, strict=True):
+                value = getattr(p, field)
+                if value is not None:
+                    fam.add_metric(labels, value)
+            if p.age_s is not None:
+                age.add_metric(labels, p.age_s)
+            if p.outstanding is not None:
+                outstanding.add_metric(labels, p.outstanding)
+                if p.oldest_job is not None:
+                    oldest.add_metric([*labels, p.oldest_stage], p.oldest_age_s)
+        return families
+
+    @staticmethod
+    def _families() -> list:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        return [
+            *(CounterMetricFamily(metric, doc, labels=_LABELS) for _, metric, doc in _COUNTERS),
+            GaugeMetricFamily("uvaple_snapshot_age_seconds", "How old the exported counter values may be: "
+                              "seconds since their device-to-host copy was enqueued (0 for host counters).",
+                              labels=_LABELS),
+            GaugeMetricFamily("uvaple_copy_outstanding_jobs", "Copy placement: jobs admitted and not finished.",
+                              labels=_LABELS),
+            GaugeMetricFamily("uvaple_copy_oldest_job_age_seconds", "Copy placement: seconds since the oldest "
+                              "outstanding job was admitted, labelled with the stage it is in.",
+                              labels=[*_LABELS, "stage"]),
+        ]
+
+
+def register_prometheus(lookups: Mapping[str, Any] | Iterable[tuple[str, Any]], registry=None) -> ProgressCollector:
+    """Export ``lookups`` (``{name: lookup}``) to Prometheus; returns the registered :class:`ProgressCollector`.
+
+    Metrics (labels ``lookup`` = the name given, ``placement`` = the lookup's kind): the counters
+    ``uvaple_lookups_total``, ``uvaple_rows_total``, ``uvaple_bytes_total``,
+    ``uvaple_out_of_range_ids_total``, ``uvaple_hot_hits_total`` (with a hot set); the gauges
+    ``uvaple_snapshot_age_seconds``, and for the copy placement ``uvaple_copy_outstanding_jobs`` and
+    ``uvaple_copy_oldest_job_age_seconds{stage=...}`` (alert on it exceeding your stall threshold). Every
+    scrape reads ``progress()``: no host synchronisation, no background thread.
+
+    ``registry``: a ``prometheus_client.CollectorRegistry`` (default: ``prometheus_client.REGISTRY``).
+    Unregister with ``registry.unregister(collector)``. Needs ``prometheus_client`` (imported here only).
+    """
+    try:
+        import prometheus_client
+    except ImportError as e:
+        raise ImportError("register_prometheus needs prometheus_client: pip install prometheus_client") from e
+    collector = ProgressCollector(lookups)
+    (prometheus_client.REGISTRY if registry is None else registry).register(collector)
+    return collector
