@@ -78,15 +78,22 @@ class HotSet:
             self.set_rows(rows)
 
     @staticmethod
-    def capacity_for(table: HostTable, *, cache_gb: float | None = None, fraction: float | None = None) -> int:
-        """Slots for ``cache_gb`` (10^9 bytes of device memory) or ``fraction`` of the table's rows (one of
-        them), at least 1 and at most every row."""
+    def capacity_for(table: HostTable, *, cache_gb: float | None = None, fraction: float | None = None,
+                     count_ids: bool = False) -> int:
+        """Slots for ``cache_gb`` (10^9 bytes of device memory: the rows, the row-to-slot map, the slot
+        lists and, with ``count_ids``, the served-id counts, all of :attr:`nbytes`) or ``fraction`` of the
+        table's rows (one of them), at least 1 and at most every row."""
         if (cache_gb is None) == (fraction is None):
             raise ValueError("give exactly one of cache_gb= and fraction=")
         if cache_gb is not None:
             if not cache_gb > 0:
                 raise ValueError(f"cache_gb must be positive, got {cache_gb!r}")
-            n = int(cache_gb * 1e9) // table.stride_bytes
+            fixed = table.rows * (4 + (8 if count_ids else 0))  # the map (int32), the counts (int64)
+            budget = int(cache_gb * 1e9) - fixed
+            if budget < table.stride_bytes + 12:
+                raise ValueError(f"cache_gb={cache_gb!r} holds no row: the map of {table.rows} rows alone takes "
+                                 f"{fixed / 1e9:.4g} GB of device memory" + (" with count_ids" if count_ids else ""))
+            n = budget // (table.stride_bytes + 12)  # a row, its held-row entry (int64) and its slot (int32)
         else:
             if not 0 < fraction <= 1:
                 raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
@@ -100,8 +107,10 @@ class HotSet:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the hot rows and the map."""
-        return self._raw.numel() * self._raw.element_size() + self.slot_map.numel() * 4 + self.held.numel() * 8
+        """Device bytes the hot set holds: its rows, the map, the slot lists and the served-id counts."""
+        counts = 0 if self.id_counts is None else self.id_counts.numel() * 8
+        return self._raw.numel() * self._raw.element_size() + self.slot_map.numel() * 4 + self.held.numel() * 8 + \
+            self._slots.numel() * 4 + counts
 
     def set_rows(self, rows: torch.Tensor) -> None:
         """Hold ``rows`` (distinct table rows, int, at most ``capacity``; the first ones when there are
@@ -193,7 +202,7 @@ def hot_set_from_options(table: HostTable, device, options: dict, kind: str = "u
             raise ValueError("hot_profile and count_ids describe a hot set: give its size too (cache_gb= or "
                              "hot_fraction=)")
         return None
-    k = HotSet.capacity_for(table, cache_gb=cache_gb, fraction=fraction)
+    k = HotSet.capacity_for(table, cache_gb=cache_gb, fraction=fraction, count_ids=bool(count_ids))
     rows = None
     if profile is not None:
         # one integer count per table row is a counts profile; anything else, ids (or a file of them)

@@ -6,8 +6,8 @@ An E4B-shaped text model (google/gemma-3n-E4B's text config: 35 layers, hidden 2
 seed) built on the GPU in bf16; nothing downloaded. One process; every figure comes from this run.
 
 Setups, each a PLE module of the same model: ``hf`` (the stock module: the table in HBM), ``uva`` (the
-table in host memory), ``hot`` (uva with a hot set of ``--hot-fraction`` of the rows in HBM, ranked on the
-profile trace), ``hot_sorted_dedup`` (the hot set with ``order="sorted", dedup=True``) and ``fp8`` (the
+table in host memory), ``hot`` (uva with a hot set within ``--hot-fraction`` of the table's bytes in HBM,
+ranked on the profile trace), ``hot_sorted_dedup`` (the hot set with ``order="sorted", dedup=True``) and ``fp8`` (the
 rows served as fp8 codes with a per-row scale, ``backend_options={"quantize": "fp8_row"}``). The uvaple
 modules share one host table.
 
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
                     help="ids ranking the hot set (.npy or text of ids)")
     ap.add_argument("--serve-ids", default=os.path.join(TRACES, "serve_python_reference.npy"),
                     help="ids of the prompts and decode tokens (another text)")
-    ap.add_argument("--hot-fraction", type=float, default=0.05, help="rows of the table held in HBM")
+    ap.add_argument("--hot-fraction", type=float, default=0.05,
+                    help="share of the table's bytes the hot set may hold in HBM (its rows, map and slot lists)")
     ap.add_argument("--prompts", type=int, help="prompts (from the serve trace) for generate() (4; tiny 2)")
     ap.add_argument("--prompt-len", type=int, help="16; tiny 5 (the toy's sliding window is 8)")
     ap.add_argument("--new-tokens", type=int, help="greedy tokens of the stock and fp8 runs (256; tiny 8)")
@@ -245,7 +246,8 @@ def _run(args, log_path: str) -> int:
     with torch.no_grad():
         uva(torch.zeros(1, dtype=torch.int64, device=device))
     res["model"]["host_copy_s"] = time.monotonic() - t
-    hot_opts = {"hot_fraction": args.hot_fraction, "hot_profile": profile}
+    # the hot set's whole device memory (rows, map, slot lists) within --hot-fraction of the table's bytes
+    hot_opts = {"cache_gb": args.hot_fraction * uva.table.nbytes / 1e9, "hot_profile": profile}
     max_rows = max(args.prompts * (P + N), max(batches) * P, 1)
     modules = {"hf": stock, "uva": uva, "hot": sibling(uva, hot_opts, device),
                "hot_sorted_dedup": sibling(uva, {**hot_opts, "order": "sorted", "dedup": True, "max_rows": max_rows},

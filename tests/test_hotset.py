@@ -196,7 +196,16 @@ def test_profiles_rank_rows_by_count(tmp_path):
     data = rand(1000, 8, torch.bfloat16, seed=11)
     with HostTable.from_tensor(data) as h:
         assert HotSet.capacity_for(h, fraction=0.05) == 50
-        assert HotSet.capacity_for(h, cache_gb=h.stride_bytes * 20 / 1e9) == 20
+        per_slot, fixed = h.stride_bytes + 12, h.rows * 4  # a row, its held entry and slot; the map
+        assert HotSet.capacity_for(h, cache_gb=(fixed + per_slot * 20) / 1e9) == 20
+        assert HotSet.capacity_for(h, cache_gb=(fixed + per_slot * 21 - 1) / 1e9) == 20
+        counted = (fixed + h.rows * 8 + per_slot * 20) / 1e9
+        assert HotSet.capacity_for(h, cache_gb=counted, count_ids=True) == 20
+        for count_ids in (False, True):  # cache_gb bounds everything the hot set holds on the device
+            k = HotSet.capacity_for(h, cache_gb=counted, count_ids=count_ids)
+            assert HotSet(h, k, "cpu", count_ids=count_ids).nbytes <= counted * 1e9
+        with pytest.raises(ValueError, match="holds no row: the map"):
+            HotSet.capacity_for(h, cache_gb=fixed / 1e9)
         assert HotSet.capacity_for(h, fraction=1e-9) == 1
         with pytest.raises(ValueError, match="exactly one"):
             HotSet.capacity_for(h)
