@@ -199,7 +199,7 @@ class GatherLookup(Lookup):
         is allocated here, once (with ``auto``, only for rows the heuristic may sort); without
         ``max_rows`` every call is direct.
     dedup : bool
-        With the sorted order, read each distinct id of a program once: its repeats copy the first
+        With the sorted order, read each distinct id of the call once: its repeats copy the first
         reader's output row. Same bits either way. Off by default: finding repeats needs several rows per
         program, and on random 160-B rows that shape was 1.43x slower at 65,536 ids than one row per
         program (heuristics.sorted_config); turn it on where ids repeat a lot (token-id tables).
@@ -316,7 +316,7 @@ class GatherLookup(Lookup):
                      chunk_rows: int | None = None) -> torch.Tensor:
         """Rows for host ``ids`` (a CPU int32/int64 tensor: the scheduler's) in ``out`` (on ``device``): the
         first ``gpu_share`` of them gathered by the GPU (the direct or sorted path, as :meth:`lookup`), the
-        rest by this thread on every core into pinned staging, copied with one host-to-device copy and
+        rest by this thread into pinned staging (``heuristics.SPLIT_CPU_PATH``), copied to the device and
         given the spec's policy by the same kernel. The staged rows are copied up ``chunk_rows`` at a time
         (default :func:`uvaple.kernels.heuristics.split_chunk_rows`), each chunk's copy beside the gather of
         the next. No worker thread, no queue: the staging is reused
@@ -354,38 +354,41 @@ class GatherLookup(Lookup):
         with sp.lock:
             sp.free.synchronize()  # the previous call's copies out of the staging are done
             stream = torch.cuda.current_stream(self.device)
-            if k:  # the GPU's share first: it runs while this thread gathers the rest
-                sp.ids_host[:k].copy_(flat_ids[:k])
-                dev_ids = sp.ids_dev[:k]
-                dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
-                self.lookup(dev_ids, flat_out[:k])
-            m = n - k
-            if m:
-                lo, hi = spec.window
-                row0 = spec.oob == "row0"
-                bad = split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, row0, sp.rows_idx[:m].numpy(),
-                                 sp.ids_host[k:n].numpy())
-                # The staged rows go up on this lookup's copy stream, chunk by chunk as they are gathered,
-                # beside the GPU share's reads still running on the caller's stream; the caller's stream
-                # waits for them before the kernel that applies the policy. The staging is this lookup's
-                # alone and free (the wait above).
-                with torch.cuda.stream(sp.copy_stream):
-                    sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
-                gather_up(self.table.tensor.view(torch.uint8), sp.rows_idx[:m], sp.rows_host, sp.rows_dev,
-                          sp.copy_stream, self.table.row_bytes,
-                          heuristics.split_chunk_rows(n) if chunk_rows is None else chunk_rows,
-                          path=heuristics.SPLIT_CPU_PATH)
-                sp.staged.record(sp.copy_stream)
-                stream.wait_event(sp.staged)
-                staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
-                torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,
-                                             spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
-                if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
-                    if k:
-                        self._counters[0].sub_(1)
-                    if row0 and bad:
-                        self._counters[2].add_(bad)
-            sp.free.record(stream)  # after everything of this call (the copy stream's work is waited for above)
+            try:
+                if k:  # the GPU's share first: it runs while this thread gathers the rest
+                    sp.ids_host[:k].copy_(flat_ids[:k])
+                    dev_ids = sp.ids_dev[:k]
+                    dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
+                    self.lookup(dev_ids, flat_out[:k])
+                m = n - k
+                if m:
+                    lo, hi = spec.window
+                    row0 = spec.oob == "row0"
+                    bad = split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, row0, sp.rows_idx[:m].numpy(),
+                                     sp.ids_host[k:n].numpy())
+                    # The staged rows go up on this lookup's copy stream, chunk by chunk as they are gathered,
+                    # beside the GPU share's reads still running on the caller's stream; the caller's stream
+                    # waits for them before the kernel that applies the policy. The staging is this lookup's
+                    # alone and free (the wait above).
+                    with torch.cuda.stream(sp.copy_stream):
+                        sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
+                    gather_up(self.table.tensor.view(torch.uint8), sp.rows_idx[:m], sp.rows_host, sp.rows_dev,
+                              sp.copy_stream, self.table.row_bytes,
+                              heuristics.split_chunk_rows(n) if chunk_rows is None else chunk_rows,
+                              path=heuristics.SPLIT_CPU_PATH)
+                    sp.staged.record(sp.copy_stream)
+                    stream.wait_event(sp.staged)
+                    staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
+                    torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,
+                                                 spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
+                    if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
+                        if k:
+                            self._counters[0].sub_(1)
+                        if row0 and bad:
+                            self._counters[2].add_(bad)
+            finally:  # also after a failure: the staging is free only once every copy queued out of it is done
+                stream.wait_stream(sp.copy_stream)
+                sp.free.record(stream)
         return out
 
     def stats(self) -> dict:

@@ -313,7 +313,7 @@ def gather_sorted_kernel(
             row_scale = tl.where(hit, _row_scale(hot_ptr, slot, table_stride, scale_col, leader & hit),
                                  _row_scale(table_ptr, row, table_stride, scale_col, leader & (hit == 0)))[:, None]
         else:
-            row_scale = _row_scale(table_ptr, row, table_stride, scale_col, in_n)[:, None]
+            row_scale = _row_scale(table_ptr, row, table_stride, scale_col, leader)[:, None]  # repeats read none
     y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
                  NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])

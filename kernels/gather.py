@@ -340,11 +340,11 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     )
     if dedup and grid[0] > 1:  # the repeats of runs that cross into a program copy their leader's row
         rows_out = out.view(_INT_OF_SIZE[out.element_size()])  # a copy of bits, whatever the dtype
-        # a plain HBM copy: wide tiles, so few programs repeat the leader's search; steps for n ids, in
-        # multiples of 4 (few variants)
+        # a plain HBM copy: wide tiles, so few programs repeat the leader's search; 32 search steps cover
+        # any n below 2**32 (one compiled variant; the steps past the answer load nothing)
         block_c = min(triton.next_power_of_2(ncols), max(1, TILE_BYTES // out.element_size()))
         kernels.dedup_tail_kernel[(grid[0], triton.cdiv(ncols, block_c))](
-            keys, order, rows_out, n, ncols, STEPS=-(-n.bit_length() // 4) * 4, BLOCK_R=cfg.block_rows,
+            keys, order, rows_out, n, ncols, STEPS=32 if n < 1 << 32 else 64, BLOCK_R=cfg.block_rows,
             BLOCK_C=block_c, num_warps=NUM_WARPS)
 
 

@@ -53,7 +53,7 @@ import traceback
 import numpy as np
 import torch
 
-from uvaple.perf.gemma3n_e2e import TINY, Budget, build_model, environment, greedy, logging_to, sync
+from uvaple.perf.gemma3n_e2e import E2B, TINY, Budget, build_model, environment, greedy, logging_to, sync
 from uvaple.perf.graph_decode import interleaved_graph_ms
 
 log = logging.getLogger("uvaple.perf.gemma3n_levers")
@@ -61,14 +61,9 @@ log = logging.getLogger("uvaple.perf.gemma3n_levers")
 GiB = float(1 << 30)
 # google/gemma-3n-E4B's text_config: 35 layers (4 sliding, 1 full, 7 times), the last 15 sharing KV, the first 10
 # with activation sparsity; vocab 262,400, of which the first 262,144 ids have per-layer embeddings.
-E4B = dict(
-    vocab_size=262_400, vocab_size_per_layer_input=262_144, hidden_size=2048, hidden_size_per_layer_input=256,
-    intermediate_size=[16_384] * 35, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=2,
-    head_dim=256, num_kv_shared_layers=15, laurel_rank=64, altup_num_inputs=4, sliding_window=512,
-    layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
-    activation_sparsity_pattern=[0.95] * 10 + [0.0] * 25, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
-    max_position_embeddings=32_768, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-)
+E4B = {**E2B, "intermediate_size": [16_384] * 35, "num_hidden_layers": 35, "num_kv_shared_layers": 15,
+       "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+       "activation_sparsity_pattern": [0.95] * 10 + [0.0] * 25, "rms_norm_eps": 1e-6}
 TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
 SETUPS = ("hf", "uva", "hot", "hot_sorted_dedup", "fp8")
 # The run's sizes: the E4B run (~4 minutes on an H200, mostly eager greedy decoding and the host-side fp8

@@ -1286,3 +1286,21 @@ def test_word_gather_gives_the_byte_gathers_bytes(itemsize, oob_row0):
             assert bad == int((~valid).sum())
             np.testing.assert_array_equal(out, want, err_msg=f"{path} at byte {byte_start}, {nbytes} bytes")
     assert cpu_gather._as_words(table[:, 1:], np.empty((1, 8), np.uint8), 0, zero) is None  # a misaligned table
+
+
+@pytest.mark.timeout(120)
+def test_warm_up_compiles_what_the_first_gathers_use():
+    """After warm_up, neither a word-aligned nor a byte gather compiles anything more (a first lookup
+    compiling for a second while holding the gather lock would stall every other gather)."""
+    table = np.random.default_rng(5).integers(0, 256, (50, 160), dtype=np.uint8)
+    zero = np.zeros(2, dtype=np.uint8)
+    cpu_gather.warm_up(table, zero)
+    kernels = cpu_gather._gather_kernels()
+    before = [len(k.signatures) for k in kernels]
+    ids = np.arange(7, dtype=np.int64)
+    for path in ("serial", "parallel"):
+        for byte_start, nbytes in ((0, 160), (3, 80)):  # words, then bytes
+            out = np.empty((7, nbytes), dtype=np.uint8)
+            cpu_gather.cpu_gather(table, ids, out, byte_start, False, zero, path=path)
+            cpu_gather.cpu_gather(table, ids.astype(np.int32), out, byte_start, True, zero, path=path)
+    assert [len(k.signatures) for k in kernels] == before

@@ -104,13 +104,13 @@ def _gather_kernels() -> tuple[Callable, Callable]:
 
 
 def _as_words(table: np.ndarray, out: np.ndarray, byte_start: int, zero: np.ndarray):
-    """(table words, out words, word start, zero word) when rows can be copied as 8-byte words, else None."""
+    """(table words, out words, word start, the zero element as one word) for a copy in 8-byte words, or None."""
     nbytes = out.shape[1]
     if byte_start % 8 or nbytes % 8 or table.shape[1] % 8 or 8 % zero.shape[0] or \
             table.ctypes.data % 8 or out.ctypes.data % 8 or table.strides[1] != 1 or out.strides[1] != 1 or \
             table.strides[0] % 8 or out.strides[0] % 8:
         return None
-    zero_word = np.frombuffer(np.tile(zero, 8 // zero.shape[0]).tobytes(), dtype=np.uint64)
+    zero_word = np.tile(zero, 8 // zero.shape[0]).view(np.uint64)  # writable, as warm_up's: one numba variant
     return table.view(np.uint64), out.view(np.uint64), np.int64(byte_start // 8), zero_word
 
 
@@ -209,10 +209,10 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
 def _split_kernel() -> Callable:
     import numba
 
-    @numba.njit(parallel=True, nogil=True, cache=False)  # on numba's threads, as the gather after it
+    @numba.njit(parallel=False, nogil=True, cache=False)  # serial: no numba pool beside torch's threads
     def split_rows(ids, id_base, lo, hi, row0, rows, staged):
         bad = 0
-        for j in numba.prange(ids.shape[0]):
+        for j in range(ids.shape[0]):
             r = np.int64(ids[j]) - id_base
             ok = (r >= lo) & (r < hi)
             rows[j] = r if ok else lo
@@ -225,13 +225,12 @@ def _split_kernel() -> Callable:
 
 def split_rows(ids: np.ndarray, id_base: int, lo: int, hi: int, row0: bool, rows: np.ndarray,
                staged: np.ndarray) -> int:
-    """A split lookup's CPU share, in one parallel pass over its ids: ``rows[j]``, the table row to stage (id
+    """A split lookup's CPU share, in one serial pass over its ids: ``rows[j]``, the table row to stage (id
     ``j`` less ``id_base`` when inside ``[lo, hi)``, else ``lo``: any row, read and never used unless
     ``row0``), and ``staged[j]``, the id of staged row ``j`` for the device kernel that applies the policy
     (``j``, or ``-1``, out of range there too, for an id outside the window under zero rows). Returns
     how many ids were outside the window (under ``row0`` the device kernel cannot see them)."""
-    with _GATHER_LOCK:  # a parallel numba function, called from one thread at a time (see the module)
-        return int(_split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged))
+    return int(_split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged))
 
 
 def warm_split() -> None:
@@ -244,7 +243,7 @@ def warm_split() -> None:
 def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_rows: int, *,
               path: str = "torch") -> None:
     """Rows ``rows`` (int64, CPU, every one inside the table) of ``table_bytes`` (a uint8 ``[rows, stride]``
-    CPU tensor) gathered on every core into pinned ``host`` and copied to ``dev`` on ``copy_stream``,
+    CPU tensor) gathered into pinned ``host`` and copied to ``dev`` on ``copy_stream``,
     ``chunk_rows`` rows at a time: the copy of one chunk runs while the next is gathered. ``path``:
     ``"parallel"`` (this module's numba gather: 8-byte words on every numba thread) or ``"torch"``
     (``torch.index_select``, which runs on one or two threads below about 1M ids). The caller owns
