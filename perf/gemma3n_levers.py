@@ -242,7 +242,7 @@ def _run(args, log_path: str) -> int:
         uva(torch.zeros(1, dtype=torch.int64, device=device))
     res["model"]["host_copy_s"] = time.monotonic() - t
     # the hot set's whole device memory (rows, map, slot lists) within --hot-fraction of the table's bytes
-    hot_opts = {"cache_gb": args.hot_fraction * uva.table.nbytes / 1e9, "hot_profile": profile}
+    hot_opts = {"cache_gb": args.hot_fraction * table_bytes / 1e9, "hot_profile": profile}
     max_rows = max(args.prompts * (P + N), max(batches) * P, 1)
     modules = {"hf": stock, "uva": uva, "hot": sibling(uva, hot_opts, device),
                "hot_sorted_dedup": sibling(uva, {**hot_opts, "order": "sorted", "dedup": True, "max_rows": max_rows},

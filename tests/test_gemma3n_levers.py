@@ -34,7 +34,8 @@ def test_tiny_run(tmp_path, device):
     assert f8["teacher_forced_logits"]["max_abs"] > 0  # the PLE reaches the logits (live_per_layer_path)
     assert len(f8["free_running"]["first_divergence"]) == 2
     hs = res["hot_set"]
-    assert hs["capacity"] == int(257 * 0.05) and 0 < hs["serve_trace_hit_rate"] <= 1
+    # the hot set's whole device memory (rows, map, slot lists) within 5% of the table's bytes, as large as fits
+    assert 0.04 < hs["hbm_over_table"] <= 0.05 and 0 < hs["capacity"] and 0 < hs["serve_trace_hit_rate"] <= 1
     if device.type == "cuda":
         for b in ("1", "3"):
             row = res["decode_graph"][b]["setups"]
