@@ -3,8 +3,9 @@
 # readiness, the benchmarks, the Gemma 3n end-to-end run and the E4B levers run. Logs go to $OUT
 # (default ./gpu-out): run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench e2e levers
-#   (default: all)
+#   steps: doctor tests soak memcheck lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench
+#   e2e levers
+#   (default: all but soak and memcheck)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
@@ -29,8 +30,22 @@ if has doctor; then
 fi
 if has tests; then
   step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; ${UVAPLE_EQUIV_SCHEDULES:-1000} equivalence schedules)"
-  UVAPLE_EQUIV_SCHEDULES=${UVAPLE_EQUIV_SCHEDULES:-1000} timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \
+  UVAPLE_EQUIV_SCHEDULES=${UVAPLE_EQUIV_SCHEDULES:-1000} UVAPLE_EQUIV_SUMMARY="$R/equivalence.json" timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \
     ${TESTS:-tests} 2>&1 | tee "$R/pytest.log" | tail -40
+fi
+if has soak; then
+  step "overlapped-schedule soak: ${SOAK_SCHEDULES:-10000} schedules (depth 1-8, cancels, closes, admission, memory back to baseline)"
+  UVAPLE_EQUIV_SCHEDULES=${SOAK_SCHEDULES:-10000} UVAPLE_EQUIV_SUMMARY="$R/soak.json" timeout 560 python3 -m pytest -q -ra \
+    --timeout 540 -p no:cacheprovider tests/test_equivalence.py 2>&1 | tee "$R/soak.log" | tail -15
+fi
+if has memcheck; then
+  step "compute-sanitizer memcheck over the fuzzed kernel paths (${MEMCHECK_TESTS:-tests/test_fuzz.py -k every_id_class})"
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$cs" ]; then
+    timeout 560 "$cs" --tool memcheck --leak-check no --log-file "$R/memcheck.log" python3 -m pytest -q -p no:cacheprovider \
+      ${MEMCHECK_TESTS:-tests/test_fuzz.py -k every_id_class} 2>&1 | tail -5
+    tail -5 "$R/memcheck.log"
+  else echo "compute-sanitizer not found on this machine"; fi
 fi
 if has lifetime; then
   step "host-table lifetime at full size (8 GiB finalizer release, fork, 16 GiB shared by 4 processes)"
