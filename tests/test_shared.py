@@ -461,17 +461,36 @@ def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
         if pid == 0:
             assert t._region.segment.fd is None  # the fork hook closed the child's descriptor copy
             t.close()  # the child's copy of the mapping goes
-            print("child let go", flush=True)
+            os.write(1, b"child let go\\n")  # one write each: the two processes' lines never interleave
             time.sleep(600)
             os._exit(0)
-        print(pid, flush=True)
+        os.write(1, f"child {{pid}}\\n".encode())
         time.sleep(600)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    registered = p.stdout.readline().strip() == "registered"
-    lines = [p.stdout.readline().strip(), p.stdout.readline().strip()]
-    child = int(next(x for x in lines if x.isdigit()))
-    assert "child let go" in lines
+    child = None
+    try:
+        registered = p.stdout.readline().strip() == "registered"
+        lines: list[str] = []
+        while (child is None or "child let go" not in lines) and len(lines) < 20:  # whatever else is printed
+            lines.append(p.stdout.readline().strip())
+            if lines[-1].startswith("child ") and lines[-1] != "child let go":
+                child = int(lines[-1].split()[1])
+        assert child is not None and "child let go" in lines, lines
+        _a_child_that_let_go_holds_nothing(p, child, registered, name)
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        p.stdout.close()
+
+
+def _a_child_that_let_go_holds_nothing(p, child: int, registered: bool, name: str) -> None:
 
     def attached_within(seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -479,22 +498,15 @@ def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
             time.sleep(0.05)
         return info.attached
 
-    try:
-        assert {i.name: i for i in segments.list_segments()}[name].attached
-        p.send_signal(signal.SIGKILL)
-        p.wait(30)
-        if registered:
-            driver = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
-            assert any(d.startswith("/dev/nvidia") for d in driver), driver  # what keeps it referenced
-            os.kill(child, signal.SIGKILL)
-        assert not attached_within(20)  # the living (unregistered) or dead (registered) child holds no lock
-        assert [i.name for i in segments.clean([name])] == [name]
-    finally:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.stdout.close()
+    assert {i.name: i for i in segments.list_segments()}[name].attached
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    if registered:
+        driver = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
+        assert any(d.startswith("/dev/nvidia") for d in driver), driver  # what keeps it referenced
+        os.kill(child, signal.SIGKILL)
+    assert not attached_within(20)  # the living (unregistered) or dead (registered) child holds no lock
+    assert [i.name for i in segments.clean([name])] == [name]
 
 
 # ------------------------------------------------------------------ deferred readiness (an engine's loader fills)
