@@ -56,6 +56,7 @@ from torch import nn
 
 from uvaple._util import fmt_bytes
 
+from .devices import resolve_device
 from .factory import make_lookup
 from .hotset import hot_set_from_options
 from .spec import TableSpec
@@ -376,8 +377,7 @@ class HostScaledEmbedding(nn.Module):
             raise RuntimeError(
                 "HostScaledEmbedding has no table yet: it was built on the meta device and never loaded. "
                 "Load a state dict, assign `.weight`, call attach_table(), or use load_gemma3n_with_host_ple()")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device)  # a bare "cuda" is the current device, as for every lookup
         key = (device.type, device.index, self.compute_dtype)
         entry = self._backends.get(key)
         if entry is None:
