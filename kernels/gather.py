@@ -236,7 +236,9 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
     if n == 0 or ncols == 0:
         return
-    cfg = config or launch_config(ncols * table.element_size(), table.element_size(), n)
+    # fp8 codes widened in the kernel: the tile is sized by what a program writes (heuristics.launch_config)
+    item = out.element_size() if dequant else table.element_size()
+    cfg = config or launch_config(ncols * item, item, n)
     hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (n, triton.cdiv(ncols, cfg.block))

@@ -10,6 +10,13 @@ Measured on the H200 with CUDA-graph replays (perf/results/h200_2026-11-29/gathe
 >= 1024 rows of 15,360 and 17,920 bytes; at one 128 KiB row a whole-row tile with 4 warps takes 68.5 us
 where 4 KiB tiles take 5.6 us (the memcpy of those bytes: 5.8 us). Loads that bypass L1 (``.cg``) and a
 TMA tensor-descriptor gather were no better (TMA: 0.31x at 16,384 rows of 17,920 bytes).
+
+fp8 rows widened in the kernel take the tile by the bytes a program *writes* (``launch`` passes the output's
+row bytes): 2,048 B of codes per program, 4,096 B of bf16 out. Measured on E4B fp8 rows (8,960 B of codes
+and a 4-byte scale, perf/results/h200_2026-12-01/hotset/decode_batches/hotset.json, ``fp8_t*`` providers,
+same run): 2,048 B of codes with 4 warps took 1,322 us at 8,192 rows and 2,532 us at 16,384 where 4,096 B
+(the tile by codes) took 1,379 and 2,687, 4,096 B with 8 warps 1,353 / 2,641, and 8 or 16 KiB 1,392-1,414
+/ 2,751-2,785; at 1 and 8 rows 2 KiB was also the fastest, at 64 all were within 2%.
 """
 
 from __future__ import annotations

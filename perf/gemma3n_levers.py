@@ -12,8 +12,8 @@ rows served as fp8 codes with a per-row scale, ``backend_options={"quantize": "f
 modules share one host table.
 
 1. Speed. The decode step captured in a CUDA graph (:func:`uvaple.perf.graph_decode.interleaved_graph_ms`)
-   at batch 1 / 8 / 64: every setup captured from the same prompt and tokens, the replays interleaved step
-   by step, each replay checked against its eager step first; ratios to ``hf``. The hot set's HBM bytes
+   at batch 1 / 8 / 64: every setup captured from the same prompt and tokens, timed in four interleaved
+   rounds (one graph alive at a time), each capture checked against its eager step first; ratios to ``hf``. The hot set's HBM bytes
    (rows, map and slot list, against the table's bytes) and its hit rate over the ids served while timing
    (the lookup's ``stats()``), and over the whole serve trace.
 2. Lossless levers (``uva``, ``hot``, ``hot_sorted_dedup``) against the stock model: prefill logits, the
@@ -195,9 +195,9 @@ def _run(args, log_path: str) -> int:
                  "decode_graph": {}, "lossless": {}, "fp8": {}, "errors": []}
 
     def record_error(where, e):
-        log.error("%s failed: %s", where, e)
-        res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}",
-                              "trace": traceback.format_exc(limit=6)})
+        trace = traceback.format_exc()
+        log.error("%s failed: %s\n%s", where, e, trace)
+        res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}", "trace": trace})
 
     profile, serve = load_trace(args.profile_ids, v_ple), load_trace(args.serve_ids, v_ple)
     draw = trace_draw(serve, device)

@@ -3,8 +3,8 @@
 A decode step (one token per sequence, StaticCache) is captured from one cache state and replayed from
 that state, the cache counters rewound before each replay, so every replay decodes the same position with
 new token ids and can be checked bit for bit against the eager step. :func:`decode_graph` times one setup;
-:func:`interleaved_graph_ms` captures several setups of one model (different PLE modules, say) and replays
-them in rotating order, step by step, so drift in the GPU's clocks hits them alike.
+:func:`interleaved_graph_ms` times several setups of one model (different PLE modules, say) in rounds of
+rotating order, one captured graph alive at a time, so drift in the GPU's clocks hits them alike.
 
 HF's Gemma 3n builds a few tiny constants on the host at every forward; :class:`HostConstants` serves
 them from device tensors recorded one eager forward earlier so the capture holds only device work.
@@ -228,29 +228,40 @@ def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21
 
 @torch.no_grad()
 def interleaved_graph_ms(model, attach: Callable[[str], None], names: Sequence[str], prompt: torch.Tensor,
-                         toks: torch.Tensor, *, warm: int, device) -> dict:
-    """Decode steps of several setups of ``model``, each captured in a CUDA graph, replayed in rotating order.
+                         toks: torch.Tensor, *, warm: int, device, rounds: int = 4) -> dict:
+    """Decode steps of several setups of ``model``, each captured in a CUDA graph, timed in interleaved rounds.
 
-    ``attach(name)`` puts setup ``name`` in the model (its PLE module, say): for its capture and its eager
-    check only, since a graph replays what it captured. Every setup prefills ``prompt [batch, prompt_len]``
-    and decodes the same ``toks [2 + warm + steps, batch]`` (``toks[0]`` is the captured step's, ``toks[1]``
-    the check's). Step ``i`` replays every setup once, the order rotated by one each step; the first
-    ``warm`` steps are not timed. Returns ``{name: {"ms": median replay ms, "replay_equals_eager": bool}}``.
+    ``attach(name)`` puts setup ``name`` in the model (its PLE module, say) for its capture and eager check.
+    Every setup prefills ``prompt [batch, prompt_len]`` and decodes ``toks [2 + warm + steps, batch]``
+    (``toks[0]`` is the captured step's, ``toks[1]`` the check's). The steps are split into ``rounds``; in
+    each round every setup, in an order rotated by one per round, is captured, checked against its eager
+    step, replayed ``warm`` times untimed and then over its share of the steps, and released before the next
+    setup is captured: one graph of the model lives at a time (two live captures of one HF Gemma 3n model
+    at batch > 1 were seen to fault on the H200, each alone ran clean), and drift in the GPU's clocks hits
+    every setup alike. Returns ``{name: {"ms": median replay ms, "replay_equals_eager": bool}}``, the check
+    true only when it held in every round.
     """
     names = list(names)
-    graphs: dict = {}
-    same: dict = {}
-    try:
-        for name in names:
+    steps = toks.shape[0] - 2 - warm
+    if steps < 1:
+        raise ValueError(f"toks has {toks.shape[0]} rows: 2 + warm ({warm}) + at least one timed step needed")
+    rounds = max(1, min(rounds, steps))
+    bounds = [steps * r // rounds for r in range(rounds + 1)]
+    timers = {name: Timer(device) for name in names}
+    same = dict.fromkeys(names, True)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
             attach(name)
-            graphs[name] = CapturedDecode(model, prompt, toks[0], device=device)
-            same[name] = graphs[name].matches_eager(toks[1])
-        timers = {name: Timer(device) for name in names}
-        for i in range(toks.shape[0] - 2):
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                graphs[name].load(toks[2 + i])
-                timers[name](graphs[name].graph.replay)
-        return {name: {"ms": timers[name].median(skip=warm), "replay_equals_eager": same[name]} for name in names}
-    finally:
-        for g in graphs.values():
-            g.close()
+            step = CapturedDecode(model, prompt, toks[0], device=device)
+            try:
+                same[name] = step.matches_eager(toks[1]) and same[name]
+                for i in range(warm):
+                    step.load(toks[2 + i])
+                    step.graph.replay()
+                for i in range(bounds[r], bounds[r + 1]):
+                    step.load(toks[2 + warm + i])
+                    timers[name](step.graph.replay)
+            finally:
+                step.close()
+                del step
+    return {name: {"ms": timers[name].median(skip=0), "replay_equals_eager": same[name]} for name in names}

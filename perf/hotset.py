@@ -6,15 +6,20 @@ hit rate is the held-out one). From ``--profile-ids`` / ``--serve-ids`` (``.npy`
 ids: a tokenised text, e.g. by :func:`tokenize_files`), else two Zipf(1.1) draws with different seeds (a
 stand-in for text, said so in the output).
 
-Providers, each timed in CUDA graphs on the same serve ids (fresh ids written into the captured buffers
-before every replay), every lossless one bit-exact against the uncached lookup first:
+Calls of up to ``DECODE_MAX`` ids are decode batches: one next token of each of ``n`` sequences, so ``n``
+positions of the serve trace drawn independently (64 such sets); bigger calls are prefill chunks, ``n``
+consecutive tokens (8 windows). Each record's hit rate is over all its sets. Providers, each timed in CUDA
+graphs on the same serve ids (sets drawn at random into the captured buffers before every replay), every
+lossless one bit-exact against the uncached lookup first:
 
 * ``uncached``: the direct gather from host memory (the baseline every ratio is over);
 * ``peer``: vLLM's kernel shape (one program per row, ``perf/peers.py``);
 * ``hot``: a hot set of ``--hot-fraction`` of the rows (5%) ranked on the profile trace;
 * ``dedup``: the sorted gather with ``dedup`` (each distinct id of a program read once);
 * ``fp8``: the table quantised to ``fp8_row`` (its error report printed), direct;
-* ``all``: fp8 rows, the hot set and the sorted/dedup gather together.
+* ``all``: fp8 rows, the hot set and the sorted/dedup gather together;
+* ``fp8_t<tile>_w<warps>``: the direct fp8 gather at other tiles and warps (``FP8_TILES``), bit-exact
+  against ``fp8``: the sweep behind the fp8 rows' launch settings.
 
 ``--smoke``: a small table on the CPU (interpreted kernels), correctness only (CI).
 """
@@ -31,6 +36,8 @@ import torch
 
 from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, rank_rows
 from uvaple.integration.quantize import fp8_row_table
+from uvaple.kernels import gather as kgather
+from uvaple.kernels.heuristics import LaunchConfig
 from uvaple.uva import HostTable
 
 from .peers import vllm_ple_gather
@@ -38,6 +45,11 @@ from .timing import graph_replay_us
 
 VOCAB, COLS = 262_144, 35 * 256
 NS = (1, 8, 64, 8192, 16384)
+DECODE_MAX = 512  # calls of at most this many ids are decode batches (see call_ids)
+DECODE_SETS = 64
+# fp8 rows' tile sweep beside the shipped (2,048 B of codes, 4 warps: kernels/heuristics.py): (bytes of codes
+# per program, warps)
+FP8_TILES = ((1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8))
 
 
 def zipf_ids(n: int, vocab: int, seed: int, s: float = 1.1) -> np.ndarray:
@@ -70,6 +82,31 @@ def _load_ids(path: str) -> np.ndarray:
         return np.load(path).astype(np.int64).reshape(-1)
     with open(path) as f:
         return np.array(f.read().split(), dtype=np.int64)
+
+
+def fp8_tiled(lk: GatherLookup, out: torch.Tensor, tile: int, warps: int):
+    """``ids -> rows`` of the direct fp8 lookup ``lk`` launched with another tile (bytes of codes per
+    program) and warp count than the shipped heuristic's: the fp8 rows' tile sweep (``FP8_TILES``)."""
+    spec, cfg = lk.spec, LaunchConfig(tile, warps)
+
+    def gather(ids: torch.Tensor) -> torch.Tensor:
+        o = out[: ids.numel()]
+        kgather.launch(lk._arg, ids, o, lk._counters, lk._dq_scale, spec.scale_arg, spec.has_scale, 0,
+                       spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant, config=cfg)
+        return o
+    return gather
+
+
+def call_ids(serve: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """The id sets of ``n``-id calls drawn from the serve trace, ``[sets, n]``, one set per timed call in
+    rotation. A decode batch (``n <= DECODE_MAX``) holds one next token of each of ``n`` sequences: ``n``
+    positions of the trace drawn independently, 64 sets. A prefill chunk holds ``n`` consecutive tokens of
+    one text: 8 windows at random offsets (a trace shorter than ``n``: draws from it)."""
+    g = torch.Generator().manual_seed(seed)
+    if n <= DECODE_MAX or len(serve) < n:
+        return serve[torch.randint(0, len(serve), (DECODE_SETS if n <= DECODE_MAX else 8, n), generator=g)]
+    starts = torch.randint(0, len(serve) - n + 1, (8,), generator=g)
+    return torch.stack([serve[s: s + n] for s in starts.tolist()])
 
 
 def normal_table(rows: int, cols: int, seed: int) -> HostTable:
@@ -119,14 +156,12 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     raw = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
     try:
         for n in ns:
-            starts = np.random.default_rng(n).integers(0, max(1, len(serve_t) - n), 8)
-            short = len(serve_t) < n  # a trace shorter than a call: ids drawn from it
-            sets = torch.stack([serve_t[torch.randint(0, len(serve_t), (n,))] if short else serve_t[s: s + n]
-                                for s in starts]).to(device)
+            sets = call_ids(serve_t, n, seed=n).to(device)
             ids = sets[0]
             want = lookups["uncached"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
-            rec = {"n": n, "distinct": int(torch.unique(ids).numel()),
-                   "hit_rate": float(held[ids.cpu()].float().mean())}
+            rec = {"n": n, "kind": "decode" if n <= DECODE_MAX else "prefill", "sets": int(sets.shape[0]),
+                   "distinct": float(np.mean([torch.unique(x).numel() for x in sets])),
+                   "hit_rate": float(held[sets.cpu()].float().mean())}
             exact = {}
             for name in ("hot", "dedup"):
                 o = out[:n]
@@ -136,6 +171,10 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             exact["peer"] = _exact(raw[:n], want)
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
             exact["all_vs_fp8"] = _exact(lookups["all"].lookup(ids, out[:n]), f_want)
+            tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
+            for name, fn in tiles.items():
+                out[:n].view(torch.int16).fill_(0x7FA5)
+                exact[name + "_vs_fp8"] = _exact(fn(ids), f_want)
             rec["bit_exact"] = exact
             if device.type == "cuda" and not smoke:
                 calls = max(2, min(16, (512 << 20) // (n * cols * 2 * 3)))
@@ -146,6 +185,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
 
                 us = {name: graph_replay_us(lambda i, lk=lk: lk.lookup(i, out[: i.numel()]), ids_buf, refresh,
                                             replays)["median"] for name, lk in lookups.items()}
+                us.update({name: graph_replay_us(fn, ids_buf, refresh, replays)["median"] for name, fn in tiles.items()})
                 us["peer"] = graph_replay_us(lambda i: vllm_ple_gather(view, i, raw[: i.numel()]), ids_buf, refresh,
                                              replays)["median"]
                 rec["us"] = us
