@@ -13,9 +13,9 @@ modules share one host table.
 
 1. Speed. The decode step captured in a CUDA graph (:func:`uvaple.perf.graph_decode.interleaved_graph_ms`)
    at batch 1 / 8 / 64: every setup captured from the same prompt and tokens, timed in four interleaved
-   rounds (one graph alive at a time), each capture checked against its eager step first; ratios to ``hf``. The hot set's HBM bytes
-   (rows, map and slot list, against the table's bytes) and its hit rate over the ids served while timing
-   (the lookup's ``stats()``), and over the whole serve trace.
+   rounds (one graph alive at a time), each capture checked against its eager step first; ratios to
+   ``hf``. The hot set's HBM bytes (rows, map and slot list, against the table's bytes) and its hit rate
+   over the ids served while timing (the lookup's ``stats()``), and over the whole serve trace.
 2. Lossless levers (``uva``, ``hot``, ``hot_sorted_dedup``) against the stock model: prefill logits, the
    logits of one teacher-forced forward over the stock model's greedy sequence, bit for bit; and
    ``--lossless-tokens`` greedy tokens identical.

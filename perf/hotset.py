@@ -185,7 +185,8 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
 
                 us = {name: graph_replay_us(lambda i, lk=lk: lk.lookup(i, out[: i.numel()]), ids_buf, refresh,
                                             replays)["median"] for name, lk in lookups.items()}
-                us.update({name: graph_replay_us(fn, ids_buf, refresh, replays)["median"] for name, fn in tiles.items()})
+                us.update({name: graph_replay_us(fn, ids_buf, refresh, replays)["median"]
+                           for name, fn in tiles.items()})
                 us["peer"] = graph_replay_us(lambda i: vllm_ple_gather(view, i, raw[: i.numel()]), ids_buf, refresh,
                                              replays)["median"]
                 rec["us"] = us
