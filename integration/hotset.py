@@ -125,6 +125,20 @@ class HotSet:
             raise ValueError("hot rows must be distinct")
         self._swap(rows, k)
 
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """Add ``counts`` (int, one per table row, >= 0: :func:`counts_of_ids` of a profile, say) to the
+        served-id counts :meth:`refresh` ranks (``count_ids``): a profile as the prior that the served ids
+        then refine, fading with ``refresh``'s ``decay``. Stream-ordered on the current stream."""
+        if self.id_counts is None:
+            raise ValueError("add_counts() adds to the served-id counts: build the HotSet with count_ids=True")
+        if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != self.table.rows or \
+                counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            raise TypeError(f"counts must be a 1-D integer tensor of {self.table.rows} counts (one per table row), "
+                            f"got {counts!r:.80}")
+        if counts.numel() and int(counts.min()) < 0:  # a profile's, not the hot path
+            raise ValueError("counts must be >= 0")
+        self.id_counts.add_(counts.to(device=self.device, dtype=torch.int64))
+
     def refresh(self, *, decay: int = 1) -> None:
         """Hold the ``capacity`` rows served most often so far (``count_ids``), ranked on the device; then
         divide the counts by ``2**decay`` (0: keep them), so that recent ids weigh more. Stream-ordered
@@ -208,5 +222,9 @@ def hot_set_from_options(table: HostTable, device, options: dict, kind: str = "u
         # one integer count per table row is a counts profile; anything else, ids (or a file of them)
         is_counts = isinstance(profile, torch.Tensor) and profile.dim() == 1 and profile.numel() == table.rows \
             and not profile.is_floating_point()
-        rows = rank_rows(profile if is_counts else counts_of_ids(profile, table.rows), k)
-    return HotSet(table, k, device, rows=rows, count_ids=bool(count_ids))
+        counts = profile if is_counts else counts_of_ids(profile, table.rows)
+        rows = rank_rows(counts, k)
+    hot = HotSet(table, k, device, rows=rows, count_ids=bool(count_ids))
+    if profile is not None and count_ids:
+        hot.add_counts(counts)  # the profile is the prior that refresh() ranks with the served ids
+    return hot

@@ -15,9 +15,13 @@ lossless one bit-exact against the uncached lookup first:
 * ``uncached``: the direct gather from host memory (the baseline every ratio is over);
 * ``peer``: vLLM's kernel shape (one program per row, ``perf/peers.py``);
 * ``hot``: a hot set of ``--hot-fraction`` of the rows (5%) ranked on the profile trace;
+* ``hot_online``: the same slots, ranked on the profile's counts plus the ids served in the serve trace's
+  first half (counted on the device, ``HotSet.add_counts`` / ``refresh``); every provider is timed on the
+  second half, so both hit rates are held out;
 * ``dedup``: the sorted gather with ``dedup`` (each distinct id of a program read once);
 * ``fp8``: the table quantised to ``fp8_row`` (its error report printed), direct;
-* ``all``: fp8 rows, the hot set and the sorted/dedup gather together;
+* ``all``: fp8 rows, the hot set and the sorted/dedup gather together; ``all_online`` with the online
+  set's rows;
 * ``fp8_t<tile>_w<warps>``: the direct fp8 gather at other tiles and warps (``FP8_TILES``), bit-exact
   against ``fp8``: the sweep behind the fp8 rows' launch settings.
 
@@ -135,6 +139,9 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     k = HotSet.capacity_for(table, fraction=hot_fraction)
     ranked = rank_rows(counts_of_ids(profile, rows), k)
     serve_t = torch.as_tensor(serve % rows)
+    # the online hot set learns from the served text's first half; every provider is timed on the second
+    half = len(serve_t) // 2
+    warm_t, serve_t = serve_t[:half][: 4096 if smoke else half], serve_t[half:]
     held = torch.zeros(rows, dtype=torch.bool)
     held[ranked] = True
     res["hot_rows"] = int(ranked.numel())
@@ -151,6 +158,23 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         "fp8": GatherLookup(fp8_table, fspec, device, order="direct"),
         "all": GatherLookup(fp8_table, fspec, device, hot=fhot, order="sorted", dedup=True, max_rows=max_n),
     }
+    online = HotSet(table, k, device, rows=ranked.to(device), count_ids=True)
+    online.add_counts(counts_of_ids(profile, rows))
+    lookups["hot_online"] = GatherLookup(table, spec, device, hot=online, order="direct")
+    scratch = torch.empty(min(8192, max(1, len(warm_t))), cols, dtype=torch.bfloat16, device=device)
+    for a in range(0, len(warm_t), scratch.shape[0]):
+        part = warm_t[a: a + scratch.shape[0]].to(device)
+        lookups["hot_online"].lookup(part, scratch[: part.numel()])
+    online.refresh(decay=0)  # profile + the first half's served ids, ranked on the device
+    del scratch
+    held_online = torch.zeros(rows, dtype=torch.bool)
+    held_online[online.held[: online.size].cpu()] = True
+    res["online_rows"] = online.size
+    res["online_warm_ids"] = len(warm_t)
+    res["online_held_out_hit_rate"] = float(held_online[serve_t].float().mean())
+    fhot_online = HotSet(fp8_table, k, device, rows=online.held[: online.size].clone())
+    lookups["all_online"] = GatherLookup(fp8_table, fspec, device, hot=fhot_online, order="sorted", dedup=True,
+                                         max_rows=max_n)
     view = table.cuda_view() if device.type == "cuda" else table.tensor
     out = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
     raw = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
@@ -161,9 +185,10 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             want = lookups["uncached"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
             rec = {"n": n, "kind": "decode" if n <= DECODE_MAX else "prefill", "sets": int(sets.shape[0]),
                    "distinct": float(np.mean([torch.unique(x).numel() for x in sets])),
-                   "hit_rate": float(held[sets.cpu()].float().mean())}
+                   "hit_rate": float(held[sets.cpu()].float().mean()),
+                   "online_hit_rate": float(held_online[sets.cpu()].float().mean())}
             exact = {}
-            for name in ("hot", "dedup"):
+            for name in ("hot", "hot_online", "dedup"):
                 o = out[:n]
                 o.view(torch.int16).fill_(0x7FA5)
                 exact[name] = _exact(lookups[name].lookup(ids, o), want)
@@ -171,6 +196,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             exact["peer"] = _exact(raw[:n], want)
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
             exact["all_vs_fp8"] = _exact(lookups["all"].lookup(ids, out[:n]), f_want)
+            exact["all_online_vs_fp8"] = _exact(lookups["all_online"].lookup(ids, out[:n]), f_want)
             tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
             for name, fn in tiles.items():
                 out[:n].view(torch.int16).fill_(0x7FA5)
@@ -192,6 +218,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                 rec["us"] = us
                 rec["over_uncached"] = {k2: us["uncached"] / v for k2, v in us.items()}
                 rec["all_over_peer"] = us["peer"] / us["all"]
+                rec["all_online_over_peer"] = us["peer"] / us["all_online"]
             print(json.dumps(rec), flush=True)
             res["results"].append(rec)
     finally:
@@ -225,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() and not a.smoke else torch.device("cpu")
     res = run(rows, cols, profile, serve, a.hot_fraction, ns, device, a.replays, a.smoke)
     res["traces"] = source
+    print(f"online hot set {res['online_rows']} rows (profile + {res['online_warm_ids']} served ids); held-out hit "
+          f"rate {res['online_held_out_hit_rate']:.3f}", flush=True)
     print(f"hot set {res['hot_rows']} rows ({a.hot_fraction:.0%}); held-out hit rate {res['held_out_hit_rate']:.3f}; "
           f"fp8 error {res['fp8_error']}", flush=True)
     if a.out:

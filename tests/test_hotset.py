@@ -13,6 +13,7 @@ import torch
 from helpers import bits, rand
 
 from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, rank_rows
+from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable
 
 ROWS = 700
@@ -240,6 +241,38 @@ def test_served_ids_are_counted_on_the_device_and_refresh_holds_the_most_served(
             assert lk.stats()["hot_hits"] == torch.isin(probe.cpu(), favourites).sum().item()
 
 
+def test_a_profile_prior_and_the_served_ids_are_ranked_together(device):
+    """add_counts: a profile's counts seed the served-id counts; refresh() ranks both (a row the profile
+    barely knows enters once it is served often, the profile's favourites stay); decay fades the prior.
+    Bad counts are named errors and change nothing."""
+    data = rand(ROWS, 40, torch.bfloat16, seed=21)
+    with HostTable.from_tensor(data) as h:
+        hs = HotSet(h, 4, device, count_ids=True)
+        prior = torch.zeros(ROWS, dtype=torch.int64)
+        prior[[10, 11, 12, 13, 14]] = torch.tensor([50, 40, 30, 20, 10])
+        hs.add_counts(prior)
+        with GatherLookup(h, TableSpec.of(h), device, hot=hs) as lk:
+            ids = torch.tensor([77] * 35 + [14] * 3 + [-1, ROWS], device=device)
+            for _ in range(2):  # out-of-range ids are not counted
+                assert torch.equal(bits(lk.lookup(ids)), bits(reference_gather(data, ids.cpu())))
+            hs.refresh(decay=1)
+            assert set(hs.held.cpu().tolist()) == {10, 11, 77, 12}  # 77 served 70 times (two calls) beats 13, 14
+            want = prior.clone()
+            want[77] += 70
+            want[14] += 6
+            assert torch.equal(hs.id_counts.cpu(), want // 2)
+            probe = torch.randint(0, ROWS, (200,), generator=torch.Generator().manual_seed(22)).to(device)
+            assert torch.equal(bits(lk.lookup(probe)), bits(data[probe.cpu()]))
+        before = hs.id_counts.clone()
+        for bad, err in ((prior[:-1], TypeError), (prior.float(), TypeError), (prior.view(1, -1), TypeError),
+                         (prior.bool(), TypeError), ([1] * ROWS, TypeError), (prior - 100, ValueError)):
+            with pytest.raises(err, match="counts"):
+                hs.add_counts(bad)
+        assert torch.equal(hs.id_counts, before)
+        with pytest.raises(ValueError, match="count_ids=True"):
+            HotSet(h, 4, device).add_counts(prior)
+
+
 def test_the_hf_module_serves_through_a_hot_set(device, tmp_path):
     """HostScaledEmbedding (the Gemma 3n swap-in) with hot-set options: same bits as without, the rows of
     the profile held, hits counted; misused options named."""
@@ -256,7 +289,9 @@ def test_the_hf_module_serves_through_a_hot_set(device, tmp_path):
         assert torch.equal(bits(cached(ids)), bits(plain(ids)))
         (hs,) = cached.hot_sets
         assert hs.capacity == 7 and set(hs.held[: hs.size].tolist()) == {3, 5, 9}
-        assert cached.lookups[0].stats()["hot_hits"] == 4 and hs.id_counts[3].item() == 2
+        # the profile's counts are the prior the served ids add to (3 in the profile, 2 served)
+        assert cached.lookups[0].stats()["hot_hits"] == 4 and hs.id_counts[3].item() == 3 + 2
+        assert hs.id_counts[100].item() == 1 and int(hs.id_counts.sum()) == 6 + 5
         counts = torch.zeros(ROWS, dtype=torch.int64)
         counts[[7, 8]] = 5
         by_counts = HostScaledEmbedding(ROWS, 64, embed_scale=8.0, table=h, backend_options={

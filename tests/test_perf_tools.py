@@ -59,5 +59,13 @@ def test_hotset_bench_smoke_is_exact_and_reports_the_held_out_hit_rate(tmp_path)
     assert all(all(r["bit_exact"].values()) for r in res["results"])
     held = np.zeros(4096, dtype=bool)
     held[np.argsort(-np.bincount(profile, minlength=4096), kind="stable")[: res["hot_rows"]]] = True
-    assert abs(res["held_out_hit_rate"] - held[serve].mean()) < 1e-6 and 0.5 < res["held_out_hit_rate"] < 1
+    half = len(serve) // 2  # every provider is timed on the served trace's second half
+    assert abs(res["held_out_hit_rate"] - held[serve[half:]].mean()) < 1e-6 and 0.5 < res["held_out_hit_rate"] < 1
+    # the online set: the same slots ranked on the profile plus the first half's served ids (4,096 in a smoke)
+    counts = np.bincount(profile, minlength=4096) + np.bincount(serve[:half][:4096], minlength=4096)
+    online = np.zeros(4096, dtype=bool)
+    online[np.argsort(-counts, kind="stable")[: res["online_rows"]]] = True
+    assert res["online_warm_ids"] == 4096 and res["online_rows"] == 204
+    assert abs(res["online_held_out_hit_rate"] - online[serve[half:]].mean()) < 1e-6
+    assert all(r["bit_exact"]["hot_online"] for r in res["results"])
     assert 0 < res["fp8_error"]["max_rel"] <= 2 ** -4 + 2 ** -8
