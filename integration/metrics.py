@@ -14,7 +14,9 @@ old they may be, at no cost to the model. That is ``lookup.progress()``:
   not finished for ``stall_s`` seconds is unhealthy, naming the job and the stage it is stuck in.
 
 :func:`register_prometheus` exports both through ``prometheus_client`` (imported only when called) with a
-collector that reads ``progress()`` at scrape time: no synchronisation, no thread of its own.
+collector that reads ``progress()`` at scrape time: no synchronisation, no thread of its own. Where another
+process serves ``/metrics`` (vLLM's API server, for its engine processes), :class:`MultiprocessExporter`
+pushes the same series into ``prometheus_client``'s multiprocess files from one daemon thread instead.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from .errors import BackendError
 
 __all__ = ["Progress", "Health", "CounterSnapshots", "ProgressReadError", "ProgressCollector",
-           "RelaxedCaptureMode", "register_prometheus"]
+           "RelaxedCaptureMode", "register_prometheus", "MultiprocessExporter", "multiprocess_dir"]
 
 log = logging.getLogger("uvaple.integration.metrics")
 
@@ -382,3 +384,151 @@ def register_prometheus(lookups: Mapping[str, Any] | Iterable[tuple[str, Any]], 
     collector = ProgressCollector(lookups)
     (prometheus_client.REGISTRY if registry is None else registry).register(collector)
     return collector
+
+
+# ----------------------------------------------------------------------------------- multiprocess push (vLLM)
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when this process writes ``prometheus_client``'s multiprocess files (as
+    vLLM's engine processes do: its API server sets the variable before starting them and serves every
+    process's metrics from that directory), else None."""
+    import os
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    return path if path and os.path.isdir(path) else None
+
+
+_PUSH_METRICS: dict = {}
+_PUSH_LOCK = threading.Lock()
+
+
+def _push_metrics() -> dict:
+    """This process's metric objects for :class:`MultiprocessExporter` (one set: multiprocess values are
+    keyed by name and labels in this process's files), not registered in any registry."""
+    with _PUSH_LOCK:
+        if not _PUSH_METRICS:
+            try:
+                from prometheus_client import Counter, Gauge
+            except ImportError as e:
+                raise ImportError("MultiprocessExporter needs prometheus_client: pip install prometheus_client") \
+                    from e
+
+            for field, metric, doc in _COUNTERS:
+                _PUSH_METRICS[field] = Counter(metric, doc, _LABELS, registry=None)
+            _PUSH_METRICS["age_s"] = Gauge("uvaple_snapshot_age_seconds", "How old the exported counter values "
+                                           "may be (the largest over live processes).", _LABELS,
+                                           registry=None, multiprocess_mode="livemax")
+            _PUSH_METRICS["outstanding"] = Gauge("uvaple_copy_outstanding_jobs", "Copy placement: jobs admitted "
+                                                 "and not finished.", _LABELS, registry=None,
+                                                 multiprocess_mode="livesum")
+            _PUSH_METRICS["oldest_age_s"] = Gauge("uvaple_copy_oldest_job_age_seconds", "Copy placement: seconds "
+                                                  "since the oldest outstanding job was admitted (0 when none "
+                                                  "is), the largest over live processes.", _LABELS,
+                                                  registry=None, multiprocess_mode="livemax")
+        return _PUSH_METRICS
+
+
+class MultiprocessExporter:
+    """Push named lookups' ``progress()`` into ``prometheus_client``'s multiprocess metrics every
+    ``interval_s`` seconds, from one daemon thread: how a process that serves no HTTP endpoint of its own
+    (a vLLM worker) reaches the ``/metrics`` of the process that does.
+
+    vLLM runs the model in engine processes and serves ``/metrics`` from its API server, which aggregates
+    every process's ``prometheus_client`` files in ``PROMETHEUS_MULTIPROC_DIR``
+    (:func:`multiprocess_dir`). A collector read at scrape time (:func:`register_prometheus`) cannot
+    cross that boundary; metric values written to those files can. The series are the collector's:
+    ``uvaple_lookups_total`` ... ``uvaple_hot_hits_total`` (counters: each process adds what its lookups
+    did since the last push, so the API server's sum is the total over ranks), and the gauges
+    ``uvaple_snapshot_age_seconds``, ``uvaple_copy_outstanding_jobs``,
+    ``uvaple_copy_oldest_job_age_seconds`` (their age gauges the largest over live processes). Values are
+    at most ``interval_s`` plus the snapshot's age old.
+
+    The thread only reads ``progress()`` (no host synchronisation, nothing enqueued on the model's
+    streams; safe during graph capture on any thread) and writes the metric files; it starts with the
+    first :meth:`add` and holds the lookups weakly, a dropped or closed lookup leaving its series as they
+    were. :meth:`close` pushes once more and stops it (bounded join); a fork leaves the child without it.
+    """
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not 0 < interval_s < 1e6:
+            raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+        _push_metrics()  # prometheus_client is needed: fail here, not in the thread
+        self.interval_s = float(interval_s)
+        self._lock = threading.Lock()
+        self._refs: dict[str, weakref.ref] = {}
+        self._last: dict[str, dict] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pushes = 0
+
+    def add(self, name: str, lookup) -> None:
+        """Push ``lookup``'s progress under ``lookup=name`` from now on (starts the thread)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a lookup's name must be a non-empty str, got {name!r}")
+        if not callable(getattr(lookup, "progress", None)):
+            raise TypeError(f"{name!r}: {type(lookup).__name__} has no progress(); pass a uvaple Lookup")
+        with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("this MultiprocessExporter is closed")
+            if name in self._refs and self._refs[name]() is not None:
+                raise ValueError(f"a lookup named {name!r} is already exported; names label the series")
+            self._refs[name] = weakref.ref(lookup)
+            self._last[name] = {}
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="uvaple-metrics", daemon=True)
+                self._thread.start()
+
+    def push(self) -> None:
+        """Write every live lookup's progress now (the thread calls this every ``interval_s``)."""
+        m = _push_metrics()
+        with self._lock:
+            refs = list(self._refs.items())
+        for name, ref in refs:
+            lk = ref()
+            if lk is None:
+                continue
+            try:
+                p = lk.progress()
+            except Exception as e:  # noqa: BLE001 - one broken lookup must not stop the others' metrics
+                log.warning("uvaple: progress() of lookup %r failed in the metrics push: %s", name, e)
+                continue
+            labels = (name, p.kind)
+            last = self._last[name]
+            for field, _, _ in _COUNTERS:
+                value = getattr(p, field)
+                if value is not None and value > last.get(field, 0):
+                    m[field].labels(*labels).inc(value - last.get(field, 0))
+                    last[field] = value
+            for field in ("age_s", "outstanding", "oldest_age_s"):
+                value = getattr(p, field)
+                if field == "oldest_age_s" and value is None and p.outstanding is not None:
+                    value = 0.0
+                if value is not None:
+                    m[field].labels(*labels).set(value)
+        self.pushes += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.push()
+            except Exception as e:  # noqa: BLE001 - a metrics failure must never end the server
+                log.warning("uvaple: metrics push failed: %s", e)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Push once more and stop the thread (waits at most ``timeout_s``). Idempotent."""
+        with self._lock:
+            already = self._stop.is_set()
+            self._stop.set()
+            thread = self._thread
+        if already:
+            return
+        if thread is not None:
+            thread.join(timeout_s)
+        try:
+            self.push()
+        except Exception as e:  # noqa: BLE001
+            log.warning("uvaple: final metrics push failed: %s", e)
+
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()

@@ -464,6 +464,85 @@ def test_prometheus_export_reads_progress_at_scrape_time(table, fake):
     registry.unregister(collector)
 
 
+_RANK = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]  # as vLLM sets it for its engine processes
+    import torch
+    from uvaple.integration import GatherLookup, TableSpec
+    from uvaple.integration.metrics import MultiprocessExporter, multiprocess_dir
+    from uvaple.uva import HostTable
+    assert multiprocess_dir() == sys.argv[1]
+    rank = int(sys.argv[2])
+    with HostTable.from_tensor(torch.randn(100, 8)) as h:
+        lk = GatherLookup(h, TableSpec.of(h), "cpu")
+        ex = MultiprocessExporter(interval_s=0.02)
+        ex.add("ple", lk)
+        lk.lookup(torch.tensor([1, 2, 500] + [3] * rank))  # one id out of range
+        seen = ex.pushes
+        deadline = time.monotonic() + 30
+        while ex.pushes < seen + 3 and time.monotonic() < deadline:  # pushes from the thread, after the call
+            time.sleep(0.01)
+        pushed_by_thread = ex.pushes >= seen + 3
+        lk.lookup(torch.tensor([4]))  # pushed by close()
+        ex.close()
+        print(json.dumps({"pushed_by_thread": pushed_by_thread, "running": ex.running, "kind": lk.kind,
+                          "stats": lk.stats()}), flush=True)
+        lk.close()
+""")
+
+
+def test_multiprocess_export_reaches_the_aggregating_process(tmp_path):
+    """vLLM's metrics path: each engine process pushes its lookups' progress into prometheus_client's
+    multiprocess files (MultiprocessExporter's thread, then close()); the API server's aggregation of that
+    directory gives the totals over the processes, counters summed."""
+    prom = pytest.importorskip("prometheus_client")
+    import json
+
+    from prometheus_client import multiprocess
+
+    runs = [subprocess.run([sys.executable, "-c", _RANK, str(tmp_path), str(rank)], capture_output=True, text=True,
+                           timeout=120) for rank in (0, 1)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    assert all(o["pushed_by_thread"] and not o["running"] for o in outs)
+    registry = prom.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    got = samples(prom.generate_latest(registry).decode())
+    ple = (("lookup", "ple"), ("placement", outs[0]["kind"]))
+    assert got[("uvaple_lookups_total", ple)] == sum(o["stats"]["lookups"] for o in outs) == 4
+    assert got[("uvaple_rows_total", ple)] == sum(o["stats"]["rows"] for o in outs) == (3 + 1) + (4 + 1)
+    assert got[("uvaple_out_of_range_ids_total", ple)] == 2
+    assert got[("uvaple_bytes_total", ple)] == 9 * 8 * 4
+
+
+def test_multiprocess_exporter_checks_its_arguments_and_stops(table):
+    pytest.importorskip("prometheus_client")
+    _, h = table
+    with pytest.raises(ValueError, match="interval_s"):
+        metrics.MultiprocessExporter(interval_s=0)
+    ex = metrics.MultiprocessExporter(interval_s=0.01)
+    assert not ex.running  # no thread before a lookup is added
+    lk = GatherLookup(h, TableSpec.of(h), "cpu")
+    with pytest.raises(TypeError, match="progress"):
+        ex.add("x", object())
+    with pytest.raises(ValueError, match="name"):
+        ex.add("", lk)
+    ex.add("a", lk)
+    assert ex.running
+    with pytest.raises(ValueError, match="already exported"):
+        ex.add("a", lk)
+    del lk
+    gc.collect()
+    n = ex.pushes
+    until(lambda: ex.pushes > n + 2)  # a dropped lookup is skipped, the thread goes on
+    ex.close()
+    assert not ex.running
+    ex.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        ex.add("b", GatherLookup(h, TableSpec.of(h), "cpu"))
+
+
 def test_importing_uvaple_imports_no_prometheus_client_and_registering_says_what_is_missing():
     code = textwrap.dedent("""
         import sys

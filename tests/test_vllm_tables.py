@@ -30,6 +30,61 @@ def test_the_plugin_is_enabled_only_when_asked():
     assert got == PluginConfig(placement="copy", segment="node-a", timeout_s=5.0)  # the additional config wins
 
 
+def test_metrics_interval_setting():
+    assert PluginConfig().metrics_interval_s == 5.0
+    assert from_sources(None, {"UVAPLE_METRICS_INTERVAL_S": "0"}) == PluginConfig(metrics_interval_s=0.0)
+    assert from_sources({"uvaple": {"metrics_interval_s": 0.5}}, {}).metrics_interval_s == 0.5
+
+
+_EXPORT = """
+import json, os, sys
+if sys.argv[1] != "-":
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from uvaple.integration.vllm.config import PluginConfig
+from uvaple.integration.vllm.tables import ShardTable
+cfg = PluginConfig(shared=False, metrics_interval_s=float(sys.argv[2]))
+shard = ShardTable(cfg, layer="model.embed_per_layer", rows=16, cols=8, dtype=torch.bfloat16, loaded_rows=16,
+                   rank=1, size=2, identity="m", device=torch.device("cpu"), check_loaded=False)
+shard.finish()
+lk = shard.lookup(__import__("uvaple.integration", fromlist=["TableSpec"]).TableSpec.of(shard.table))
+lk.lookup(torch.tensor([1, 2, 99]))
+import prometheus_client, prometheus_client.multiprocess
+if sys.argv[1] == "-":
+    text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+else:
+    from uvaple.integration.vllm import tables
+    tables._EXPORT["multiprocess"].close()
+    reg = prometheus_client.CollectorRegistry()
+    prometheus_client.multiprocess.MultiProcessCollector(reg, path=sys.argv[1])
+    text = prometheus_client.generate_latest(reg).decode()
+rows = [l for l in text.splitlines() if l.startswith("uvaple_rows_total{")]
+print(json.dumps(rows))
+lk.close(); shard.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["multiprocess", "single_process", "off"])
+def test_shard_lookups_reach_vllms_metrics(tmp_path, mode):
+    """A shard's lookup is exported under its layer and rank: pushed into the multiprocess files where
+    PROMETHEUS_MULTIPROC_DIR is set (vLLM's engine processes), else read by a collector in
+    prometheus_client's default registry; nothing with metrics_interval_s 0."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("prometheus_client")
+    arg = str(tmp_path) if mode == "multiprocess" else "-"
+    r = subprocess.run([sys.executable, "-c", _EXPORT, arg, "0" if mode == "off" else "0.05"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    if mode == "off":
+        assert rows == []
+    else:
+        assert len(rows) == 1 and 'lookup="model.embed_per_layer[1/2]"' in rows[0] and rows[0].endswith(" 3.0")
+
+
 def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="uvaple.vllm"):
         assert from_sources(None, {"UVAPLE_PLACMENT": "uva"}) is None
@@ -55,6 +110,10 @@ def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
     ({"segment_dir": "/proc"}, "segment_dir: .*not on a tmpfs"),
     ({"segment_dir": "/nonexistent-uvaple-dir"}, "segment_dir: .*not an existing directory"),
     ({"segment_dir": 5}, "segment_dir: expected a directory path"),
+    ({"metrics_interval_s": -1}, "metrics_interval_s: expected a number of seconds >= 0"),
+    ({"metrics_interval_s": math.nan}, "metrics_interval_s: expected"),
+    ({"metrics_interval_s": "often"}, "metrics_interval_s: expected"),
+    ({"metrics_interval_s": True}, "metrics_interval_s: expected"),
 ])
 def test_bad_settings_are_named(entry, match):
     with pytest.raises(PluginConfigError, match=match):

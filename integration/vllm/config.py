@@ -5,26 +5,30 @@ defaults). Keys of the additional config win over the environment. Every key is 
 a wrong type or a bad value is a :class:`PluginConfigError` that names the key, its source and the
 allowed values, raised before anything is allocated.
 
-==================  ==========================  ===========================================================
-key                 environment                 meaning
-==================  ==========================  ===========================================================
-``placement``       ``UVAPLE_PLACEMENT``        ``uva`` (default): rows read from host memory in the model's
-                                                stream; ``copy``: the copy-based path; ``device``: the
-                                                table copied into HBM (the reference).
-``fallback``        ``UVAPLE_FALLBACK``         ``none`` (default): UVA unusable is an error at startup;
-                                                ``copy``: use the copy placement then.
-``shared``          ``UVAPLE_SHARED``           ``true`` (default): one host copy per node, attached by
-                                                every rank and replica (a named segment per vocabulary
-                                                shard); ``false``: a private table per process.
-``segment``         ``UVAPLE_SEGMENT``          Base name of the shared segments (default: derived from
-                                                the model, its revision and dtype).
-``timeout_s``       ``UVAPLE_TIMEOUT_S``        Bound, in seconds, on waiting for another process's fill
-                                                of a shared table (default 600).
-``segment_dir``     ``UVAPLE_SEGMENT_DIR``      tmpfs directory of the shared segments (default
-                                                ``/dev/shm``). A ``huge=always`` tmpfs mount gives the table
-                                                2 MiB pages: ready several times sooner where ``/dev/shm``
-                                                has 4 KiB pages (``uvaple doctor`` says which).
-==================  ==========================  ===========================================================
+======================  =============================  ============================================================
+key                     environment                    meaning
+======================  =============================  ============================================================
+``placement``           ``UVAPLE_PLACEMENT``           ``uva`` (default): rows read from host memory in the model's
+                                                       stream; ``copy``: the copy-based path; ``device``: the
+                                                       table copied into HBM (the reference).
+``fallback``            ``UVAPLE_FALLBACK``            ``none`` (default): UVA unusable is an error at startup;
+                                                       ``copy``: use the copy placement then.
+``shared``              ``UVAPLE_SHARED``              ``true`` (default): one host copy per node, attached by
+                                                       every rank and replica (a named segment per vocabulary
+                                                       shard); ``false``: a private table per process.
+``segment``             ``UVAPLE_SEGMENT``             Base name of the shared segments (default: derived from
+                                                       the model, its revision and dtype).
+``timeout_s``           ``UVAPLE_TIMEOUT_S``           Bound, in seconds, on waiting for another process's fill
+                                                       of a shared table (default 600).
+``segment_dir``         ``UVAPLE_SEGMENT_DIR``         tmpfs directory of the shared segments (default
+                                                       ``/dev/shm``). A ``huge=always`` tmpfs mount gives the table
+                                                       2 MiB pages: ready several times sooner where ``/dev/shm``
+                                                       has 4 KiB pages (``uvaple doctor`` says which).
+``metrics_interval_s``  ``UVAPLE_METRICS_INTERVAL_S``  Seconds between pushes of the lookups' progress into vLLM's
+                                                       ``/metrics`` (default 5; 0: no export). Needs
+                                                       ``prometheus_client`` (vLLM brings it); see
+                                                       :func:`uvaple.integration.vllm.tables.export_metrics`.
+======================  =============================  ============================================================
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ log = logging.getLogger("uvaple.vllm")
 
 #: setting -> its environment variable
 ENV_VARS = {"placement": "UVAPLE_PLACEMENT", "fallback": "UVAPLE_FALLBACK", "shared": "UVAPLE_SHARED",
-            "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S", "segment_dir": "UVAPLE_SEGMENT_DIR"}
+            "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S", "segment_dir": "UVAPLE_SEGMENT_DIR",
+            "metrics_interval_s": "UVAPLE_METRICS_INTERVAL_S"}
 
 
 class PluginConfigError(BackendError, ValueError):
@@ -65,6 +70,7 @@ class PluginConfig:
     segment: str | None = None
     timeout_s: float = 600.0
     segment_dir: str | None = None
+    metrics_interval_s: float = 5.0
 
 
 def _bool(value, where: str) -> bool:
@@ -110,6 +116,15 @@ def _check(key: str, value, where: str):
             t = math.nan
         if not (t > 0 and math.isfinite(t)):
             raise PluginConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
+        return t
+    if key == "metrics_interval_s":
+        try:
+            t = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (0 <= t < 1e6):
+            raise PluginConfigError(f"{where}: expected a number of seconds >= 0 (0: no metrics export), got "
+                                    f"{value!r}")
         return t
     raise AssertionError(key)
 

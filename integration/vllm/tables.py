@@ -32,6 +32,14 @@ Pages and registration. Nothing is pre-faulted at construction: each write commi
 commits what was left and registers the mapping (an attacher: after the creator's mark). Construction
 still registers one page of the segment and releases it, so a GPU that cannot read host memory is a
 named error (or the copy fallback) before any loading, not after it.
+
+Metrics
+-------
+Each shard's lookup is exported to vLLM's ``/metrics`` (:func:`export_metrics`, ``metrics_interval_s``):
+vLLM serves that endpoint from its API server, which aggregates the ``prometheus_client`` files of its
+engine processes, so a worker pushes its lookups' ``progress()`` there every few seconds
+(:class:`~uvaple.integration.metrics.MultiprocessExporter`); in a single-process server a collector in
+``prometheus_client``'s default registry reads them at scrape time instead.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
 
 from .config import PluginConfig
 
-__all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name"]
+__all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name", "export_metrics"]
 
 log = logging.getLogger("uvaple.vllm")
 
@@ -74,6 +82,44 @@ def model_identity(model: str, revision: str | None, dtype, quantization) -> str
                 st = os.stat(os.path.join(model, f))
                 parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+_EXPORT_LOCK = threading.Lock()
+_EXPORT: dict = {}  # this process's exporter (multiprocess) or collector (single process), made once
+
+
+def export_metrics(name: str, lookup, interval_s: float) -> str | None:
+    """Export ``lookup`` under ``lookup=name`` to the ``/metrics`` of the vLLM server this process is part
+    of; returns how (``"multiprocess"``, ``"registry"``) or None when not exported.
+
+    In an engine process (``PROMETHEUS_MULTIPROC_DIR`` set, as vLLM sets it) one
+    :class:`~uvaple.integration.metrics.MultiprocessExporter` per process pushes every ``interval_s``
+    seconds; otherwise one collector in ``prometheus_client.REGISTRY`` reads at scrape time. Not exported
+    (said once in the log) with ``interval_s == 0`` or without ``prometheus_client``; a metrics failure
+    never stops the model from being served."""
+    if not interval_s:
+        return None
+    from uvaple.integration import metrics
+
+    with _EXPORT_LOCK:
+        try:
+            if metrics.multiprocess_dir() is not None:
+                if "multiprocess" not in _EXPORT:
+                    _EXPORT["multiprocess"] = metrics.MultiprocessExporter(interval_s)
+                _EXPORT["multiprocess"].add(name, lookup)
+                return "multiprocess"
+            if "registry" not in _EXPORT:
+                _EXPORT["registry"] = metrics.register_prometheus({})
+            _EXPORT["registry"].add(name, lookup)
+            return "registry"
+        except ImportError as e:
+            if not _EXPORT.get("warned"):
+                log.info("uvaple: lookups not exported to /metrics: %s", e)
+                _EXPORT["warned"] = True
+            return None
+        except ValueError as e:  # a name exported twice in this process: the first one stays
+            log.warning("uvaple: lookup %r not exported to /metrics: %s", name, e)
+            return None
 
 
 def segment_name(base: str, layer: str, rank: int, size: int) -> str:
@@ -112,6 +158,7 @@ class ShardTable:
                  check_loaded: bool = True) -> None:
         self.cfg = cfg
         self.layer = layer
+        self.rank, self.size = rank, size
         self.loaded_rows = loaded_rows
         self.device = device
         self.check_loaded = check_loaded
@@ -202,10 +249,13 @@ class ShardTable:
         from uvaple.integration import CopyBackend, GatherLookup
 
         if self.placement == "copy":
-            return CopyBackend(self.table, spec=spec, device=self.device, max_rows=max_rows)
-        # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order
-        return GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale,
-                            max_rows=max_rows)
+            lk = CopyBackend(self.table, spec=spec, device=self.device, max_rows=max_rows)
+        else:
+            # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order
+            lk = GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale,
+                              max_rows=max_rows)
+        export_metrics(f"{self.layer}[{self.rank}/{self.size}]", lk, self.cfg.metrics_interval_s)
+        return lk
 
     def close(self) -> None:
         self.table.close()
