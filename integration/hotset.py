@@ -37,6 +37,8 @@ __all__ = ["HotSet", "rank_rows", "counts_of_ids", "HOT_OPTIONS", "hot_set_from_
 
 #: the lookup options that describe a hot set (``make_lookup``'s ``backend_options`` in the HF modules)
 HOT_OPTIONS = ("cache_gb", "hot_fraction", "hot_profile", "count_ids")
+# counts add_counts takes: every integer dtype that widens to int64 exactly
+_COUNT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class HotSet:
@@ -132,7 +134,7 @@ class HotSet:
         if self.id_counts is None:
             raise ValueError("add_counts() adds to the served-id counts: build the HotSet with count_ids=True")
         if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != self.table.rows or \
-                counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+                counts.dtype not in _COUNT_DTYPES:
             raise TypeError(f"counts must be a 1-D integer tensor of {self.table.rows} counts (one per table row), "
                             f"got {counts!r:.80}")
         if counts.numel() and int(counts.min()) < 0:  # a profile's, not the hot path

@@ -21,9 +21,11 @@ pushes the same series into ``prometheus_client``'s multiprocess files from one 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -285,20 +287,12 @@ _COUNTERS = (  # (Progress field, metric name, help)
 _LABELS = ["lookup", "placement"]
 
 
-class ProgressCollector:
-    """A ``prometheus_client`` collector over named lookups; ``collect()`` reads each one's ``progress()``.
+class _NamedLookups:
+    """Lookups held weakly under names (the label ``lookup=name`` of their series)."""
 
-    Holds the lookups weakly: a lookup dropped or closed disappears from the next scrape. Register one
-    collector per registry (the metric names are declared by :meth:`describe`); :meth:`add` and
-    :meth:`remove` change the lookups it exports.
-    """
-
-    def __init__(self, lookups: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._refs: dict[str, weakref.ref] = {}
-        items = lookups.items() if isinstance(lookups, Mapping) else lookups
-        for name, lk in items:
-            self.add(name, lk)
 
     def add(self, name: str, lookup) -> None:
         """Export ``lookup`` (anything with ``progress()`` and ``kind``) under the label ``lookup=name``."""
@@ -307,13 +301,54 @@ class ProgressCollector:
         if not callable(getattr(lookup, "progress", None)):
             raise TypeError(f"{name!r}: {type(lookup).__name__} has no progress(); pass a uvaple Lookup")
         with self._lock:
+            self._check_open()
             if name in self._refs and self._refs[name]() is not None:
                 raise ValueError(f"a lookup named {name!r} is already exported; names label the series")
             self._refs[name] = weakref.ref(lookup)
+            self._added(name)
 
     def remove(self, name: str) -> None:
         with self._lock:
             self._refs.pop(name, None)
+
+    def _check_open(self) -> None:
+        pass
+
+    def _added(self, name: str) -> None:
+        pass
+
+    def _progress(self, where: str):
+        """``(name, Progress)`` of every live lookup; dead names dropped, a failing lookup logged and skipped."""
+        with self._lock:
+            refs = list(self._refs.items())
+        for name, ref in refs:
+            lk = ref()
+            if lk is None:
+                with self._lock:
+                    if self._refs.get(name) is ref:
+                        del self._refs[name]
+                continue
+            try:
+                p = lk.progress()
+            except Exception as e:  # noqa: BLE001 - one broken lookup must not stop the others' metrics
+                log.warning("uvaple: progress() of lookup %r failed %s: %s", name, where, e)
+                continue
+            yield name, p
+
+
+class ProgressCollector(_NamedLookups):
+    """A ``prometheus_client`` collector over named lookups; ``collect()`` reads each one's ``progress()``.
+
+    Holds the lookups weakly: a lookup dropped or closed disappears from the next scrape. Register one
+    collector per registry (the metric names are declared by :meth:`describe`); :meth:`add` and
+    :meth:`remove` change the lookups it exports.
+    """
+
+    def __init__(self, lookups: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> None:
+        super().__init__()
+        items = lookups.items() if isinstance(lookups, Mapping) else lookups
+        for name, lk in items:
+            self.add(name, lk)
 
     def describe(self):
         return self._families()
@@ -321,17 +356,7 @@ class ProgressCollector:
     def collect(self):
         families = self._families()
         counters, age, outstanding, oldest = (families[:len(_COUNTERS)], *families[len(_COUNTERS):])
-        with self._lock:
-            refs = list(self._refs.items())
-        for name, ref in refs:
-            lk = ref()
-            if lk is None:
-                continue
-            try:
-                p = lk.progress()
-            except Exception as e:  # noqa: BLE001 - one broken lookup must not fail the whole scrape
-                log.warning("uvaple: progress() of lookup %r failed at scrape: %s", name, e)
-                continue
+        for name, p in self._progress("at scrape"):
             if p.closed:
                 continue
             labels = [name, p.kind]
@@ -388,17 +413,19 @@ def register_prometheus(lookups: Mapping[str, Any] | Iterable[tuple[str, Any]], 
 
 # ----------------------------------------------------------------------------------- multiprocess push (vLLM)
 def multiprocess_dir() -> str | None:
-    """``PROMETHEUS_MULTIPROC_DIR`` when this process writes ``prometheus_client``'s multiprocess files (as
-    vLLM's engine processes do: its API server sets the variable before starting them and serves every
-    process's metrics from that directory), else None."""
-    import os
-
+    """``PROMETHEUS_MULTIPROC_DIR`` when it names a directory (this process then writes
+    ``prometheus_client``'s multiprocess files there), else None. vLLM's API server aggregates that
+    directory into its ``/metrics`` whenever the variable is set; it sets the variable itself only when it
+    runs several API server processes, so for a single one set it (an empty directory) before ``vllm
+    serve``: its engine processes inherit it."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
     return path if path and os.path.isdir(path) else None
 
 
 _PUSH_METRICS: dict = {}
 _PUSH_LOCK = threading.Lock()
+# push interval bounds (seconds): a scrape every few seconds needs no more; below this a thread would spin
+MIN_PUSH_INTERVAL_S = 0.01
 
 
 def _push_metrics() -> dict:
@@ -411,9 +438,10 @@ def _push_metrics() -> dict:
             except ImportError as e:
                 raise ImportError("MultiprocessExporter needs prometheus_client: pip install prometheus_client") \
                     from e
-
             for field, metric, doc in _COUNTERS:
                 _PUSH_METRICS[field] = Counter(metric, doc, _LABELS, registry=None)
+            # one writer per series (a lookup's name is its layer and rank), except data-parallel replicas of
+            # a rank: the largest age, the sum of outstanding jobs, over processes that have not closed
             _PUSH_METRICS["age_s"] = Gauge("uvaple_snapshot_age_seconds", "How old the exported counter values "
                                            "may be (the largest over live processes).", _LABELS,
                                            registry=None, multiprocess_mode="livemax")
@@ -422,89 +450,109 @@ def _push_metrics() -> dict:
                                                  multiprocess_mode="livesum")
             _PUSH_METRICS["oldest_age_s"] = Gauge("uvaple_copy_oldest_job_age_seconds", "Copy placement: seconds "
                                                   "since the oldest outstanding job was admitted (0 when none "
-                                                  "is), the largest over live processes.", _LABELS,
-                                                  registry=None, multiprocess_mode="livemax")
+                                                  "is), the largest over live processes; its stage: "
+                                                  "CopyBackend.health().", _LABELS, registry=None,
+                                                  multiprocess_mode="livemax")
         return _PUSH_METRICS
 
 
-class MultiprocessExporter:
+def _close_at_exit(ref: weakref.ref) -> None:
+    exporter = ref()
+    if exporter is not None:
+        exporter.close(timeout_s=1.0)
+
+
+class MultiprocessExporter(_NamedLookups):
     """Push named lookups' ``progress()`` into ``prometheus_client``'s multiprocess metrics every
     ``interval_s`` seconds, from one daemon thread: how a process that serves no HTTP endpoint of its own
-    (a vLLM worker) reaches the ``/metrics`` of the process that does.
+    (a vLLM engine process) reaches the ``/metrics`` of the process that does.
 
-    vLLM runs the model in engine processes and serves ``/metrics`` from its API server, which aggregates
-    every process's ``prometheus_client`` files in ``PROMETHEUS_MULTIPROC_DIR``
-    (:func:`multiprocess_dir`). A collector read at scrape time (:func:`register_prometheus`) cannot
-    cross that boundary; metric values written to those files can. The series are the collector's:
+    With ``PROMETHEUS_MULTIPROC_DIR`` naming a directory (:func:`multiprocess_dir`), every process writes
+    its ``prometheus_client`` values into files there, and a server's ``/metrics`` aggregates them (vLLM's
+    API server does whenever the variable is set). A collector read at scrape time
+    (:func:`register_prometheus`) cannot cross that process boundary; values written to those files can.
+    Without the variable the values stay in this process's memory. The series are the collector's:
     ``uvaple_lookups_total`` ... ``uvaple_hot_hits_total`` (counters: each process adds what its lookups
-    did since the last push, so the API server's sum is the total over ranks), and the gauges
+    did since its last push, so the aggregated sum is the total over processes), and the gauges
     ``uvaple_snapshot_age_seconds``, ``uvaple_copy_outstanding_jobs``,
-    ``uvaple_copy_oldest_job_age_seconds`` (their age gauges the largest over live processes). Values are
-    at most ``interval_s`` plus the snapshot's age old.
+    ``uvaple_copy_oldest_job_age_seconds`` (over the processes that have not closed their exporter; a
+    process killed outright leaves its last values until ``prometheus_client.multiprocess
+    .mark_process_dead`` is called for it). Values are at most ``interval_s`` plus the snapshot's age old.
 
     The thread only reads ``progress()`` (no host synchronisation, nothing enqueued on the model's
-    streams; safe during graph capture on any thread) and writes the metric files; it starts with the
-    first :meth:`add` and holds the lookups weakly, a dropped or closed lookup leaving its series as they
-    were. :meth:`close` pushes once more and stops it (bounded join); a fork leaves the child without it.
+    streams; safe during graph capture on any thread) and writes the metric files. It starts with the
+    first :meth:`add`, holds the lookups weakly (a dropped or closed lookup's series stay as they were),
+    and in a forked child starts again with the next :meth:`add` or :meth:`push`. :meth:`close` (also run
+    at interpreter exit) pushes once more, stops it (bounded join) and retires this process's gauges.
     """
 
     def __init__(self, interval_s: float = 5.0) -> None:
-        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not 0 < interval_s < 1e6:
-            raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or \
+                not MIN_PUSH_INTERVAL_S <= interval_s < 1e6:
+            raise ValueError(f"interval_s must be a number of seconds from {MIN_PUSH_INTERVAL_S}, got {interval_s!r}")
         _push_metrics()  # prometheus_client is needed: fail here, not in the thread
+        super().__init__()
         self.interval_s = float(interval_s)
-        self._lock = threading.Lock()
-        self._refs: dict[str, weakref.ref] = {}
+        self._push_lock = threading.Lock()  # one push at a time: deltas are read, added and stored together
         self._last: dict[str, dict] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
         self.pushes = 0
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _check_open(self) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("this MultiprocessExporter is closed")
 
     def add(self, name: str, lookup) -> None:
         """Push ``lookup``'s progress under ``lookup=name`` from now on (starts the thread)."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a lookup's name must be a non-empty str, got {name!r}")
-        if not callable(getattr(lookup, "progress", None)):
-            raise TypeError(f"{name!r}: {type(lookup).__name__} has no progress(); pass a uvaple Lookup")
-        with self._lock:
-            if self._stop.is_set():
-                raise RuntimeError("this MultiprocessExporter is closed")
-            if name in self._refs and self._refs[name]() is not None:
-                raise ValueError(f"a lookup named {name!r} is already exported; names label the series")
-            self._refs[name] = weakref.ref(lookup)
-            self._last[name] = {}
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="uvaple-metrics", daemon=True)
-                self._thread.start()
+        self._after_fork()
+        super().add(name, lookup)
+
+    def _added(self, name: str) -> None:  # under self._lock
+        self._last[name] = {}
+        self._start()
+
+    def _start(self) -> None:
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="uvaple-metrics", daemon=True)
+            self._thread.start()
+
+    def _after_fork(self, start: bool = True) -> None:
+        """In a forked child: fresh locks (the parent's may have been held at the fork) and the thread
+        started again if there is anything to push. The counters' last-pushed values stay: the child's
+        lookups carry the parent's counts, which the parent pushed."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._lock, self._push_lock = threading.Lock(), threading.Lock()
+        self._thread = None
+        if start:
+            with self._lock:
+                if self._refs:
+                    self._start()
 
     def push(self) -> None:
         """Write every live lookup's progress now (the thread calls this every ``interval_s``)."""
+        self._after_fork()
         m = _push_metrics()
-        with self._lock:
-            refs = list(self._refs.items())
-        for name, ref in refs:
-            lk = ref()
-            if lk is None:
-                continue
-            try:
-                p = lk.progress()
-            except Exception as e:  # noqa: BLE001 - one broken lookup must not stop the others' metrics
-                log.warning("uvaple: progress() of lookup %r failed in the metrics push: %s", name, e)
-                continue
-            labels = (name, p.kind)
-            last = self._last[name]
-            for field, _, _ in _COUNTERS:
-                value = getattr(p, field)
-                if value is not None and value > last.get(field, 0):
-                    m[field].labels(*labels).inc(value - last.get(field, 0))
-                    last[field] = value
-            for field in ("age_s", "outstanding", "oldest_age_s"):
-                value = getattr(p, field)
-                if field == "oldest_age_s" and value is None and p.outstanding is not None:
-                    value = 0.0
-                if value is not None:
-                    m[field].labels(*labels).set(value)
-        self.pushes += 1
+        with self._push_lock:
+            for name, p in self._progress("in the metrics push"):
+                labels = (name, p.kind)
+                last = self._last.setdefault(name, {})
+                for field, _, _ in _COUNTERS:
+                    value = getattr(p, field)
+                    if value is not None and value > last.get(field, 0):
+                        m[field].labels(*labels).inc(value - last.get(field, 0))
+                        last[field] = value
+                for field in ("age_s", "outstanding", "oldest_age_s"):
+                    value = getattr(p, field)
+                    if field == "oldest_age_s" and value is None and p.outstanding is not None:
+                        value = 0.0
+                    if value is not None:
+                        m[field].labels(*labels).set(value)
+            self.pushes += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -514,21 +562,26 @@ class MultiprocessExporter:
                 log.warning("uvaple: metrics push failed: %s", e)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Push once more and stop the thread (waits at most ``timeout_s``). Idempotent."""
+        """Push once more, stop the thread (waits at most ``timeout_s``) and retire this process's gauges
+        (``mark_process_dead``: the live gauge modes then leave it out). Idempotent."""
+        self._after_fork(start=False)
         with self._lock:
-            already = self._stop.is_set()
+            if self._stop.is_set():
+                return
             self._stop.set()
             thread = self._thread
-        if already:
-            return
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         try:
             self.push()
+            if multiprocess_dir() is not None:
+                from prometheus_client import multiprocess
+
+                multiprocess.mark_process_dead(os.getpid())
         except Exception as e:  # noqa: BLE001
             log.warning("uvaple: final metrics push failed: %s", e)
 
     @property
     def running(self) -> bool:
         t = self._thread
-        return t is not None and t.is_alive()
+        return t is not None and t.is_alive() and self._pid == os.getpid()

@@ -16,7 +16,9 @@ row bytes): 2,048 B of codes per program, 4,096 B of bf16 out. Measured on E4B f
 and a 4-byte scale, perf/results/h200_2026-12-01/hotset/decode_batches/hotset.json, ``fp8_t*`` providers,
 same run): 2,048 B of codes with 4 warps took 1,322 us at 8,192 rows and 2,532 us at 16,384 where 4,096 B
 (the tile by codes) took 1,379 and 2,687, 4,096 B with 8 warps 1,353 / 2,641, and 8 or 16 KiB 1,392-1,414
-/ 2,751-2,785; at 1 and 8 rows 2 KiB was also the fastest, at 64 all were within 2%.
+/ 2,751-2,785; at 1 and 8 rows 2 KiB was also the fastest, at 64 all were within 2%. Only bf16 output
+was measured: fp32 output (1,024 codes a program) and the warps of rows under 2 KiB follow the same rule
+unmeasured.
 """
 
 from __future__ import annotations

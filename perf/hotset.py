@@ -17,7 +17,8 @@ lossless one bit-exact against the uncached lookup first:
 * ``hot``: a hot set of ``--hot-fraction`` of the rows (5%) ranked on the profile trace;
 * ``hot_online``: the same slots, ranked on the profile's counts plus the ids served in the serve trace's
   first half (counted on the device, ``HotSet.add_counts`` / ``refresh``); every provider is timed on the
-  second half, so both hit rates are held out;
+  second half, so both hit rates are held out. It keeps counting while timed (one atomic per id, the cost
+  of serving so); ``all_online`` holds its rows without counting;
 * ``dedup``: the sorted gather with ``dedup`` (each distinct id of a program read once);
 * ``fp8``: the table quantised to ``fp8_row`` (its error report printed), direct;
 * ``all``: fp8 rows, the hot set and the sorted/dedup gather together; ``all_online`` with the online
@@ -192,10 +193,13 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                 o = out[:n]
                 o.view(torch.int16).fill_(0x7FA5)
                 exact[name] = _exact(lookups[name].lookup(ids, o), want)
+            raw[:n].view(torch.int16).fill_(0x7FA5)
             vllm_ple_gather(view, ids, raw[:n])
             exact["peer"] = _exact(raw[:n], want)
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
+            out[:n].view(torch.int16).fill_(0x7FA5)
             exact["all_vs_fp8"] = _exact(lookups["all"].lookup(ids, out[:n]), f_want)
+            out[:n].view(torch.int16).fill_(0x7FA5)
             exact["all_online_vs_fp8"] = _exact(lookups["all_online"].lookup(ids, out[:n]), f_want)
             tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
             for name, fn in tiles.items():

@@ -265,10 +265,13 @@ def test_a_profile_prior_and_the_served_ids_are_ranked_together(device):
             assert torch.equal(bits(lk.lookup(probe)), bits(data[probe.cpu()]))
         before = hs.id_counts.clone()
         for bad, err in ((prior[:-1], TypeError), (prior.float(), TypeError), (prior.view(1, -1), TypeError),
-                         (prior.bool(), TypeError), ([1] * ROWS, TypeError), (prior - 100, ValueError)):
+                         (prior.bool(), TypeError), ([1] * ROWS, TypeError), (prior.to(torch.uint32), TypeError),
+                         (prior.to(torch.uint64), TypeError), (prior - 100, ValueError)):
             with pytest.raises(err, match="counts"):
                 hs.add_counts(bad)
         assert torch.equal(hs.id_counts, before)
+        hs.add_counts(prior.to(torch.int16))  # narrower integers widen exactly
+        assert torch.equal(hs.id_counts, before + prior.to(hs.id_counts.device))
         with pytest.raises(ValueError, match="count_ids=True"):
             HotSet(h, 4, device).add_counts(prior)
 

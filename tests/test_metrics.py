@@ -516,6 +516,61 @@ def test_multiprocess_export_reaches_the_aggregating_process(tmp_path):
     assert got[("uvaple_bytes_total", ple)] == 9 * 8 * 4
 
 
+def test_concurrent_pushes_never_count_twice(table):
+    """push() from the thread, from close() and from callers at once: each lookup's deltas are read, added
+    and stored together, so the pushed counters equal the lookup's."""
+    pytest.importorskip("prometheus_client")
+    _, h = table
+    lk = GatherLookup(h, TableSpec.of(h), "cpu")
+    ex = metrics.MultiprocessExporter(interval_s=0.01)
+    ex.add("twice", lk)
+    for _ in range(10):
+        lk.lookup(torch.tensor([1, 2, 3]))
+    threads = [threading.Thread(target=lambda: [ex.push() for _ in range(40)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ex.close()
+    counter = metrics._push_metrics()["lookups"].labels("twice", lk.kind)
+    assert counter._value.get() == lk.stats()["lookups"] == 10
+
+
+_FORKED = textwrap.dedent("""
+    import os, sys, time, torch
+    from uvaple.integration import GatherLookup, TableSpec
+    from uvaple.integration.metrics import MultiprocessExporter
+    from uvaple.uva import HostTable
+    h = HostTable.from_tensor(torch.randn(50, 8))
+    lk = GatherLookup(h, TableSpec.of(h), "cpu")
+    ex = MultiprocessExporter(interval_s=0.01)
+    ex.add("forked", lk)
+    lk.lookup(torch.tensor([1]))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own thread, started again by the next push (or add)
+        ex.push()
+        n = ex.pushes
+        deadline = time.monotonic() + 30
+        while ex.pushes < n + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.write(w, b"ok" if ex.running and ex.pushes >= n + 3 else b"stalled")
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 16).decode()
+    os.waitpid(pid, 0)
+    ex.close()
+    print(got, ex.running, flush=True)
+""")
+
+
+def test_a_forked_child_pushes_from_its_own_thread():
+    pytest.importorskip("prometheus_client")
+    r = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "ok False", r.stdout
+
+
 def test_multiprocess_exporter_checks_its_arguments_and_stops(table):
     pytest.importorskip("prometheus_client")
     _, h = table

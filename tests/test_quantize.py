@@ -77,6 +77,27 @@ def test_the_lookup_of_a_quantised_table_is_vllms_formula_bit_for_bit(device, ou
     assert err.rows == 64 and err.max_abs.shape == (2,)  # 300 values: a slice of 256 and one of 44
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_rows_wider_than_a_program_are_dequantised_whole(device, out_dtype):
+    """fp8 rows span several programs (the tile is sized by the bytes written: 2,048 codes for bf16,
+    1,024 for fp32): 4,500 codes are 3 or 5 tiles, the last one partial; every tile reads the row's own
+    scale. Bit-exact to the formula, a column range too."""
+    g = torch.Generator().manual_seed(31)
+    src = torch.randn(9, 4500, generator=g) * torch.logspace(-3, 2, 9)[:, None]
+    table, _ = fp8_row_table(src.to(torch.bfloat16), out_dtype=out_dtype)
+    with table:
+        spec = TableSpec.of(table, encoding="fp8_row", out_dtype=out_dtype, column_block=250)
+        stored = table.tensor
+        want = stored[:, :4500].to(out_dtype) * scales_of(stored, 4500).to(out_dtype)[:, None]
+        with GatherLookup(table, spec, device) as lk:
+            ids = torch.tensor([8, 0, 3, 3, 7, 1], device=device)
+            out = torch.empty(6, 4500, dtype=out_dtype, device=device)
+            out.view(torch.uint8).fill_(0xA5)
+            assert torch.equal(bits(lk.lookup(ids, out)), bits(want[ids.cpu()]))
+            part = lk.lookup(ids, columns=(1000, 3250))
+            assert torch.equal(bits(part), bits(want[ids.cpu(), 1000:3250]))
+
+
 def test_the_error_report_is_measured_per_slice():
     g = torch.Generator().manual_seed(14)
     src = (torch.randn(40, 512, generator=g) * torch.tensor([1e-3] * 256 + [1e3] * 256)).to(torch.bfloat16)

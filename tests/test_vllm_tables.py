@@ -37,7 +37,8 @@ def test_metrics_interval_setting():
 
 
 _EXPORT = """
-import json, os, sys
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO)
 if sys.argv[1] != "-":
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
 import torch
@@ -75,7 +76,7 @@ def test_shard_lookups_reach_vllms_metrics(tmp_path, mode):
 
     pytest.importorskip("prometheus_client")
     arg = str(tmp_path) if mode == "multiprocess" else "-"
-    r = subprocess.run([sys.executable, "-c", _EXPORT, arg, "0" if mode == "off" else "0.05"],
+    r = subprocess.run([sys.executable, "-c", _EXPORT, arg, "0" if mode == "off" else "0.5"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout.strip().splitlines()[-1])
@@ -83,6 +84,9 @@ def test_shard_lookups_reach_vllms_metrics(tmp_path, mode):
         assert rows == []
     else:
         assert len(rows) == 1 and 'lookup="model.embed_per_layer[1/2]"' in rows[0] and rows[0].endswith(" 3.0")
+        said = "pushed every 0.5 s into PROMETHEUS_MULTIPROC_DIR" if mode == "multiprocess" else \
+            "start vLLM with PROMETHEUS_MULTIPROC_DIR set to an empty directory"
+        assert r.stderr.count(said) == 1, r.stderr  # the log says once how the lookups reach /metrics
 
 
 def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
@@ -110,7 +114,8 @@ def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
     ({"segment_dir": "/proc"}, "segment_dir: .*not on a tmpfs"),
     ({"segment_dir": "/nonexistent-uvaple-dir"}, "segment_dir: .*not an existing directory"),
     ({"segment_dir": 5}, "segment_dir: expected a directory path"),
-    ({"metrics_interval_s": -1}, "metrics_interval_s: expected a number of seconds >= 0"),
+    ({"metrics_interval_s": -1}, "metrics_interval_s: expected 0 .no metrics export. or at least 0.5"),
+    ({"metrics_interval_s": 0.01}, "metrics_interval_s: expected 0"),
     ({"metrics_interval_s": math.nan}, "metrics_interval_s: expected"),
     ({"metrics_interval_s": "often"}, "metrics_interval_s: expected"),
     ({"metrics_interval_s": True}, "metrics_interval_s: expected"),

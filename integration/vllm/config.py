@@ -25,8 +25,9 @@ key                     environment                    meaning
                                                        2 MiB pages: ready several times sooner where ``/dev/shm``
                                                        has 4 KiB pages (``uvaple doctor`` says which).
 ``metrics_interval_s``  ``UVAPLE_METRICS_INTERVAL_S``  Seconds between pushes of the lookups' progress into vLLM's
-                                                       ``/metrics`` (default 5; 0: no export). Needs
-                                                       ``prometheus_client`` (vLLM brings it); see
+                                                       ``/metrics`` (default 5, at least 0.5; 0: no export).
+                                                       Needs ``prometheus_client`` (vLLM brings it) and, for
+                                                       engine processes, ``PROMETHEUS_MULTIPROC_DIR``; see
                                                        :func:`uvaple.integration.vllm.tables.export_metrics`.
 ======================  =============================  ============================================================
 """
@@ -122,8 +123,8 @@ def _check(key: str, value, where: str):
             t = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
             t = math.nan
-        if not (0 <= t < 1e6):
-            raise PluginConfigError(f"{where}: expected a number of seconds >= 0 (0: no metrics export), got "
+        if not (t == 0 or 0.5 <= t < 1e6):
+            raise PluginConfigError(f"{where}: expected 0 (no metrics export) or at least 0.5 seconds, got "
                                     f"{value!r}")
         return t
     raise AssertionError(key)

@@ -35,11 +35,10 @@ named error (or the copy fallback) before any loading, not after it.
 
 Metrics
 -------
-Each shard's lookup is exported to vLLM's ``/metrics`` (:func:`export_metrics`, ``metrics_interval_s``):
-vLLM serves that endpoint from its API server, which aggregates the ``prometheus_client`` files of its
-engine processes, so a worker pushes its lookups' ``progress()`` there every few seconds
-(:class:`~uvaple.integration.metrics.MultiprocessExporter`); in a single-process server a collector in
-``prometheus_client``'s default registry reads them at scrape time instead.
+Each shard's lookup is exported to vLLM's ``/metrics`` (:func:`export_metrics`, ``metrics_interval_s``).
+vLLM serves that endpoint from its API server process; with ``PROMETHEUS_MULTIPROC_DIR`` set it
+aggregates every process's ``prometheus_client`` files, so an engine process pushes its lookups'
+``progress()`` there every few seconds (:class:`~uvaple.integration.metrics.MultiprocessExporter`).
 """
 
 from __future__ import annotations
@@ -92,34 +91,45 @@ def export_metrics(name: str, lookup, interval_s: float) -> str | None:
     """Export ``lookup`` under ``lookup=name`` to the ``/metrics`` of the vLLM server this process is part
     of; returns how (``"multiprocess"``, ``"registry"``) or None when not exported.
 
-    In an engine process (``PROMETHEUS_MULTIPROC_DIR`` set, as vLLM sets it) one
-    :class:`~uvaple.integration.metrics.MultiprocessExporter` per process pushes every ``interval_s``
-    seconds; otherwise one collector in ``prometheus_client.REGISTRY`` reads at scrape time. Not exported
-    (said once in the log) with ``interval_s == 0`` or without ``prometheus_client``; a metrics failure
-    never stops the model from being served."""
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it when it runs several API servers; set it yourself,
+    an empty directory, for one) one :class:`~uvaple.integration.metrics.MultiprocessExporter` per process
+    pushes every ``interval_s`` seconds into the files vLLM's API server aggregates. Without it, one
+    collector in ``prometheus_client.REGISTRY`` reads at scrape time: served by vLLM only where the engine
+    runs in the API server's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The first export says in the
+    log which it is. Not exported with ``interval_s == 0`` or without ``prometheus_client``; a metrics
+    failure is logged and never stops the model from being served."""
     if not interval_s:
         return None
     from uvaple.integration import metrics
 
     with _EXPORT_LOCK:
+        if _EXPORT.get("pid") != os.getpid():  # a forked child: its parent's objects restart themselves
+            _EXPORT["pid"], _EXPORT["said"] = os.getpid(), False
         try:
             if metrics.multiprocess_dir() is not None:
                 if "multiprocess" not in _EXPORT:
                     _EXPORT["multiprocess"] = metrics.MultiprocessExporter(interval_s)
                 _EXPORT["multiprocess"].add(name, lookup)
-                return "multiprocess"
-            if "registry" not in _EXPORT:
-                _EXPORT["registry"] = metrics.register_prometheus({})
-            _EXPORT["registry"].add(name, lookup)
-            return "registry"
-        except ImportError as e:
-            if not _EXPORT.get("warned"):
-                log.info("uvaple: lookups not exported to /metrics: %s", e)
-                _EXPORT["warned"] = True
+                how = "multiprocess"
+            else:
+                if "registry" not in _EXPORT:
+                    _EXPORT["registry"] = metrics.register_prometheus({})
+                _EXPORT["registry"].add(name, lookup)
+                how = "registry"
+        except Exception as e:  # noqa: BLE001 - metrics must never stop serving
+            log.warning("uvaple: lookup %r not exported to /metrics: %s: %s", name, type(e).__name__, e)
             return None
-        except ValueError as e:  # a name exported twice in this process: the first one stays
-            log.warning("uvaple: lookup %r not exported to /metrics: %s", name, e)
-            return None
+        if not _EXPORT["said"]:
+            _EXPORT["said"] = True
+            if how == "multiprocess":
+                log.info("uvaple: lookup metrics pushed every %g s into PROMETHEUS_MULTIPROC_DIR=%s (vLLM's "
+                         "/metrics aggregates it)", interval_s, metrics.multiprocess_dir())
+            else:
+                log.info("uvaple: lookup metrics in this process's prometheus_client registry; vLLM's /metrics "
+                         "shows them only when the engine runs in the API server's process. To export them "
+                         "from engine processes, start vLLM with PROMETHEUS_MULTIPROC_DIR set to an empty "
+                         "directory")
+        return how
 
 
 def segment_name(base: str, layer: str, rank: int, size: int) -> str:
