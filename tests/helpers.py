@@ -16,3 +16,17 @@ def rand(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, seed: int = 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` on the CPU, for bit-exact comparison (-0.0 != +0.0, NaN == same NaN)."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def capture(fn, pool=None):
+    """``(graph, result)``: ``fn()`` run once on a side stream (compiles, warms the allocator), then
+    captured in a CUDA graph (in ``pool`` when given), as torch's capture recipe says."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        result = fn()
+    return graph, result

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bits, rand
+from helpers import bits, capture, rand
 
 from uvaple.integration import make_lookup
 from uvaple.kernels import reference_gather
@@ -247,14 +247,7 @@ def test_many_live_graphs_in_one_shared_pool_replay_in_any_order(table):
                 for inside in (False, True):  # the output preallocated, or allocated in the capture's pool
                     ids = torch.randint(0, h.rows, (n,), device=DEV)
                     out = None if inside else torch.empty(n, cols, dtype=spec.output_dtype, device=DEV)
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        lk.lookup(ids, out)
-                    torch.cuda.current_stream().wait_stream(side)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
-                        res = lk.lookup(ids, out)
+                    g, res = capture(lambda lk=lk, ids=ids, out=out: lk.lookup(ids, out), pool=pool)
                     graphs.append((name, n, g, ids, res))
         gen = torch.Generator().manual_seed(11)
         order = torch.cat([torch.randperm(len(graphs), generator=gen) for _ in range(3)])  # each graph 3 times
