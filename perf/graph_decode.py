@@ -214,16 +214,8 @@ def decode_graph(model, batch, *, prompt_len, steps, warm, high, device, seed=21
     draw = draw or (lambda n, length, s: random_ids(n, length, high, device, s))
     ids = draw(batch, prompt_len, seed)
     toks = draw(warm + steps + 2, batch, seed + 1)
-    step = CapturedDecode(model, ids, toks[0], device=device)
-    try:
-        same = step.matches_eager(toks[1])
-        timer = Timer(device)
-        for i in range(warm + steps):
-            step.load(toks[2 + i])
-            timer(step.graph.replay)
-        return {"ms": timer.median(skip=warm), "replay_equals_eager": same}
-    finally:
-        step.close()
+    return interleaved_graph_ms(model, lambda _: None, ["one"], ids, toks, warm=warm, device=device,
+                                rounds=1)["one"]
 
 
 @torch.no_grad()

@@ -127,6 +127,21 @@ def normal_table(rows: int, cols: int, seed: int) -> HostTable:
     return t
 
 
+def _mask(rows: int, held: torch.Tensor) -> torch.Tensor:
+    """A bool per table row: whether ``held`` names it."""
+    m = torch.zeros(rows, dtype=torch.bool)
+    m[held] = True
+    return m
+
+
+def _exact_into(buf: torch.Tensor, ids: torch.Tensor, fn, want: torch.Tensor) -> bool:
+    """Whether ``fn(ids, buf[:n])`` gives ``want``'s bits, ``buf[:n]`` poisoned first (a launch that writes
+    nothing fails)."""
+    o = buf[: ids.numel()]
+    o.view(torch.int16).fill_(0x7FA5)
+    return _exact(fn(ids, o), want)
+
+
 def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
@@ -138,13 +153,13 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     res: dict = {"rows": rows, "row_bytes": cols * 2, "fp8_row_bytes": cols + 4, "hot_fraction": hot_fraction,
                  "fp8_error": err.summary(), "results": []}
     k = HotSet.capacity_for(table, fraction=hot_fraction)
-    ranked = rank_rows(counts_of_ids(profile, rows), k)
+    profile_counts = counts_of_ids(profile, rows)
+    ranked = rank_rows(profile_counts, k)
     serve_t = torch.as_tensor(serve % rows)
     # the online hot set learns from the served text's first half; every provider is timed on the second
     half = len(serve_t) // 2
     warm_t, serve_t = serve_t[:half][: 4096 if smoke else half], serve_t[half:]
-    held = torch.zeros(rows, dtype=torch.bool)
-    held[ranked] = True
+    held = _mask(rows, ranked)
     res["hot_rows"] = int(ranked.numel())
     res["held_out_hit_rate"] = float(held[serve_t].float().mean())
     max_n = max(ns)
@@ -160,7 +175,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         "all": GatherLookup(fp8_table, fspec, device, hot=fhot, order="sorted", dedup=True, max_rows=max_n),
     }
     online = HotSet(table, k, device, rows=ranked.to(device), count_ids=True)
-    online.add_counts(counts_of_ids(profile, rows))
+    online.add_counts(profile_counts)
     lookups["hot_online"] = GatherLookup(table, spec, device, hot=online, order="direct")
     scratch = torch.empty(min(8192, max(1, len(warm_t))), cols, dtype=torch.bfloat16, device=device)
     for a in range(0, len(warm_t), scratch.shape[0]):
@@ -168,8 +183,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         lookups["hot_online"].lookup(part, scratch[: part.numel()])
     online.refresh(decay=0)  # profile + the first half's served ids, ranked on the device
     del scratch
-    held_online = torch.zeros(rows, dtype=torch.bool)
-    held_online[online.held[: online.size].cpu()] = True
+    held_online = _mask(rows, online.held[: online.size].cpu())
     res["online_rows"] = online.size
     res["online_warm_ids"] = len(warm_t)
     res["online_held_out_hit_rate"] = float(held_online[serve_t].float().mean())
@@ -188,23 +202,14 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                    "distinct": float(np.mean([torch.unique(x).numel() for x in sets])),
                    "hit_rate": float(held[sets.cpu()].float().mean()),
                    "online_hit_rate": float(held_online[sets.cpu()].float().mean())}
-            exact = {}
-            for name in ("hot", "hot_online", "dedup"):
-                o = out[:n]
-                o.view(torch.int16).fill_(0x7FA5)
-                exact[name] = _exact(lookups[name].lookup(ids, o), want)
-            raw[:n].view(torch.int16).fill_(0x7FA5)
-            vllm_ple_gather(view, ids, raw[:n])
-            exact["peer"] = _exact(raw[:n], want)
+            exact = {name: _exact_into(out, ids, lookups[name].lookup, want) for name in ("hot", "hot_online", "dedup")}
+            exact["peer"] = _exact_into(raw, ids, lambda i, o: (vllm_ple_gather(view, i, o), o)[1], want)
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
-            out[:n].view(torch.int16).fill_(0x7FA5)
-            exact["all_vs_fp8"] = _exact(lookups["all"].lookup(ids, out[:n]), f_want)
-            out[:n].view(torch.int16).fill_(0x7FA5)
-            exact["all_online_vs_fp8"] = _exact(lookups["all_online"].lookup(ids, out[:n]), f_want)
+            for name in ("all", "all_online"):
+                exact[name + "_vs_fp8"] = _exact_into(out, ids, lookups[name].lookup, f_want)
             tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
             for name, fn in tiles.items():
-                out[:n].view(torch.int16).fill_(0x7FA5)
-                exact[name + "_vs_fp8"] = _exact(fn(ids), f_want)
+                exact[name + "_vs_fp8"] = _exact_into(out, ids, lambda i, o, fn=fn: fn(i), f_want)
             rec["bit_exact"] = exact
             if device.type == "cuda" and not smoke:
                 calls = max(2, min(16, (512 << 20) // (n * cols * 2 * 3)))

@@ -84,6 +84,14 @@ def _bool(value, where: str) -> bool:
     raise PluginConfigError(f"{where}: expected true or false, got {value!r}")
 
 
+def _seconds(value) -> float:
+    """``value`` as a float (a number or its string), NaN for anything else (a bool too)."""
+    try:
+        return float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _check(key: str, value, where: str):
     if key in ("placement", "fallback"):
         allowed = PLACEMENTS if key == "placement" else FALLBACKS
@@ -111,18 +119,12 @@ def _check(key: str, value, where: str):
         except SharedSegmentError as e:
             raise PluginConfigError(f"{where}: {e}") from None
     if key == "timeout_s":
-        try:
-            t = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError):
-            t = math.nan
+        t = _seconds(value)
         if not (t > 0 and math.isfinite(t)):
             raise PluginConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
         return t
     if key == "metrics_interval_s":
-        try:
-            t = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError):
-            t = math.nan
+        t = _seconds(value)
         if not (t == 0 or 0.5 <= t < 1e6):
             raise PluginConfigError(f"{where}: expected 0 (no metrics export) or at least 0.5 seconds, got "
                                     f"{value!r}")
