@@ -16,6 +16,7 @@ __all__ = [
     "CopyRequestTooLarge",
     "CopyTimeout",
     "BackendClosed",
+    "LookupForkedError",
     "CopyJobFailed",
     "CopyJobCancelled",
 ]
@@ -44,6 +45,11 @@ class CopyTimeout(BackendError, TimeoutError):
 
 class BackendClosed(BackendError):
     """The backend was closed (or its worker stopped) before or while this job was pending."""
+
+
+class LookupForkedError(BackendError):
+    """A lookup inherited through ``fork()`` was used in the child: its table, streams and worker are the
+    parent's (a private table reads zeros there). Build the table and the lookup in the child."""
 
 
 class CopyJobFailed(BackendError):

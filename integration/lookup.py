@@ -21,7 +21,10 @@ Every placement gives the same bits for the same ids (``tests/test_equivalence.p
 
 Lifetime: a lookup holds views of its table, so the table's memory stays mapped (and registered) while
 the lookup lives, also if the table is closed under it. ``close()`` drops them (and closes a table the
-lookup owns); a lookup dropped without ``close()`` is freed by reference counting.
+lookup owns); a lookup dropped without ``close()`` is freed by reference counting. In a forked child a
+lookup built by the parent refuses calls (:class:`~uvaple.integration.errors.LookupForkedError`): its
+table is the parent's (a private table reads zeros in the child, ``uvaple.uva.host_table``), and so are
+its streams and threads. ``close()`` there only lets go of the child's copies.
 
 Counters: ``stats()`` reads an int64 ``[4]`` tensor that the kernel adds to on the device (lookups,
 rows, out-of-range ids, hot-set hits): correct under CUDA graph replays, and no host work on the hot
@@ -33,6 +36,7 @@ without any synchronisation: the newest completed copy to pinned host memory, an
 from __future__ import annotations
 
 import abc
+import os
 import threading
 
 import torch
@@ -43,7 +47,7 @@ from uvaple.uva import HostTable
 
 from .copy.cpu_gather import gather_up, split_rows, warm_split
 from .devices import default_device, resolve_device
-from .errors import BackendClosed
+from .errors import BackendClosed, LookupForkedError
 from .metrics import CounterSnapshots, Progress
 from .spec import TableSpec
 
@@ -116,10 +120,20 @@ class Lookup(abc.ABC):
         allocated when omitted; pass it on the hot path. Non-contiguous ids are copied first.
         """
 
-    def _prepare(self, ids: torch.Tensor, out: torch.Tensor | None, columns) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The per-call checks every placement shares: (contiguous ids, out, first column)."""
+    def _check_usable(self) -> None:
+        """Refuse a closed lookup, and one inherited through ``fork()`` (its table belongs to the parent)."""
         if self._closed:
             raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
+        if self.table._region.foreign:
+            raise LookupForkedError(
+                f"this {self.kind} lookup was built in process {self.table._region.pid}, and this is a forked "
+                f"child (pid {os.getpid()}): its table, streams and threads are the parent's (a private "
+                "table reads zeros here). Build the table and the lookup in the child (HostTable.attach "
+                "for a shared table)")
+
+    def _prepare(self, ids: torch.Tensor, out: torch.Tensor | None, columns) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The per-call checks every placement shares: (contiguous ids, out, first column)."""
+        self._check_usable()
         check_ids(ids)
         if ids.device != self.device:
             raise ValueError(f"ids are on {ids.device}; this lookup serves {self.device}")
@@ -326,8 +340,7 @@ class GatherLookup(Lookup):
         """
         if self._split is None:
             raise ValueError("this lookup was built without split=True")
-        if self._closed:
-            raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
+        self._check_usable()
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("lookup_split runs host work per call and cannot be captured in a CUDA graph; "
                                "capture lookup() with device ids instead")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ._fork import ForkSafeLock, gate_fork
 from .errors import BackendError
 
 __all__ = ["Progress", "Health", "CounterSnapshots", "ProgressReadError", "ProgressCollector",
@@ -211,7 +212,7 @@ class CounterSnapshots:
         self._taken = [now, now]
         self._published = 0
         self._inflight: int | None = None
-        self._lock = threading.Lock()  # reads from several threads (a scrape and a health check)
+        self._lock = ForkSafeLock()  # reads from several threads (a scrape and a health check)
         self._stream = None
         self._events: tuple = (None, None)
         if counters.is_cuda:
@@ -291,7 +292,7 @@ class _NamedLookups:
     """Lookups held weakly under names (the label ``lookup=name`` of their series)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._refs: dict[str, weakref.ref] = {}
 
     def add(self, name: str, lookup) -> None:
@@ -422,8 +423,8 @@ def multiprocess_dir() -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
-_PUSH_METRICS: dict = {}
-_PUSH_LOCK = threading.Lock()
+_PUSH_METRICS: dict | None = None  # made once, whole, under _PUSH_LOCK; read without it afterwards
+_PUSH_LOCK = ForkSafeLock()
 # push interval bounds (seconds): a scrape every few seconds needs no more; below this a thread would spin
 MIN_PUSH_INTERVAL_S = 0.01
 
@@ -431,28 +432,29 @@ MIN_PUSH_INTERVAL_S = 0.01
 def _push_metrics() -> dict:
     """This process's metric objects for :class:`MultiprocessExporter` (one set: multiprocess values are
     keyed by name and labels in this process's files), not registered in any registry."""
+    global _PUSH_METRICS
+    if _PUSH_METRICS is not None:
+        return _PUSH_METRICS
     with _PUSH_LOCK:
-        if not _PUSH_METRICS:
+        if _PUSH_METRICS is None:
             try:
                 from prometheus_client import Counter, Gauge
             except ImportError as e:
                 raise ImportError("MultiprocessExporter needs prometheus_client: pip install prometheus_client") \
                     from e
-            for field, metric, doc in _COUNTERS:
-                _PUSH_METRICS[field] = Counter(metric, doc, _LABELS, registry=None)
+            made = {field: Counter(metric, doc, _LABELS, registry=None) for field, metric, doc in _COUNTERS}
             # one writer per series (a lookup's name is its layer and rank), except data-parallel replicas of
             # a rank: the largest age, the sum of outstanding jobs, over processes that have not closed
-            _PUSH_METRICS["age_s"] = Gauge("uvaple_snapshot_age_seconds", "How old the exported counter values "
-                                           "may be (the largest over live processes).", _LABELS,
-                                           registry=None, multiprocess_mode="livemax")
-            _PUSH_METRICS["outstanding"] = Gauge("uvaple_copy_outstanding_jobs", "Copy placement: jobs admitted "
-                                                 "and not finished.", _LABELS, registry=None,
-                                                 multiprocess_mode="livesum")
-            _PUSH_METRICS["oldest_age_s"] = Gauge("uvaple_copy_oldest_job_age_seconds", "Copy placement: seconds "
-                                                  "since the oldest outstanding job was admitted (0 when none "
-                                                  "is), the largest over live processes; its stage: "
-                                                  "CopyBackend.health().", _LABELS, registry=None,
-                                                  multiprocess_mode="livemax")
+            made["age_s"] = Gauge("uvaple_snapshot_age_seconds", "How old the exported counter values may be "
+                                  "(the largest over live processes).", _LABELS, registry=None,
+                                  multiprocess_mode="livemax")
+            made["outstanding"] = Gauge("uvaple_copy_outstanding_jobs", "Copy placement: jobs admitted and not "
+                                        "finished.", _LABELS, registry=None, multiprocess_mode="livesum")
+            made["oldest_age_s"] = Gauge("uvaple_copy_oldest_job_age_seconds", "Copy placement: seconds since "
+                                         "the oldest outstanding job was admitted (0 when none is), the largest "
+                                         "over live processes; its stage: CopyBackend.health().", _LABELS,
+                                         registry=None, multiprocess_mode="livemax")
+            _PUSH_METRICS = made
         return _PUSH_METRICS
 
 
@@ -482,7 +484,9 @@ class MultiprocessExporter(_NamedLookups):
     The thread only reads ``progress()`` (no host synchronisation, nothing enqueued on the model's
     streams; safe during graph capture on any thread) and writes the metric files. It starts with the
     first :meth:`add`, holds the lookups weakly (a dropped or closed lookup's series stay as they were),
-    and in a forked child starts again with the next :meth:`add` or :meth:`push`. :meth:`close` (also run
+    and in a forked child starts again with the next :meth:`add` or :meth:`push`. A fork waits for a push
+    in progress to end (:func:`~uvaple.integration._fork.gate_fork`), so the child finds whole values and
+    free locks, its own, the lookups' and ``prometheus_client``'s. :meth:`close` (also run
     at interpreter exit) pushes once more, stops it (bounded join) and retires this process's gauges.
     """
 
@@ -493,7 +497,9 @@ class MultiprocessExporter(_NamedLookups):
         _push_metrics()  # prometheus_client is needed: fail here, not in the thread
         super().__init__()
         self.interval_s = float(interval_s)
-        self._push_lock = threading.Lock()  # one push at a time: deltas are read, added and stored together
+        # one push at a time (deltas are read, added and stored together), and never split by a fork: a child
+        # finds whole values and free locks, its own, prometheus_client's and the lookups'
+        self._push_lock = gate_fork(ForkSafeLock())
         self._last: dict[str, dict] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -520,14 +526,16 @@ class MultiprocessExporter(_NamedLookups):
             self._thread.start()
 
     def _after_fork(self, start: bool = True) -> None:
-        """In a forked child: fresh locks (the parent's may have been held at the fork) and the thread
-        started again if there is anything to push. The counters' last-pushed values stay: the child's
+        """In a forked child: the thread started again if there is anything to push (the locks are
+        :class:`ForkSafeLock`: free in the child). The counters' last-pushed values stay: the child's
         lookups carry the parent's counts, which the parent pushed."""
         if self._pid == os.getpid():
             return
         self._pid = os.getpid()
-        self._lock, self._push_lock = threading.Lock(), threading.Lock()
-        self._thread = None
+        stop = threading.Event()  # the parent's thread may have held the event's own lock at the fork
+        if self._stop.is_set():
+            stop.set()
+        self._stop, self._thread = stop, None
         if start:
             with self._lock:
                 if self._refs:

@@ -537,38 +537,70 @@ def test_concurrent_pushes_never_count_twice(table):
 
 
 _FORKED = textwrap.dedent("""
-    import os, sys, time, torch
+    import faulthandler, os, signal, sys, threading, time, torch
     from uvaple.integration import GatherLookup, TableSpec
-    from uvaple.integration.metrics import MultiprocessExporter
+    from uvaple.integration.metrics import MultiprocessExporter, Progress
     from uvaple.uva import HostTable
+
+    class Slow:  # a lookup whose progress() takes a while: a push spends most of its time inside it
+        kind = "uva"
+        inside = False
+
+        def progress(self):
+            Slow.inside = True
+            time.sleep(0.01)
+            Slow.inside = False
+            return Progress(kind="uva", lookups=1, rows=1, bytes=16, out_of_range_ids=0, age_s=0.0)
+
     h = HostTable.from_tensor(torch.randn(50, 8))
-    lk = GatherLookup(h, TableSpec.of(h), "cpu")
+    lk = GatherLookup(h, TableSpec.of(h), "cpu")  # its progress() takes the snapshot's lock
+    slow = Slow()
     ex = MultiprocessExporter(interval_s=0.01)
     ex.add("forked", lk)
+    ex.add("slow", slow)
     lk.lookup(torch.tensor([1]))
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its own thread, started again by the next push (or add)
-        ex.push()
-        n = ex.pushes
-        deadline = time.monotonic() + 30
-        while ex.pushes < n + 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.write(w, b"ok" if ex.running and ex.pushes >= n + 3 else b"stalled")
-        os._exit(0)
-    os.close(w)
-    got = os.read(r, 16).decode()
-    os.waitpid(pid, 0)
+    results = []
+    for i in range(int(sys.argv[1])):
+        time.sleep(0.001 * (i % 7))
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: a whole state, free locks, and its own thread started by the next push
+            faulthandler.dump_traceback_later(20, exit=True)
+            split = Slow.inside
+            ex.push()
+            n = ex.pushes
+            deadline = time.monotonic() + 20
+            while ex.pushes < n + 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.write(w, b"split" if split else b"ok" if ex.running and ex.pushes >= n + 3 else b"stalled")
+            os._exit(0)
+        os.close(w)
+        got, deadline = b"", time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                got = os.read(r, 16)
+                break
+            time.sleep(0.005)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            got = b"hung"
+        os.close(r)
+        results.append(got.decode() or "died")
     ex.close()
-    print(got, ex.running, flush=True)
+    print(" ".join(sorted(set(results))), ex.running, flush=True)
 """)
 
 
-def test_a_forked_child_pushes_from_its_own_thread():
+def test_forked_children_push_from_their_own_thread():
+    """Forks land while the parent's thread is pushing (most of its time is inside a slow progress(), and
+    a real lookup's snapshot lock is taken in every push): every child finds whole state and free locks and
+    pushes on its own thread. Without the fork gate most children see a push split and some hang."""
     pytest.importorskip("prometheus_client")
-    r = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", _FORKED, "25"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "ok False", r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "ok False", (r.stdout, r.stderr)
 
 
 def test_multiprocess_exporter_checks_its_arguments_and_stops(table):

@@ -85,6 +85,11 @@ How the five rules of seed 000 (and seed 004's WAR rule) are met
    A backend dropped without ``close()`` is freed: the worker holds it only weakly between jobs (it
    looks again at least every ``_IDLE_WAIT_S``), so the backend is collected, its staging with it, and
    the worker then stops.
+   Fork. A forked child has no worker and the parent's streams and slots: there ``submit``/``lookup``
+   raise :class:`~uvaple.integration.errors.LookupForkedError`, and ``close()`` (also at the child's
+   exit) fails the jobs still pending, waits for nothing and lets go of the child's copy of the table.
+   The backend's lock is a :class:`~uvaple.integration._fork.ForkSafeLock`: free in the child, whoever
+   held it at the fork.
 WAR (seed 004). The copy into the caller's ``out`` runs on the copy stream after a wait on an event
 recorded on the caller's stream at submit, so it cannot overwrite ``out`` while work enqueued before the
 submit (the previous pass's readers) still reads it. Contract: reuse an ``out`` buffer only for a job
@@ -139,6 +144,7 @@ from ..errors import (
     CopyRequestTooLarge,
     CopyTimeout,
 )
+from .._fork import ForkSafeLock
 from ..lookup import Lookup
 from ..metrics import Health, Progress, RelaxedCaptureMode
 from ..spec import TableSpec, spec_for
@@ -426,7 +432,7 @@ class CopyBackend(Lookup):
             self._zero_neg = self._zero_pos.copy()
             if self.dtype.is_floating_point:
                 self._zero_neg[-1] = 0x80  # little-endian sign bit
-            self._cond = threading.Condition(threading.Lock())
+            self._cond = threading.Condition(ForkSafeLock())  # free in a forked child, whoever held it
             self._pending: collections.deque[CopyJob] = collections.deque()
             self._seq = 0
             # Shutdown states: _closing (close() began: no new jobs, the worker stops), _releasing (one
@@ -467,6 +473,8 @@ class CopyBackend(Lookup):
 
     def _submit(self, ids, out, columns, *, inline: bool) -> CopyJob:
         # ---- checks (nothing mutated)
+        if self.table._region.foreign:
+            self._check_usable()  # a forked child: the worker, streams and slots are the parent's
         check_ids(ids)
         device_ids = self._ops.needs_d2h(ids)
         if ids.device.type != "cpu" and not device_ids:
@@ -674,6 +682,9 @@ class CopyBackend(Lookup):
         calling ``close()`` again re-checks and finishes the release. Called on the worker thread itself,
         it begins closing and returns; the worker releases when it stops. Idempotent.
         """
+        if self.table._region.foreign:
+            self._close_in_child()
+            return
         t = self.close_timeout if timeout is None else timeout
         deadline = time.monotonic() + t
         on_worker = threading.current_thread() is self._worker
@@ -688,6 +699,19 @@ class CopyBackend(Lookup):
                 return
         self._worker.join(max(0.0, deadline - time.monotonic()))
         self._release(deadline, t, on_worker=False)
+
+    def _close_in_child(self) -> None:
+        """close() in a forked child: the worker, streams and slots are the parent's, nothing here waits for
+        or releases them; the child lets go of its copy of the table (which only unmaps it)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._begin_close_locked()  # jobs the child waits on fail with BackendClosed
+            self._closed = True
+            self._slots, self._free, self._host_block = [], [], None
+        _live_backends.discard(self)
+        if self._owns_table:
+            self.table.close()
 
     def _begin_close_locked(self) -> None:
         """Closing begins (once): no new jobs, pending jobs fail, the worker leaves its loop."""

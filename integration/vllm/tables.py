@@ -51,6 +51,7 @@ import threading
 
 import torch
 
+from uvaple.integration._fork import ForkSafeLock
 from uvaple.integration.errors import BackendError
 from uvaple.uva import HostTable
 from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
@@ -83,7 +84,7 @@ def model_identity(model: str, revision: str | None, dtype, quantization) -> str
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-_EXPORT_LOCK = threading.Lock()
+_EXPORT_LOCK = ForkSafeLock()  # free in a forked child, whoever held it at the fork
 _EXPORT: dict = {}  # this process's exporter (multiprocess) or collector (single process), made once
 
 

@@ -1,0 +1,101 @@
+"""Locks a forked child finds unlocked, and forks that never split a critical section they gate.
+
+Only the forking thread exists in a forked child. A ``threading.Lock`` another thread held at the fork
+stays held there for ever: the child's first use of it (a scrape, a metrics push, ``close()`` at exit)
+would wait for ever. :class:`ForkSafeLock` is made anew in every forked child. Where the state a lock
+guards must also be whole in the child (a metrics push: its own locks, ``prometheus_client``'s and the
+lookups' are taken inside it), :func:`gate_fork` makes ``fork()`` take the lock first, waiting at most
+:data:`FORK_WAIT_S`: the fork then falls between two critical sections, never inside one, and the lock
+is given back in the parent. A section that overruns the wait is not waited for (a fork is never
+wedged); the child still gets a fresh lock.
+
+The ``os.register_at_fork`` hooks are installed with the first lock (importing uvaple installs nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+__all__ = ["ForkSafeLock", "gate_fork", "FORK_WAIT_S"]
+
+# The longest a fork waits for one gated section (a push writes a few metric files: milliseconds).
+FORK_WAIT_S = 2.0
+
+_LOCKS: weakref.WeakSet = weakref.WeakSet()  # every ForkSafeLock of this process
+_GATES: weakref.WeakSet = weakref.WeakSet()  # those a fork takes first
+_registry_lock = threading.Lock()  # guards the two sets (made anew in a child, with them)
+_held = threading.local()  # the gates the forking thread took (before and after hooks run on it)
+_hooks = False
+
+
+class ForkSafeLock:
+    """A non-reentrant lock (``with``, ``acquire``, ``release``, ``locked``) that a forked child gets back
+    unlocked, whoever held it at the fork."""
+
+    __slots__ = ("_lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _install_hooks()
+        with _registry_lock:
+            _LOCKS.add(self)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def gate_fork(lock: ForkSafeLock) -> ForkSafeLock:
+    """Make every later ``fork()`` of this process wait (at most :data:`FORK_WAIT_S`) until ``lock`` is free
+    and hold it across the fork. Returns ``lock``. For a lock whose sections nest no other gate."""
+    if not isinstance(lock, ForkSafeLock):
+        raise TypeError(f"gate_fork takes a ForkSafeLock, got {type(lock).__name__}")
+    with _registry_lock:
+        _GATES.add(lock)
+    return lock
+
+
+def _install_hooks() -> None:
+    global _hooks
+    with _registry_lock:
+        if _hooks:
+            return
+        _hooks = True
+    os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+
+
+def _before() -> None:
+    with _registry_lock:
+        gates = list(_GATES)
+    taken = []
+    for lock in gates:
+        if lock._lock.acquire(timeout=FORK_WAIT_S):
+            taken.append(lock)
+    _held.taken = taken
+
+
+def _after_in_parent() -> None:
+    taken, _held.taken = getattr(_held, "taken", []), []
+    for lock in taken:
+        lock._lock.release()
+
+
+def _after_in_child() -> None:
+    global _registry_lock, _held
+    _registry_lock = threading.Lock()
+    _held = threading.local()
+    for lock in list(_LOCKS):
+        lock._lock = threading.Lock()

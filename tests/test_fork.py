@@ -1,0 +1,200 @@
+"""Fork: locks a child finds free, forks that wait for a gated section to end (``integration._fork``), and
+lookups a child refuses to use (their table, streams and threads are the parent's).
+
+Each fork's child reports through its exit status and ends with ``os._exit``; a child that would hang is
+bounded by ``faulthandler`` (exit status 1 after a stack dump) and the parent's bounded wait.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from helpers import rand
+
+from uvaple.integration import CopyBackend, GatherLookup, TableSpec, _fork
+from uvaple.integration._fork import ForkSafeLock, gate_fork
+from uvaple.integration.errors import BackendClosed, LookupForkedError
+from uvaple.uva import HostTable
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+CHILD_LIMIT_S = 20  # a child still running after this is killed: the test fails, never hangs
+
+
+def fork_and_wait(child) -> int:
+    """Fork; the child runs ``child()`` (its int result is the exit status) under a hang guard; return it."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            faulthandler.dump_traceback_later(CHILD_LIMIT_S / 2, exit=True)
+            code = int(child())
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + CHILD_LIMIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -signal.SIGKILL
+
+
+def held_by_a_thread(*locks):
+    """Start a thread holding ``locks`` until the returned event is set; returns (event, thread)."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        for lk in locks:
+            lk.acquire()
+        taken.set()
+        release.wait(60)
+        for lk in reversed(locks):
+            lk.release()
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    assert taken.wait(10)
+    return release, t
+
+
+def test_a_child_finds_a_lock_another_thread_held_at_the_fork_free():
+    plain, safe = threading.Lock(), ForkSafeLock()
+    release, t = held_by_a_thread(plain, safe)
+    try:
+        # the child: the plain lock stays held for ever (the hazard), the fork-safe one is free
+        code = fork_and_wait(lambda: 0 if not plain.acquire(timeout=0.2) and safe.acquire(timeout=5) else 1)
+        assert code == 0
+        assert safe.locked() and plain.locked()  # the parent's thread still holds both
+    finally:
+        release.set()
+        t.join(10)
+    assert not safe.locked()
+
+
+def test_the_lock_is_a_plain_non_reentrant_lock():
+    lk = ForkSafeLock()
+    with lk:
+        assert lk.locked()
+        assert not lk.acquire(blocking=False)
+        assert not lk.acquire(timeout=0.01)
+    assert not lk.locked()
+    assert lk.acquire()
+    lk.release()
+    with pytest.raises(RuntimeError):
+        lk.release()
+    with pytest.raises(TypeError, match="ForkSafeLock"):
+        gate_fork(threading.Lock())
+
+
+def test_a_fork_never_splits_a_gated_section():
+    """A thread spends most of its time inside a gated section that leaves state half-written while it runs;
+    every child sees the state whole. Without the gate about three forks in four land inside."""
+    lock = gate_fork(ForkSafeLock())
+    state = {"inside": False, "sections": 0}
+    stop = threading.Event()
+
+    def work():
+        while not stop.is_set():
+            with lock:
+                state["inside"] = True
+                time.sleep(0.015)
+                state["inside"] = False
+                state["sections"] += 1
+            time.sleep(0.003)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        for _ in range(12):
+            time.sleep(0.004)
+            assert fork_and_wait(lambda: 0 if not state["inside"] and lock.acquire(timeout=5) else 1) == 0
+    finally:
+        stop.set()
+        t.join(10)
+    assert state["sections"] > 0 and not lock.locked()
+
+
+def test_a_section_longer_than_the_wait_does_not_hold_the_fork(monkeypatch):
+    monkeypatch.setattr(_fork, "FORK_WAIT_S", 0.2)
+    lock = gate_fork(ForkSafeLock())
+    release, t = held_by_a_thread(lock)
+    try:
+        t0 = time.monotonic()
+        assert fork_and_wait(lambda: 0 if lock.acquire(timeout=5) else 1) == 0  # fresh in the child
+        assert 0.2 <= time.monotonic() - t0 < CHILD_LIMIT_S / 2
+        assert lock.locked()  # still the parent thread's: the parent gave back nothing it did not take
+    finally:
+        release.set()
+        t.join(10)
+    assert not lock.locked()
+    # the gate taken and given back: free in the parent after a fork that did not wait
+    assert fork_and_wait(lambda: 0) == 0
+    assert not lock.locked() and lock.acquire(blocking=False)
+    lock.release()
+
+
+# ------------------------------------------------------------------ lookups in a forked child
+def _refused(fn) -> bool:
+    try:
+        fn()
+    except LookupForkedError as e:
+        return "forked child" in str(e) and "in the child" in str(e)
+    return False
+
+
+@pytest.mark.parametrize("kind", ["uva", "copy"])
+def test_a_lookup_refuses_calls_in_a_forked_child_and_stays_exact_in_the_parent(kind):
+    t = rand(97, 24, torch.bfloat16, seed=5)
+    ids = torch.tensor([3, 96, 0, 41, 3])
+    with HostTable.from_tensor(t) as h:
+        lk = GatherLookup(h, TableSpec.of(h), "cpu") if kind == "uva" else CopyBackend(h, "cpu")
+        want = t[ids]
+        assert torch.equal(lk.lookup(ids), want)
+
+        def child():
+            ok = _refused(lambda: lk.lookup(ids)) and _refused(lambda: lk.lookup(ids, torch.empty(5, 24, dtype=t.dtype)))
+            if kind == "copy":
+                ok = ok and _refused(lambda: lk.submit(ids))
+            lk.stats(), lk.progress()  # answer, never wait
+            lk.close()
+            ok = ok and lk.closed
+            with pytest.raises(BackendClosed):
+                lk.lookup(ids)
+            return 0 if ok else 1
+
+        assert fork_and_wait(child) == 0
+        out = torch.full((5, 24), float("nan"), dtype=t.dtype)
+        assert lk.lookup(ids, out) is out and torch.equal(out, want)  # the parent's lookup is untouched
+        lk.close()
+
+
+def test_a_copy_backend_whose_lock_was_held_at_the_fork_closes_in_the_child():
+    """The backend's lock held by another thread at the fork (its worker, a scrape): the child's close(),
+    stats() and its exit hook still answer at once."""
+    t = rand(50, 8, torch.float32, seed=2)
+    with HostTable.from_tensor(t) as h:
+        b = CopyBackend(h, "cpu")
+        ids = torch.tensor([1, 49])
+        assert torch.equal(b.lookup(ids), t[ids])
+        release, th = held_by_a_thread(b._cond)
+        try:
+            def child():
+                t0 = time.monotonic()
+                b.stats()
+                b.close()
+                return 0 if b.closed and time.monotonic() - t0 < 5 else 1
+
+            assert fork_and_wait(child) == 0
+        finally:
+            release.set()
+            th.join(10)
+        assert torch.equal(b.lookup(ids), t[ids])
+        b.close()
