@@ -9,7 +9,12 @@ lookups' are taken inside it), :func:`gate_fork` makes ``fork()`` take the lock 
 is given back in the parent. A section that overruns the wait is not waited for (a fork is never
 wedged); the child still gets a fresh lock.
 
-The ``os.register_at_fork`` hooks are installed with the first lock (importing uvaple installs nothing).
+A lock the *forking* thread holds is made anew too: code holding one must not fork (uvaple never does).
+Locks of other libraries are theirs: ``prometheus_client`` keeps one lock for all of a process's
+multiprocess values, held in a child for ever if another thread was updating a metric at the fork.
+
+The ``os.register_at_fork`` hooks are installed at the first acquisition of any such lock or the first
+gate (a lock never taken before a fork is free in the child anyway): importing uvaple installs nothing.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ class ForkSafeLock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        _install_hooks()
         with _registry_lock:
             _LOCKS.add(self)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not _hooks:
+            _install_hooks()
         return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
@@ -52,6 +58,8 @@ class ForkSafeLock:
         return self._lock.locked()
 
     def __enter__(self) -> bool:
+        if not _hooks:
+            _install_hooks()
         return self._lock.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -63,6 +71,7 @@ def gate_fork(lock: ForkSafeLock) -> ForkSafeLock:
     and hold it across the fork. Returns ``lock``. For a lock whose sections nest no other gate."""
     if not isinstance(lock, ForkSafeLock):
         raise TypeError(f"gate_fork takes a ForkSafeLock, got {type(lock).__name__}")
+    _install_hooks()
     with _registry_lock:
         _GATES.add(lock)
     return lock
@@ -71,20 +80,21 @@ def gate_fork(lock: ForkSafeLock) -> ForkSafeLock:
 def _install_hooks() -> None:
     global _hooks
     with _registry_lock:
-        if _hooks:
-            return
-        _hooks = True
-    os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+        if not _hooks:  # registered under the lock: no lock is taken before its hooks exist
+            os.register_at_fork(before=_before, after_in_parent=_after_in_parent,
+                                after_in_child=_after_in_child)
+            _hooks = True
 
 
 def _before() -> None:
     with _registry_lock:
         gates = list(_GATES)
-    taken = []
+    # the list is the thread's before the first wait: an exception in the wait (a signal's handler; the fork
+    # then goes on without this hook) leaves every lock taken so far where the parent's hook gives it back
+    _held.taken = taken = []
     for lock in gates:
         if lock._lock.acquire(timeout=FORK_WAIT_S):
             taken.append(lock)
-    _held.taken = taken
 
 
 def _after_in_parent() -> None:

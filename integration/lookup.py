@@ -441,7 +441,7 @@ class GatherLookup(Lookup):
         return 0
 
     def close(self) -> None:
-        if self._split is not None:
+        if self._split is not None and not self.table._region.foreign:  # (a forked child has no CUDA)
             self._split.free.synchronize()  # no copy may still read the staging when it goes
         self._arg = None
         self._workspace = None

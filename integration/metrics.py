@@ -483,11 +483,13 @@ class MultiprocessExporter(_NamedLookups):
 
     The thread only reads ``progress()`` (no host synchronisation, nothing enqueued on the model's
     streams; safe during graph capture on any thread) and writes the metric files. It starts with the
-    first :meth:`add`, holds the lookups weakly (a dropped or closed lookup's series stay as they were),
-    and in a forked child starts again with the next :meth:`add` or :meth:`push`. A fork waits for a push
-    in progress to end (:func:`~uvaple.integration._fork.gate_fork`), so the child finds whole values and
-    free locks, its own, the lookups' and ``prometheus_client``'s. :meth:`close` (also run
-    at interpreter exit) pushes once more, stops it (bounded join) and retires this process's gauges.
+    first :meth:`add` and holds the lookups weakly (a dropped or closed lookup's series stay as they
+    were). A fork waits for a push in progress to end (:func:`~uvaple.integration._fork.gate_fork`), so
+    the child finds whole values and free locks (its own, the lookups', and ``prometheus_client``'s as far
+    as uvaple's pushes hold it). A forked child exports only the lookups added there: the parent's refuse
+    use in the child, and the parent pushes their counts. :meth:`close` (also run
+    at interpreter exit) stops it and pushes once more, both within ``timeout_s``, and retires this
+    process's gauges.
     """
 
     def __init__(self, interval_s: float = 5.0) -> None:
@@ -525,10 +527,10 @@ class MultiprocessExporter(_NamedLookups):
             self._thread = threading.Thread(target=self._run, name="uvaple-metrics", daemon=True)
             self._thread.start()
 
-    def _after_fork(self, start: bool = True) -> None:
-        """In a forked child: the thread started again if there is anything to push (the locks are
-        :class:`ForkSafeLock`: free in the child). The counters' last-pushed values stay: the child's
-        lookups carry the parent's counts, which the parent pushed."""
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's lookups (they refuse use here, and the parent pushes
+        their counts: the child pushing them too would count them twice); the thread starts again with the
+        next :meth:`add`. The locks are :class:`ForkSafeLock`: free in the child."""
         if self._pid == os.getpid():
             return
         self._pid = os.getpid()
@@ -536,10 +538,9 @@ class MultiprocessExporter(_NamedLookups):
         if self._stop.is_set():
             stop.set()
         self._stop, self._thread = stop, None
-        if start:
-            with self._lock:
-                if self._refs:
-                    self._start()
+        with self._lock:
+            self._refs.clear()
+            self._last.clear()
 
     def push(self) -> None:
         """Write every live lookup's progress now (the thread calls this every ``interval_s``)."""
@@ -570,16 +571,37 @@ class MultiprocessExporter(_NamedLookups):
                 log.warning("uvaple: metrics push failed: %s", e)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Push once more, stop the thread (waits at most ``timeout_s``) and retire this process's gauges
-        (``mark_process_dead``: the live gauge modes then leave it out). Idempotent."""
-        self._after_fork(start=False)
+        """Stop the thread, push once more and retire this process's gauges (``mark_process_dead``: the live
+        gauge modes then leave it out), all within ``timeout_s`` (a stuck push is logged and left).
+        Idempotent."""
+        self._after_fork()
         with self._lock:
             if self._stop.is_set():
                 return
             self._stop.set()
             thread = self._thread
+        deadline = time.monotonic() + timeout_s
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("uvaple: the metrics thread did not stop within %.3g s (a push is stuck); the "
+                            "last values pushed stay", timeout_s)
+                return
+        # the last push on a thread of its own, joined within what is left of timeout_s: a lock held for
+        # ever (prometheus_client's, in a child forked while another thread updated a metric) cannot hold
+        # this caller, nor the interpreter's exit
+        try:
+            last = threading.Thread(target=self._final_push, name="uvaple-metrics-close", daemon=True)
+            last.start()
+        except RuntimeError:  # no new thread at interpreter shutdown (Python >= 3.12): push here
+            self._final_push()
+            return
+        last.join(max(0.0, deadline - time.monotonic()))
+        if last.is_alive():
+            log.warning("uvaple: the final metrics push did not finish within %.3g s; the last values pushed "
+                        "stay", timeout_s)
+
+    def _final_push(self) -> None:
         try:
             self.push()
             if multiprocess_dir() is not None:

@@ -3,9 +3,9 @@
 # readiness, the benchmarks, the Gemma 3n end-to-end run and the E4B levers run. Logs go to $OUT
 # (default ./gpu-out): run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests soak memcheck lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench
+#   steps: doctor tests soak memcheck memlock lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench
 #   e2e levers
-#   (default: all but soak and memcheck)
+#   (default: all but soak, memcheck and memlock)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
@@ -46,6 +46,11 @@ if has memcheck; then
       ${MEMCHECK_TESTS:-tests/test_fuzz.py -k every_id_class} 2>&1 | tail -5
     tail -5 "$R/memcheck.log"
   else echo "compute-sanitizer not found on this machine"; fi
+fi
+if has memlock; then
+  step "registration under a low ulimit -l (64 KiB; as is, and without CAP_IPC_LOCK), a ${MEMLOCK_GIB:-1} GiB table"
+  timeout 300 python3 -m uvaple.perf.memlock_probe --gib ${MEMLOCK_GIB:-1} --json "$R/memlock.json" 2>&1 | tee "$R/memlock.log"
+  echo "memlock exit: ${PIPESTATUS[0]}"
 fi
 if has lifetime; then
   step "host-table lifetime at full size (8 GiB finalizer release, fork, 16 GiB shared by 4 processes)"

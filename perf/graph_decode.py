@@ -178,6 +178,9 @@ class CapturedDecode:
         self.graph = torch.cuda.CUDAGraph()
         with consts.serve(), torch.cuda.graph(self.graph):
             self.out = self._step(self.static_ids)
+        # the graph reads the kept constants at their addresses: they live as long as it does (dropped,
+        # their blocks go back to the allocator, and the next capture's empty_cache() unmaps them)
+        self._consts = consts
 
     def _step(self, x):
         return self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{self._key: self.cache}).logits
@@ -198,7 +201,7 @@ class CapturedDecode:
         return bool(torch.equal(replayed, eager))
 
     def close(self) -> None:
-        self.graph, self.out = None, None
+        self.graph, self.out, self._consts = None, None, None
         _rewind(self.counters)
 
 

@@ -583,8 +583,8 @@ def test_admission_waits_bounded_for_a_slot(fake):
     j1 = b.submit(torch.tensor([1]))
     until(lambda: j1.done)
     timer = threading.Timer(0.2, fake.run)
+    t0 = time.monotonic()  # before the timer starts: its slot cannot free sooner than 0.2 s after this
     timer.start()
-    t0 = time.monotonic()
     j2 = b.submit(torch.tensor([2]))  # waits for j1's copy to complete, then gets its slot
     assert 0.15 < time.monotonic() - t0 < 4.0
     timer.join()

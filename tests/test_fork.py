@@ -141,6 +141,28 @@ def test_a_section_longer_than_the_wait_does_not_hold_the_fork(monkeypatch):
     lock.release()
 
 
+def test_a_fork_interrupted_in_its_wait_gives_back_every_gate_it_took(monkeypatch):
+    """A signal's handler raises while the fork waits for a busy gate (the fork goes on without the hook):
+    the gates taken before it are given back in the parent all the same."""
+    free, busy = ForkSafeLock(), ForkSafeLock()
+    monkeypatch.setattr(_fork, "_GATES", [free, busy])  # this order: the free one is taken first
+    release, t = held_by_a_thread(busy)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        assert fork_and_wait(lambda: 0 if free.acquire(timeout=5) and busy.acquire(timeout=5) else 1) == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()
+        t.join(10)
+    assert not free.locked() and not busy.locked()
+
+
 # ------------------------------------------------------------------ lookups in a forked child
 def _refused(fn) -> bool:
     try:
@@ -177,20 +199,24 @@ def test_a_lookup_refuses_calls_in_a_forked_child_and_stays_exact_in_the_parent(
 
 
 def test_a_copy_backend_whose_lock_was_held_at_the_fork_closes_in_the_child():
-    """The backend's lock held by another thread at the fork (its worker, a scrape): the child's close(),
-    stats() and its exit hook still answer at once."""
+    """The backend's lock and its events' locks held by another thread at the fork (its worker, a scrape):
+    in the child, stats() and close() answer at once, and the parent's job refuses wait() and cancel()."""
     t = rand(50, 8, torch.float32, seed=2)
     with HostTable.from_tensor(t) as h:
         b = CopyBackend(h, "cpu")
         ids = torch.tensor([1, 49])
         assert torch.equal(b.lookup(ids), t[ids])
-        release, th = held_by_a_thread(b._cond)
+        job = b.submit(torch.tensor([7]))  # a job of the parent's
+        job.wait()
+        # the backend's lock and its events' own locks (the worker takes them every turn), held at the fork
+        release, th = held_by_a_thread(b._cond, b._wake._cond, job._host_done._cond)
         try:
             def child():
                 t0 = time.monotonic()
                 b.stats()
+                ok = _refused(lambda: job.wait()) and _refused(lambda: job.cancel())
                 b.close()
-                return 0 if b.closed and time.monotonic() - t0 < 5 else 1
+                return 0 if ok and b.closed and time.monotonic() - t0 < 5 else 1
 
             assert fork_and_wait(child) == 0
         finally:

@@ -269,10 +269,11 @@ def test_registration_by_several_threads(fake_cuda, monkeypatch, threads):
     monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
     seen = set()
     register = _cuda.host_register
+    together = threading.Barrier(threads, timeout=30)  # every piece waits for the others: one per thread
 
     def on_thread(ptr, n, flags):
         seen.add(threading.get_ident())
-        time.sleep(0.01)  # long enough that four pieces overlap
+        together.wait()
         register(ptr, n, flags)
 
     monkeypatch.setattr(_cuda, "host_register", on_thread)

@@ -277,6 +277,20 @@ def test_import_changes_no_environment_variable():
     assert out.stdout.strip() == "[]"
 
 
+def test_import_installs_no_fork_or_exit_hook():
+    """Fork and exit hooks come with the first table, the first lock taken or the first fork gate."""
+    out = run_py("""
+        import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.gemma3n
+        import uvaple.integration.metrics, uvaple.integration.vllm.tables, uvaple.cli
+        from uvaple.integration import _fork
+        from uvaple.uva import _region, segments
+        print(_fork._hooks, _region._hooks_installed, segments._fork_hook)
+        with _fork.ForkSafeLock():
+            print(_fork._hooks)
+    """)
+    assert out.stdout.split() == ["False", "False", "False", "True"], out.stdout
+
+
 def test_kernels_interpret_cpu_tensors_without_the_environment_variable():
     assert "TRITON_INTERPRET" not in os.environ
     from uvaple.kernels import gather_rows

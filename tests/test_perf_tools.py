@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from uvaple.integration.copy import cpu_gather
@@ -69,3 +71,28 @@ def test_hotset_bench_smoke_is_exact_and_reports_the_held_out_hit_rate(tmp_path)
     assert abs(res["online_held_out_hit_rate"] - online[serve[half:]].mean()) < 1e-6
     assert all(r["bit_exact"]["hot_online"] for r in res["results"])
     assert 0 < res["fp8_error"]["max_rel"] <= 2 ** -4 + 2 ** -8
+
+
+def test_memlock_probe_runs_every_case_in_a_child_with_the_low_limit(tmp_path):
+    from uvaple.perf import memlock_probe
+
+    out = tmp_path / "memlock.json"
+    assert memlock_probe.main(["--gib", "0.001", "--limit-kib", "64", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["limit_bytes"] == 64 << 10 and set(res["cases"]) == {name for name, _ in memlock_probe.cases()}
+    for case in res["cases"].values():
+        assert case["memlock_soft"] == case["memlock_hard"] == 64 << 10  # the child ran under the low limit
+        want = {"registered", "refused"} if torch.cuda.is_available() else {"no_gpu"}
+        assert case["outcome"] in want, case
+        if case["outcome"] == "registered":
+            assert case["exact"] and case["registered_bytes"] >= 1 << 20
+
+
+def test_memlock_probe_fails_a_refusal_that_does_not_say_what_to_do(monkeypatch):
+    from uvaple.perf import memlock_probe
+
+    monkeypatch.setattr(memlock_probe, "CHILD", 'print(\'{"outcome": "refused", "error": "no reason given"}\')')
+    rep = memlock_probe.run_case([], 0.001, 64 << 10)
+    assert rep["outcome"] == "failed" and "ulimit -l" in rep["why_failed"]
+    monkeypatch.setattr(memlock_probe, "CHILD", "import sys; sys.exit(3)")
+    assert memlock_probe.run_case([], 0.001, 64 << 10)["outcome"] == "failed"

@@ -415,6 +415,7 @@ def test_unlink_never_removes_another_segment_of_the_same_name(name):
 
 def test_a_torn_header_read_is_retried_not_called_foreign(name, monkeypatch):
     """A header caught mid-rewrite (our magic, JSON not parseable yet) is read again."""
+    monkeypatch.setattr(segments, "_TORN_RETRIES", 10_000)  # 10 s of retries: the writer's 10 ms on any load
     seg = segments.create(name, {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16,
                                  "data_offset": segments.DATA_OFFSET}, segments.DATA_OFFSET + 4096)
     try:

@@ -47,7 +47,7 @@ def main(mode: str, rank: int, nprocs: int, port: int, base: str, outdir: str) -
         if mode == "tp":
             init_dist(world_size=nprocs, rank=rank, port=port, tp=nprocs)
         else:
-            init_dist(world_size=1, rank=0, port=port + rank, tp=1)
+            init_dist(world_size=1, rank=0, port=port, tp=1)  # each replica's own free port
         for kind, method in methods.items():
             kw = dict(params_dtype=torch.bfloat16, padding_size=64, prefix=f"model.layers.0.{kind}")
             ref = Qwen4ExpPLEDeviceEmbedding(VOCAB, DIM, embedding_method=method(), **kw) if mode == "tp" else None

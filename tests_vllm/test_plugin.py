@@ -94,11 +94,15 @@ def test_a_plugin_model_without_swaps_is_refused_when_defined():
 
 
 def _run(mode: str, nprocs: int, tmp_path, base: str) -> list[dict]:
-    port = free_port()
+    ports: list[int] = []  # one group (tp): every rank's is the first; world-1 replicas (dp): one each
+    while len(ports) < nprocs:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     env = {k: v for k, v in os.environ.items() if not k.startswith("UVAPLE_")}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_rank.py"), mode, str(r), str(nprocs),
-                               str(port), base, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(nprocs)]
+                               str(ports[0] if mode == "tp" else ports[r]), base, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(nprocs)]
     outs = []
     for p in procs:
         try:

@@ -86,8 +86,9 @@ How the five rules of seed 000 (and seed 004's WAR rule) are met
    looks again at least every ``_IDLE_WAIT_S``), so the backend is collected, its staging with it, and
    the worker then stops.
    Fork. A forked child has no worker and the parent's streams and slots: there ``submit``/``lookup``
-   raise :class:`~uvaple.integration.errors.LookupForkedError`, and ``close()`` (also at the child's
-   exit) fails the jobs still pending, waits for nothing and lets go of the child's copy of the table.
+   and a parent's job's ``wait``/``cancel`` raise :class:`~uvaple.integration.errors.LookupForkedError`,
+   and ``close()`` (also at the child's exit) waits for nothing, touches none of the parent's events and
+   lets go of the child's copy of the table.
    The backend's lock is a :class:`~uvaple.integration._fork.ForkSafeLock`: free in the child, whoever
    held it at the fork.
 WAR (seed 004). The copy into the caller's ``out`` runs on the copy stream after a wait on an event
@@ -189,6 +190,8 @@ def _close_backends_at_exit() -> None:
     backends = _live_backends.items()
     deadline = time.monotonic() + _EXIT_CLOSE_TIMEOUT_S
     for b in backends:  # stop every worker at once, then wait for them within one budget
+        if b.table._region.foreign:
+            continue  # a forked child's copy: close() below lets go of it and waits for nothing
         try:
             with b._cond:
                 b._begin_close_locked()
@@ -303,6 +306,8 @@ class CopyJob:
         stays in flight — ``cancel()`` it or wait again.
         """
         b = self._backend
+        if b.table._region.foreign:
+            b._check_usable()  # a forked child: nobody here runs the job (its event is the parent's)
         t = b.wait_timeout if timeout is None else timeout
         if not self._host_done.wait(t):
             raise CopyTimeout(
@@ -326,6 +331,8 @@ class CopyJob:
         event recorded for it has completed.
         """
         b = self._backend
+        if b.table._region.foreign:
+            b._check_usable()
         with b._cond:
             if self._state == _PENDING and self in b._pending:
                 b._pending.remove(self)
@@ -703,11 +710,11 @@ class CopyBackend(Lookup):
     def _close_in_child(self) -> None:
         """close() in a forked child: the worker, streams and slots are the parent's, nothing here waits for
         or releases them; the child lets go of its copy of the table (which only unmaps it)."""
-        with self._cond:
-            if self._closed:
+        with self._cond:  # a ForkSafeLock: free here. The backend's and its jobs' Events are the parent's
+            if self._closed:  # (their internal locks may be held for ever): untouched, as jobs refuse wait()
                 return
-            self._begin_close_locked()  # jobs the child waits on fail with BackendClosed
-            self._closed = True
+            self._closing = self._closed = True
+            self._pending.clear()
             self._slots, self._free, self._host_block = [], [], None
         _live_backends.discard(self)
         if self._owns_table:
