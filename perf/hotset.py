@@ -21,8 +21,11 @@ lossless one bit-exact against the uncached lookup first:
   of serving so); ``all_online`` holds its rows without counting;
 * ``dedup``: the sorted gather with ``dedup`` (each distinct id of a program read once);
 * ``fp8``: the table quantised to ``fp8_row`` (its error report printed), direct;
+* ``hot_dedup``: the hot set and the sorted/dedup gather (bf16 rows);
 * ``all``: fp8 rows, the hot set and the sorted/dedup gather together; ``all_online`` with the online
-  set's rows;
+  set's rows; ``all_auto`` the same levers with ``order="auto"``, as a server would configure them (a
+  decode batch direct, a prefill chunk of ``heuristics.DEDUP_MIN_IDS`` ids or more sorted and
+  de-duplicated);
 * ``fp8_t<tile>_w<warps>``: the direct fp8 gather at other tiles and warps (``FP8_TILES``), bit-exact
   against ``fp8``: the sweep behind the fp8 rows' launch settings.
 
@@ -49,7 +52,7 @@ from .peers import vllm_ple_gather
 from .timing import graph_replay_us
 
 VOCAB, COLS = 262_144, 35 * 256
-NS = (1, 8, 64, 8192, 16384)
+NS = (1, 8, 64, 2048, 4096, 8192, 16384)  # 2,048 and 4,096: where de-duplicated prefill starts to pay
 DECODE_MAX = 512  # calls of at most this many ids are decode batches (see call_ids)
 DECODE_SETS = 64
 # fp8 rows' tile sweep beside the shipped (2,048 B of codes, 4 warps: kernels/heuristics.py): (bytes of codes
@@ -173,6 +176,8 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         "dedup": GatherLookup(table, spec, device, order="sorted", dedup=True, max_rows=max_n),
         "fp8": GatherLookup(fp8_table, fspec, device, order="direct"),
         "all": GatherLookup(fp8_table, fspec, device, hot=fhot, order="sorted", dedup=True, max_rows=max_n),
+        "hot_dedup": GatherLookup(table, spec, device, hot=hot, order="sorted", dedup=True, max_rows=max_n),
+        "all_auto": GatherLookup(fp8_table, fspec, device, hot=fhot, order="auto", dedup=True, max_rows=max_n),
     }
     online = HotSet(table, k, device, rows=ranked.to(device), count_ids=True)
     online.add_counts(profile_counts)
@@ -202,10 +207,11 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                    "distinct": float(np.mean([torch.unique(x).numel() for x in sets])),
                    "hit_rate": float(held[sets.cpu()].float().mean()),
                    "online_hit_rate": float(held_online[sets.cpu()].float().mean())}
-            exact = {name: _exact_into(out, ids, lookups[name].lookup, want) for name in ("hot", "hot_online", "dedup")}
+            exact = {name: _exact_into(out, ids, lookups[name].lookup, want)
+                     for name in ("hot", "hot_online", "dedup", "hot_dedup")}
             exact["peer"] = _exact_into(raw, ids, lambda i, o: (vllm_ple_gather(view, i, o), o)[1], want)
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
-            for name in ("all", "all_online"):
+            for name in ("all", "all_online", "all_auto"):
                 exact[name + "_vs_fp8"] = _exact_into(out, ids, lookups[name].lookup, f_want)
             tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
             for name, fn in tiles.items():
@@ -228,6 +234,8 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                 rec["over_uncached"] = {k2: us["uncached"] / v for k2, v in us.items()}
                 rec["all_over_peer"] = us["peer"] / us["all"]
                 rec["all_online_over_peer"] = us["peer"] / us["all_online"]
+                rec["all_auto_over_peer"] = us["peer"] / us["all_auto"]
+                rec["all_auto_sorted"] = lookups["all_auto"].uses_sorted(n)
             print(json.dumps(rec), flush=True)
             res["results"].append(rec)
     finally:

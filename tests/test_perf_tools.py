@@ -69,7 +69,8 @@ def test_hotset_bench_smoke_is_exact_and_reports_the_held_out_hit_rate(tmp_path)
     online[np.argsort(-counts, kind="stable")[: res["online_rows"]]] = True
     assert res["online_warm_ids"] == 4096 and res["online_rows"] == 204
     assert abs(res["online_held_out_hit_rate"] - online[serve[half:]].mean()) < 1e-6
-    assert all(r["bit_exact"]["hot_online"] for r in res["results"])
+    assert all(r["bit_exact"]["hot_online"] and r["bit_exact"]["hot_dedup"] and r["bit_exact"]["all_auto_vs_fp8"]
+               for r in res["results"])
     assert 0 < res["fp8_error"]["max_rel"] <= 2 ** -4 + 2 ** -8
 
 

@@ -138,6 +138,28 @@ def test_auto_choice_follows_the_heuristic(table, monkeypatch):
     assert lk._workspace is None
 
 
+def test_auto_with_dedup_sorts_prefill_sized_calls_of_any_rows(monkeypatch):
+    """Rows too wide for the order alone to pay (E4B's): with dedup, auto sorts and de-duplicates calls of
+    DEDUP_MIN_IDS ids or more, bit-exact, and keeps smaller calls direct; no workspace where no call can
+    be that big."""
+    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS", 40)
+    src = rand(61, 1200, torch.bfloat16, seed=9)  # 2,400-byte rows: above SORT_MAX_ROW_BYTES
+    with HostTable.from_tensor(src) as t:
+        with GatherLookup(t, None, "cpu", max_rows=39, dedup=True) as small:
+            assert small._workspace is None and not small.uses_sorted(39)
+        with GatherLookup(t, None, "cpu", max_rows=64) as plain:
+            assert plain._workspace is None and not plain.uses_sorted(64)  # no dedup: never sorted
+        with GatherLookup(t, None, "cpu", max_rows=64, dedup=True) as lk:
+            assert lk._workspace.shape == (2, 64) and lk.uses_sorted(40) and not lk.uses_sorted(39)
+            g = torch.Generator().manual_seed(3)
+            for n in (39, 40, 64):
+                ids = torch.randint(0, 12, (n,), generator=g)  # mostly repeats, as a prefill chunk's
+                ids[0] = 60
+                out = torch.full((n, 1200), float("nan"), dtype=torch.bfloat16)
+                assert lk.lookup(ids, out) is out
+                assert torch.equal(bits(out), bits(reference_gather(src, ids)))
+
+
 def test_heuristic_thresholds():
     gib = 1 << 30
     use = heuristics.use_sorted
@@ -149,6 +171,9 @@ def test_heuristic_thresholds():
     assert not use(262144, 512, 1 * gib) and use(16384, 512, 4 * gib) and use(65536, 512, 24 * gib)
     assert not use(1 << 20, 2048, 24 * gib) and not use(1 << 20, 17920, 24 * gib)
     assert use(heuristics.SORT_MIN_IDS, 32, 4 * gib) and not use(heuristics.SORT_MIN_IDS - 1, 32, 4 * gib)
+    # de-duplicated calls: from DEDUP_MIN_IDS ids whatever the rows and span (E4B rows, prefill chunks)
+    assert use(8192, 17920, 4 * gib, dedup=True) and not use(8191, 17920, 4 * gib, dedup=True)
+    assert use(8192, 160, gib // 4, dedup=True) and not use(8192, 17920, 4 * gib)
 
 
 def test_operator_refuses_a_bad_workspace(table):
