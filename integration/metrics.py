@@ -487,9 +487,8 @@ class MultiprocessExporter(_NamedLookups):
     were). A fork waits for a push in progress to end (:func:`~uvaple.integration._fork.gate_fork`), so
     the child finds whole values and free locks (its own, the lookups', and ``prometheus_client``'s as far
     as uvaple's pushes hold it). A forked child exports only the lookups added there: the parent's refuse
-    use in the child, and the parent pushes their counts. :meth:`close` (also run
-    at interpreter exit) stops it and pushes once more, both within ``timeout_s``, and retires this
-    process's gauges.
+    use in the child, and the parent pushes their counts. :meth:`close` (also run at interpreter exit)
+    stops it and pushes once more, both within ``timeout_s``, and retires this process's gauges.
     """
 
     def __init__(self, interval_s: float = 5.0) -> None:
@@ -500,7 +499,7 @@ class MultiprocessExporter(_NamedLookups):
         super().__init__()
         self.interval_s = float(interval_s)
         # one push at a time (deltas are read, added and stored together), and never split by a fork: a child
-        # finds whole values and free locks, its own, prometheus_client's and the lookups'
+        # finds whole values and free locks, the ones this push takes (its own, the lookups', prometheus_client's)
         self._push_lock = gate_fork(ForkSafeLock())
         self._last: dict[str, dict] = {}
         self._stop = threading.Event()
