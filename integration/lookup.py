@@ -209,7 +209,8 @@ class GatherLookup(Lookup):
         written to its own output row (``uvaple::gather_rows_sorted``): random small rows spread over a
         big table are read several times faster in order. ``auto`` (default): sorted where the committed
         sweep measured it faster (:func:`uvaple.kernels.heuristics.use_sorted`: by ids per call, row bytes
-        and table span; with ``dedup`` also every call of ``DEDUP_MIN_IDS`` ids or more), else direct. Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
+        and table span; with ``dedup`` also every call of ``DEDUP_MIN_IDS`` ids or more), else direct.
+        Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
         is allocated here, once (with ``auto``, only for rows the heuristic may sort); without
         ``max_rows`` every call is direct.
     dedup : bool

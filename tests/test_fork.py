@@ -182,7 +182,8 @@ def test_a_lookup_refuses_calls_in_a_forked_child_and_stays_exact_in_the_parent(
         assert torch.equal(lk.lookup(ids), want)
 
         def child():
-            ok = _refused(lambda: lk.lookup(ids)) and _refused(lambda: lk.lookup(ids, torch.empty(5, 24, dtype=t.dtype)))
+            out = torch.empty(5, 24, dtype=t.dtype)
+            ok = _refused(lambda: lk.lookup(ids)) and _refused(lambda: lk.lookup(ids, out))
             if kind == "copy":
                 ok = ok and _refused(lambda: lk.submit(ids))
             lk.stats(), lk.progress()  # answer, never wait

@@ -137,6 +137,7 @@ import torch
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
+from .._fork import ForkSafeLock
 from ..errors import (
     BackendClosed,
     CopyBackendOverloaded,
@@ -145,7 +146,6 @@ from ..errors import (
     CopyRequestTooLarge,
     CopyTimeout,
 )
-from .._fork import ForkSafeLock
 from ..lookup import Lookup
 from ..metrics import Health, Progress, RelaxedCaptureMode
 from ..spec import TableSpec, spec_for
