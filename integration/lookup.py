@@ -120,11 +120,16 @@ class Lookup(abc.ABC):
         allocated when omitted; pass it on the hot path. Non-contiguous ids are copied first.
         """
 
+    @property
+    def _forked(self) -> bool:
+        """True in a forked child: the lookup's table (and its streams and threads) are the parent's."""
+        return self.table._region.foreign
+
     def _check_usable(self) -> None:
-        """Refuse a closed lookup, and one inherited through ``fork()`` (its table belongs to the parent)."""
+        """Refuse a closed lookup, and one inherited through ``fork()``."""
         if self._closed:
             raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
-        if self.table._region.foreign:
+        if self._forked:
             raise LookupForkedError(
                 f"this {self.kind} lookup was built in process {self.table._region.pid}, and this is a forked "
                 f"child (pid {os.getpid()}): its table, streams and threads are the parent's (a private "
@@ -447,7 +452,7 @@ class GatherLookup(Lookup):
         return 0
 
     def close(self) -> None:
-        if self._split is not None and not self.table._region.foreign:  # (a forked child has no CUDA)
+        if self._split is not None and not self._forked:  # (a forked child has no CUDA)
             self._split.free.synchronize()  # no copy may still read the staging when it goes
         self._arg = None
         self._workspace = None

@@ -190,7 +190,7 @@ def _close_backends_at_exit() -> None:
     backends = _live_backends.items()
     deadline = time.monotonic() + _EXIT_CLOSE_TIMEOUT_S
     for b in backends:  # stop every worker at once, then wait for them within one budget
-        if b.table._region.foreign:
+        if b._forked:
             continue  # a forked child's copy: close() below lets go of it and waits for nothing
         try:
             with b._cond:
@@ -306,7 +306,7 @@ class CopyJob:
         stays in flight — ``cancel()`` it or wait again.
         """
         b = self._backend
-        if b.table._region.foreign:
+        if b._forked:
             b._check_usable()  # a forked child: nobody here runs the job (its event is the parent's)
         t = b.wait_timeout if timeout is None else timeout
         if not self._host_done.wait(t):
@@ -331,7 +331,7 @@ class CopyJob:
         event recorded for it has completed.
         """
         b = self._backend
-        if b.table._region.foreign:
+        if b._forked:
             b._check_usable()
         with b._cond:
             if self._state == _PENDING and self in b._pending:
@@ -480,7 +480,7 @@ class CopyBackend(Lookup):
 
     def _submit(self, ids, out, columns, *, inline: bool) -> CopyJob:
         # ---- checks (nothing mutated)
-        if self.table._region.foreign:
+        if self._forked:
             self._check_usable()  # a forked child: the worker, streams and slots are the parent's
         check_ids(ids)
         device_ids = self._ops.needs_d2h(ids)
@@ -689,7 +689,7 @@ class CopyBackend(Lookup):
         calling ``close()`` again re-checks and finishes the release. Called on the worker thread itself,
         it begins closing and returns; the worker releases when it stops. Idempotent.
         """
-        if self.table._region.foreign:
+        if self._forked:
             self._close_in_child()
             return
         t = self.close_timeout if timeout is None else timeout
