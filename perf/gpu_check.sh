@@ -6,6 +6,7 @@
 #   steps: doctor tests soak memcheck memlock lifetime launch tunecopy tiles ready probe ngram split hotset vllm startup bench
 #   e2e levers
 #   (default: all but soak, memcheck and memlock)
+#   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
@@ -28,21 +29,33 @@ if has doctor; then
   step "uvaple doctor"
   uvaple doctor | tee "$R/doctor.txt"; echo "doctor exit: ${PIPESTATUS[0]}"
 fi
-if has tests; then
+if has tests && [ -n "${TEST_GROUPS:-}" ]; then
+  # groups of test files separated by ';', each its own pytest process, side by side on the one GPU
+  step "pytest in parallel groups: $TEST_GROUPS"
+  i=0; pids=(); IFS=';' read -ra groups <<< "$TEST_GROUPS"
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    ( timeout ${TESTS_TIMEOUT_S:-480} python3 -m pytest -q -ra --timeout 150 --durations=8 -p no:cacheprovider $g \
+      > "$R/pytest_group$i.log" 2>&1; echo "group $i ($g) exit $?" >> "$R/pytest_group$i.log" ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"  # these only: a bare wait would also wait for the log's tee, which never ends
+  for f in "$R"/pytest_group*.log; do echo "--- $f"; tail -14 "$f"; done
+elif has tests; then
   step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; ${UVAPLE_EQUIV_SCHEDULES:-1000} equivalence schedules)"
   UVAPLE_EQUIV_SCHEDULES=${UVAPLE_EQUIV_SCHEDULES:-1000} UVAPLE_EQUIV_SUMMARY="$R/equivalence.json" timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \
     ${TESTS:-tests} 2>&1 | tee "$R/pytest.log" | tail -40
 fi
 if has soak; then
-  step "overlapped-schedule soak: ${SOAK_SCHEDULES:-10000} schedules (depth 1-8, cancels, closes, admission, memory back to baseline)"
-  UVAPLE_EQUIV_SCHEDULES=${SOAK_SCHEDULES:-10000} UVAPLE_EQUIV_SUMMARY="$R/soak.json" timeout 560 python3 -m pytest -q -ra \
-    --timeout 540 -p no:cacheprovider tests/test_equivalence.py 2>&1 | tee "$R/soak.log" | tail -15
+  step "overlapped-schedule soak: ${SOAK_SCHEDULES:-10000} schedules in ${SOAK_WORKERS:-12} processes (depth 1-8, cancels, closes, admission, memory back to baseline)"
+  timeout 570 python3 -m uvaple.perf.soak --schedules ${SOAK_SCHEDULES:-10000} --workers ${SOAK_WORKERS:-12} \
+    --deadline-s ${SOAK_DEADLINE_S:-420} --timeout-s ${SOAK_TIMEOUT_S:-520} --json "$R/soak.json" 2>&1 | tee "$R/soak.log" | tail -16
 fi
 if has memcheck; then
   step "compute-sanitizer memcheck over the fuzzed kernel paths (${MEMCHECK_TESTS:-tests/test_fuzz.py -k every_id_class})"
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   if [ -n "$cs" ]; then
-    timeout 560 "$cs" --tool memcheck --leak-check no --log-file "$R/memcheck.log" python3 -m pytest -q -p no:cacheprovider \
+    timeout ${MEMCHECK_TIMEOUT_S:-560} "$cs" --tool memcheck --leak-check no --log-file "$R/memcheck.log" python3 -m pytest -q -p no:cacheprovider \
       ${MEMCHECK_TESTS:-tests/test_fuzz.py -k every_id_class} 2>&1 | tail -5
     tail -5 "$R/memcheck.log"
   else echo "compute-sanitizer not found on this machine"; fi

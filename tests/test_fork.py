@@ -225,3 +225,25 @@ def test_a_copy_backend_whose_lock_was_held_at_the_fork_closes_in_the_child():
             th.join(10)
         assert torch.equal(b.lookup(ids), t[ids])
         b.close()
+
+
+def _cuda_fork_child(monkeypatch) -> None:
+    """This process as a child forked after its parent initialised CUDA (torch's own flag, as a fork sets it)."""
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+
+
+def test_tables_in_a_child_forked_after_cuda_are_unregistered_or_refused_by_name(monkeypatch):
+    """CUDA cannot be used in a child forked after its parent initialised it: ``register="auto"`` builds an
+    unregistered table there (a CPU lookup of it is exact), ``register=True`` is a named error, not torch's
+    "Cannot re-initialize CUDA" from deep inside the registration."""
+    from uvaple.uva import errors
+
+    _cuda_fork_child(monkeypatch)
+    data = rand(9, 8)
+    with HostTable.from_tensor(data) as t:
+        assert not t.registered
+        with GatherLookup(t, TableSpec.of(t), "cpu") as lk:
+            ids = torch.tensor([3, 0, 8])
+            assert torch.equal(lk.lookup(ids), data[ids])
+    with pytest.raises(errors.DeviceCapabilityError, match="forked after its parent initialised CUDA.*spawn"):
+        HostTable.from_tensor(data, register=True)

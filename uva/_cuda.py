@@ -37,13 +37,21 @@ def _ok(err) -> bool:
     return int(err) == 0
 
 
+def in_bad_fork() -> bool:
+    """True in a child forked after CUDA was initialised in its parent: CUDA cannot be used here."""
+    import torch
+
+    return torch.cuda._is_in_bad_fork()
+
+
 def cuda_available() -> bool:
-    """True when torch sees a CUDA device and cuda-python can talk to it."""
+    """True when torch sees a CUDA device and cuda-python can talk to it (never in a child forked after its
+    parent initialised CUDA: no CUDA call can succeed there)."""
     try:
         import torch
     except ImportError:
         return False
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or in_bad_fork():
         return False
     rt = runtime()
     if rt is None:

@@ -586,6 +586,10 @@ class HostTable:
         if not _cuda.cuda_available():
             if register == "auto":
                 return False
+            if _cuda.in_bad_fork():
+                raise DeviceCapabilityError(
+                    "register=True in a process forked after its parent initialised CUDA: CUDA cannot be used in "
+                    "such a child. Start it with the 'spawn' method, or build the table with register=False")
             raise DeviceCapabilityError(
                 "register=True needs a CUDA GPU visible to torch and cuda-python (`pip install cuda-python`); "
                 "none is usable here. Use register='auto' to build an unregistered table")
