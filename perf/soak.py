@@ -105,9 +105,14 @@ def main(argv=None) -> int:
         summary = json.load(open(path)) if os.path.exists(path) else None
         if summary:
             summaries.append(summary)
-        tail = open(os.path.join(tmp, f"w{w}.log")).read().strip().splitlines()[-3:]
-        results.append({"worker": w, "seeds": [first, first + count - 1], "rc": rc, "tail": tail})
+        lines = open(os.path.join(tmp, f"w{w}.log")).read().strip().splitlines()
+        tail = lines[-3:]
+        # a failure's own words: pytest's "E   " lines (the assertion, the schedule it names)
+        errors = [ln[:2000] for ln in lines if ln.startswith("E ")][:40]
+        results.append({"worker": w, "seeds": [first, first + count - 1], "rc": rc, "tail": tail, "errors": errors})
         print(f"worker {w:2d} seeds {first}..{first + count - 1}: rc {rc}; {tail[-1] if tail else ''}", flush=True)
+        for ln in errors[:6]:
+            print(f"    {ln[:600]}", flush=True)
     time.sleep(1.0)  # let the last processes' pages go back before the machine is read again
     after = machine_state()
     ok = all(r["rc"] == 0 for r in results) and len(summaries) == len(results)

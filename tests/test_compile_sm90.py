@@ -65,3 +65,25 @@ def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch)
            "STEPS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
     assert out.asm.get("cubin")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("row_bytes,itemsize,dequant", [(1, 1, 3), (2, 2, 0), (4, 4, 0)])
+def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, dequant, tmp_path, monkeypatch):
+    """A one-column range of a short row, sorted, de-duplicated, through a counting hot set, int64 ids: the
+    tile :func:`~uvaple.kernels.heuristics.sorted_config` gives it compiles (Triton 3.6 fails at a
+    one-element tile; heuristics.SORTED_MIN_BLOCK_COLS)."""
+    from uvaple.kernels.heuristics import sorted_config
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = _jit.variant(_gather_triton, False).gather_sorted_kernel
+    cfg = sorted_config(row_bytes, itemsize, True)
+    cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, "DEQUANT": dequant,
+          "COUNT": True, "HOT": True, "COUNT_IDS": True, "DEDUP": True, "BLOCK_R": cfg.block_rows,
+          "BLOCK_C": cfg.block_cols}
+    sig = _signature(fn, dequant, cx)
+    if not dequant:
+        sig.update(table_ptr={2: "*i16", 4: "*i32"}[itemsize], hot_ptr={2: "*i16", 4: "*i32"}[itemsize],
+                   out_ptr={2: "*i16", 4: "*i32"}[itemsize])
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
+    assert out.asm.get("cubin")
