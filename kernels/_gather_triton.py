@@ -199,24 +199,23 @@ def gather_rows_kernel(
     row_scale = 0.0
     if DEQUANT >= 3:
         if HOT:
-            row_scale = tl.where(hit, _row_scale(hot_ptr, slot, table_stride, scale_col, hit),
-                                 _row_scale(table_ptr, row, table_stride, scale_col, hit == 0))
+            # one read of the scale, from wherever the row's codes came (slot and row are inside their buffers)
+            src = tl.where(hit, hot_ptr + slot * table_stride, table_ptr + row * table_stride)
         else:
-            row_scale = _row_scale(table_ptr, row, table_stride, scale_col, True)  # row is inside the table
+            src = table_ptr + row * table_stride  # row is inside the table
+        row_scale = _row_scale_bits(src + scale_col, True).to(tl.float32, bitcast=True)
     y = _convert(x, load_mask, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT,
                  OOB_ROW0, NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
 
 
 @jit
-def _row_scale(table_ptr, row, table_stride, scale_col, mask):
-    """The float32 scale stored (little-endian) at column ``scale_col`` of ``row`` (a 1-byte table), from
-    its four bytes: no alignment is assumed. Where ``mask`` is false nothing is read (0.0)."""
-    p = table_ptr + row * table_stride + scale_col
-    bits = tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8) | \
+def _row_scale_bits(p, mask):
+    """The bits (uint32) of the float32 scale stored little-endian in the four bytes at ``p`` (a row's scale
+    column of a 1-byte table or hot set): no alignment is assumed. Where ``mask`` is false nothing is read (0)."""
+    return tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8) | \
         (tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16) | \
         (tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @jit
@@ -272,7 +271,10 @@ def gather_sorted_kernel(
         hit = (slot >= 0) & (slot < n_hot) & in_n
         if not OOB_ROW0:
             hit = hit & valid
-        slot = tl.where(hit, slot, 0)
+        # a miss's slot is clamped into the set (its loads are masked off). No tl.where on `hit` in this kernel:
+        # Triton 3.6's TritonGPURemoveLayoutConversions fails on such a select beside the tile's 2-D masks
+        # (fp8 rows with their own scale, oob row0 or -0.0, 8- and 16-column tiles)
+        slot = tl.maximum(tl.minimum(slot, n_hot - 1), 0)
     if COUNT:
         if tile == 0:
             first = pid == 0
@@ -310,10 +312,12 @@ def gather_sorted_kernel(
     row_scale = 0.0
     if DEQUANT >= 3:
         if HOT:
-            row_scale = tl.where(hit, _row_scale(hot_ptr, slot, table_stride, scale_col, leader & hit),
-                                 _row_scale(table_ptr, row, table_stride, scale_col, leader & (hit == 0)))[:, None]
+            # the scale's bits from the set or the table, each load masked: the other gives 0 (no select)
+            bits = _row_scale_bits(hot_ptr + slot * table_stride + scale_col, leader & hit) | \
+                _row_scale_bits(table_ptr + row * table_stride + scale_col, leader & (hit == 0))
         else:
-            row_scale = _row_scale(table_ptr, row, table_stride, scale_col, leader)[:, None]  # repeats read none
+            bits = _row_scale_bits(table_ptr + row * table_stride + scale_col, leader)  # repeats read none
+        row_scale = bits.to(tl.float32, bitcast=True)[:, None]
     y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
                  NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])
