@@ -47,8 +47,8 @@ elif has tests; then
     ${TESTS:-tests} 2>&1 | tee "$R/pytest.log" | tail -40
 fi
 if has soak; then
-  step "overlapped-schedule soak: ${SOAK_SCHEDULES:-10000} schedules in ${SOAK_WORKERS:-12} processes (depth 1-8, cancels, closes, admission, memory back to baseline)"
-  timeout 570 python3 -m uvaple.perf.soak --schedules ${SOAK_SCHEDULES:-10000} --workers ${SOAK_WORKERS:-12} \
+  step "overlapped-schedule soak: ${SOAK_SCHEDULES:-10000} schedules in ${SOAK_WORKERS:-14} processes (depth 1-8, cancels, closes, admission, memory back to baseline)"
+  timeout 570 python3 -m uvaple.perf.soak --schedules ${SOAK_SCHEDULES:-10000} --workers ${SOAK_WORKERS:-14} \
     --deadline-s ${SOAK_DEADLINE_S:-420} --timeout-s ${SOAK_TIMEOUT_S:-520} --json "$R/soak.json" 2>&1 | tee "$R/soak.log" | tail -16
 fi
 if has memcheck; then

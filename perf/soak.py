@@ -8,7 +8,7 @@ process checks its own schedules bit for bit and, at its end, that its host memo
 copy workers are back to its baseline (the test's own checks); this script adds what the whole machine
 shows before and after (``MemAvailable``, locked memory, ``/dev/shm``) and sums the processes' summaries.
 
-Usage: ``python3 -m uvaple.perf.soak [--schedules 10000] [--workers 12] [--deadline-s 420] [--timeout-s 540]
+Usage: ``python3 -m uvaple.perf.soak [--schedules 10000] [--workers 14] [--deadline-s 420] [--timeout-s 540]
 [--json FILE]``, from the repository root (it runs ``tests/test_equivalence.py``). A worker starts no schedule
 after ``--deadline-s`` (``schedules_run`` says how many ran) and is killed after ``--timeout-s``. Exit 0 when
 every process passed, all requested schedules ran and nothing was left in ``/dev/shm``.
@@ -72,7 +72,7 @@ def merge(summaries: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--schedules", type=int, default=10000)
-    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--workers", type=int, default=14)
     p.add_argument("--timeout-s", type=float, default=540.0, help="each worker's bound (killed past it)")
     p.add_argument("--deadline-s", type=float, default=420.0,
                    help="no schedule starts after this many seconds of a worker (the summary counts what ran)")
