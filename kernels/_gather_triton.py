@@ -254,7 +254,9 @@ def gather_sorted_kernel(
     so each distinct id is read once. After a barrier, the repeats whose leader is in this program copy
     its output row, which this program has just written. The repeats whose run began in an earlier
     program (at most one run per program: the one its first id continues) are left to
-    :func:`dedup_tail_kernel`, launched next in the same stream.
+    :func:`dedup_tail_kernel`, launched next in the same stream. With a hot set every hit reads its row
+    from the set, repeat or not (HBM: no PCIe read to save; fp8 rows move half the bytes of a copy of
+    the leader's output), so only the repeats of misses copy.
     """
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -295,12 +297,18 @@ def gather_sorted_kernel(
         leader = in_n & ((r == 0) | (raw != prev))
     else:
         leader = in_n
+    # The ids that read their row: the leaders and, with a hot set, every hit. De-duplication saves PCIe reads;
+    # a repeat of a hot row reads the set's bytes from HBM (fp8 rows: half of a copy of the leader's output).
+    if HOT:
+        reads = leader | hit
+    else:
+        reads = leader
     cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < n_cols
     if OOB_ROW0:
-        keep = leader[:, None] & col_ok[None, :]
+        keep = reads[:, None] & col_ok[None, :]
     else:
-        keep = (leader & valid)[:, None] & col_ok[None, :]
+        keep = (reads & valid)[:, None] & col_ok[None, :]
     if HOT:
         hot2 = hit[:, None] & col_ok[None, :]
         x_hot = tl.load(hot_ptr + slot[:, None] * table_stride + col_start + cols[None, :], mask=keep & hot2, other=0)
@@ -313,20 +321,20 @@ def gather_sorted_kernel(
     if DEQUANT >= 3:
         if HOT:
             # the scale's bits from the set or the table, each load masked: the other gives 0 (no select)
-            bits = _row_scale_bits(hot_ptr + slot * table_stride + scale_col, leader & hit) | \
+            bits = _row_scale_bits(hot_ptr + slot * table_stride + scale_col, hit) | \
                 _row_scale_bits(table_ptr + row * table_stride + scale_col, leader & (hit == 0))
         else:
             bits = _row_scale_bits(table_ptr + row * table_stride + scale_col, leader)  # repeats read none
         row_scale = bits.to(tl.float32, bitcast=True)[:, None]
     y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
                  NEG_ZERO, DEQUANT)
-    tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=leader[:, None] & col_ok[None, :])
+    tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=reads[:, None] & col_ok[None, :])
     if DEDUP:
         tl.debug_barrier()  # the leaders' rows are written and visible to the whole program
         lead = tl.associative_scan(tl.where(leader, local, -1), 0, _leader_index)  # -1: led from before
         has_lead = lead >= 0
         lead_pos = tl.load(order_ptr + pid * BLOCK_R + lead, mask=in_n & has_lead, other=0)
-        dup = (in_n & (leader == 0) & has_lead)[:, None] & col_ok[None, :]
+        dup = (in_n & (reads == 0) & has_lead)[:, None] & col_ok[None, :]
         v = tl.load(out_ptr + lead_pos[:, None] * n_cols + cols[None, :], mask=dup, other=0)
         tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], v, mask=dup)
 
@@ -345,7 +353,8 @@ def dedup_tail_kernel(
     """Program ``(p, j)``: column tile ``j`` of the repeats at the start of gather program ``p`` whose run of
     equal ids began in an earlier program. Each copies the output row of its run's leader (the first equal
     id: a binary search of the sorted ids), which the gather launched before this kernel wrote. A program
-    whose first id starts a run copies nothing.
+    whose first id starts a run copies nothing. (A hot-set hit's repeats read their row in the gather; the
+    copy here writes them the same bits again.)
     """
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
