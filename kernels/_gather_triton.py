@@ -159,6 +159,7 @@ def gather_rows_kernel(
     COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id; HOT: per hit)
     HOT: tl.constexpr,  # rows in the hot set are read from it (HBM), the others from the table
     COUNT_IDS: tl.constexpr,  # count each valid id's lookup at id_counts_ptr (a hot set's profile)
+    SCALE_WORD: tl.constexpr,  # DEQUANT 3/4: the row scale is a 4-byte aligned word in the table and the hot set
     BLOCK: tl.constexpr,  # columns per program
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -203,19 +204,25 @@ def gather_rows_kernel(
             src = tl.where(hit, hot_ptr + slot * table_stride, table_ptr + row * table_stride)
         else:
             src = table_ptr + row * table_stride  # row is inside the table
-        row_scale = _row_scale_bits(src + scale_col, True).to(tl.float32, bitcast=True)
+        row_scale = _row_scale_bits(src + scale_col, True, SCALE_WORD).to(tl.float32, bitcast=True)
     y = _convert(x, load_mask, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT,
                  OOB_ROW0, NEG_ZERO, DEQUANT)
     tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
 
 
 @jit
-def _row_scale_bits(p, mask):
+def _row_scale_bits(p, mask, WORD: tl.constexpr):
     """The bits (uint32) of the float32 scale stored little-endian in the four bytes at ``p`` (a row's scale
-    column of a 1-byte table or hot set): no alignment is assumed. Where ``mask`` is false nothing is read (0)."""
-    return tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8) | \
-        (tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16) | \
-        (tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24)
+    column of a 1-byte table or hot set). ``WORD``: ``p`` is 4-byte aligned, one 32-bit load (the GPU and the
+    host are little-endian); else four byte loads, no alignment assumed. Where ``mask`` is false nothing is
+    read (0)."""
+    if WORD:
+        return tl.load(p.to(tl.pointer_type(tl.uint32)), mask=mask, other=0)
+    else:
+        return tl.load(p, mask=mask, other=0).to(tl.uint32) | \
+            (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8) | \
+            (tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16) | \
+            (tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24)
 
 
 @jit
@@ -242,7 +249,7 @@ def gather_sorted_kernel(
     n,  # ids in this call
     id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits, scale_col,  # as gather_rows_kernel
     HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
-    DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr, COUNT_IDS: tl.constexpr,
+    DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr, COUNT_IDS: tl.constexpr, SCALE_WORD: tl.constexpr,
     DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
     BLOCK_R: tl.constexpr,  # sorted ids per program
     BLOCK_C: tl.constexpr,  # columns per program
@@ -321,10 +328,10 @@ def gather_sorted_kernel(
     if DEQUANT >= 3:
         if HOT:
             # the scale's bits from the set or the table, each load masked: the other gives 0 (no select)
-            bits = _row_scale_bits(hot_ptr + slot * table_stride + scale_col, hit) | \
-                _row_scale_bits(table_ptr + row * table_stride + scale_col, leader & (hit == 0))
+            bits = _row_scale_bits(hot_ptr + slot * table_stride + scale_col, hit, SCALE_WORD) | \
+                _row_scale_bits(table_ptr + row * table_stride + scale_col, leader & (hit == 0), SCALE_WORD)
         else:
-            bits = _row_scale_bits(table_ptr + row * table_stride + scale_col, leader)  # repeats read none
+            bits = _row_scale_bits(table_ptr + row * table_stride + scale_col, leader, SCALE_WORD)  # repeats: none
         row_scale = bits.to(tl.float32, bitcast=True)[:, None]
     y = _convert(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
                  NEG_ZERO, DEQUANT)

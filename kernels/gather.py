@@ -205,6 +205,15 @@ def _scale_col(table: torch.Tensor, dequant: int) -> int:
     return table.shape[1] - ROW_SCALE_BYTES if dequant >= 3 else 0
 
 
+def _scale_word(table: torch.Tensor, hot_rows: torch.Tensor | None, dequant: int) -> bool:
+    """Whether every row's own scale (``dequant`` 3/4) is a 4-byte aligned word, in the table and the hot set:
+    the kernels then read it with one load, not four (1-byte tables: strides and offsets are bytes)."""
+    if dequant < 3:
+        return False
+    bufs = (table,) if hot_rows is None else (table, hot_rows)
+    return all((b.data_ptr() + _scale_col(table, dequant)) % 4 == 0 and b.stride(0) % 4 == 0 for b in bufs)
+
+
 def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int):
     """(table, out, convert) as the kernels take them: fp8 codes as bytes, plain copies as integers."""
     convert = has_scale or out.dtype != table.dtype or oob_mode == 2
@@ -248,7 +257,8 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
         n, id_base,
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None, BLOCK=cfg.block,
+        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None,
+        SCALE_WORD=_scale_word(table, hot_rows, dequant), BLOCK=cfg.block,
         num_warps=cfg.num_warps,
     )
 
@@ -335,7 +345,8 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
         *hot_args, n,
         id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None, DEDUP=dedup,
+        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None,
+        SCALE_WORD=_scale_word(table, hot_rows, dequant), DEDUP=dedup,
         BLOCK_R=cfg.block_rows,
         BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,

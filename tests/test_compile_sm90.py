@@ -46,7 +46,7 @@ def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
     compiled = 0
     for dequant, count, hot, count_ids in itertools.product((0, 1, 3), (False, True), (False, True), (False, True)):
         cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": hot, "NEG_ZERO": False, "DEQUANT": dequant,
-              "COUNT": count, "HOT": hot, "COUNT_IDS": count_ids}
+              "COUNT": count, "HOT": hot, "COUNT_IDS": count_ids, "SCALE_WORD": dequant == 3 and count}
         cx.update({"BLOCK": 1024} if kernel == "gather_rows_kernel" else {"DEDUP": count, "BLOCK_R": 4, "BLOCK_C": 256})
         out = triton.compile(ASTSource(fn=fn, signature=_signature(fn, dequant, cx), constexprs=cx),
                              target=GPUTarget("cuda", 90, 32))
@@ -79,8 +79,8 @@ def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, deq
     fn = _jit.variant(_gather_triton, False).gather_sorted_kernel
     cfg = sorted_config(row_bytes, itemsize, True)
     cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, "DEQUANT": dequant,
-          "COUNT": True, "HOT": True, "COUNT_IDS": True, "DEDUP": True, "BLOCK_R": cfg.block_rows,
-          "BLOCK_C": cfg.block_cols}
+          "COUNT": True, "HOT": True, "COUNT_IDS": True, "SCALE_WORD": False, "DEDUP": True,
+          "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
     sig = _signature(fn, dequant, cx)
     if not dequant:
         sig.update(table_ptr={2: "*i16", 4: "*i32"}[itemsize], hot_ptr={2: "*i16", 4: "*i32"}[itemsize],
@@ -93,7 +93,8 @@ def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, deq
 @pytest.mark.parametrize("oob", ["row0", "neg_zero"])
 @pytest.mark.parametrize("id_type", ["*i32", "*i64"])
 @pytest.mark.parametrize("ncols", [5, 16])
-def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched(oob, id_type, ncols, tmp_path,
+@pytest.mark.parametrize("word", [False, True])
+def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched(oob, id_type, ncols, word, tmp_path,
                                                                                  monkeypatch):
     """fp8 rows with their own scale, sorted, de-duplicated, through a hot set, with the specialisations a
     launch gives (16-byte aligned pointers and strides, a column count divisible by 16): Triton 3.6's
@@ -104,8 +105,8 @@ def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched
     fn = _jit.variant(_gather_triton, False).gather_sorted_kernel
     cfg = sorted_config(ncols, 1, True)
     cx = {"HAS_SCALE": False, "CONVERT": True, "OOB_ROW0": oob == "row0", "NEG_ZERO": oob == "neg_zero",
-          "DEQUANT": 4, "COUNT": True, "HOT": True, "COUNT_IDS": False, "DEDUP": True, "BLOCK_R": cfg.block_rows,
-          "BLOCK_C": cfg.block_cols}
+          "DEQUANT": 4, "COUNT": True, "HOT": True, "COUNT_IDS": False, "SCALE_WORD": word, "DEDUP": True,
+          "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
     sig = _signature(fn, 4, cx)
     sig["sorted_ptr"] = id_type
     aligned = [k for k, v in sig.items() if v.startswith("*")] + ["id_base", "row_lo", "table_stride", "col_start"]
