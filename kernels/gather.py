@@ -210,8 +210,9 @@ def _scale_word(table: torch.Tensor, hot_rows: torch.Tensor | None, dequant: int
     the kernels then read it with one load, not four (1-byte tables: strides and offsets are bytes)."""
     if dequant < 3:
         return False
+    col = _scale_col(table, dequant)
     bufs = (table,) if hot_rows is None else (table, hot_rows)
-    return all((b.data_ptr() + _scale_col(table, dequant)) % 4 == 0 and b.stride(0) % 4 == 0 for b in bufs)
+    return all((b.data_ptr() + col) % 4 == 0 and b.stride(0) % 4 == 0 for b in bufs)
 
 
 def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int):

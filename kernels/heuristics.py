@@ -67,11 +67,6 @@ SORTED_TILE_BYTES = 1024
 SORTED_MIN_ROWS = 4
 SORTED_MAX_ROWS = 64
 SORTED_NUM_WARPS = 4
-# Columns of a sorted program's tile, at least: Triton 3.6 fails to compile ("PassManager::run failed") the hot,
-# de-duplicating sorted kernel with int64 ids at a one-element column tile (a one-column range of a short row;
-# seen on the H200 in the overlapped-schedule soak, reproduced by compiling for sm_90 without a GPU). The
-# column mask keeps a wider tile exact.
-SORTED_MIN_BLOCK_COLS = 2
 
 
 @dataclass(frozen=True)
@@ -91,7 +86,7 @@ def sorted_config(row_bytes: int, itemsize: int, dedup: bool = True, program_byt
         rows = triton.next_power_of_2(max(SORTED_MIN_ROWS, min(SORTED_MAX_ROWS, rows)))
     else:
         rows = 1
-    return SortedConfig(rows, max(SORTED_MIN_BLOCK_COLS, tile // itemsize), num_warps or SORTED_NUM_WARPS)
+    return SortedConfig(rows, max(1, tile // itemsize), num_warps or SORTED_NUM_WARPS)
 
 
 # When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep of the default

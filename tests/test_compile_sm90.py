@@ -71,8 +71,8 @@ def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch)
 @pytest.mark.parametrize("row_bytes,itemsize,dequant", [(1, 1, 3), (2, 2, 0), (4, 4, 0)])
 def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, dequant, tmp_path, monkeypatch):
     """A one-column range of a short row, sorted, de-duplicated, through a counting hot set, int64 ids: the
-    tile :func:`~uvaple.kernels.heuristics.sorted_config` gives it compiles (Triton 3.6 fails at a
-    one-element tile; heuristics.SORTED_MIN_BLOCK_COLS)."""
+    tile :func:`~uvaple.kernels.heuristics.sorted_config` gives it compiles (Triton 3.6 failed at a
+    one-element tile while the kernel selected on the hit mask)."""
     from uvaple.kernels.heuristics import sorted_config
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
