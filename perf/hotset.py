@@ -26,6 +26,9 @@ lossless one bit-exact against the uncached lookup first:
   set's rows; ``all_auto`` the same levers with ``order="auto"``, as a server would configure them (a
   decode batch direct, a prefill chunk of ``heuristics.DEDUP_MIN_IDS`` ids or more sorted and
   de-duplicated);
+* ``hot_fp8``: fp8 rows and the hot set, direct (two levers, no de-duplication); ``sort``: the device sort
+  alone that the sorted paths run before their gather (``torch.sort`` into fixed buffers): together with
+  ``all`` these say what de-duplication costs and saves in a call;
 * ``fp8_t<tile>_w<warps>``: the direct fp8 gather at other tiles and warps (``FP8_TILES``), bit-exact
   against ``fp8``: the sweep behind the fp8 rows' launch settings.
 
@@ -178,6 +181,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         "all": GatherLookup(fp8_table, fspec, device, hot=fhot, order="sorted", dedup=True, max_rows=max_n),
         "hot_dedup": GatherLookup(table, spec, device, hot=hot, order="sorted", dedup=True, max_rows=max_n),
         "all_auto": GatherLookup(fp8_table, fspec, device, hot=fhot, order="auto", dedup=True, max_rows=max_n),
+        "hot_fp8": GatherLookup(fp8_table, fspec, device, hot=fhot, order="direct"),
     }
     online = HotSet(table, k, device, rows=ranked.to(device), count_ids=True)
     online.add_counts(profile_counts)
@@ -211,7 +215,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                      for name in ("hot", "hot_online", "dedup", "hot_dedup")}
             exact["peer"] = _exact_into(raw, ids, lambda i, o: (vllm_ple_gather(view, i, o), o)[1], want)
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
-            for name in ("all", "all_online", "all_auto"):
+            for name in ("all", "all_online", "all_auto", "hot_fp8"):
                 exact[name + "_vs_fp8"] = _exact_into(out, ids, lookups[name].lookup, f_want)
             tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
             for name, fn in tiles.items():
@@ -228,6 +232,11 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                                             replays)["median"] for name, lk in lookups.items()}
                 us.update({name: graph_replay_us(fn, ids_buf, refresh, replays)["median"]
                            for name, fn in tiles.items()})
+                keys, order = torch.empty(max_n, dtype=ids_buf.dtype, device=device), torch.empty(
+                    max_n, dtype=torch.int64, device=device)
+                us["sort"] = graph_replay_us(lambda i: torch.sort(i, stable=False, out=(keys[: i.numel()],
+                                                                                    order[: i.numel()])),
+                                             ids_buf, refresh, replays)["median"]
                 us["peer"] = graph_replay_us(lambda i: vllm_ple_gather(view, i, raw[: i.numel()]), ids_buf, refresh,
                                              replays)["median"]
                 rec["us"] = us
