@@ -234,9 +234,9 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                            for name, fn in tiles.items()})
                 keys, order = torch.empty(max_n, dtype=ids_buf.dtype, device=device), torch.empty(
                     max_n, dtype=torch.int64, device=device)
-                us["sort"] = graph_replay_us(lambda i: torch.sort(i, stable=False, out=(keys[: i.numel()],
-                                                                                    order[: i.numel()])),
-                                             ids_buf, refresh, replays)["median"]
+                us["sort"] = graph_replay_us(
+                    lambda i, k=keys, o=order: torch.sort(i, stable=False, out=(k[: i.numel()], o[: i.numel()])),
+                    ids_buf, refresh, replays)["median"]
                 us["peer"] = graph_replay_us(lambda i: vllm_ple_gather(view, i, raw[: i.numel()]), ids_buf, refresh,
                                              replays)["median"]
                 rec["us"] = us
