@@ -161,9 +161,16 @@ def gather_rows_kernel(
     COUNT_IDS: tl.constexpr,  # count each valid id's lookup at id_counts_ptr (a hot set's profile)
     SCALE_WORD: tl.constexpr,  # DEQUANT 3/4: the row scale is a 4-byte aligned word in the table and the hot set
     BLOCK: tl.constexpr,  # columns per program
+    ROW_TILES: tl.constexpr,  # a 1-D grid, the tiles of a row side by side (heuristics.LaunchConfig.row_tiles)
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
+    if ROW_TILES:
+        n_tiles = (n_cols + BLOCK - 1) // BLOCK
+        flat = tl.program_id(0).to(tl.int64)
+        pid = flat // n_tiles
+        tile = (flat - pid * n_tiles).to(tl.int32)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
     row, valid = safe_row(ids_ptr, pid, id_base, row_lo, n_rows)
     if OOB_ROW0:
         limit = n_cols

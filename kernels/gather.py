@@ -251,7 +251,8 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     cfg = config or launch_config(ncols * item, item, n)
     hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
-    grid = (n, triton.cdiv(ncols, cfg.block))
+    tiles = triton.cdiv(ncols, cfg.block)
+    grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
         table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, *hot_args,
@@ -259,7 +260,7 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
         COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None,
-        SCALE_WORD=_scale_word(table, hot_rows, dequant), BLOCK=cfg.block,
+        SCALE_WORD=_scale_word(table, hot_rows, dequant), BLOCK=cfg.block, ROW_TILES=cfg.row_tiles,
         num_warps=cfg.num_warps,
     )
 

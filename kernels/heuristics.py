@@ -38,6 +38,9 @@ NUM_WARPS = 4
 class LaunchConfig:
     block: int  # elements per program
     num_warps: int
+    # the tiles of one row launched side by side (a 1-D grid, program i*tiles+j: tile j of row i) rather
+    # than every row's tile 0 first (a 2-D grid, tile = axis 1)
+    row_tiles: bool = False
 
 
 @functools.lru_cache(maxsize=256)

@@ -30,7 +30,8 @@ lossless one bit-exact against the uncached lookup first:
   alone that the sorted paths run before their gather (``torch.sort`` into fixed buffers): together with
   ``all`` these say what de-duplication costs and saves in a call;
 * ``fp8_t<tile>_w<warps>``: the direct fp8 gather at other tiles and warps (``FP8_TILES``), bit-exact
-  against ``fp8``: the sweep behind the fp8 rows' launch settings.
+  against ``fp8``: the sweep behind the fp8 rows' launch settings; ``*_rows`` (``ROW_TILE_VARIANTS``): fp8 and
+  bf16 rows with the tiles of a row launched side by side (``LaunchConfig.row_tiles``).
 
 ``--smoke``: a small table on the CPU (interpreted kernels), correctness only (CI).
 """
@@ -61,6 +62,10 @@ DECODE_SETS = 64
 # fp8 rows' tile sweep beside the shipped (2,048 B of codes, 4 warps: kernels/heuristics.py): (bytes of codes
 # per program, warps)
 FP8_TILES = ((1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8))
+# ... and launch orders (heuristics.LaunchConfig.row_tiles: the tiles of a row side by side), fp8 and bf16 rows
+ROW_TILE_VARIANTS = {"fp8_t2048_w4_rows": ("fp8", LaunchConfig(2048, 4, True)),
+                     "fp8_t1024_w4_rows": ("fp8", LaunchConfig(1024, 4, True)),
+                     "uncached_rows": ("uncached", LaunchConfig(2048, 4, True))}
 
 
 def zipf_ids(n: int, vocab: int, seed: int, s: float = 1.1) -> np.ndarray:
@@ -95,10 +100,11 @@ def _load_ids(path: str) -> np.ndarray:
         return np.array(f.read().split(), dtype=np.int64)
 
 
-def fp8_tiled(lk: GatherLookup, out: torch.Tensor, tile: int, warps: int):
-    """``ids -> rows`` of the direct fp8 lookup ``lk`` launched with another tile (bytes of codes per
-    program) and warp count than the shipped heuristic's: the fp8 rows' tile sweep (``FP8_TILES``)."""
-    spec, cfg = lk.spec, LaunchConfig(tile, warps)
+def fp8_tiled(lk: GatherLookup, out: torch.Tensor, tile: int, warps: int, cfg: LaunchConfig | None = None):
+    """``ids -> rows`` of the direct lookup ``lk`` launched with another tile (elements per program: bytes of
+    codes for fp8 rows) and warp count than the shipped heuristic's, or with ``cfg``: the fp8 rows' tile sweep
+    (``FP8_TILES``) and the launch-order variants (``ROW_TILE_VARIANTS``)."""
+    spec, cfg = lk.spec, cfg or LaunchConfig(tile, warps)
 
     def gather(ids: torch.Tensor) -> torch.Tensor:
         o = out[: ids.numel()]
@@ -218,8 +224,12 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             for name in ("all", "all_online", "all_auto", "hot_fp8"):
                 exact[name + "_vs_fp8"] = _exact_into(out, ids, lookups[name].lookup, f_want)
             tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
+            tiles.update({name: fp8_tiled(lookups[base], out, 0, 0, cfg) for name, (base, cfg) in
+                          ROW_TILE_VARIANTS.items()})
             for name, fn in tiles.items():
-                exact[name + "_vs_fp8"] = _exact_into(out, ids, lambda i, o, fn=fn: fn(i), f_want)
+                ref = want if ROW_TILE_VARIANTS.get(name, ("fp8",))[0] == "uncached" else f_want
+                exact[name + ("_vs_fp8" if ref is f_want else "")] = _exact_into(out, ids, lambda i, o, fn=fn: fn(i),
+                                                                                  ref)
             rec["bit_exact"] = exact
             if device.type == "cuda" and not smoke:
                 calls = max(2, min(16, (512 << 20) // (n * cols * 2 * 3)))

@@ -309,3 +309,32 @@ def test_the_hf_module_serves_through_a_hot_set(device, tmp_path):
             HostScaledEmbedding(ROWS, 64, table=h, backend_options={"hot_profile": counts})(ids)
         for m in (plain, cached, by_counts):
             m.close()
+
+
+@pytest.mark.parametrize("encoding", ["bf16", "bf16_scaled_to_fp32", "fp8_row"])
+@pytest.mark.parametrize("oob", ["zero", "row0"])
+def test_the_row_tile_launch_order_gives_the_same_bits_and_counts(device, encoding, oob):
+    """``LaunchConfig.row_tiles`` (a 1-D grid, the tiles of a row side by side) against the 2-D grid: the same
+    bits and counters, through a hot set, with tiles that do not divide the row (a ragged last tile)."""
+    from uvaple.kernels import gather as kgather
+    from uvaple.kernels.heuristics import LaunchConfig
+
+    data, kw = ENCODINGS[encoding]()
+    with HostTable.from_tensor(data) as h:
+        spec = TableSpec.of(h, oob=oob, **kw)
+        hot_rows = torch.randperm(ROWS, generator=torch.Generator().manual_seed(8))[:90]
+        hs = HotSet(h, 100, device, rows=hot_rows)
+        ids = torch.cat([ids_of("mixed", hot_rows, device, seed=3), ids_of("out_of_range", hot_rows, device)])
+        width = spec.columns(None)[1] - spec.columns(None)[0]
+        outs, counts = [], []
+        for row_tiles in (False, True):
+            with GatherLookup(h, spec, device, hot=hs, order="direct") as lk:
+                o = poisoned(len(ids), width, spec.output_dtype, device)
+                kgather.launch(lk._arg, ids, o, lk._counters, lk._dq_scale, spec.scale_arg, spec.has_scale, 0,
+                               spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant,
+                               config=LaunchConfig(16, 1, row_tiles), hot_rows=hs.rows, slot_map=hs.slot_map)
+                outs.append(bits(o))
+                counts.append(lk._counters.cpu().clone())
+                want = lk.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
+        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[1], bits(want)), (encoding, oob)
+        assert torch.equal(counts[1], counts[0]) and counts[0][2] == 8, (encoding, oob)  # 8 out-of-range ids
