@@ -47,7 +47,8 @@ def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
     for dequant, count, hot, count_ids in itertools.product((0, 1, 3), (False, True), (False, True), (False, True)):
         cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": hot, "NEG_ZERO": False, "DEQUANT": dequant,
               "COUNT": count, "HOT": hot, "COUNT_IDS": count_ids, "SCALE_WORD": dequant == 3 and count}
-        cx.update({"BLOCK": 1024, "ROW_TILES": count_ids} if kernel == "gather_rows_kernel" else {"DEDUP": count, "BLOCK_R": 4, "BLOCK_C": 256})
+        cx.update({"BLOCK": 1024, "ROW_TILES": count_ids} if kernel == "gather_rows_kernel" else
+                  {"DEDUP": count, "BLOCK_R": 4, "BLOCK_C": 256})
         out = triton.compile(ASTSource(fn=fn, signature=_signature(fn, dequant, cx), constexprs=cx),
                              target=GPUTarget("cuda", 90, 32))
         assert out.asm.get("cubin"), (kernel, cx)  # through ptxas: a binary for sm_90
