@@ -246,7 +246,7 @@ def _add(a, b):
 @jit(do_not_specialize=["scale_bits", "n"])
 def gather_sorted_kernel(
     table_ptr,  # *Pointer* to row 0 of the table
-    sorted_ptr,  # *Pointer* to the ids in ascending order [n] (int32 or int64, as the caller's)
+    sorted_ptr,  # *Pointer* to the ids in ascending order [n] (int32/int64, as the caller's), or (KEYS) row keys
     order_ptr,  # *Pointer* to int64 [n]: the output row of each sorted id (its position in the caller's ids)
     out_ptr,  # *Pointer* to the output [n, n_cols]
     counters_ptr,  # as gather_rows_kernel
@@ -258,6 +258,7 @@ def gather_sorted_kernel(
     HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
     DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr, COUNT_IDS: tl.constexpr, SCALE_WORD: tl.constexpr,
     DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
+    KEYS: tl.constexpr,  # sorted_ptr holds row keys (row_keys_kernel: row - row_lo + 1, 0 for an out-of-range id)
     BLOCK_R: tl.constexpr,  # sorted ids per program
     BLOCK_C: tl.constexpr,  # columns per program
 ):
@@ -278,8 +279,12 @@ def gather_sorted_kernel(
     r = pid * BLOCK_R + local
     in_n = r < n
     raw = tl.load(sorted_ptr + r, mask=in_n, other=0)
-    row = raw.to(tl.int64) - id_base
-    valid = (row >= row_lo) & (row < n_rows) & in_n
+    if KEYS:  # keys past the table (none come from row_keys_kernel) are out of range too
+        row = raw.to(tl.int64) - 1 + row_lo
+        valid = (raw > 0) & (row < n_rows) & in_n
+    else:
+        row = raw.to(tl.int64) - id_base
+        valid = (row >= row_lo) & (row < n_rows) & in_n
     row = tl.where(valid, row, row_lo)  # no address outside the table, whatever the id
     pos = tl.load(order_ptr + r, mask=in_n, other=0)
     if HOT:  # as in gather_rows_kernel: a slot outside the hot set is a miss
@@ -351,6 +356,27 @@ def gather_sorted_kernel(
         dup = (in_n & (reads == 0) & has_lead)[:, None] & col_ok[None, :]
         v = tl.load(out_ptr + lead_pos[:, None] * n_cols + cols[None, :], mask=dup, other=0)
         tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], v, mask=dup)
+
+
+# n changes from call to call: not specialised (see gather_rows_kernel).
+@jit(do_not_specialize=["n"])
+def row_keys_kernel(
+    ids_ptr,  # *Pointer* to the ids [n] (int32 or int64)
+    keys_ptr,  # *Pointer* to the keys written [n] (int32: the table has fewer than 2**31 - 1 rows past row_lo)
+    n,  # ids in this call
+    id_base, row_lo, n_rows,  # as gather_rows_kernel
+    BLOCK: tl.constexpr,
+):
+    """The sort key of each id: ``row - row_lo + 1`` for a row inside the table (or its window), 0 for an
+    out-of-range id. Sorting these 4-byte keys instead of the caller's (often 8-byte) ids halves the radix
+    sort's passes, and every out-of-range id sorts into one run at the front (one leader under ``dedup``:
+    they all give the same output row)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    row = tl.load(ids_ptr + i, mask=m, other=0).to(tl.int64) - id_base
+    valid = (row >= row_lo) & (row < n_rows)
+    key = tl.where(valid, row - row_lo + 1, 0)
+    tl.store(keys_ptr + i, key.to(keys_ptr.dtype.element_ty), mask=m)
 
 
 @jit(do_not_specialize=["n"])

@@ -57,6 +57,9 @@ FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 #: ids are shifted by ``id_base`` (``0 <= id_base < ID_BASE_LIMIT``) before the range check; below 2**62 a
 #: wrapped int64 difference of an extreme id stays far outside any table.
 ID_BASE_LIMIT = 1 << 62
+#: the largest row key of the sorted gather (row - row_lo + 1, int32); tables with more rows sort the ids as given
+ROW_KEY_MAX = (1 << 31) - 1
+ROW_KEY_BLOCK = 1024
 #: bytes of the float32 scale an fp8 row with its own scale carries after its codes (dequant 3/4)
 ROW_SCALE_BYTES = 4
 OUT_DTYPES = FLOAT_DTYPES
@@ -317,8 +320,12 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
                   config: SortedConfig | None = None, hot_rows: torch.Tensor | None = None,
                   slot_map: torch.Tensor | None = None, id_counts: torch.Tensor | None = None) -> None:
     """The body of ``uvaple::gather_rows_sorted``: sort the ids into ``workspace`` (int64 ``[2, max_rows]``:
-    the sorted ids, as the ids' dtype, and their positions), then gather in sorted order, each row to its
-    own output position, repeats de-duplicated when ``dedup``. Same arguments and bits as :func:`launch`.
+    the sort keys and their positions), then gather in sorted order, each row to its own output position,
+    repeats de-duplicated when ``dedup``. Same arguments and bits as :func:`launch`.
+
+    The keys are 4-byte row keys (``row_keys_kernel``: one small launch; out-of-range ids all key 0) written
+    into the first half of ``workspace[0]`` and sorted into its second half, for any table of fewer than
+    ``ROW_KEY_MAX`` rows; a bigger one sorts the ids as given.
     """
     n = ids.numel()
     ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant,
@@ -333,22 +340,31 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     if n == 0 or ncols == 0:
         return
     cfg = config or sorted_config(ncols * table.element_size(), table.element_size(), dedup)
-    keys = workspace[0].view(ids.dtype)[:n] if ids.dtype != torch.int64 else workspace[0, :n]
+    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     order = workspace[1, :n]
-    # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc
-    # once warm, and a captured graph owns it.
-    torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
+    # What is sorted: 4-byte row keys (row_keys_kernel) wherever they can name every row, else the ids as given.
+    # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc once
+    # warm, and a captured graph owns it.
+    use_keys = table.shape[0] - row_lo <= ROW_KEY_MAX
+    if use_keys:
+        halves = workspace[0].view(torch.int32)  # 2 x max_rows: the keys as computed, then sorted
+        unsorted, keys = halves[:n], halves[workspace.shape[1]: workspace.shape[1] + n]
+        kernels.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, id_base, row_lo, table.shape[0],
+                                                                   BLOCK=ROW_KEY_BLOCK, num_warps=4)
+        torch.sort(unsorted, stable=False, out=(keys, order))
+    else:
+        keys = workspace[0].view(ids.dtype)[:n] if ids.dtype != torch.int64 else workspace[0, :n]
+        torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
     hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
-    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_sorted_kernel[grid](
         table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
         *hot_args, n,
         id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
         COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None,
-        SCALE_WORD=_scale_word(table, hot_rows, dequant), DEDUP=dedup,
+        SCALE_WORD=_scale_word(table, hot_rows, dequant), DEDUP=dedup, KEYS=use_keys,
         BLOCK_R=cfg.block_rows,
         BLOCK_C=cfg.block_cols,
         num_warps=cfg.num_warps,

@@ -26,6 +26,8 @@ lossless one bit-exact against the uncached lookup first:
   set's rows; ``all_auto`` the same levers with ``order="auto"``, as a server would configure them (a
   decode batch direct, a prefill chunk of ``heuristics.DEDUP_MIN_IDS`` ids or more sorted and
   de-duplicated);
+* ``fp8_global``: the same fp8 codes with one global scale instead of each row's own (8,960-byte rows, no
+  scale to read per program): the cost of a row scale;
 * ``hot_fp8``: fp8 rows and the hot set, direct (two levers, no de-duplication); ``sort``: the device sort
   alone that the sorted paths run before their gather (``torch.sort`` into fixed buffers): together with
   ``all`` these say what de-duplication costs and saves in a call;
@@ -177,6 +179,9 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     max_n = max(ns)
     spec = TableSpec.of(table)
     fspec = TableSpec.of(fp8_table, encoding="fp8_row", out_dtype=torch.bfloat16)
+    # the same codes without their row scales, one global scale (fp8_global): what a row's own scale costs
+    g_table = HostTable.from_tensor(fp8_table.tensor[:, :cols].contiguous())
+    g_scale = torch.tensor([0.0123], device=device)
     hot = HotSet(table, k, device, rows=ranked.to(device))
     fhot = HotSet(fp8_table, k, device, rows=ranked.to(device))
     lookups = {
@@ -184,6 +189,8 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         "hot": GatherLookup(table, spec, device, hot=hot, order="direct"),
         "dedup": GatherLookup(table, spec, device, order="sorted", dedup=True, max_rows=max_n),
         "fp8": GatherLookup(fp8_table, fspec, device, order="direct"),
+        "fp8_global": GatherLookup(g_table, TableSpec.of(g_table, encoding="fp8_global", out_dtype=torch.bfloat16),
+                                   device, dequant_scale=g_scale, order="direct"),
         "all": GatherLookup(fp8_table, fspec, device, hot=fhot, order="sorted", dedup=True, max_rows=max_n),
         "hot_dedup": GatherLookup(table, spec, device, hot=hot, order="sorted", dedup=True, max_rows=max_n),
         "all_auto": GatherLookup(fp8_table, fspec, device, hot=fhot, order="auto", dedup=True, max_rows=max_n),
@@ -230,6 +237,9 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                 ref = want if ROW_TILE_VARIANTS.get(name, ("fp8",))[0] == "uncached" else f_want
                 exact[name + ("_vs_fp8" if ref is f_want else "")] = _exact_into(out, ids, lambda i, o, fn=fn: fn(i),
                                                                                   ref)
+            g_rows = g_table.tensor[ids.cpu()].to(device)  # vLLM's formula on the codes
+            exact["fp8_global_vs_formula"] = _exact_into(out, ids, lookups["fp8_global"].lookup, g_rows.to(
+                torch.bfloat16) * g_scale.to(torch.bfloat16))
             rec["bit_exact"] = exact
             if device.type == "cuda" and not smoke:
                 calls = max(2, min(16, (512 << 20) // (n * cols * 2 * 3)))
@@ -262,6 +272,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             lk.close()
         table.close()
         fp8_table.close()
+        g_table.close()
     return res
 
 

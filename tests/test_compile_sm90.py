@@ -31,6 +31,8 @@ def _signature(fn, dequant: int, constexprs: dict) -> dict:
             sig[name] = rows
         elif name == "out_ptr":
             sig[name] = "*bf16" if dequant else "*i16"
+        elif name == "sorted_ptr" and constexprs.get("KEYS"):
+            sig[name] = "*i32"  # row keys (row_keys_kernel)
         elif name in POINTERS:
             sig[name] = POINTERS[name]
         else:
@@ -48,7 +50,7 @@ def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
         cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": hot, "NEG_ZERO": False, "DEQUANT": dequant,
               "COUNT": count, "HOT": hot, "COUNT_IDS": count_ids, "SCALE_WORD": dequant == 3 and count}
         cx.update({"BLOCK": 1024, "ROW_TILES": count_ids} if kernel == "gather_rows_kernel" else
-                  {"DEDUP": count, "BLOCK_R": 4, "BLOCK_C": 256})
+                  {"DEDUP": count, "KEYS": not count_ids, "BLOCK_R": 4, "BLOCK_C": 256})
         out = triton.compile(ASTSource(fn=fn, signature=_signature(fn, dequant, cx), constexprs=cx),
                              target=GPUTarget("cuda", 90, 32))
         assert out.asm.get("cubin"), (kernel, cx)  # through ptxas: a binary for sm_90
@@ -68,10 +70,22 @@ def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch)
     assert out.asm.get("cubin")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("id_type", ["*i32", "*i64"])
+def test_the_row_keys_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = _jit.variant(_gather_triton, False).row_keys_kernel
+    sig = {"ids_ptr": id_type, "keys_ptr": "*i32", "n": "i64", "id_base": "i64", "row_lo": "i64", "n_rows": "i64",
+           "BLOCK": "constexpr"}
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
+    assert out.asm.get("cubin")
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("keys", [True, False])
 @pytest.mark.parametrize("row_bytes,itemsize,dequant", [(1, 1, 3), (2, 2, 0), (4, 4, 0)])
-def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, dequant, tmp_path, monkeypatch):
-    """A one-column range of a short row, sorted, de-duplicated, through a counting hot set, int64 ids: the
+def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, dequant, keys, tmp_path, monkeypatch):
+    """A one-column range of a short row, sorted, de-duplicated, through a counting hot set, row keys or int64 ids: the
     tile :func:`~uvaple.kernels.heuristics.sorted_config` gives it compiles (Triton 3.6 failed at a
     one-element tile while the kernel selected on the hit mask)."""
     from uvaple.kernels.heuristics import sorted_config
@@ -80,7 +94,7 @@ def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, deq
     fn = _jit.variant(_gather_triton, False).gather_sorted_kernel
     cfg = sorted_config(row_bytes, itemsize, True)
     cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, "DEQUANT": dequant,
-          "COUNT": True, "HOT": True, "COUNT_IDS": True, "SCALE_WORD": False, "DEDUP": True,
+          "COUNT": True, "HOT": True, "COUNT_IDS": True, "SCALE_WORD": False, "DEDUP": True, "KEYS": keys,
           "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
     sig = _signature(fn, dequant, cx)
     if not dequant:
@@ -92,7 +106,7 @@ def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, deq
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("oob", ["row0", "neg_zero"])
-@pytest.mark.parametrize("id_type", ["*i32", "*i64"])
+@pytest.mark.parametrize("id_type", ["keys", "*i32", "*i64"])
 @pytest.mark.parametrize("ncols", [5, 16])
 @pytest.mark.parametrize("word", [False, True])
 def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched(oob, id_type, ncols, word, tmp_path,
@@ -107,9 +121,9 @@ def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched
     cfg = sorted_config(ncols, 1, True)
     cx = {"HAS_SCALE": False, "CONVERT": True, "OOB_ROW0": oob == "row0", "NEG_ZERO": oob == "neg_zero",
           "DEQUANT": 4, "COUNT": True, "HOT": True, "COUNT_IDS": False, "SCALE_WORD": word, "DEDUP": True,
-          "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
+          "KEYS": id_type == "keys", "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
     sig = _signature(fn, 4, cx)
-    sig["sorted_ptr"] = id_type
+    sig["sorted_ptr"] = "*i32" if id_type == "keys" else id_type
     aligned = [k for k, v in sig.items() if v.startswith("*")] + ["id_base", "row_lo", "table_stride", "col_start"]
     aligned += ["n_cols"] if ncols % 16 == 0 else []
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}

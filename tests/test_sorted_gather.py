@@ -217,3 +217,30 @@ def test_split_share_table():
         assert heuristics.split_chunk_rows(at) == (chunk or at)
         assert heuristics.split_chunk_rows(at + 1) == (chunk or at + 1)
     assert heuristics.SPLIT_CPU_PATH in ("torch", "parallel")
+
+
+@pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
+@pytest.mark.parametrize("dedup", [True, False])
+def test_row_keys_and_ids_as_given_sort_to_the_same_bits(monkeypatch, oob, dedup):
+    """The sort keys: 4-byte row keys (every table below ``ROW_KEY_MAX`` rows) and, for bigger tables, the
+    ids as given (forced here by lowering the bound): the same bits and counters, with a row window, an id
+    offset, many out-of-range ids (one run of key 0: one leader under dedup) and runs crossing programs."""
+    from uvaple.kernels import gather as kgather
+
+    t = rand(300, 24, torch.bfloat16, seed=9)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, oob=oob, id_offset=50, row_window=(20, 260))
+        g = torch.Generator().manual_seed(4)
+        ids = torch.cat([torch.randint(40, 330, (150,), generator=g), torch.full((40,), 77),
+                         patterns(60, 400, seed=6)["out_of_range"]])[torch.randperm(250, generator=g)]
+        got = {}
+        for bound in (kgather.ROW_KEY_MAX, 5):
+            monkeypatch.setattr(kgather, "ROW_KEY_MAX", bound)
+            with sorted_lookup(h, spec, dedup=dedup, max_rows=256) as lk:
+                out = torch.full((250, 24), float("nan"), dtype=torch.bfloat16)
+                lk.lookup(ids, out)
+                got[bound] = (bits(out), lk.stats())
+        ref = reference_gather(t, ids, oob=oob, rows=(20, 260), id_base=50)
+        (a, sa), (b, sb) = got.values()
+        assert torch.equal(a, bits(ref)) and torch.equal(b, bits(ref))
+        assert sa == sb and sa["out_of_range_ids"] == int(((ids - 50 < 20) | (ids - 50 >= 260)).sum())
