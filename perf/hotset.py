@@ -29,7 +29,8 @@ lossless one bit-exact against the uncached lookup first:
 * ``fp8_global``: the same fp8 codes with one global scale instead of each row's own (8,960-byte rows, no
   scale to read per program): the cost of a row scale;
 * ``hot_fp8``: fp8 rows and the hot set, direct (two levers, no de-duplication); ``sort``: the device sort
-  alone that the sorted paths run before their gather (``torch.sort`` into fixed buffers): together with
+  alone that the sorted paths ran before their gather (``torch.sort`` of the int64 ids into fixed buffers), and
+  ``sort_keys`` the one they run now (4-byte keys written on the device, then sorted): together with
   ``all`` these say what de-duplication costs and saves in a call;
 * ``fp8_t<tile>_w<warps>``: the direct fp8 gather at other tiles and warps (``FP8_TILES``), bit-exact
   against ``fp8``: the sweep behind the fp8 rows' launch settings; ``*_rows`` (``ROW_TILE_VARIANTS``): fp8 and
@@ -256,6 +257,11 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                     max_n, dtype=torch.int64, device=device)
                 us["sort"] = graph_replay_us(
                     lambda i, k=keys, o=order: torch.sort(i, stable=False, out=(k[: i.numel()], o[: i.numel()])),
+                    ids_buf, refresh, replays)["median"]
+                k32 = torch.empty(2 * max_n, dtype=torch.int32, device=device)
+                us["sort_keys"] = graph_replay_us(  # as the sorted paths sort now: 4-byte keys made on the device
+                    lambda i, k=k32, o=order: torch.sort(k[: i.numel()].copy_(i), stable=False,
+                                                         out=(k[max_n: max_n + i.numel()], o[: i.numel()])),
                     ids_buf, refresh, replays)["median"]
                 us["peer"] = graph_replay_us(lambda i: vllm_ple_gather(view, i, raw[: i.numel()]), ids_buf, refresh,
                                              replays)["median"]
