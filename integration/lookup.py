@@ -214,7 +214,8 @@ class GatherLookup(Lookup):
         written to its own output row (``uvaple::gather_rows_sorted``): random small rows spread over a
         big table are read several times faster in order. ``auto`` (default): sorted where the committed
         sweep measured it faster (:func:`uvaple.kernels.heuristics.use_sorted`: by ids per call, row bytes
-        and table span; with ``dedup`` also every call of ``DEDUP_MIN_IDS`` ids or more), else direct.
+        and table span; with ``dedup`` also every call of ``heuristics.dedup_min_ids`` ids or more), else
+        direct.
         Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
         is allocated here, once (with ``auto``, only for rows the heuristic may sort); without
         ``max_rows`` every call is direct.
@@ -223,8 +224,9 @@ class GatherLookup(Lookup):
         reader's output row. Same bits either way. Off by default: finding repeats needs several rows per
         program, and on random 160-B rows that shape was 1.43x slower at 65,536 ids than one row per
         program (heuristics.sorted_config); turn it on where ids repeat a lot (token-id tables). With
-        ``order="auto"`` a prefill-sized call (``heuristics.DEDUP_MIN_IDS`` ids or more) is then sorted and
-        de-duplicated whatever the rows; decode-sized calls stay direct.
+        ``order="auto"`` a prefill-sized call is then sorted and de-duplicated whatever the rows, from 2,048
+        ids, or with a hot set from 4,096 (16,384 for fp8 rows: the set already saves most of the reads;
+        ``heuristics.dedup_min_ids``); decode-sized calls stay direct.
     split : bool
         Also serve :meth:`lookup_split` (ids on the host; the caller's thread gathers a share of the rows
         while the GPU gathers the rest). Needs ``max_rows``: pinned staging for that many rows and ids, and
@@ -295,10 +297,11 @@ class GatherLookup(Lookup):
         self.dedup = bool(dedup)
         self._workspace = None
         # "auto" never sorts rows above SORT_MAX_ROW_BYTES (Gemma 3n's) unless it de-duplicates calls of
-        # DEDUP_MIN_IDS ids or more: no workspace otherwise
+        # heuristics.dedup_min_ids ids or more: no workspace otherwise
+        self._auto_hot, self._auto_dequant = self._hot is not None, spec.dequant != 0
         if self.order == "sorted" or (self.order == "auto" and (
                 self._row_bytes <= heuristics.SORT_MAX_ROW_BYTES or
-                (self.dedup and max_rows >= heuristics.DEDUP_MIN_IDS))):
+                (self.dedup and max_rows >= heuristics.dedup_min_ids(self._auto_hot, self._auto_dequant)))):
             self._workspace = torch.empty(2, max_rows, dtype=torch.int64, device=self.device)
         self._split = None
         if split:
@@ -315,7 +318,8 @@ class GatherLookup(Lookup):
     def uses_sorted(self, n: int) -> bool:
         """Whether a call of ``n`` ids takes the sorted path."""
         if self.order == "auto":
-            return heuristics.use_sorted(n, self._row_bytes, self._span_bytes, self.dedup)
+            return heuristics.use_sorted(n, self._row_bytes, self._span_bytes, self.dedup, self._auto_hot,
+                                         self._auto_dequant)
         return self.order == "sorted"
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:

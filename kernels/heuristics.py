@@ -19,6 +19,11 @@ same run): 2,048 B of codes with 4 warps took 1,322 us at 8,192 rows and 2,532 u
 / 2,751-2,785; at 1 and 8 rows 2 KiB was also the fastest, at 64 all were within 2%. Only bf16 output
 was measured: fp32 output (1,024 codes a program) and the warps of rows under 2 KiB follow the same rule
 unmeasured.
+
+Launch order: every row's tile 0, then every row's tile 1, ... (a 2-D grid, the tile on axis 1). Launching the
+tiles of a row side by side instead (``LaunchConfig.row_tiles``, a 1-D grid) was slower in the same run
+(perf/results/h200_2026-12-02/run8_hotset_tunecopy_ngram/hotset/hotset.json): E4B bf16 rows 0.90-0.93x at
+8,192-16,384 ids, fp8 rows 1.72-1.76x the bf16 lookup where the 2-D grid gave 1.88-1.89x.
 """
 
 from __future__ import annotations
@@ -107,17 +112,34 @@ SORT_MIN_SPAN_BYTES = {256: 1 << 30, 512: 4 << 30}  # rows up to K bytes: the sm
 
 
 # With de-duplication (the caller says its ids repeat: token ids) a call is also sorted from this many ids,
-# whatever its rows: each distinct id then crosses PCIe once. E4B rows (17,920 B), prefill chunks of text
-# (perf/results/h200_2026-12-01/hotset/decode_batches/hotset.json, "dedup" over "uncached"): 3.81x at 8,192
-# ids and 4.87x at 16,384; decode batches of 64 mostly distinct ids lost (0.68x). Nothing was measured
-# between 512 and 8,192 ids: the bound is the smallest measured win.
-DEDUP_MIN_IDS = 8192
+# whatever its rows: each distinct id then crosses PCIe once. E4B rows (17,920 B) of a 262,144-row table,
+# prefill chunks of real text, two runs (perf/results/h200_2026-12-02/run8_hotset_tunecopy_ngram and
+# run9_tests_memcheck_hotset_ngram, hotset/hotset.json): without a hot set "dedup" over "uncached" was
+# 2.7-2.8x at 2,048 ids, 3.4-3.6x at 4,096 and 3.8-4.1x at 8,192, while decode batches of 64 mostly distinct
+# ids lost (0.73-0.80x); nothing was measured between 64 and 2,048, so the bound is the smallest measured win.
+# With a hot set only the repeats of misses are saved: bf16 rows, "hot_dedup" over "hot", tied at 2,048
+# (92 vs 94 us; 105 vs 94) and won from 4,096 (138 vs 187 us; 158 vs 192); fp8 rows dequantised in the kernel,
+# "all" over "hot_fp8", lost up to 8,192 (226 vs 210 us; 276 vs 240) and tied or won at 16,384 (398 vs 417;
+# 461 vs 461). fp8 rows without a hot set were not measured apart: they take the first bound.
+DEDUP_MIN_IDS = 2048
+DEDUP_MIN_IDS_HOT = 4096
+DEDUP_MIN_IDS_HOT_DEQUANT = 16384
 
 
-def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False) -> bool:
+def dedup_min_ids(hot: bool = False, dequant: bool = False) -> int:
+    """The fewest ids per call that ``order="auto"`` sorts and de-duplicates, for a lookup with or without a
+    hot set and with or without fp8 rows dequantised in the kernel."""
+    if not hot:
+        return DEDUP_MIN_IDS
+    return DEDUP_MIN_IDS_HOT_DEQUANT if dequant else DEDUP_MIN_IDS_HOT
+
+
+def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot: bool = False,
+               dequant: bool = False) -> bool:
     """Whether a call of ``n`` ids of ``row_bytes``-byte rows over ``span_bytes`` of table is sorted first
-    (``dedup``: the lookup de-duplicates sorted calls)."""
-    if dedup and n >= DEDUP_MIN_IDS:
+    (``dedup``: the lookup de-duplicates sorted calls; ``hot``: it reads hits from a hot set; ``dequant``: its
+    rows are fp8 codes dequantised in the kernel)."""
+    if dedup and n >= dedup_min_ids(hot, dequant):
         return True
     if row_bytes > SORT_MAX_ROW_BYTES or n < SORT_MIN_IDS:
         return False

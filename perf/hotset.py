@@ -24,8 +24,8 @@ lossless one bit-exact against the uncached lookup first:
 * ``hot_dedup``: the hot set and the sorted/dedup gather (bf16 rows);
 * ``all``: fp8 rows, the hot set and the sorted/dedup gather together; ``all_online`` with the online
   set's rows; ``all_auto`` the same levers with ``order="auto"``, as a server would configure them (a
-  decode batch direct, a prefill chunk of ``heuristics.DEDUP_MIN_IDS`` ids or more sorted and
-  de-duplicated);
+  decode batch direct, a prefill chunk of ``heuristics.dedup_min_ids(hot=True, dequant=True)`` ids or more
+  sorted and de-duplicated);
 * ``fp8_global``: the same fp8 codes with one global scale instead of each row's own (8,960-byte rows, no
   scale to read per program): the cost of a row scale;
 * ``hot_fp8``: fp8 rows and the hot set, direct (two levers, no de-duplication); ``sort``: the device sort

@@ -338,3 +338,31 @@ def test_the_row_tile_launch_order_gives_the_same_bits_and_counts(device, encodi
                 want = lk.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
         assert torch.equal(outs[1], outs[0]) and torch.equal(outs[1], bits(want)), (encoding, oob)
         assert torch.equal(counts[1], counts[0]) and counts[0][2] == 8, (encoding, oob)  # 8 out-of-range ids
+
+
+@pytest.mark.parametrize("encoding", ["bf16", "fp8_row"])
+def test_auto_order_with_a_hot_set_dedups_from_its_own_bound(encoding, monkeypatch):
+    """order="auto" with a hot set and dedup sorts from ``heuristics.dedup_min_ids(hot=True, dequant=...)``
+    ids (lowered here to fit the table), not from the bound without a hot set; bit-exact on either side of
+    the bound. (These rows are narrow enough for the order alone to be considered: a workspace either way.)"""
+    from uvaple.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS", 20)
+    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS_HOT", 40)
+    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS_HOT_DEQUANT", 60)
+    bound = 60 if encoding == "fp8_row" else 40
+    data, kw = ENCODINGS[encoding]()
+    with HostTable.from_tensor(data) as h:
+        spec = TableSpec.of(h, **kw)
+        hot_rows = torch.randperm(ROWS, generator=torch.Generator().manual_seed(2))[:50]
+        hs = HotSet(h, 60, "cpu", rows=hot_rows)
+        with GatherLookup(h, spec, "cpu", hot=hs, order="auto", dedup=True, max_rows=bound - 1) as short:
+            assert not short.uses_sorted(bound - 1)
+        with GatherLookup(h, spec, "cpu", hot=hs, order="auto", dedup=True, max_rows=80) as lk, \
+                GatherLookup(h, spec, "cpu", order="direct") as plain:
+            assert not lk.uses_sorted(bound - 1) and lk.uses_sorted(bound) and lk._workspace.shape == (2, 80)
+            width = spec.columns(None)[1] - spec.columns(None)[0]
+            for n in (bound - 1, bound):
+                ids = ids_of("duplicates", hot_rows, "cpu")[:n]
+                got = lk.lookup(ids, poisoned(n, width, spec.output_dtype, "cpu"))
+                assert torch.equal(bits(got), bits(plain.lookup(ids))), n

@@ -171,9 +171,15 @@ def test_heuristic_thresholds():
     assert not use(262144, 512, 1 * gib) and use(16384, 512, 4 * gib) and use(65536, 512, 24 * gib)
     assert not use(1 << 20, 2048, 24 * gib) and not use(1 << 20, 17920, 24 * gib)
     assert use(heuristics.SORT_MIN_IDS, 32, 4 * gib) and not use(heuristics.SORT_MIN_IDS - 1, 32, 4 * gib)
-    # de-duplicated calls: from DEDUP_MIN_IDS ids whatever the rows and span (E4B rows, prefill chunks)
-    assert use(8192, 17920, 4 * gib, dedup=True) and not use(8191, 17920, 4 * gib, dedup=True)
-    assert use(8192, 160, gib // 4, dedup=True) and not use(8192, 17920, 4 * gib)
+    # de-duplicated calls: from dedup_min_ids ids whatever the rows and span (E4B rows, prefill chunks), later
+    # with a hot set (only the misses' repeats are saved), later still for fp8 rows through a hot set
+    assert use(2048, 17920, 4 * gib, dedup=True) and not use(2047, 17920, 4 * gib, dedup=True)
+    assert use(2048, 160, gib // 4, dedup=True) and not use(8192, 17920, 4 * gib)
+    assert use(2048, 17920, 4 * gib, dedup=True, dequant=True)  # no hot set: the first bound
+    assert use(4096, 17920, 4 * gib, dedup=True, hot=True) and not use(4095, 17920, 4 * gib, dedup=True, hot=True)
+    assert use(16384, 8964, 2 * gib, dedup=True, hot=True, dequant=True)
+    assert not use(16383, 8964, 2 * gib, dedup=True, hot=True, dequant=True)
+    assert not use(1 << 20, 17920, 4 * gib, hot=True, dequant=True)  # no dedup: E4B rows never sorted
 
 
 def test_operator_refuses_a_bad_workspace(table):
