@@ -178,9 +178,10 @@ class HotSet:
         return f"HotSet({self._count}/{self.capacity} rows of {self.table.rows}, {self.device})"
 
 
-def counts_of_ids(ids, rows: int) -> torch.Tensor:
+def counts_of_ids(ids, rows: int, start: int = 0) -> torch.Tensor:
     """Counts per table row (int64 ``[rows]``) of ``ids``: a tensor, an array, or a path to a ``.npy``
-    file or a text file of whitespace-separated ids (a tokenised text). Ids outside ``0..rows`` are not
+    file or a text file of whitespace-separated ids (a tokenised text). Id ``start + r`` counts for row
+    ``r`` (``start``: the first id of a vocabulary shard); ids outside ``start .. start + rows`` are not
     counted."""
     if isinstance(ids, (str, os.PathLike)):
         path = os.fspath(ids)
@@ -190,7 +191,8 @@ def counts_of_ids(ids, rows: int) -> torch.Tensor:
             with open(path) as f:
                 ids = np.array(f.read().split(), dtype=np.int64)
     t = torch.as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids).reshape(-1).to(torch.int64)
-    t = t[(t >= 0) & (t < rows)].cpu()
+    t = t.cpu() - start
+    t = t[(t >= 0) & (t < rows)]
     return torch.bincount(t, minlength=rows)
 
 

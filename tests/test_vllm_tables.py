@@ -7,6 +7,7 @@ import math
 import os
 import uuid
 
+import numpy as np
 import pytest
 import torch
 from helpers import bits, rand
@@ -119,10 +120,34 @@ def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
     ({"metrics_interval_s": math.nan}, "metrics_interval_s: expected"),
     ({"metrics_interval_s": "often"}, "metrics_interval_s: expected"),
     ({"metrics_interval_s": True}, "metrics_interval_s: expected"),
+    ({"dedup": "sometimes"}, "dedup: expected true or false"),
+    ({"hot_cache_gb": -1}, "hot_cache_gb: expected 0 .no hot set. or a positive number"),
+    ({"hot_cache_gb": math.inf}, "hot_cache_gb: expected 0"),
+    ({"hot_cache_gb": "lots"}, "hot_cache_gb: expected 0"),
+    ({"hot_cache_gb": True}, "hot_cache_gb: expected 0"),
+    ({"hot_profile": "/nonexistent-uvaple-ids.npy"}, "hot_profile: expected a readable .npy or text file"),
+    ({"hot_profile": 7}, "hot_profile: expected a readable"),
+    ({"hot_cache_gb": 0.5}, "hot_cache_gb and hot_profile go together"),
 ])
 def test_bad_settings_are_named(entry, match):
     with pytest.raises(PluginConfigError, match=match):
         from_sources({"uvaple": entry}, {})
+
+
+def test_the_token_id_levers_settings(tmp_path):
+    """dedup and the hot set (size and profile together, the uva placement only), from either source."""
+    ids = tmp_path / "ids.txt"
+    ids.write_text("5 6 7")
+    assert from_sources(None, {"UVAPLE_DEDUP": "on"}) == PluginConfig(dedup=True)
+    got = from_sources({"uvaple": {"hot_cache_gb": 0.25}}, {"UVAPLE_HOT_PROFILE": str(ids)})
+    assert got == PluginConfig(hot_cache_gb=0.25, hot_profile=str(ids))
+    assert from_sources({"uvaple": {"hot_cache_gb": 0}}, {}) == PluginConfig()
+    with pytest.raises(PluginConfigError, match="go together"):
+        from_sources(None, {"UVAPLE_HOT_PROFILE": str(ids)})
+    for placement in ("copy", "device"):
+        with pytest.raises(PluginConfigError, match=f"serves the 'uva' placement .rows in host memory., not "
+                                                     f"'{placement}'"):
+            from_sources({"uvaple": {"hot_cache_gb": 1, "hot_profile": str(ids), "placement": placement}}, {})
 
 
 def test_bad_environment_and_a_non_object_entry_are_named():
@@ -180,6 +205,74 @@ def test_a_private_shard_is_filled_checked_and_read():
     with pytest.raises(PluginLoadError, match="do not fit"):
         s.write(torch.zeros(3, 41), 0)
     s.close()
+
+
+@pytest.mark.parametrize("start", [0, 1000])
+def test_a_shard_serves_dedup_and_its_hot_set(tmp_path, start):
+    """A rank's shard (global ids ``start ..``) with dedup and a hot set ranked on a file of global token ids:
+    the shard's most frequent rows are held, ids of other shards in the profile count for nothing, and
+    lookups (decode-sized and prefill-sized, repeats, out-of-range ids) give the table's bits."""
+    from uvaple.integration import TableSpec
+    from uvaple.kernels import heuristics
+
+    g = torch.Generator().manual_seed(7)
+    profile = torch.cat([torch.full((50,), start + 3), torch.full((40,), start + 80), torch.full((30,), start + 41),
+                         torch.full((99,), start + 95),  # padding rows: past the loaded ones, never held
+                         torch.full((200,), start - 1), torch.full((200,), start + 96),  # other shards' ids
+                         start + torch.randint(0, 90, (60,), generator=g)])
+    path = tmp_path / "ids.npy"
+    np.save(path, profile.numpy())
+    # room for 3 rows of 80 B beside the map (4 B a row) and the slot lists (12 B a slot)
+    cfg = PluginConfig(shared=False, dedup=True, hot_cache_gb=(96 * 4 + 3 * (80 + 12) + 8) / 1e9,
+                       hot_profile=str(path))
+    s = shard(cfg)
+    w = rand(90, 40, torch.float32, seed=2).to(torch.bfloat16)
+    s.write(w, 0)
+    s.finish()
+    lk = s.lookup(TableSpec.of(s.table), max_rows=4096, id_start=start)
+    try:
+        assert lk.dedup and lk.hot is not None and lk.hot.capacity == 3
+        assert sorted(lk.hot.held[: lk.hot.size].tolist()) == [3, 41, 80]
+        for n in (7, 3000, 4096):
+            ids = torch.randint(0, 96, (n,), generator=g)
+            ids[:5] = torch.tensor([3, 3, 80, -1, 200])
+            got = lk.lookup(ids)
+            want = torch.where(((ids >= 0) & (ids < 96)).view(-1, 1), s.tensor[ids.clamp(0, 95)],
+                               torch.zeros((), dtype=torch.bfloat16))
+            assert torch.equal(bits(got), bits(want)), n
+        assert lk.uses_sorted(3000) == (3000 >= heuristics.dedup_min_ids(hot=True)) and not lk.uses_sorted(7)
+        assert lk.uses_sorted(heuristics.dedup_min_ids(hot=True))
+        assert lk.stats()["hot_hits"] > 0
+    finally:
+        lk.close()
+        s.close()
+
+
+def test_the_hot_set_refuses_n_gram_tables_and_names_a_bad_profile(tmp_path):
+    from uvaple.integration import TableSpec
+
+    bad = tmp_path / "ids.txt"
+    bad.write_text("1 2 three")
+    s = shard(PluginConfig(shared=False, hot_cache_gb=0.001, hot_profile=str(bad)))
+    s.write(rand(90, 40, torch.float32, seed=3), 0)
+    s.finish()
+    try:
+        with pytest.raises(PluginConfigError, match="hashed n-gram ids"):
+            s.lookup(TableSpec.of(s.table), max_rows=64, token_ids=False)
+        with pytest.raises(PluginConfigError, match="hot_profile .* is not a .npy file or a text file of integer"):
+            s.lookup(TableSpec.of(s.table), max_rows=64)
+    finally:
+        s.close()
+    tiny = tmp_path / "ok.txt"
+    tiny.write_text("1 2")
+    s = shard(PluginConfig(shared=False, hot_cache_gb=1e-7, hot_profile=str(tiny)))
+    s.write(rand(90, 40, torch.float32, seed=3), 0)
+    s.finish()
+    try:
+        with pytest.raises(PluginConfigError, match="hot_cache_gb=1e-07: .*holds no row"):
+            s.lookup(TableSpec.of(s.table), max_rows=64)
+    finally:
+        s.close()
 
 
 def test_dummy_weights_need_no_rows():

@@ -128,3 +128,40 @@ def test_not_enabled_means_vllms_layer_and_a_bad_config_is_named(checkpoints):
                        ({"uvaple": "on"}, "object of settings")]:
         with pytest.raises(PluginConfigError, match=match):
             _build(d_text, bad)
+
+
+def test_dedup_and_a_hot_set_give_vllms_bits(checkpoints, tmp_path):
+    """The token-id levers through vLLM's loader: dedup and a hot set ranked on a file of token ids. The
+    lookups read the most frequent rows from the set and give vLLM's bits, decode- and prefill-sized."""
+    import numpy as np
+
+    from uvaple.kernels import heuristics
+
+    assert register()
+    d_text, _, _ = checkpoints
+    profile = tmp_path / "ids.npy"
+    np.save(profile, np.array([7] * 30 + [300] * 20 + [11] * 10 + [VOCAB - 1] * 50 + list(range(40))))
+    ref, _ = _build(d_text, {})
+    ours, _ = _build(d_text, {"uvaple": {"shared": False, "dedup": True, "hot_cache_gb": 0.001,
+                                         "hot_profile": str(profile)}})
+    lk = ours.model.self_decoder.embed_tokens_per_layer.quant_method.lookup
+    assert lk.dedup and lk.hot is not None
+    held = set(lk.hot.held[: lk.hot.size].tolist())
+    assert {7, 300, 11} <= held and held <= set(range(PLE_VOCAB))  # ids past the PLE vocabulary hold nothing
+    g = torch.Generator().manual_seed(3)
+    for ids in (IDS, torch.randint(-5, VOCAB + 5, (MAX_TOKENS,), generator=g), torch.tensor([7, 7, 300, 11] * 16)):
+        want = ref.model.get_per_layer_input_embeddings(ids)
+        got = ours.model.get_per_layer_input_embeddings(ids)
+        assert torch.equal(bits(got), bits(want))
+    assert lk.stats()["hot_hits"] > 0
+    assert MAX_TOKENS < heuristics.dedup_min_ids(hot=True)  # these calls are direct; the sorted ones: tests/
+
+
+def test_the_hot_set_is_refused_outside_the_uva_placement(checkpoints, tmp_path):
+    from uvaple.integration.vllm import PluginConfigError
+
+    d_text, _, _ = checkpoints
+    profile = tmp_path / "ids.txt"
+    profile.write_text("1 2 3")
+    with pytest.raises(PluginConfigError, match="serves the 'uva' placement"):
+        _build(d_text, {"uvaple": {"placement": "device", "hot_cache_gb": 1, "hot_profile": str(profile)}})

@@ -29,6 +29,16 @@ key                     environment                    meaning
                                                        Needs ``prometheus_client`` (vLLM brings it) and, for
                                                        engine processes, ``PROMETHEUS_MULTIPROC_DIR``; see
                                                        :func:`uvaple.integration.vllm.tables.export_metrics`.
+``dedup``               ``UVAPLE_DEDUP``               ``false`` (default); ``true``: a prefill-sized call reads
+                                                       each distinct id once (sorted, de-duplicated: the same
+                                                       bits; ``heuristics.dedup_min_ids``). For token-id tables
+                                                       (Gemma 3n); hashed n-gram ids hardly repeat.
+``hot_cache_gb``        ``UVAPLE_HOT_CACHE_GB``        0 (default): no hot set; else 10^9 bytes of HBM per rank
+                                                       for the rank's most frequent rows, ranked on
+                                                       ``hot_profile`` (needed with it). The ``uva`` placement.
+``hot_profile``         ``UVAPLE_HOT_PROFILE``         A ``.npy`` file or a text file of token ids (a tokenised
+                                                       text like the served one): each rank counts the ids of
+                                                       its vocabulary shard and holds the most frequent rows.
 ======================  =============================  ============================================================
 """
 
@@ -54,7 +64,8 @@ log = logging.getLogger("uvaple.vllm")
 #: setting -> its environment variable
 ENV_VARS = {"placement": "UVAPLE_PLACEMENT", "fallback": "UVAPLE_FALLBACK", "shared": "UVAPLE_SHARED",
             "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S", "segment_dir": "UVAPLE_SEGMENT_DIR",
-            "metrics_interval_s": "UVAPLE_METRICS_INTERVAL_S"}
+            "metrics_interval_s": "UVAPLE_METRICS_INTERVAL_S", "dedup": "UVAPLE_DEDUP",
+            "hot_cache_gb": "UVAPLE_HOT_CACHE_GB", "hot_profile": "UVAPLE_HOT_PROFILE"}
 
 
 class PluginConfigError(BackendError, ValueError):
@@ -72,6 +83,9 @@ class PluginConfig:
     timeout_s: float = 600.0
     segment_dir: str | None = None
     metrics_interval_s: float = 5.0
+    dedup: bool = False
+    hot_cache_gb: float = 0.0
+    hot_profile: str | None = None
 
 
 def _bool(value, where: str) -> bool:
@@ -98,8 +112,20 @@ def _check(key: str, value, where: str):
         if not isinstance(value, str) or value.strip().lower() not in allowed:
             raise PluginConfigError(f"{where}: expected one of {list(allowed)}, got {value!r}")
         return value.strip().lower()
-    if key == "shared":
+    if key in ("shared", "dedup"):
         return _bool(value, where)
+    if key == "hot_cache_gb":
+        gb = _seconds(value)
+        if not (gb >= 0 and math.isfinite(gb)):
+            raise PluginConfigError(f"{where}: expected 0 (no hot set) or a positive number of gigabytes (10^9 "
+                                    f"bytes of HBM per rank), got {value!r}")
+        return gb
+    if key == "hot_profile":
+        if value is None:
+            return None
+        if not isinstance(value, str) or not os.path.isfile(value) or not os.access(value, os.R_OK):
+            raise PluginConfigError(f"{where}: expected a readable .npy or text file of token ids, got {value!r}")
+        return value
     if key == "segment":
         if value is None:
             return None
@@ -163,4 +189,11 @@ def from_sources(additional: Mapping | None, environ: Mapping[str, str] | None =
     cfg = PluginConfig(**values)
     if cfg.placement == "copy" and cfg.fallback == "copy":
         cfg = PluginConfig(**dict(values, fallback="none"))
+    if (cfg.hot_cache_gb > 0) != (cfg.hot_profile is not None):
+        raise PluginConfigError("hot_cache_gb and hot_profile go together: the hot set's size in HBM, and the "
+                                "token ids that rank its rows (vLLM gives the plugin no point to re-rank it "
+                                "from served ids)")
+    if cfg.hot_cache_gb > 0 and cfg.placement != "uva":
+        raise PluginConfigError(f"hot_cache_gb: a hot set serves the 'uva' placement (rows in host memory), not "
+                                f"{cfg.placement!r}")
     return cfg

@@ -84,7 +84,8 @@ class UvapleEmbeddingMethod(QuantizeMethodBase):
         if self.lookup is not None:
             return
         self.shard.finish()
-        self.lookup = self.shard.lookup(TableSpec.of(self.shard.table), max_rows=self.ctx.max_tokens)
+        self.lookup = self.shard.lookup(TableSpec.of(self.shard.table), max_rows=self.ctx.max_tokens,
+                                        id_start=layer.shard_indices.org_vocab_start_index)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.uvaple_finish_loading(layer)

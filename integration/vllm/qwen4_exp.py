@@ -118,7 +118,7 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
                 raise PluginConfigError(f"{self.prefix}: the fp8 scale is a {scale.dtype} on {scale.device}; the "
                                         f"lookup runs on {shard.device} and reads a float32 scale there")
         self._uvaple_dequant = dequant
-        self._uvaple_lookup = shard.lookup(spec, dequant_scale=scale, max_rows=self._uvaple_max_rows)
+        self._uvaple_lookup = shard.lookup(spec, dequant_scale=scale, max_rows=self._uvaple_max_rows, token_ids=False)
 
     # ------------------------------------------------------------------ lookup
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:

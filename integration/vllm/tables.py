@@ -56,7 +56,7 @@ from uvaple.integration.errors import BackendError
 from uvaple.uva import HostTable
 from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
 
-from .config import PluginConfig
+from .config import PluginConfig, PluginConfigError
 
 __all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name", "export_metrics"]
 
@@ -255,18 +255,48 @@ class ShardTable:
     def finished(self) -> bool:
         return self._finished
 
-    def lookup(self, spec, *, dequant_scale: torch.Tensor | None = None, max_rows: int | None = None):
-        """The lookup of this shard in the configured placement (``copy`` needs ``max_rows``)."""
+    def lookup(self, spec, *, dequant_scale: torch.Tensor | None = None, max_rows: int | None = None,
+               id_start: int = 0, token_ids: bool = True):
+        """The lookup of this shard in the configured placement (``copy`` needs ``max_rows``), with the
+        configured ``dedup`` and hot set (``hot_cache_gb``/``hot_profile``: the profile's ids from ``id_start``,
+        the global id of the shard's row 0, count for this shard). ``token_ids``: the table is read by token
+        ids (a hot set ranked on a tokenised text means nothing for hashed n-gram ids: refused)."""
         from uvaple.integration import CopyBackend, GatherLookup
 
+        if self.cfg.hot_cache_gb and not token_ids:
+            raise PluginConfigError(f"hot_cache_gb: {self.layer} is read by hashed n-gram ids, which a profile of "
+                                    "token ids cannot rank; the hot set serves token-id tables (Gemma 3n)")
         if self.placement == "copy":
+            if self.cfg.dedup or self.cfg.hot_cache_gb:
+                log.warning("uvaple: %s is served through the copy placement: dedup and the hot set are not used",
+                            self.layer)
             lk = CopyBackend(self.table, spec=spec, device=self.device, max_rows=max_rows)
         else:
-            # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order
+            # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order,
+            # and with dedup prefill-sized calls of any rows read each distinct id once
+            hot = self._hot_set(id_start) if self.cfg.hot_cache_gb and self.placement == "uva" else None
             lk = GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale,
-                              max_rows=max_rows)
+                              max_rows=max_rows, dedup=self.cfg.dedup and max_rows is not None, hot=hot)
         export_metrics(f"{self.layer}[{self.rank}/{self.size}]", lk, self.cfg.metrics_interval_s)
         return lk
+
+    def _hot_set(self, id_start: int):
+        """The shard's hot set: ``hot_cache_gb`` of HBM holding its rows most frequent in ``hot_profile``."""
+        from uvaple.integration import HotSet, counts_of_ids, rank_rows
+
+        try:
+            capacity = HotSet.capacity_for(self.table, cache_gb=self.cfg.hot_cache_gb)
+        except ValueError as e:
+            raise PluginConfigError(f"hot_cache_gb={self.cfg.hot_cache_gb}: {e}") from None
+        try:
+            counts = counts_of_ids(self.cfg.hot_profile, self.loaded_rows, start=id_start)
+        except (OSError, ValueError) as e:
+            raise PluginConfigError(f"hot_profile {self.cfg.hot_profile!r} is not a .npy file or a text file of "
+                                    f"integer token ids: {e}") from None
+        rows = rank_rows(counts, capacity)
+        log.info("uvaple: %s holds %d of its %d rows in HBM (%d slots, hot_cache_gb=%s)", self.layer, rows.numel(),
+                 self.table.rows, capacity, self.cfg.hot_cache_gb)
+        return HotSet(self.table, capacity, self.device, rows=rows)
 
     def close(self) -> None:
         self.table.close()
