@@ -14,15 +14,15 @@ Three paths, one result (the numba kernel is the definition):
   rows) and where torch runs on fewer threads (a process that set ``OMP_NUM_THREADS=1``, as vLLM does
   in its worker processes).
 
-Ids on the torch path. When the table has no id offset and every id is a row (a vectorised min and max
-over the ids say so), ``index_select`` takes the ids as they are. Otherwise, as ``index_select`` refuses
-out-of-range ids, a serial numba pass first writes
-each id's row into the caller's int64 buffer (``row_ids``: the slot's, so nothing is allocated), row 0
-for an out-of-range id, and counts those. Under ``oob="row0"`` that is the whole answer: ``index_select``
-copies row 0 for them. Under zero rows a call with any out-of-range id is gathered by the numba kernel
-instead; nothing was written to ``out`` yet. That pass is serial: on the H200 host it cost a third of the
-copy of 160-B rows (``perf/results/h200_2026-12-01/tune_copy_torch_path.log``: the backend's gather
-1.36-1.49x a bare ``index_select``), hence the direct case first. The torch path never writes ``out``
+Ids on the torch path. When the table has no id offset and every id is a row (one ``torch.aminmax`` over the
+ids, on torch's threads, says so), ``index_select`` takes the ids as they are. Otherwise, as ``index_select``
+refuses out-of-range ids, a serial numba pass first writes each id's row into the caller's int64 buffer
+(``row_ids``: the slot's, so nothing is allocated), row 0 for an out-of-range id, and counts those. Under
+``oob="row0"`` that is the whole answer: ``index_select`` copies row 0 for them. Under zero rows a call with
+any out-of-range id is gathered by the numba kernel instead; nothing was written to ``out`` yet. That pass is
+serial: on the H200 host it cost a third of the copy of 160-B rows
+(``perf/results/h200_2026-12-01/tune_copy_torch_path.log``: the backend's gather 1.36-1.49x a bare
+``index_select``), hence the direct case first. The torch path never writes ``out``
 twice: zeroing rows after ``index_select`` would
 need their positions (a compaction pass that does not vectorise) or a masked pass over all of ``out``,
 and a call with many out-of-range ids (a shard's) is mostly zero rows, which numba writes in the same
@@ -172,11 +172,14 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
     with _GATHER_LOCK:
         if path == "torch" and row_ids is not None:
             src = torch.from_numpy(table[:, byte_start:byte_start + nbytes])  # numpy slices faster
-            if base == 0 and n and ids.min() >= 0 and ids.max() < table.shape[0]:
-                # every id is a row already: index_select takes them as they are (two vectorised
-                # reductions instead of the serial pass, which cost a third of the copy on the H200 host)
-                torch.index_select(src, 0, torch.from_numpy(ids), out=torch.from_numpy(out))
-                return 0
+            ids_t = torch.from_numpy(ids)
+            if base == 0 and n:
+                # every id a row already: index_select takes them as they are. One reduction on torch's
+                # threads (numpy's min and max are two single-threaded passes) instead of the serial pass
+                lo, hi = torch.aminmax(ids_t)
+                if lo >= 0 and hi < table.shape[0]:
+                    torch.index_select(src, 0, ids_t, out=torch.from_numpy(out))
+                    return 0
             idx = row_ids[:n]
             bad = int(_rows_kernel()(ids, table.shape[0], base, idx))
             if not bad or oob_row0:
