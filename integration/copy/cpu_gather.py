@@ -176,7 +176,7 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
             if base == 0 and n:
                 # every id a row already: index_select takes them as they are. One reduction on torch's
                 # threads instead of the serial pass, and instead of numpy's min and max (two single-threaded
-                # passes: the torch path was 1.14-1.27x a bare index_select at 105k-419k 160-B rows with them,
+                # passes: the torch path was 1.11-1.27x a bare index_select at 105k-419k 160-B rows with them,
                 # 0.97-1.06x with this, perf/results/h200_2026-12-02/run11_tune_copy_aminmax)
                 lo, hi = torch.aminmax(ids_t)
                 if lo >= 0 and hi < table.shape[0]:
