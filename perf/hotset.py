@@ -103,11 +103,11 @@ def _load_ids(path: str) -> np.ndarray:
         return np.array(f.read().split(), dtype=np.int64)
 
 
-def fp8_tiled(lk: GatherLookup, out: torch.Tensor, tile: int, warps: int, cfg: LaunchConfig | None = None):
-    """``ids -> rows`` of the direct lookup ``lk`` launched with another tile (elements per program: bytes of
-    codes for fp8 rows) and warp count than the shipped heuristic's, or with ``cfg``: the fp8 rows' tile sweep
+def launched_with(lk: GatherLookup, out: torch.Tensor, cfg: LaunchConfig):
+    """``ids -> rows`` of the direct lookup ``lk`` launched with ``cfg`` instead of the shipped heuristic's
+    settings (the tile in elements per program: bytes of codes for fp8 rows): the fp8 rows' tile sweep
     (``FP8_TILES``) and the launch-order variants (``ROW_TILE_VARIANTS``)."""
-    spec, cfg = lk.spec, cfg or LaunchConfig(tile, warps)
+    spec = lk.spec
 
     def gather(ids: torch.Tensor) -> torch.Tensor:
         o = out[: ids.numel()]
@@ -231,8 +231,8 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
             for name in ("all", "all_online", "all_auto", "hot_fp8"):
                 exact[name + "_vs_fp8"] = _exact_into(out, ids, lookups[name].lookup, f_want)
-            tiles = {f"fp8_t{t}_w{w}": fp8_tiled(lookups["fp8"], out, t, w) for t, w in FP8_TILES}
-            tiles.update({name: fp8_tiled(lookups[base], out, 0, 0, cfg) for name, (base, cfg) in
+            tiles = {f"fp8_t{t}_w{w}": launched_with(lookups["fp8"], out, LaunchConfig(t, w)) for t, w in FP8_TILES}
+            tiles.update({name: launched_with(lookups[base], out, cfg) for name, (base, cfg) in
                           ROW_TILE_VARIANTS.items()})
             for name, fn in tiles.items():
                 ref = want if ROW_TILE_VARIANTS.get(name, ("fp8",))[0] == "uncached" else f_want

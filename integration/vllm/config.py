@@ -98,7 +98,7 @@ def _bool(value, where: str) -> bool:
     raise PluginConfigError(f"{where}: expected true or false, got {value!r}")
 
 
-def _seconds(value) -> float:
+def _number(value) -> float:
     """``value`` as a float (a number or its string), NaN for anything else (a bool too)."""
     try:
         return float(value) if not isinstance(value, bool) else math.nan
@@ -115,7 +115,7 @@ def _check(key: str, value, where: str):
     if key in ("shared", "dedup"):
         return _bool(value, where)
     if key == "hot_cache_gb":
-        gb = _seconds(value)
+        gb = _number(value)
         if not (gb >= 0 and math.isfinite(gb)):
             raise PluginConfigError(f"{where}: expected 0 (no hot set) or a positive number of gigabytes (10^9 "
                                     f"bytes of HBM per rank), got {value!r}")
@@ -145,12 +145,12 @@ def _check(key: str, value, where: str):
         except SharedSegmentError as e:
             raise PluginConfigError(f"{where}: {e}") from None
     if key == "timeout_s":
-        t = _seconds(value)
+        t = _number(value)
         if not (t > 0 and math.isfinite(t)):
             raise PluginConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
         return t
     if key == "metrics_interval_s":
-        t = _seconds(value)
+        t = _number(value)
         if not (t == 0 or 0.5 <= t < 1e6):
             raise PluginConfigError(f"{where}: expected 0 (no metrics export) or at least 0.5 seconds, got "
                                     f"{value!r}")
