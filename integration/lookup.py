@@ -392,22 +392,33 @@ class GatherLookup(Lookup):
                 if m:
                     lo, hi = spec.window
                     row0 = spec.oob == "row0"
-                    bad = split_rows(flat_ids[k:].numpy(), spec.id_offset, lo, hi, row0, sp.rows_idx[:m].numpy(),
-                                     sp.ids_host[k:n].numpy())
+                    cpu_ids, off = flat_ids[k:], spec.id_offset
+                    # Every id a row of the window (one aminmax on torch's threads, which also wakes them for
+                    # the gather): the ids are the rows to stage (less the offset), and staged row j is
+                    # staged id j (a device arange, nothing to copy up). Otherwise one serial pass maps them.
+                    id_lo, id_hi = (int(v) for v in torch.aminmax(cpu_ids))
+                    if id_lo - off >= lo and id_hi - off < hi:
+                        bad = 0
+                        rows = cpu_ids if off == 0 else sp.rows_idx[:m].copy_(cpu_ids).sub_(off)
+                        staged_ids = sp.arange_dev[:m]
+                    else:
+                        bad = split_rows(cpu_ids.numpy(), off, lo, hi, row0, sp.rows_idx[:m].numpy(),
+                                         sp.ids_host[k:n].numpy())
+                        rows, staged_ids = sp.rows_idx[:m], sp.ids_dev[k:n]
+                        with torch.cuda.stream(sp.copy_stream):
+                            staged_ids.copy_(sp.ids_host[k:n], non_blocking=True)
                     # The staged rows go up on this lookup's copy stream, chunk by chunk as they are gathered,
                     # beside the GPU share's reads still running on the caller's stream; the caller's stream
                     # waits for them before the kernel that applies the policy. The staging is this lookup's
                     # alone and free (the wait above).
-                    with torch.cuda.stream(sp.copy_stream):
-                        sp.ids_dev[k:n].copy_(sp.ids_host[k:n], non_blocking=True)
-                    gather_up(self.table.tensor.view(torch.uint8), sp.rows_idx[:m], sp.rows_host, sp.rows_dev,
+                    gather_up(self.table.tensor.view(torch.uint8), rows, sp.rows_host, sp.rows_dev,
                               sp.copy_stream, self.table.row_bytes,
                               heuristics.split_chunk_rows(n) if chunk_rows is None else chunk_rows,
                               path=heuristics.SPLIT_CPU_PATH)
                     sp.staged.record(sp.copy_stream)
                     stream.wait_event(sp.staged)
                     staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
-                    torch.ops.uvaple.gather_rows(staged, sp.ids_dev[k:n], flat_out[k:], self._counters, self._dq_scale,
+                    torch.ops.uvaple.gather_rows(staged, staged_ids, flat_out[k:], self._counters, self._dq_scale,
                                                  spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
                     if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
                         if k:
@@ -474,6 +485,7 @@ class _SplitState:
         self.ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
         self.rows_dev = torch.empty(max_rows, stride, dtype=torch.uint8, device=device)
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
+        self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
         with torch.cuda.device(device):
             self.free = torch.cuda.Event()

@@ -320,8 +320,8 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SPLIT_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.65)
-SPLIT_CHUNKS = (0, 4096, 8192, 16384, 32768)  # rows per copy up (0: the whole share at once)
+SPLIT_SHARES = (0.2, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6)
+SPLIT_CHUNKS = (0, 8192, 16384, 32768, 65536)  # rows per copy up (0: the whole share at once)
 SPLIT_N = (16384, 65536, 262144, 1048576)
 
 

@@ -1,14 +1,12 @@
-"""Where a split lookup's time goes: each stage of ``lookup_split`` timed alone, then the whole call.
+"""Where a split lookup's time goes: the host-side stages of ``lookup_split`` on a timeline, call by call.
 
-``python -m uvaple.perf.split_profile [--table-gib 24] [--rows 256,65536,1048576] [--threads 4,8,16]``
+``python -m uvaple.perf.split_profile [--table-gib 24] [--rows 65536,1048576] [--share S]``
 
-The n-gram shape (160-B fp8 rows, random ids). Per n, to completion (a stream synchronisation after each
-call), median µs of:
-
-* ``gpu``: the GPU share alone (``lookup`` on device ids: direct or sorted as ``order='auto'`` picks);
-* ``cpu_gather``: ``torch.index_select`` of the CPU share into pinned staging, by intra-op thread count;
-* ``h2d``: the staged rows' host-to-device copy;
-* ``whole``: ``lookup_split`` at the given GPU share, and a ``torch.profiler`` table of its host time.
+The n-gram shape (160-B fp8 rows, random ids, a fresh id set each call: no cached rates). The stages
+``lookup_split`` calls (the GPU share's launch, the CPU share's id pass and its gather and copies up) are
+wrapped with timestamps; per ``n``, the median µs of each stage and of the gaps between them, the call's
+host time, and the wait for the stream after it, against the GPU share alone and the CPU share's
+gather alone (``perf/host_rates.py`` has the rates of each reader by threads).
 """
 
 from __future__ import annotations
@@ -20,7 +18,9 @@ import time
 
 import torch
 
+import uvaple.integration.lookup as lookup_mod
 from uvaple.integration import GatherLookup, TableSpec
+from uvaple.kernels import heuristics
 
 from .vllm_shapes import random_table
 
@@ -28,63 +28,67 @@ ROW_BYTES = 160
 GIB = 1 << 30
 
 
-def _median_us(fn, reps: int) -> float:
-    ts = []
-    for r in range(reps + 2):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.current_stream().synchronize()
-        if r >= 2:
-            ts.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(ts)
+def _wrap(marks: list, name: str, fn):
+    def timed(*args, **kwargs):
+        marks.append((name + ">", time.perf_counter()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            marks.append((name + "<", time.perf_counter()))
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m uvaple.perf.split_profile", description=__doc__.splitlines()[0])
     p.add_argument("--table-gib", type=float, default=24.0)
-    p.add_argument("--rows", default="256,4096,65536,1048576")
-    p.add_argument("--threads", default="4,8,12,16")
-    p.add_argument("--share", type=float, default=0.35)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rows", default="16384,65536,262144,1048576")
+    p.add_argument("--share", type=float, default=None, help="the GPU's share (default: heuristics.SPLIT_PLAN)")
+    p.add_argument("--reps", type=int, default=15)
     a = p.parse_args(argv)
-    dev = torch.device("cuda")
+    if not torch.cuda.is_available():
+        print("split_profile needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device())
     ns = [int(x) for x in a.rows.split(",")]
     table = random_table(int(a.table_gib * GIB) // ROW_BYTES, ROW_BYTES, torch.float8_e4m3fn, seed=7)
     scale = torch.tensor([0.37], device=dev)
     spec = TableSpec.of(table, encoding="fp8_global", out_dtype=torch.bfloat16)
     lk = GatherLookup(table, spec, dev, dequant_scale=scale, count=False, max_rows=max(ns), split=True)
     out = torch.empty(max(ns), ROW_BYTES, dtype=torch.bfloat16, device=dev)
-    staging = torch.empty(max(ns), ROW_BYTES, dtype=torch.uint8, pin_memory=True)
-    dev_rows = torch.empty(max(ns), ROW_BYTES, dtype=torch.uint8, device=dev)
-    src = table.tensor.view(torch.uint8)
-    threads0 = torch.get_num_threads()
-    print(f"torch intra-op threads {threads0}; table {table.nbytes / GIB:.1f} GiB; GPU share {a.share}", flush=True)
-    for n in ns:
-        ids = torch.randint(0, table.rows, (n,), generator=torch.Generator().manual_seed(n))
-        k = round(n * a.share)
-        dev_ids = ids[:k].to(dev)
-        line = {"n": n, "gpu_share_rows": k}
-        line["gpu_us"] = _median_us(lambda d=dev_ids, k=k: lk.lookup(d, out[:k]), a.reps) if k else 0.0
-        for t in (int(x) for x in a.threads.split(",")):
-            torch.set_num_threads(t)
-            line[f"cpu_gather_{t}t_us"] = _median_us(
-                lambda i=ids[k:], m=n - k: torch.index_select(src, 0, i, out=staging[:m]), a.reps)
-        torch.set_num_threads(threads0)
-        line["h2d_us"] = _median_us(lambda m=n - k: dev_rows[:m].copy_(staging[:m], non_blocking=True), a.reps)
-        line["whole_us"] = _median_us(lambda i=ids, n=n: lk.lookup_split(i, out[:n], gpu_share=a.share), a.reps)
-        line["whole_cpu_only_us"] = _median_us(lambda i=ids, n=n: lk.lookup_split(i, out[:n], gpu_share=0.0),
-                                               a.reps)
-        print(" ".join(f"{key} {v:.1f}" if isinstance(v, float) else f"{key} {v}" for key, v in line.items()),
-              flush=True)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                lk.lookup_split(ids, out[:n], gpu_share=a.share)
-                torch.cuda.current_stream().synchronize()
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14), flush=True)
-    lk.close()
-    table.close()
+    marks: list = []
+    saved = {name: getattr(lookup_mod, name) for name in ("split_rows", "gather_up")}
+    for name, fn in saved.items():
+        setattr(lookup_mod, name, _wrap(marks, name, fn))
+    lk.lookup = _wrap(marks, "gpu_launch", lk.lookup)
+    print(f"torch intra-op threads {torch.get_num_threads()}; table {table.nbytes / GIB:.1f} GiB", flush=True)
+    try:
+        for n in ns:
+            share = heuristics.split_gpu_share(n, ROW_BYTES, table.nbytes) if a.share is None else a.share
+            g = torch.Generator().manual_seed(n)
+            sets = [torch.randint(0, table.rows, (n,), generator=g) for _ in range(max(3, (512 << 20) // (n * 160)))]
+            spans: dict[str, list[float]] = {}
+            for r in range(a.reps + 2):
+                marks.clear()
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                lk.lookup_split(sets[r % len(sets)], out[:n], gpu_share=share)
+                t1 = time.perf_counter()
+                torch.cuda.current_stream(dev).synchronize()
+                t2 = time.perf_counter()
+                if r < 2:
+                    continue
+                seq = [("call>", t0)] + marks + [("call<", t1), ("synced", t2)]
+                for (na, ta), (nb, tb) in zip(seq, seq[1:], strict=False):
+                    spans.setdefault(f"{na}..{nb}", []).append((tb - ta) * 1e6)
+                spans.setdefault("host call", []).append((t1 - t0) * 1e6)
+                spans.setdefault("whole", []).append((t2 - t0) * 1e6)
+            print(f"n {n:8d} gpu share {share:.2f}: " +
+                  " | ".join(f"{k} {statistics.median(v):.0f}us" for k, v in spans.items()), flush=True)
+    finally:
+        for name, fn in saved.items():
+            setattr(lookup_mod, name, fn)
+        lk.close()
+        table.close()
     return 0
 
 

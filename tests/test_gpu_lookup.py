@@ -187,6 +187,38 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
                 lk.lookup_split(ids, out)
 
 
+@pytest.mark.parametrize("offset,window", [(0, None), (100, (5, -7))])
+def test_split_lookup_in_range_ids(fp8_table, offset, window):
+    """Every id of the CPU's share inside the window: the ids are staged as they are (less the offset, no
+    serial pass, staged ids a device arange). Same bits as lookup, int32 and int64, the window's edges
+    included, call after call over the same staging; one id outside falls back to the serial pass."""
+    from uvaple.integration import GatherLookup, TableSpec
+
+    h = fp8_table
+    scale = torch.tensor([0.75], device=DEV)
+    lo, hi = (0, h.rows) if window is None else (window[0], h.rows + window[1])
+    spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16, oob="row0", id_offset=offset,
+                        row_window=None if window is None else (lo, hi))
+    n = 20_000
+    g = torch.Generator().manual_seed(offset + 3)
+    with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
+        outs = []
+        for share, id_dtype, edge_out in ((0.0, torch.int64, False), (0.4, torch.int32, False),
+                                          (0.25, torch.int64, True), (0.0, torch.int32, True)):
+            ids = torch.randint(lo + offset, hi + offset, (n,), generator=g)
+            ids[-1], ids[-2] = lo + offset, hi - 1 + offset  # both edges, in the CPU's share
+            if edge_out:
+                ids[-3] = hi + offset  # one past the window: the serial pass
+            ids = ids.to(id_dtype)
+            out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
+            lk.lookup_split(ids, out, gpu_share=share)
+            outs.append((ids, out))
+        st = lk.stats()
+        for ids, out in outs:
+            assert torch.equal(bits(out), bits(lk.lookup(ids.to(DEV))))
+        assert st["out_of_range_ids"] == 2 and st["rows"] == 4 * n and st["lookups"] == 4
+
+
 def test_hot_set_lookups_counting_and_refresh_never_synchronise():
     """The hot path of a counting hot set, and its refresh, under torch's sync debug mode set to error: no
     host synchronisation anywhere (the served ids are counted and ranked on the device)."""

@@ -247,7 +247,7 @@ def warm_split() -> None:
 
 def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_rows: int, *,
               path: str = "torch") -> None:
-    """Rows ``rows`` (int64, CPU, every one inside the table) of ``table_bytes`` (a uint8 ``[rows, stride]``
+    """Rows ``rows`` (int32 or int64, CPU, every one inside the table) of ``table_bytes`` (a uint8 ``[rows, stride]``
     CPU tensor) gathered into pinned ``host`` and copied to ``dev`` on ``copy_stream``,
     ``chunk_rows`` rows at a time: the copy of one chunk runs while the next is gathered. ``path``:
     ``"parallel"`` (this module's numba gather: 8-byte words on every numba thread) or ``"torch"``
