@@ -382,6 +382,7 @@ class GatherLookup(Lookup):
         with sp.lock:
             sp.free.synchronize()  # the previous call's copies out of the staging are done
             stream = torch.cuda.current_stream(self.device)
+            waited = False  # whether the caller's stream already waits for every copy queued out of the staging
             try:
                 if k:  # the GPU's share first: it runs while this thread gathers the rest
                     sp.ids_host[:k].copy_(flat_ids[:k])
@@ -417,6 +418,7 @@ class GatherLookup(Lookup):
                               path=heuristics.SPLIT_CPU_PATH)
                     sp.staged.record(sp.copy_stream)
                     stream.wait_event(sp.staged)
+                    waited = True
                     staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
                     torch.ops.uvaple.gather_rows(staged, staged_ids, flat_out[k:], self._counters, self._dq_scale,
                                                  spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
@@ -426,7 +428,8 @@ class GatherLookup(Lookup):
                         if row0 and bad:
                             self._counters[2].add_(bad)
             finally:  # also after a failure: the staging is free only once every copy queued out of it is done
-                stream.wait_stream(sp.copy_stream)
+                if not waited:
+                    stream.wait_stream(sp.copy_stream)
                 sp.free.record(stream)
         return out
 

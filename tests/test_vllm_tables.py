@@ -96,6 +96,18 @@ def test_unknown_environment_variables_warn_and_enable_nothing(caplog):
     assert "UVAPLE_PLACMENT" in caplog.text
 
 
+def test_the_test_suites_variables_are_neither_settings_nor_warned_about(caplog):
+    """The test suite's knobs (set while a server may start in the same environment) pass in silence."""
+    knobs = {"UVAPLE_EQUIV_SCHEDULES": "10", "UVAPLE_EQUIV_FIRST_SEED": "3", "UVAPLE_EQUIV_DEADLINE_S": "60",
+             "UVAPLE_EQUIV_SUMMARY": "/tmp/s.json", "UVAPLE_FUZZ_EXAMPLES": "30"}
+    with caplog.at_level(logging.WARNING, logger="uvaple.vllm"):
+        assert from_sources(None, knobs) is None
+    assert "unknown" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="uvaple.vllm"):
+        assert from_sources(None, {**knobs, "UVAPLE_EQUIV_SCHEDULE": "1"}) is None
+    assert "UVAPLE_EQUIV_SCHEDULE'" in caplog.text  # a near miss still warns
+
+
 @pytest.mark.parametrize("entry,match", [
     ({"placment": "uva"}, "unknown key"),
     ({"placement": "gpu"}, "placement: expected one of"),

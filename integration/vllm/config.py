@@ -58,7 +58,9 @@ __all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources"]
 PLACEMENTS = ("uva", "copy", "device")
 FALLBACKS = ("none", "copy")
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
-_OTHER_VARS = ("UVAPLE_EQUIV_SCHEDULES",)  # the test suite's
+# the test suite's knobs (tests/test_equivalence.py, tests/test_fuzz.py): read there, never by the plugin
+_OTHER_VARS = ("UVAPLE_EQUIV_SCHEDULES", "UVAPLE_EQUIV_FIRST_SEED", "UVAPLE_EQUIV_DEADLINE_S", "UVAPLE_EQUIV_SUMMARY",
+               "UVAPLE_FUZZ_EXAMPLES")
 log = logging.getLogger("uvaple.vllm")
 
 #: setting -> its environment variable
