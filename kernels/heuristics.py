@@ -150,16 +150,17 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 
 
 # lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
-# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call; from the split
-# sweep of shares 0.2-0.6 x chunks (whole, 8,192-65,536 rows) in perf/results/h200_2026-12-02/
-# run15_tests_ngram_split_sweep/ngram/ngram.log (160-B rows, 24 GiB table, 16 host threads, random ids,
-# torch's index_select as the CPU gather, the ids staged as they are when all are in range): 65,536 ids
-# 0.4 unchunked (1,144 us; 0.45: 1,180), 262,144 0.35 in chunks of 65,536 (2,703 us), 1M 0.45 in chunks of
-# 65,536 (8,237 us; 0.5 unchunked 8,064). At 16,384 ids every share was slower than the GPU alone (514-
-# 2,268 us against 375; perf/results/h200_2026-12-01 had 0.5 at 339 against 391): below the first entry
-# the GPU takes every row, the host work of a split (launches, checks, events, copies: 600-850 us a call
-# outside the CPU's gather on that host, split_profile.log beside it) costing more than it saves.
-SPLIT_PLAN = ((65536, 0.4, 0), (262144, 0.35, 65536), (1 << 20, 0.45, 65536))
+# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call: the median over
+# three split sweeps (shares 0.2-0.6 x chunks of 8,192-65,536 rows or whole; perf/results/h200_2026-12-02/
+# run15_*, run16_*, run17_*/ngram/ngram.log: 160-B rows, 24 GiB table, 16 host threads, random ids,
+# torch's index_select as the CPU gather, the ids staged as they are when all are in range). 65,536 ids:
+# 0.3 in chunks of 16,384 (954 us; 0.35 the same chunks 987, 0.4 unchunked 1,144-1,276), 262,144: 0.35 in
+# chunks of 65,536 (2,703 us), 1M: 0.4 in chunks of 65,536 (7,768 us; 0.45: 7,823). At 16,384 ids every
+# share was slower than the GPU alone (514-2,268 us against 375 in run 15; perf/results/h200_2026-12-01 had
+# 0.5 at 339 against 391): below the first entry the GPU takes every row, the host work of a split
+# (launches, checks, events, copies: 400-850 us a call outside the CPU's gather on that host,
+# ngram/split_profile.log in those runs) costing more than it saves.
+SPLIT_PLAN = ((65536, 0.3, 16384), (262144, 0.35, 65536), (1 << 20, 0.4, 65536))
 SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
 # The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
 # word gather ("parallel", integration/copy/cpu_gather.py) is the alternative the split sweep times too.
