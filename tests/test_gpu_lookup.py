@@ -188,11 +188,17 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
 
 
 @pytest.mark.parametrize("offset,window", [(0, None), (100, (5, -7))])
-def test_split_lookup_in_range_ids(fp8_table, offset, window):
+def test_split_lookup_in_range_ids(fp8_table, offset, window, monkeypatch):
     """Every id of the CPU's share inside the window: the ids are staged as they are (less the offset, no
     serial pass, staged ids a device arange). Same bits as lookup, int32 and int64, the window's edges
-    included, call after call over the same staging; one id outside falls back to the serial pass."""
+    included, call after call over the same staging; one id outside falls back to the serial pass (and
+    only then is that pass run)."""
+    import uvaple.integration.lookup as lookup_mod
     from uvaple.integration import GatherLookup, TableSpec
+
+    passes = []
+    serial = lookup_mod.split_rows
+    monkeypatch.setattr(lookup_mod, "split_rows", lambda *a: passes.append(1) or serial(*a))
 
     h = fp8_table
     scale = torch.tensor([0.75], device=DEV)
@@ -211,7 +217,9 @@ def test_split_lookup_in_range_ids(fp8_table, offset, window):
                 ids[-3] = hi + offset  # one past the window: the serial pass
             ids = ids.to(id_dtype)
             out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
+            before = len(passes)
             lk.lookup_split(ids, out, gpu_share=share)
+            assert len(passes) - before == (1 if edge_out else 0), (share, id_dtype, edge_out)
             outs.append((ids, out))
         st = lk.stats()
         for ids, out in outs:
