@@ -5,8 +5,10 @@
 The n-gram shape (160-B fp8 rows, random ids, a fresh id set each call: no cached rates). The stages
 ``lookup_split`` calls (the GPU share's launch, the CPU share's id pass and its gather and copies up) are
 wrapped with timestamps; per ``n``, the median µs of each stage and of the gaps between them, the call's
-host time, and the wait for the stream after it, against the GPU share alone and the CPU share's
-gather alone (``perf/host_rates.py`` has the rates of each reader by threads).
+host time and the wait for the stream after it. Each ``n`` at the plan's GPU share and at share 0 (the
+CPU alone, through the same call); before each call, a bare ``index_select`` of as many other fresh ids
+as the CPU's share, timed, to set beside the split's ``gather_up`` (``perf/host_rates.py`` has the rates
+of each reader by threads).
 """
 
 from __future__ import annotations
@@ -62,28 +64,39 @@ def main(argv: list[str] | None = None) -> int:
     lk.lookup = _wrap(marks, "gpu_launch", lk.lookup)
     print(f"torch intra-op threads {torch.get_num_threads()}; table {table.nbytes / GIB:.1f} GiB", flush=True)
     try:
+        src = table.tensor.view(torch.uint8)
+        staging = torch.empty(max(ns), ROW_BYTES, dtype=torch.uint8, pin_memory=True)
         for n in ns:
-            share = heuristics.split_gpu_share(n, ROW_BYTES, table.nbytes) if a.share is None else a.share
+            plan = heuristics.split_gpu_share(n, ROW_BYTES, table.nbytes) if a.share is None else a.share
             g = torch.Generator().manual_seed(n)
             sets = [torch.randint(0, table.rows, (n,), generator=g) for _ in range(max(3, (512 << 20) // (n * 160)))]
-            spans: dict[str, list[float]] = {}
-            for r in range(a.reps + 2):
-                marks.clear()
-                torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                lk.lookup_split(sets[r % len(sets)], out[:n], gpu_share=share)
-                t1 = time.perf_counter()
-                torch.cuda.current_stream(dev).synchronize()
-                t2 = time.perf_counter()
-                if r < 2:
-                    continue
-                seq = [("call>", t0)] + marks + [("call<", t1), ("synced", t2)]
-                for (na, ta), (nb, tb) in zip(seq, seq[1:], strict=False):
-                    spans.setdefault(f"{na}..{nb}", []).append((tb - ta) * 1e6)
-                spans.setdefault("host call", []).append((t1 - t0) * 1e6)
-                spans.setdefault("whole", []).append((t2 - t0) * 1e6)
-            print(f"n {n:8d} gpu share {share:.2f}: " +
-                  " | ".join(f"{k} {statistics.median(v):.0f}us" for k, v in spans.items()), flush=True)
+            for share in sorted({plan, 0.0}, reverse=True):  # the plan's split, and the CPU alone through it
+                k = round(n * share)
+                spans: dict[str, list[float]] = {}
+                for r in range(a.reps + 2):
+                    ids = sets[r % len(sets)]
+                    # the CPU share's gather alone first, on other ids (fresh rows, as the split's are)
+                    other = sets[(r + len(sets) // 2) % len(sets)][k:]
+                    torch.cuda.synchronize(dev)
+                    c0 = time.perf_counter()
+                    torch.index_select(src, 0, other, out=staging[: n - k])
+                    c1 = time.perf_counter()
+                    marks.clear()
+                    t0 = time.perf_counter()
+                    lk.lookup_split(ids, out[:n], gpu_share=share)
+                    t1 = time.perf_counter()
+                    torch.cuda.current_stream(dev).synchronize()
+                    t2 = time.perf_counter()
+                    if r < 2:
+                        continue
+                    seq = [("call>", t0)] + marks + [("call<", t1), ("synced", t2)]
+                    for (na, ta), (nb, tb) in zip(seq, seq[1:], strict=False):
+                        spans.setdefault(f"{na}..{nb}", []).append((tb - ta) * 1e6)
+                    spans.setdefault("host call", []).append((t1 - t0) * 1e6)
+                    spans.setdefault("whole", []).append((t2 - t0) * 1e6)
+                    spans.setdefault("the CPU share's index_select alone", []).append((c1 - c0) * 1e6)
+                print(f"n {n:8d} gpu share {share:.2f}: " +
+                      " | ".join(f"{k} {statistics.median(v):.0f}us" for k, v in spans.items()), flush=True)
     finally:
         for name, fn in saved.items():
             setattr(lookup_mod, name, fn)
