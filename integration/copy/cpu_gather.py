@@ -251,7 +251,7 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
     CPU tensor) gathered into pinned ``host`` and copied to ``dev`` on ``copy_stream``,
     ``chunk_rows`` rows at a time: the copy of one chunk runs while the next is gathered. ``path``:
     ``"parallel"`` (this module's numba gather: 8-byte words on every numba thread) or ``"torch"``
-    (``torch.index_select``, which runs on one or two threads below about 1M ids). The caller owns
+    (``torch.index_select`` on torch's intra-op threads). The caller owns
     ``host`` until the copies are done (an event recorded on ``copy_stream`` after this)."""
     if path not in ("parallel", "torch"):
         raise ValueError(f"path must be 'parallel' or 'torch', got {path!r}")
