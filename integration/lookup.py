@@ -45,7 +45,7 @@ from uvaple.kernels import heuristics
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
-from .copy.cpu_gather import gather_up, split_rows, warm_split
+from .copy.cpu_gather import gather_up, ids_within, split_rows, warm_split
 from .devices import default_device, resolve_device
 from .errors import BackendClosed, LookupForkedError
 from .metrics import CounterSnapshots, Progress
@@ -397,8 +397,7 @@ class GatherLookup(Lookup):
                     # Every id a row of the window (one aminmax on torch's threads, which also wakes them for
                     # the gather): the ids are the rows to stage (less the offset), and staged row j is
                     # staged id j (a device arange, nothing to copy up). Otherwise one serial pass maps them.
-                    id_lo, id_hi = (int(v) for v in torch.aminmax(cpu_ids))
-                    if id_lo - off >= lo and id_hi - off < hi:
+                    if ids_within(cpu_ids, lo + off, hi + off):
                         bad = 0
                         rows = cpu_ids if off == 0 else sp.rows_idx[:m].copy_(cpu_ids).sub_(off)
                         staged_ids = sp.arange_dev[:m]

@@ -33,6 +33,7 @@ import torch
 
 from uvaple.integration.copy.cpu_gather import cpu_gather
 
+from .timing import cuda_missing
 from .vllm_shapes import random_table
 
 ROW_BYTES = 160
@@ -56,7 +57,9 @@ def _host_facts() -> dict:
     return facts
 
 
-def _id_sets(n: int, rows: int, seed: int) -> list[torch.Tensor]:
+def fresh_id_sets(n: int, rows: int, seed: int) -> list[torch.Tensor]:
+    """Sets of ``n`` random ids over ``rows`` rows, enough of them that cycling through them touches at least
+    ``FLUSH_BYTES`` of 160-B rows between two uses of one set (3 to 64 sets)."""
     k = max(3, min(64, -(-FLUSH_BYTES // (n * ROW_BYTES))))
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, rows, (n,), generator=g) for _ in range(k)]
@@ -127,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", help="a JSON file for the results")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("host_rates needs a CUDA device (it times the GPU's reads beside the CPU's)", file=sys.stderr)
+    if cuda_missing(p.prog):
         return 2
     import numba
 
@@ -156,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             src, view = src_all[:rows], view_all[:rows]
             src_np = src.numpy()
             for n in ns:
-                sets = _id_sets(n, rows, seed=n + rows)
-                others = _id_sets(n, rows, seed=n + rows + 1)
+                sets = fresh_id_sets(n, rows, seed=n + rows)
+                others = fresh_id_sets(n, rows, seed=n + rows + 1)
                 dev_sets = [s.to(dev) for s in sets]
                 rec = {"span_gib": rows * table.stride_bytes / GIB, "n": n, "us": {}}
                 us = rec["us"]

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
+
+from .timing import cuda_missing
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:
@@ -44,8 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("launch_cost needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing("launch_cost"):
         return 2
     from uvaple.integration import make_lookup
     from uvaple.kernels import gather_rows

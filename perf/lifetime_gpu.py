@@ -32,6 +32,8 @@ import torch
 from uvaple.uva._cuda import is_registered as registered
 from uvaple.uva._sys import mapped
 
+from .timing import cuda_missing
+
 GiB = 1 << 30
 
 
@@ -214,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("lifetime_gpu needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing("lifetime_gpu"):
         return 2
     results: dict = {}
     close_under_pending(results)

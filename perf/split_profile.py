@@ -24,6 +24,8 @@ import uvaple.integration.lookup as lookup_mod
 from uvaple.integration import GatherLookup, TableSpec
 from uvaple.kernels import heuristics
 
+from .host_rates import fresh_id_sets
+from .timing import cuda_missing
 from .vllm_shapes import random_table
 
 ROW_BYTES = 160
@@ -47,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=None, help="the GPU's share (default: heuristics.SPLIT_PLAN)")
     p.add_argument("--reps", type=int, default=15)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("split_profile needs a CUDA device", file=sys.stderr)
+    if cuda_missing(p.prog):
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     ns = [int(x) for x in a.rows.split(",")]
@@ -68,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         staging = torch.empty(max(ns), ROW_BYTES, dtype=torch.uint8, pin_memory=True)
         for n in ns:
             plan = heuristics.split_gpu_share(n, ROW_BYTES, table.nbytes) if a.share is None else a.share
-            g = torch.Generator().manual_seed(n)
-            sets = [torch.randint(0, table.rows, (n,), generator=g) for _ in range(max(3, (512 << 20) // (n * 160)))]
+            sets = fresh_id_sets(n, table.rows, seed=n)
             for share in sorted({plan, 0.0}, reverse=True):  # the plan's split, and the CPU alone through it
                 k = round(n * share)
                 spans: dict[str, list[float]] = {}

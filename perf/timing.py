@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,14 @@ from .config import GRAPH_REPLAY_BYTES, BenchConfig
 
 
 # ------------------------------------------------------------------------------------------------ timing
+def cuda_missing(prog: str) -> bool:
+    """True, having said so on stderr, where ``prog`` (a GPU-only measurement) finds no CUDA device."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{prog} needs a CUDA GPU", file=sys.stderr)
+    return True
+
+
 def quantiles(values: Sequence[float]) -> tuple[float, float, float]:
     """(p20, median, p80) of ``values``."""
     xs = sorted(values)

@@ -11,13 +11,14 @@ widths and warps; the same with loads that bypass L1 (``.cg``); and a TMA (tenso
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from uvaple.kernels._gather_triton import safe_row
+
+from .timing import cuda_missing
 
 
 @triton.jit
@@ -58,8 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, nargs="*", default=[4, 8])
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_gather needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing("tune_gather"):
         return 1
     import triton.testing
 

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["cpu_gather", "gather_path", "warm_up", "PARALLEL_MIN_BYTES", "TORCH_MIN_BYTES",
+__all__ = ["cpu_gather", "gather_path", "warm_up", "ids_within", "PARALLEL_MIN_BYTES", "TORCH_MIN_BYTES",
            "TORCH_MAX_ROW_BYTES"]
 
 # Below this many gathered bytes the serial gather is used. Swept on the H200 host (16 cores) by
@@ -134,6 +134,13 @@ def _rows_kernel() -> Callable:
     return rows_of
 
 
+def ids_within(ids: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether every one of the (non-empty, CPU) ``ids`` lies in ``[lo, hi)``: one ``torch.aminmax``, on
+    torch's threads (numpy's min and max are two single-threaded passes)."""
+    id_lo, id_hi = torch.aminmax(ids)
+    return int(id_lo) >= lo and int(id_hi) < hi
+
+
 def _numba_threads() -> int:
     import numba
 
@@ -178,8 +185,7 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
                 # threads instead of the serial pass, and instead of numpy's min and max (two single-threaded
                 # passes: the torch path was 1.11-1.27x a bare index_select at 105k-419k 160-B rows with them,
                 # 0.97-1.06x with this, perf/results/h200_2026-12-02/run11_tune_copy_aminmax)
-                lo, hi = torch.aminmax(ids_t)
-                if lo >= 0 and hi < table.shape[0]:
+                if ids_within(ids_t, 0, table.shape[0]):
                     torch.index_select(src, 0, ids_t, out=torch.from_numpy(out))
                     return 0
             idx = row_ids[:n]
