@@ -3,7 +3,7 @@
 # readiness, the benchmarks, the Gemma 3n end-to-end run and the E4B levers run. Logs go to $OUT
 # (default ./gpu-out): run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
 #   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests soak memcheck memlock lifetime launch tunecopy tiles ready probe ngram rates split hotset vllm startup bench
+#   steps: doctor tests soak memcheck memlock lifetime launch tunecopy tiles ready probe ngram rates split costs hotset vllm startup bench
 #   e2e levers
 #   (default: all but soak, memcheck and memlock)
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side
@@ -113,6 +113,10 @@ fi
 if has split; then
   step "split lookup by stage (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): GPU share, CPU gather by threads, H2D, whole"
   timeout 300 python3 -m uvaple.perf.split_profile --table-gib ${NGRAM_TABLE_GIB:-24} 2>&1 | tee "$R/ngram/split_profile.log"
+fi
+if has costs; then
+  step "split lookup's host steps one at a time (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): ${COSTS_ARGS:-}"
+  timeout 300 python3 -m uvaple.perf.split_costs --table-gib ${NGRAM_TABLE_GIB:-24} ${COSTS_ARGS:-} 2>&1 | tee "$R/ngram/split_costs.log"
 fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"
