@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import os
 import threading
+import weakref
 
 import torch
 
@@ -308,7 +309,7 @@ class GatherLookup(Lookup):
             if max_rows is None or not on_gpu or kind != "uva":
                 raise ValueError("split=True needs max_rows and the uva placement on a CUDA device (the CPU share is "
                                  "copied to the GPU from pinned staging)")
-            self._split = _SplitState(table, max_rows, self.device)
+            self._split = _SplitState(self, max_rows, self.device)
 
     @property
     def hot(self):
@@ -352,6 +353,11 @@ class GatherLookup(Lookup):
         only after the previous call's copy out of it has completed (an event this lookup owns, waited
         for here). Not under CUDA graph capture (host work cannot be captured). Same bits as
         :meth:`lookup`. ``gpu_share`` defaults to :func:`uvaple.kernels.heuristics.split_gpu_share`.
+
+        A GPU share within the ladder of :func:`uvaple.kernels.heuristics.split_graph_sizes` is rounded down
+        to the ladder's size and replays the CUDA graph of :meth:`lookup` for that size captured when the
+        lookup was built (one launch on the host: the split's own host work is what decides it at 65,536
+        ids); its rows land in a device buffer and are copied into ``out`` after the CPU's gather.
         """
         if self._split is None:
             raise ValueError("this lookup was built without split=True")
@@ -377,8 +383,11 @@ class GatherLookup(Lookup):
         if n == 0:
             return out  # as lookup(): nothing launched, nothing counted
         k = round(n * share)
+        sp = self._split
+        graph_rows = heuristics.split_graph_rows(k, sp.graph_sizes) if 0 < k < n else 0
+        if graph_rows:
+            k = graph_rows  # the GPU's share replays the graph of the ladder's size at or below it
         flat_ids, flat_out = ids.reshape(-1), out.view(n, -1)
-        sp, spec = self._split, self.spec
         with sp.lock:
             sp.free.synchronize()  # the previous call's copies out of the staging are done
             stream = torch.cuda.current_stream(self.device)
@@ -388,49 +397,71 @@ class GatherLookup(Lookup):
                     sp.ids_host[:k].copy_(flat_ids[:k])
                     dev_ids = sp.ids_dev[:k]
                     dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
-                    self.lookup(dev_ids, flat_out[:k])
+                    if graph_rows:
+                        sp.graphs[k].replay()  # lookup(ids_dev[:k], gpu_out[:k]) on this stream
+                    else:
+                        self.lookup(dev_ids, flat_out[:k])
                 m = n - k
                 if m:
-                    lo, hi = spec.window
-                    row0 = spec.oob == "row0"
-                    cpu_ids, off = flat_ids[k:], spec.id_offset
-                    # Every id a row of the window (one aminmax on torch's threads, which also wakes them for
-                    # the gather): the ids are the rows to stage (less the offset), and staged row j is
-                    # staged id j (a device arange, nothing to copy up). Otherwise one serial pass maps them.
-                    if ids_within(cpu_ids, lo + off, hi + off):
-                        bad = 0
-                        rows = cpu_ids if off == 0 else sp.rows_idx[:m].copy_(cpu_ids).sub_(off)
-                        staged_ids = sp.arange_dev[:m]
-                    else:
-                        bad = split_rows(cpu_ids.numpy(), off, lo, hi, row0, sp.rows_idx[:m].numpy(),
-                                         sp.ids_host[k:n].numpy())
-                        rows, staged_ids = sp.rows_idx[:m], sp.ids_dev[k:n]
-                        with torch.cuda.stream(sp.copy_stream):
-                            staged_ids.copy_(sp.ids_host[k:n], non_blocking=True)
-                    # The staged rows go up on this lookup's copy stream, chunk by chunk as they are gathered,
-                    # beside the GPU share's reads still running on the caller's stream; the caller's stream
-                    # waits for them before the kernel that applies the policy. The staging is this lookup's
-                    # alone and free (the wait above).
-                    gather_up(self.table.tensor.view(torch.uint8), rows, sp.rows_host, sp.rows_dev,
-                              sp.copy_stream, self.table.row_bytes,
-                              heuristics.split_chunk_rows(n) if chunk_rows is None else chunk_rows,
-                              path=heuristics.SPLIT_CPU_PATH)
-                    sp.staged.record(sp.copy_stream)
-                    stream.wait_event(sp.staged)
+                    self._stage_cpu_share(flat_ids[k:], flat_out[k:], k, n, heuristics.split_chunk_rows(n)
+                                          if chunk_rows is None else chunk_rows, stream)
                     waited = True
-                    staged = sp.rows_dev[:m, : self.table.row_bytes].view(self.table.dtype)
-                    torch.ops.uvaple.gather_rows(staged, staged_ids, flat_out[k:], self._counters, self._dq_scale,
-                                                 spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
-                    if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
-                        if k:
-                            self._counters[0].sub_(1)
-                        if row0 and bad:
-                            self._counters[2].add_(bad)
+                if graph_rows:
+                    flat_out[:k].copy_(sp.gpu_out[:k])
             finally:  # also after a failure: the staging is free only once every copy queued out of it is done
                 if not waited:
                     stream.wait_stream(sp.copy_stream)
                 sp.free.record(stream)
         return out
+
+    def _stage_cpu_share(self, cpu_ids: torch.Tensor, out: torch.Tensor, k: int, n: int, chunk: int,
+                         stream) -> None:
+        """The CPU's share of a split call (ids ``k .. n``, their rows ``out``): gathered into the pinned
+        staging, copied up on the copy stream chunk by chunk as gathered (beside the GPU share's reads on the
+        caller's stream), then given the spec's policy by one kernel on the caller's stream, after it waits
+        for the copies. The staging is this lookup's alone and free (``lookup_split`` waited for it)."""
+        sp, spec, table = self._split, self.spec, self.table
+        m = n - k
+        lo, hi = spec.window
+        row0, off = spec.oob == "row0", spec.id_offset
+        table_bytes = table.tensor.view(torch.uint8)
+        path = heuristics.SPLIT_CPU_PATH
+        # Every id a row of the window: the ids are the rows to stage (less the offset), and staged row j is
+        # staged id j (a device arange, nothing to copy up). Over the whole table, index_select itself
+        # refuses an id outside it (IndexError, before reading it): nothing to check first. Otherwise one
+        # aminmax decides, and where it fails one serial pass maps the ids. A gather abandoned at an
+        # IndexError leaves copies queued on the copy stream; those of the serial pass's gather come after
+        # them on that stream and write the same device rows last.
+        staged_ids, bad = None, 0
+        if sp.whole_window and path == "torch":
+            try:
+                gather_up(table_bytes, cpu_ids, sp.rows_host, sp.rows_dev, sp.copy_stream, table.row_bytes,
+                          chunk, path=path)
+                staged_ids = sp.arange_dev[:m]
+            except IndexError:
+                pass
+        elif ids_within(cpu_ids, lo + off, hi + off):
+            rows = cpu_ids if off == 0 else sp.rows_idx[:m].copy_(cpu_ids).sub_(off)
+            gather_up(table_bytes, rows, sp.rows_host, sp.rows_dev, sp.copy_stream, table.row_bytes, chunk,
+                      path=path)
+            staged_ids = sp.arange_dev[:m]
+        if staged_ids is None:
+            bad = split_rows(cpu_ids.numpy(), off, lo, hi, row0, sp.rows_idx[:m].numpy(), sp.ids_host[k:n].numpy())
+            staged_ids = sp.ids_dev[k:n]
+            with torch.cuda.stream(sp.copy_stream):
+                staged_ids.copy_(sp.ids_host[k:n], non_blocking=True)
+            gather_up(table_bytes, sp.rows_idx[:m], sp.rows_host, sp.rows_dev, sp.copy_stream, table.row_bytes,
+                      chunk, path=path)
+        sp.staged.record(sp.copy_stream)
+        stream.wait_event(sp.staged)
+        staged = sp.rows_dev[:m, : table.row_bytes].view(table.dtype)
+        torch.ops.uvaple.gather_rows(staged, staged_ids, out, self._counters, self._dq_scale, spec.scale_arg,
+                                     spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
+        if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
+            if k:
+                self._counters[0].sub_(1)
+            if row0 and bad:
+                self._counters[2].add_(bad)
 
     def stats(self) -> dict:
         st = super().stats()
@@ -477,11 +508,31 @@ class GatherLookup(Lookup):
         super().close()
 
 
+_SPLITS: weakref.WeakSet = weakref.WeakSet()  # every split state with CUDA graphs, in this process
+_CHILD_KEEP: list = []  # in a forked child: the parent's graphs, never destroyed there (no CUDA in a child)
+_fork_hook = False
+
+
+def _keep_graphs_in_child() -> None:
+    for sp in list(_SPLITS):
+        _CHILD_KEEP.append(sp.graphs)
+
+
+def _wait_free(free: torch.cuda.Event) -> None:
+    """A split state's last words: its device buffers and graphs go back only after the last call's work
+    (copies out of the staging, graph replays) is done. Not in a forked child: no CUDA there."""
+    if not torch.cuda._is_in_bad_fork():
+        free.synchronize()
+
+
 class _SplitState:
     """What :meth:`GatherLookup.lookup_split` reuses call after call: pinned staging for rows and ids, their
-    device twins, the event that says the staging is free again, and a lock (one call at a time)."""
+    device twins, the event that says the staging is free again, a lock (one call at a time), and the
+    CUDA graphs of the GPU share (one per size of the ladder, ``heuristics.split_graph_sizes``) with the
+    device buffer they write."""
 
-    def __init__(self, table: HostTable, max_rows: int, device: torch.device) -> None:
+    def __init__(self, lookup: GatherLookup, max_rows: int, device: torch.device) -> None:
+        table = lookup.table
         stride = table.stride_bytes  # 16-byte aligned rows, as in the table
         self.rows_host = torch.empty(max_rows, stride, dtype=torch.uint8, pin_memory=True)
         self.ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
@@ -489,6 +540,8 @@ class _SplitState:
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
+        lo, hi = lookup.spec.window
+        self.whole_window = lo == 0 and hi == table.rows and lookup.spec.id_offset == 0
         with torch.cuda.device(device):
             self.free = torch.cuda.Event()
             self.free.record()
@@ -496,3 +549,45 @@ class _SplitState:
             self.copy_stream = torch.cuda.Stream(device)
         warm_split()
         self.lock = threading.Lock()
+        weakref.finalize(self, _wait_free, self.free).atexit = False  # dropped without close()
+        c0, c1 = lookup.spec.columns(None)
+        out_row_bytes = (c1 - c0) * torch.empty((), dtype=lookup.spec.output_dtype).element_size()
+        self.graph_sizes = heuristics.split_graph_sizes(max_rows, out_row_bytes)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.gpu_out = None
+        if self.graph_sizes:
+            self._capture(lookup, device)
+
+    def _capture(self, lookup: GatherLookup, device: torch.device) -> None:
+        """One graph of ``lookup.lookup(ids_dev[:k], gpu_out[:k])`` per ladder size ``k``, on a side stream
+        (each path compiled first by an eager call on zero ids; the counters restored after it), all in
+        one memory pool: they never run at the same time."""
+        global _fork_hook
+        top = self.graph_sizes[-1]
+        c0, c1 = lookup.spec.columns(None)
+        self.gpu_out = torch.empty(top, c1 - c0, dtype=lookup.spec.output_dtype, device=device)
+        counters = lookup._counters
+        saved = counters.clone() if counters is not None else None
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            self.ids_dev[:top].zero_()
+            for k in self.graph_sizes:
+                lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
+            pool = None
+            for k in self.graph_sizes:
+                g = torch.cuda.CUDAGraph()
+                g.capture_begin(pool=pool)
+                try:
+                    lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
+                finally:
+                    g.capture_end()
+                pool = g.pool()
+                self.graphs[k] = g
+            if saved is not None:
+                counters.copy_(saved)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if not _fork_hook:
+            os.register_at_fork(after_in_child=_keep_graphs_in_child)
+            _fork_hook = True
+        _SPLITS.add(self)

@@ -28,6 +28,7 @@ tiles of a row side by side instead (``LaunchConfig.row_tiles``, a 1-D grid) was
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 
@@ -150,17 +151,17 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 
 
 # lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
-# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call: the median over
-# three split sweeps (shares 0.2-0.6 x chunks of 8,192-65,536 rows or whole; perf/results/h200_2026-12-02/
-# run15_*, run16_*, run17_*/ngram/ngram.log: 160-B rows, 24 GiB table, 16 host threads, random ids,
-# torch's index_select as the CPU gather, the ids staged as they are when all are in range). 65,536 ids:
-# 0.3 in chunks of 16,384 (954 us; 0.35 the same chunks 987, 0.4 unchunked 1,144-1,276), 262,144: 0.35 in
-# chunks of 65,536 (2,703 us), 1M: 0.4 in chunks of 65,536 (7,768 us; 0.45: 7,823). At 16,384 ids every
-# share was slower than the GPU alone (514-2,268 us against 375 in run 15; perf/results/h200_2026-12-01 had
-# 0.5 at 339 against 391): below the first entry the GPU takes every row, the host work of a split
-# (launches, checks, events, copies: 400-850 us a call outside the CPU's gather on that host,
-# ngram/split_profile.log in those runs) costing more than it saves.
-SPLIT_PLAN = ((65536, 0.3, 16384), (262144, 0.35, 65536), (1 << 20, 0.4, 65536))
+# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call. From two split
+# sweeps on the H200 host with the GPU share replayed as a CUDA graph and the staged rows copied up
+# through cudaMemcpyAsync (perf/results/h200_2026-12-02/run22_*, run23_*/ngram/ngram.log: 160-B rows,
+# 24 GiB table, 16 host threads, random ids, shares 0.05-0.45 x chunks of 16,384-65,536 rows or whole;
+# run22 swept 0.2-0.6): 16,384 ids: 0.35 (226 / 223 us; the GPU alone 373, the CPU alone 193-203),
+# 65,536: 0.2 in chunks of 32,768 (544 / 570 us; the CPU alone 554-558), 262,144: 0.15 in chunks of
+# 65,536 (1,663 us; 0.1: 1,655, 0.2: 1,923 / 1,931; the CPU alone 1,720-1,779), 1M: 0.2 in chunks of
+# 65,536 (4,841 / 4,877 us; the CPU alone 5,633-5,937). Below the first entry the GPU takes every row.
+# Where the CPU gathers 230 M random rows/s on 16 threads (this host: 65,536 rows in 284 us) and the GPU
+# 40-55 M/s at these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
+SPLIT_PLAN = ((16384, 0.35, 0), (65536, 0.2, 32768), (262144, 0.15, 65536), (1 << 20, 0.2, 65536))
 SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
 # The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
 # word gather ("parallel", integration/copy/cpu_gather.py) is the alternative the split sweep times too.
@@ -184,3 +185,38 @@ def split_gpu_share(n: int, row_bytes: int, span_bytes: int) -> float:
 def split_chunk_rows(n: int) -> int:
     """Rows per copy up of a split call's CPU share (``n`` ids): the plan's chunk, or all of them (``n``)."""
     return _split_entry(n)[1] or max(1, n)
+
+
+# lookup_split's GPU share replays a CUDA graph (one launch on the host instead of the ids' checks and the
+# sorted path's several launches) when it is one of these sizes: a ladder of SPLIT_GRAPH_STEPS sizes per
+# octave from SPLIT_GRAPH_MIN_ROWS to SPLIT_GRAPH_MAX_ROWS (multiples of 256), each captured once when the
+# lookup is built. A share between two sizes is rounded down to the lower (at most 16% fewer GPU rows);
+# outside the ladder the share launches eagerly. The top keeps the graphs' output buffer (top rows of the
+# output) within 262,144 rows and SPLIT_GRAPH_MAX_BYTES; above it a call's launches are a small part of
+# its time (1.6 ms of 7 at 1M ids, perf/results/h200_2026-12-02/run20_*/ngram/split_profile.log).
+SPLIT_GRAPH_MIN_ROWS = 4096
+SPLIT_GRAPH_MAX_ROWS = 262144
+SPLIT_GRAPH_MAX_BYTES = 128 << 20
+SPLIT_GRAPH_STEPS = 4
+
+
+def split_graph_sizes(max_rows: int, out_row_bytes: int) -> tuple[int, ...]:
+    """The GPU-share sizes a split lookup of ``max_rows`` ids per call (rows of ``out_row_bytes`` bytes of
+    output) captures as CUDA graphs, ascending."""
+    top = min(max_rows - 1, SPLIT_GRAPH_MAX_ROWS, SPLIT_GRAPH_MAX_BYTES // max(1, out_row_bytes))
+    sizes, i = [], 0
+    while True:
+        s = int(round(SPLIT_GRAPH_MIN_ROWS * 2 ** (i / SPLIT_GRAPH_STEPS) / 256)) * 256
+        if s > top:
+            return tuple(sizes)
+        sizes.append(s)
+        i += 1
+
+
+def split_graph_rows(k: int, sizes: tuple[int, ...]) -> int:
+    """The largest of ``sizes`` (ascending) at or below ``k``, or 0 when ``k`` is below them all or above
+    the largest by more than the ladder's step (that share launches eagerly)."""
+    i = bisect.bisect_right(sizes, k)
+    if i == 0 or (i == len(sizes) and k >= sizes[-1] * 2 ** (1 / SPLIT_GRAPH_STEPS)):
+        return 0
+    return sizes[i - 1]

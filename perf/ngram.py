@@ -320,8 +320,8 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SPLIT_SHARES = (0.2, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6)
-SPLIT_CHUNKS = (0, 8192, 16384, 32768, 65536)  # rows per copy up (0: the whole share at once)
+SPLIT_SHARES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45)
+SPLIT_CHUNKS = (0, 16384, 32768, 65536)  # rows per copy up (0: the whole share at once)
 SPLIT_N = (16384, 65536, 262144, 1048576)
 
 

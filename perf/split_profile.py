@@ -3,12 +3,12 @@
 ``python -m uvaple.perf.split_profile [--table-gib 24] [--rows 65536,1048576] [--share S]``
 
 The n-gram shape (160-B fp8 rows, random ids, a fresh id set each call: no cached rates). The stages
-``lookup_split`` calls (the GPU share's launch, the CPU share's id pass and its gather and copies up) are
-wrapped with timestamps; per ``n``, the median µs of each stage and of the gaps between them, the call's
-host time and the wait for the stream after it. Each ``n`` at the plan's GPU share and at share 0 (the
-CPU alone, through the same call); before each call, a bare ``index_select`` of as many other fresh ids
-as the CPU's share, timed, to set beside the split's ``gather_up`` (``perf/host_rates.py`` has the rates
-of each reader by threads).
+``lookup_split`` calls (an eager GPU share's launch, the CPU's share whole, and within it the id pass and
+the gather with its copies up) are wrapped with timestamps; per ``n``, the median µs of each stage and
+of the gaps between them, the call's host time and the wait for the stream after it. Each ``n`` at the
+plan's GPU share and at share 0 (the CPU alone, through the same call); before each call, a bare
+``index_select`` of as many other fresh ids as the CPU's share, timed, to set beside the split's
+``gather_up`` (``perf/host_rates.py`` has the rates of each reader by threads).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     saved = {name: getattr(lookup_mod, name) for name in ("split_rows", "gather_up")}
     for name, fn in saved.items():
         setattr(lookup_mod, name, _wrap(marks, name, fn))
-    lk.lookup = _wrap(marks, "gpu_launch", lk.lookup)
+    lk.lookup = _wrap(marks, "gpu_launch", lk.lookup)  # an eager GPU share (a graph's replay is not wrapped)
+    lk._stage_cpu_share = _wrap(marks, "cpu_share", lk._stage_cpu_share)
     print(f"torch intra-op threads {torch.get_num_threads()}; table {table.nbytes / GIB:.1f} GiB", flush=True)
     try:
         src = table.tensor.view(torch.uint8)
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             sets = fresh_id_sets(n, table.rows, seed=n)
             for share in sorted({plan, 0.0}, reverse=True):  # the plan's split, and the CPU alone through it
                 k = round(n * share)
+                k = (heuristics.split_graph_rows(k, lk._split.graph_sizes) if 0 < k < n else 0) or k
                 spans: dict[str, list[float]] = {}
                 for r in range(a.reps + 2):
                     ids = sets[r % len(sets)]

@@ -227,6 +227,57 @@ def test_split_lookup_in_range_ids(fp8_table, offset, window, monkeypatch):
         assert st["out_of_range_ids"] == 2 and st["rows"] == 4 * n and st["lookups"] == 4
 
 
+def test_split_lookup_replays_the_gpu_share_graph(fp8_table, monkeypatch):
+    """A GPU share on the ladder replays the graph captured at construction (no eager lookup; a share
+    between two sizes rounds down, one outside the ladder launches eagerly); the graphs' warm-up leaves the
+    counters at zero; same bits as lookup; a lookup dropped with a call in flight waits for it first."""
+    import gc
+
+    from uvaple.integration import GatherLookup, TableSpec
+    from uvaple.kernels import heuristics
+
+    h = fp8_table
+    scale = torch.tensor([1.5], device=DEV)
+    spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16, oob="neg_zero")
+    n = 20_000
+    lk = GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True)
+    sizes = heuristics.split_graph_sizes(n, 320)
+    assert sizes and sizes[0] == heuristics.SPLIT_GRAPH_MIN_ROWS and sizes[-1] < n
+    assert sorted(lk._split.graphs) == list(sizes)
+    st = lk.stats()
+    assert st["lookups"] == 0 and st["rows"] == 0
+    eager = []
+    real = GatherLookup.lookup
+    monkeypatch.setattr(GatherLookup, "lookup",
+                        lambda self, *a, **kw: eager.append(a[0].numel()) or real(self, *a, **kw))
+    g = torch.Generator().manual_seed(11)
+    outs = []
+    for share, want_eager in ((0.3, []), (0.41, []), (0.1, [2000]), (1.0, [n]), (0.0, [])):
+        ids = torch.randint(-5, h.rows + 5, (n,), generator=g)
+        ids[::97] = 7  # repeats
+        out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
+        eager.clear()
+        lk.lookup_split(ids, out, gpu_share=share)
+        assert eager == want_eager, (share, eager)
+        outs.append((ids, out))
+    assert heuristics.split_graph_rows(round(n * 0.41), sizes) < round(n * 0.41)  # rounded down
+    st = lk.stats()
+    assert st["lookups"] == len(outs) and st["rows"] == len(outs) * n
+    for ids, out in outs:
+        assert torch.equal(bits(out), bits(lk.lookup(ids.to(DEV))))
+    # dropped without close() while the GPU still waits to run the call: the finaliser waits for it
+    ids = torch.randint(0, h.rows, (n,), generator=g)
+    out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
+    torch.cuda._sleep(200_000_000)
+    lk.lookup_split(ids, out, gpu_share=0.3)
+    del lk
+    gc.collect()
+    scribble = [torch.randn(n, 160, device=DEV) for _ in range(4)]  # reuses what the lookup gave back
+    with GatherLookup(h, spec, DEV, dequant_scale=scale, order="direct") as ref:
+        assert torch.equal(bits(out), bits(ref.lookup(ids.to(DEV))))
+    del scribble
+
+
 def test_hot_set_lookups_counting_and_refresh_never_synchronise():
     """The hot path of a counting hot set, and its refresh, under torch's sync debug mode set to error: no
     host synchronisation anywhere (the served ids are counted and ranked on the device)."""

@@ -225,6 +225,28 @@ def test_split_share_table():
     assert heuristics.SPLIT_CPU_PATH in ("torch", "parallel")
 
 
+def test_split_graph_ladder():
+    """The GPU-share sizes a split lookup captures: from SPLIT_GRAPH_MIN_ROWS, multiples of 256, each step at
+    most 2^(1/STEPS) (+ rounding) above the last, below max_rows and within the row and byte caps; a share
+    maps to the size at or below it, none below the ladder or past its top by a step."""
+    h = heuristics
+    sizes = h.split_graph_sizes(1 << 20, 320)
+    assert sizes[0] == h.SPLIT_GRAPH_MIN_ROWS and sizes[-1] == h.SPLIT_GRAPH_MAX_ROWS
+    assert all(s % 256 == 0 for s in sizes) and list(sizes) == sorted(set(sizes))
+    assert all(b <= a * 2 ** (1 / h.SPLIT_GRAPH_STEPS) + 256 for a, b in zip(sizes, sizes[1:], strict=False))
+    assert h.split_graph_sizes(h.SPLIT_GRAPH_MIN_ROWS, 320) == ()  # a share is below max_rows
+    assert h.split_graph_sizes(h.SPLIT_GRAPH_MIN_ROWS + 1, 320) == (h.SPLIT_GRAPH_MIN_ROWS,)
+    assert max(h.split_graph_sizes(1 << 20, 17_920)) * 17_920 <= h.SPLIT_GRAPH_MAX_BYTES
+    assert h.split_graph_sizes(1 << 20, h.SPLIT_GRAPH_MAX_BYTES) == ()
+    assert h.split_graph_rows(h.SPLIT_GRAPH_MIN_ROWS - 1, sizes) == 0
+    for a, b in zip(sizes, sizes[1:], strict=False):
+        assert h.split_graph_rows(a, sizes) == a and h.split_graph_rows(b - 1, sizes) == a
+    top = sizes[-1]
+    assert h.split_graph_rows(top + 1, sizes) == top
+    assert h.split_graph_rows(int(top * 2 ** (1 / h.SPLIT_GRAPH_STEPS)) + 1, sizes) == 0
+    assert h.split_graph_rows(5000, ()) == 0
+
+
 @pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
 @pytest.mark.parametrize("dedup", [True, False])
 def test_row_keys_and_ids_as_given_sort_to_the_same_bits(monkeypatch, oob, dedup):
