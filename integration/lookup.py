@@ -219,7 +219,8 @@ class GatherLookup(Lookup):
         direct.
         Sorting needs ``max_rows``: its workspace (``2 x max_rows`` int64)
         is allocated here, once (with ``auto``, only for rows the heuristic may sort); without
-        ``max_rows`` every call is direct.
+        ``max_rows`` every call is direct. Sorted calls of one lookup share that workspace: calls on
+        several streams at once must be ordered by the caller, as calls writing one ``out`` are.
     dedup : bool
         With the sorted order, read each distinct id of the call once: its repeats copy the first
         reader's output row. Same bits either way. Off by default: finding repeats needs several rows per
@@ -577,7 +578,7 @@ class _SplitState:
             pool = None
             for k in self.graph_sizes:
                 g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=pool)
+                g.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads' CUDA calls go on
                 try:
                     lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
                 finally:

@@ -151,16 +151,16 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 
 
 # lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
-# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call. From two split
+# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call. From three split
 # sweeps on the H200 host with the GPU share replayed as a CUDA graph and the staged rows copied up
-# through cudaMemcpyAsync (perf/results/h200_2026-12-02/run22_*, run23_*/ngram/ngram.log: 160-B rows,
-# 24 GiB table, 16 host threads, random ids, shares 0.05-0.45 x chunks of 16,384-65,536 rows or whole;
-# run22 swept 0.2-0.6): 16,384 ids: 0.35 (226 / 223 us; the GPU alone 373, the CPU alone 193-203),
-# 65,536: 0.2 in chunks of 32,768 (544 / 570 us; the CPU alone 554-558), 262,144: 0.15 in chunks of
-# 65,536 (1,663 us; 0.1: 1,655, 0.2: 1,923 / 1,931; the CPU alone 1,720-1,779), 1M: 0.2 in chunks of
-# 65,536 (4,841 / 4,877 us; the CPU alone 5,633-5,937). Below the first entry the GPU takes every row.
-# Where the CPU gathers 230 M random rows/s on 16 threads (this host: 65,536 rows in 284 us) and the GPU
-# 40-55 M/s at these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
+# through cudaMemcpyAsync (perf/results/h200_2026-12-02/run22_*, run23_*, run24_*/ngram/ngram.log: 160-B
+# rows, 24 GiB table, 16 host threads, random ids, shares 0.05-0.45 x chunks of 16,384-65,536 rows or
+# whole; run 22 swept 0.2-0.6), the best share of each run and the median of them: 16,384 ids: 0.35 / 0.35
+# / 0.3 (223 / 226 / 258 us; the GPU alone 372-374); 65,536: 0.2 in all three (543-570 us; chunks of
+# 16,384 and 32,768 within 1%); 262,144: 0.2 / 0.1 / 0.25, 0.15 within 0.5% of the best in runs 23-24;
+# 1M: 0.2 / 0.2 / 0.25 (4,841-5,933 us). Below the first entry the GPU takes every row. Where the CPU
+# gathers 230 M random rows/s on 16 threads (65,536 rows in 284 us, run 22) and the GPU 40-55 M/s at
+# these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
 SPLIT_PLAN = ((16384, 0.35, 0), (65536, 0.2, 32768), (262144, 0.15, 65536), (1 << 20, 0.2, 65536))
 SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
 # The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
