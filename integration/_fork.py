@@ -9,6 +9,11 @@ lookups' are taken inside it), :func:`gate_fork` makes ``fork()`` take the lock 
 is given back in the parent. A section that overruns the wait is not waited for (a fork is never
 wedged); the child still gets a fresh lock.
 
+Objects that hold the parent's CUDA resources (pinned staging, events, streams, CUDA graphs) are registered
+with :func:`keep_in_child`: in a forked child they are never freed, not at ``close()``, not at a drop, not at
+the interpreter's exit. Freeing them there makes a CUDA call (torch's pinned-memory cache records events on
+the streams that used a block), which cannot succeed in a child and aborts it.
+
 A lock the *forking* thread holds is made anew too: code holding one must not fork (uvaple never does).
 Locks of other libraries are theirs: ``prometheus_client`` keeps one lock for all of a process's
 multiprocess values, held in a child for ever if another thread was updating a metric at the fork.
@@ -19,17 +24,19 @@ gate (a lock never taken before a fork is free in the child anyway): importing u
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
 
-__all__ = ["ForkSafeLock", "gate_fork", "FORK_WAIT_S"]
+__all__ = ["ForkSafeLock", "gate_fork", "keep_in_child", "FORK_WAIT_S"]
 
 # The longest a fork waits for one gated section (a push writes a few metric files: milliseconds).
 FORK_WAIT_S = 2.0
 
 _LOCKS: weakref.WeakSet = weakref.WeakSet()  # every ForkSafeLock of this process
 _GATES: weakref.WeakSet = weakref.WeakSet()  # those a fork takes first
+_KEEP: weakref.WeakSet = weakref.WeakSet()  # objects a forked child never frees (keep_in_child)
 _registry_lock = threading.Lock()  # guards the two sets (made anew in a child, with them)
 _held = threading.local()  # the gates the forking thread took (before and after hooks run on it)
 _hooks = False
@@ -77,6 +84,14 @@ def gate_fork(lock: ForkSafeLock) -> ForkSafeLock:
     return lock
 
 
+def keep_in_child(obj) -> None:
+    """Never free ``obj`` (a weak-referenceable object holding CUDA resources of this process) in a child
+    forked while it lives: the child takes one reference to it that it never gives back."""
+    _install_hooks()
+    with _registry_lock:
+        _KEEP.add(obj)
+
+
 def _install_hooks() -> None:
     global _hooks
     with _registry_lock:
@@ -109,3 +124,5 @@ def _after_in_child() -> None:
     _held = threading.local()
     for lock in list(_LOCKS):
         lock._lock = threading.Lock()
+    for obj in list(_KEEP):  # a reference never given back: not freed by a drop or at the exit
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

@@ -24,7 +24,9 @@ the lookup lives, also if the table is closed under it. ``close()`` drops them (
 lookup owns); a lookup dropped without ``close()`` is freed by reference counting. In a forked child a
 lookup built by the parent refuses calls (:class:`~uvaple.integration.errors.LookupForkedError`): its
 table is the parent's (a private table reads zeros in the child, ``uvaple.uva.host_table``), and so are
-its streams and threads. ``close()`` there only lets go of the child's copies.
+its streams and threads. ``close()`` there only lets go of the child's copies; what holds the parent's
+CUDA resources (a split lookup's pinned staging, events and graphs, the counters' pinned snapshots) is
+kept, never freed, in the child (``_fork.keep_in_child``): freeing it there would abort the child.
 
 Counters: ``stats()`` reads an int64 ``[4]`` tensor that the kernel adds to on the device (lookups,
 rows, out-of-range ids, hot-set hits): correct under CUDA graph replays, and no host work on the hot
@@ -46,6 +48,7 @@ from uvaple.kernels import heuristics
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
+from ._fork import keep_in_child
 from .copy.cpu_gather import gather_up, ids_within, split_rows, warm_split
 from .devices import default_device, resolve_device
 from .errors import BackendClosed, LookupForkedError
@@ -360,9 +363,9 @@ class GatherLookup(Lookup):
         lookup was built (one launch on the host: the split's own host work is what decides it at 65,536
         ids); its rows land in a device buffer and are copied into ``out`` after the CPU's gather.
         """
+        self._check_usable()
         if self._split is None:
             raise ValueError("this lookup was built without split=True")
-        self._check_usable()
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("lookup_split runs host work per call and cannot be captured in a CUDA graph; "
                                "capture lookup() with device ids instead")
@@ -509,16 +512,6 @@ class GatherLookup(Lookup):
         super().close()
 
 
-_SPLITS: weakref.WeakSet = weakref.WeakSet()  # every split state with CUDA graphs, in this process
-_CHILD_KEEP: list = []  # in a forked child: the parent's graphs, never destroyed there (no CUDA in a child)
-_fork_hook = False
-
-
-def _keep_graphs_in_child() -> None:
-    for sp in list(_SPLITS):
-        _CHILD_KEEP.append(sp.graphs)
-
-
 def _wait_free(free: torch.cuda.Event) -> None:
     """A split state's last words: its device buffers and graphs go back only after the last call's work
     (copies out of the staging, graph replays) is done. Not in a forked child: no CUDA there."""
@@ -545,12 +538,12 @@ class _SplitState:
         self.whole_window = lo == 0 and hi == table.rows and lookup.spec.id_offset == 0
         with torch.cuda.device(device):
             self.free = torch.cuda.Event()
-            self.free.record()
             self.staged = torch.cuda.Event()
             self.copy_stream = torch.cuda.Stream(device)
         warm_split()
         self.lock = threading.Lock()
         weakref.finalize(self, _wait_free, self.free).atexit = False  # dropped without close()
+        keep_in_child(self)  # its pinned staging, events and graphs are never freed in a forked child
         c0, c1 = lookup.spec.columns(None)
         out_row_bytes = (c1 - c0) * torch.empty((), dtype=lookup.spec.output_dtype).element_size()
         self.graph_sizes = heuristics.split_graph_sizes(max_rows, out_row_bytes)
@@ -558,12 +551,15 @@ class _SplitState:
         self.gpu_out = None
         if self.graph_sizes:
             self._capture(lookup, device)
+        with torch.cuda.device(device):
+            self.free.record()  # after the capture's warm-up (the current stream waited for it): a first call
+            # on any stream finds the warm-up's writes to ids_dev, gpu_out and the counters done
 
     def _capture(self, lookup: GatherLookup, device: torch.device) -> None:
         """One graph of ``lookup.lookup(ids_dev[:k], gpu_out[:k])`` per ladder size ``k``, on a side stream
         (each path compiled first by an eager call on zero ids; the counters restored after it), all in
-        one memory pool: they never run at the same time."""
-        global _fork_hook
+        one memory pool: they never run at the same time. The current stream waits for the side stream,
+        also when a capture fails."""
         top = self.graph_sizes[-1]
         c0, c1 = lookup.spec.columns(None)
         self.gpu_out = torch.empty(top, c1 - c0, dtype=lookup.spec.output_dtype, device=device)
@@ -571,24 +567,30 @@ class _SplitState:
         saved = counters.clone() if counters is not None else None
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            self.ids_dev[:top].zero_()
-            for k in self.graph_sizes:
-                lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
-            pool = None
-            for k in self.graph_sizes:
-                g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads' CUDA calls go on
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(side):
                 try:
-                    lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
+                    self.ids_dev[:top].zero_()
+                    for k in self.graph_sizes:
+                        lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
+                    pool = None
+                    for k in self.graph_sizes:
+                        g = torch.cuda.CUDAGraph()
+                        # thread-local: other threads' CUDA calls go on while this one captures
+                        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+                        try:
+                            lookup.lookup(self.ids_dev[:k], self.gpu_out[:k])
+                        except BaseException:
+                            try:
+                                g.capture_end()
+                            except Exception:  # the capture's own error says less than the one raised above
+                                pass
+                            raise
+                        g.capture_end()
+                        pool = g.pool()
+                        self.graphs[k] = g
                 finally:
-                    g.capture_end()
-                pool = g.pool()
-                self.graphs[k] = g
-            if saved is not None:
-                counters.copy_(saved)
-        torch.cuda.current_stream(device).wait_stream(side)
-        if not _fork_hook:
-            os.register_at_fork(after_in_child=_keep_graphs_in_child)
-            _fork_hook = True
-        _SPLITS.add(self)
+                    if saved is not None:
+                        counters.copy_(saved)
+        finally:
+            torch.cuda.current_stream(device).wait_stream(side)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ._fork import ForkSafeLock, gate_fork
+from ._fork import ForkSafeLock, gate_fork, keep_in_child
 from .errors import BackendError
 
 __all__ = ["Progress", "Health", "CounterSnapshots", "ProgressReadError", "ProgressCollector",
@@ -216,6 +216,7 @@ class CounterSnapshots:
         self._stream = None
         self._events: tuple = (None, None)
         if counters.is_cuda:
+            keep_in_child(self)  # its pinned buffers, stream and events are never freed in a forked child
             with torch.cuda.device(self._device):
                 self._stream = torch.cuda.Stream(self._device)  # a pool stream: non-blocking, never the legacy one
                 zeroed = torch.cuda.Event()

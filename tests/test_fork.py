@@ -247,3 +247,34 @@ def test_tables_in_a_child_forked_after_cuda_are_unregistered_or_refused_by_name
             assert torch.equal(lk.lookup(ids), data[ids])
     with pytest.raises(errors.DeviceCapabilityError, match="forked after its parent initialised CUDA.*spawn"):
         HostTable.from_tensor(data, register=True)
+
+
+def test_a_child_never_frees_what_keep_in_child_holds():
+    """An object registered with keep_in_child is not freed in a forked child (not by a drop, not by the
+    garbage collector; its finaliser never runs there), while an unregistered one is; the parent frees it
+    as usual."""
+    import gc
+    import weakref
+
+    class Holder:
+        pass
+
+    kept, plain = Holder(), Holder()
+    kept.cycle = kept  # only the collector would free it
+    _fork.keep_in_child(kept)
+    ran = []
+    weakref.finalize(kept, ran.append, "kept")
+    weakref.finalize(plain, ran.append, "plain")
+
+    def child():
+        nonlocal kept, plain
+        kept = plain = None
+        gc.collect()
+        return 0 if ran == ["plain"] else 1
+
+    assert fork_and_wait(child) == 0
+    assert ran == []  # the child's drops are its own
+    kept = plain = None
+    gc.collect()
+    assert sorted(ran) == ["kept", "plain"]
+

@@ -109,6 +109,50 @@ def test_fork_after_registration_keeps_the_parent_exact():
     h.close()
 
 
+def test_fork_with_a_split_lookup_and_its_graphs():
+    """A split lookup (its GPU share's CUDA graphs captured, its counters' pinned snapshots made) in a
+    forked child: a call is a named error, and close(), drop, collection and the child's normal exit
+    (the interpreter's teardown) free none of the parent's CUDA resources there, so the child exits
+    cleanly; the parent's lookup goes on exact."""
+    code = textwrap.dedent("""
+        import gc, os, sys, torch
+        from uvaple.uva import HostTable
+        from uvaple.integration import GatherLookup, TableSpec
+        from uvaple.integration.errors import LookupForkedError
+        t = torch.randn(6000, 96, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
+        h = HostTable.from_tensor(t, register=True)
+        lk = GatherLookup(h, TableSpec.of(h), "cuda", max_rows=9000, split=True)
+        assert lk._split.graphs
+        ids = torch.randint(0, 6000, (9000,), generator=torch.Generator().manual_seed(2))
+        out = torch.full((9000, 96), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lk.lookup_split(ids, out, gpu_share=0.5)
+        lk.progress()
+        torch.cuda.synchronize()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                lk.lookup_split(ids, out, gpu_share=0.5)
+                sys.exit(5)
+            except LookupForkedError:
+                pass
+            lk.close()
+            del lk
+            gc.collect()
+            sys.exit(0)  # a normal exit: the interpreter's teardown runs in the child
+        _, status = os.waitpid(pid, 0)
+        out2 = torch.full((9000, 96), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lk.lookup_split(ids, out2, gpu_share=0.5)
+        torch.cuda.synchronize()
+        ok = torch.equal(out.cpu(), t[ids]) and torch.equal(out2.cpu(), t[ids])
+        lk.close()
+        h.close()
+        print("child", os.waitstatus_to_exitcode(status), "exact", int(ok), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "child 0 exact 1" in r.stdout, (r.stdout, r.stderr[-3000:])
+
+
 def test_shared_table_by_two_processes_on_one_gpu():
     name = f"gpu-{uuid.uuid4().hex[:10]}"
     code = textwrap.dedent(f"""

@@ -5,6 +5,10 @@ Skipped where there is no CUDA (CI); run on the GPU machine (perf/gpu_check.sh),
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from helpers import bits, capture, rand
@@ -276,6 +280,42 @@ def test_split_lookup_replays_the_gpu_share_graph(fp8_table, monkeypatch):
     with GatherLookup(h, spec, DEV, dequant_scale=scale, order="direct") as ref:
         assert torch.equal(bits(out), bits(ref.lookup(ids.to(DEV))))
     del scribble
+
+
+def test_split_lookup_first_call_on_another_stream_waits_for_the_capture():
+    """The graphs' warm-up (eager calls on a side stream, the counters restored after them) is done before a
+    first call on any stream touches the same buffers: the warm-up slowed by a GPU sleep, streams on their
+    own hardware queues, a call on a new stream right after construction keeps its counts and bits."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"  # streams on their own queues: no false ordering
+        import torch
+        from uvaple.uva import HostTable
+        from uvaple.integration import GatherLookup, TableSpec
+        g = torch.Generator().manual_seed(5)
+        t = torch.randn(20000, 64, generator=g).to(torch.bfloat16)
+        h = HostTable.from_tensor(t, register=True)
+        real, slowed = GatherLookup.lookup, []
+        def slow(self, *a, **kw):
+            if not slowed:  # the first warm-up call: its stream sleeps first
+                slowed.append(1)
+                torch.cuda._sleep(1_000_000_000)
+            return real(self, *a, **kw)
+        GatherLookup.lookup = slow
+        lk = GatherLookup(h, TableSpec.of(h), "cuda", max_rows=20000, split=True)
+        GatherLookup.lookup = real
+        ids = torch.randint(0, 20000, (20000,), generator=g)
+        out = torch.full((20000, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            lk.lookup_split(ids, out, gpu_share=0.5)
+        st = lk.stats()
+        print("slowed", len(slowed), "lookups", st["lookups"], "rows", st["rows"],
+              "exact", int(torch.equal(out.cpu(), t[ids])), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "slowed 1 lookups 1 rows 20000 exact 1" in r.stdout, (r.stdout, r.stderr[-3000:])
 
 
 def test_hot_set_lookups_counting_and_refresh_never_synchronise():

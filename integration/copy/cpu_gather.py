@@ -264,9 +264,10 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
     copies are done (an event recorded on ``copy_stream`` after this).
 
     Every chunk but the last goes up through the runtime's ``cudaMemcpyAsync`` (a few µs on the host, a
-    third of torch's ``copy_``); the last through torch's ``copy_``, whose event in torch's pinned-memory
-    cache keeps ``host``'s memory from being handed out again before every copy out of it (all on
-    ``copy_stream``, in order) is done, also if ``host`` is dropped meanwhile."""
+    third of torch's ``copy_``); the last through torch's ``copy_``, which tells torch's pinned-memory
+    cache that ``copy_stream`` used ``host``'s memory: when ``host`` is freed, the cache records an event
+    on that stream and hands the memory out again only once it has passed, after every copy out of it
+    (all on ``copy_stream``, in order), also if ``host`` is dropped while they run."""
     if path not in ("parallel", "torch"):
         raise ValueError(f"path must be 'parallel' or 'torch', got {path!r}")
     m = rows.shape[0]
