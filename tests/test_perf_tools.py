@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from uvaple.integration.copy import cpu_gather
@@ -97,3 +98,16 @@ def test_memlock_probe_fails_a_refusal_that_does_not_say_what_to_do(monkeypatch)
     assert rep["outcome"] == "failed" and "ulimit -l" in rep["why_failed"]
     monkeypatch.setattr(memlock_probe, "CHILD", "import sys; sys.exit(3)")
     assert memlock_probe.run_case([], 0.001, 64 << 10)["outcome"] == "failed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU these run their measurement")
+@pytest.mark.parametrize("name", ["host_rates", "launch_cost", "lifetime_gpu", "split_costs", "split_profile",
+                                  "tune_gather"])
+def test_gpu_only_measurements_say_they_need_a_gpu(name, capsys):
+    """Each GPU-only measurement, run where no CUDA device is, exits with status 2 and says what it needs,
+    before building anything (no table, no lookup)."""
+    import importlib
+
+    mod = importlib.import_module(f"uvaple.perf.{name}")
+    assert mod.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
