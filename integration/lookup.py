@@ -388,7 +388,7 @@ class GatherLookup(Lookup):
             return out  # as lookup(): nothing launched, nothing counted
         k = round(n * share)
         sp = self._split
-        graph_rows = heuristics.split_graph_rows(k, sp.graph_sizes) if 0 < k < n else 0
+        graph_rows = sp.graph_rows(k, n)
         if graph_rows:
             k = graph_rows  # the GPU's share replays the graph of the ladder's size at or below it
         flat_ids, flat_out = ids.reshape(-1), out.view(n, -1)
@@ -424,12 +424,16 @@ class GatherLookup(Lookup):
         staging, copied up on the copy stream chunk by chunk as gathered (beside the GPU share's reads on the
         caller's stream), then given the spec's policy by one kernel on the caller's stream, after it waits
         for the copies. The staging is this lookup's alone and free (``lookup_split`` waited for it)."""
-        sp, spec, table = self._split, self.spec, self.table
+        sp, spec = self._split, self.spec
         m = n - k
         lo, hi = spec.window
         row0, off = spec.oob == "row0", spec.id_offset
-        table_bytes = table.tensor.view(torch.uint8)
+        table_bytes = self.table.tensor.view(torch.uint8)
         path = heuristics.SPLIT_CPU_PATH
+
+        def stage(rows):
+            gather_up(table_bytes, rows, sp.rows_host, sp.rows_dev, sp.copy_stream, sp.row_bytes, chunk, path=path)
+
         # Every id a row of the window: the ids are the rows to stage (less the offset), and staged row j is
         # staged id j (a device arange, nothing to copy up). Over the whole table, index_select itself
         # refuses an id outside it (IndexError, before reading it): nothing to check first. Otherwise one
@@ -439,28 +443,23 @@ class GatherLookup(Lookup):
         staged_ids, bad = None, 0
         if sp.whole_window and path == "torch":
             try:
-                gather_up(table_bytes, cpu_ids, sp.rows_host, sp.rows_dev, sp.copy_stream, table.row_bytes,
-                          chunk, path=path)
+                stage(cpu_ids)
                 staged_ids = sp.arange_dev[:m]
             except IndexError:
                 pass
         elif ids_within(cpu_ids, lo + off, hi + off):
-            rows = cpu_ids if off == 0 else sp.rows_idx[:m].copy_(cpu_ids).sub_(off)
-            gather_up(table_bytes, rows, sp.rows_host, sp.rows_dev, sp.copy_stream, table.row_bytes, chunk,
-                      path=path)
+            stage(cpu_ids if off == 0 else sp.rows_idx[:m].copy_(cpu_ids).sub_(off))
             staged_ids = sp.arange_dev[:m]
         if staged_ids is None:
             bad = split_rows(cpu_ids.numpy(), off, lo, hi, row0, sp.rows_idx[:m].numpy(), sp.ids_host[k:n].numpy())
             staged_ids = sp.ids_dev[k:n]
             with torch.cuda.stream(sp.copy_stream):
                 staged_ids.copy_(sp.ids_host[k:n], non_blocking=True)
-            gather_up(table_bytes, sp.rows_idx[:m], sp.rows_host, sp.rows_dev, sp.copy_stream, table.row_bytes,
-                      chunk, path=path)
+            stage(sp.rows_idx[:m])
         sp.staged.record(sp.copy_stream)
         stream.wait_event(sp.staged)
-        staged = sp.rows_dev[:m, : table.row_bytes].view(table.dtype)
-        torch.ops.uvaple.gather_rows(staged, staged_ids, out, self._counters, self._dq_scale, spec.scale_arg,
-                                     spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
+        torch.ops.uvaple.gather_rows(sp.staged_rows[:m], staged_ids, out, self._counters, self._dq_scale,
+                                     spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
         if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
             if k:
                 self._counters[0].sub_(1)
@@ -534,6 +533,8 @@ class _SplitState:
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
+        self.row_bytes = table.row_bytes  # once: HostTable.row_bytes builds a tensor
+        self.staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
         lo, hi = lookup.spec.window
         self.whole_window = lo == 0 and hi == table.rows and lookup.spec.id_offset == 0
         with torch.cuda.device(device):
@@ -545,15 +546,20 @@ class _SplitState:
         weakref.finalize(self, _wait_free, self.free).atexit = False  # dropped without close()
         keep_in_child(self)  # its pinned staging, events and graphs are never freed in a forked child
         c0, c1 = lookup.spec.columns(None)
-        out_row_bytes = (c1 - c0) * torch.empty((), dtype=lookup.spec.output_dtype).element_size()
-        self.graph_sizes = heuristics.split_graph_sizes(max_rows, out_row_bytes)
+        self.graph_sizes = heuristics.split_graph_sizes(max_rows, (c1 - c0) * lookup.spec.output_dtype.itemsize)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.gpu_out = None
         if self.graph_sizes:
+            self.gpu_out = torch.empty(self.graph_sizes[-1], c1 - c0, dtype=lookup.spec.output_dtype, device=device)
             self._capture(lookup, device)
         with torch.cuda.device(device):
             self.free.record()  # after the capture's warm-up (the current stream waited for it): a first call
             # on any stream finds the warm-up's writes to ids_dev, gpu_out and the counters done
+
+    def graph_rows(self, k: int, n: int) -> int:
+        """The GPU share of ``k`` of a call's ``n`` ids as the size of the graph that serves it (at or below
+        ``k``), or 0: the share launches eagerly (all or none of the call, or off the ladder)."""
+        return heuristics.split_graph_rows(k, self.graph_sizes) if 0 < k < n else 0
 
     def _capture(self, lookup: GatherLookup, device: torch.device) -> None:
         """One graph of ``lookup.lookup(ids_dev[:k], gpu_out[:k])`` per ladder size ``k``, on a side stream
@@ -561,8 +567,6 @@ class _SplitState:
         one memory pool: they never run at the same time. The current stream waits for the side stream,
         also when a capture fails."""
         top = self.graph_sizes[-1]
-        c0, c1 = lookup.spec.columns(None)
-        self.gpu_out = torch.empty(top, c1 - c0, dtype=lookup.spec.output_dtype, device=device)
         counters = lookup._counters
         saved = counters.clone() if counters is not None else None
         side = torch.cuda.Stream(device)

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             sets = fresh_id_sets(n, table.rows, seed=n)
             for share in sorted({plan, 0.0}, reverse=True):  # the plan's split, and the CPU alone through it
                 k = round(n * share)
-                k = (heuristics.split_graph_rows(k, lk._split.graph_sizes) if 0 < k < n else 0) or k
+                k = lk._split.graph_rows(k, n) or k  # as lookup_split rounds it
                 spans: dict[str, list[float]] = {}
                 for r in range(a.reps + 2):
                     ids = sets[r % len(sets)]
