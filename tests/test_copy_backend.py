@@ -1240,6 +1240,35 @@ def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
     assert ok[3] and ok[4] and not ok[2] and not ok[5]  # the window's edges are in the data
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("row0", [False, True])
+@pytest.mark.parametrize("bound", [7, 8, 450, 899, 900])
+def test_range_rows_finds_the_cpu_ids_of_a_split_by_rows(id_dtype, row0, bound):
+    """The split by rows' one pass: the CPU takes every id outside rows ``[lo, bound)``, in call order, with
+    its position, the row to stage (``lo`` outside the window) and its staged id (``j``, or -1 outside the
+    window under zero rows); the GPU's ids are no slot's."""
+    from uvaple.integration.copy.cpu_gather import range_rows
+
+    lo, hi, base, n = 7, 900, 50, 5000
+    info = torch.iinfo(id_dtype)
+    ids = torch.randint(-100, 1100, (n,), dtype=torch.int64)
+    ids[:8] = torch.tensor([info.min, info.max, base + lo - 1, base + lo, base + hi - 1, base + hi,
+                            base + bound - 1, base + bound])
+    ids = ids.to(id_dtype)
+    rows, pos, staged = (torch.full((n,), -7, dtype=torch.int64) for _ in range(3))
+    m, bad = range_rows(ids.numpy(), base, lo, bound, hi, row0, rows.numpy(), pos.numpy(), staged.numpy())
+    local = ids.to(torch.int64) - base
+    ok = (local >= lo) & (local < hi)
+    cpu = ~((local >= lo) & (local < bound))
+    want_pos = cpu.nonzero().view(-1)
+    assert m == want_pos.numel() and 0 < m <= n and bad == int((~ok).sum()) > 0
+    assert (m == n) == (bound == lo)  # at lo the GPU has no rows
+    assert torch.equal(pos[:m], want_pos)
+    assert torch.equal(rows[:m], torch.where(ok, local, lo)[want_pos])
+    j = torch.arange(m)
+    assert torch.equal(staged[:m], torch.where((ok | row0)[want_pos], j, -1))
+
+
 @pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
 def test_torch_path_takes_in_range_ids_as_they_are(monkeypatch, ids_dtype):
     """No id offset and every id a row: index_select gets the ids themselves, the serial ids pass does

@@ -246,11 +246,50 @@ def split_rows(ids: np.ndarray, id_base: int, lo: int, hi: int, row0: bool, rows
     return int(_split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged))
 
 
+@functools.lru_cache(maxsize=1)
+def _range_kernel() -> Callable:
+    import numba
+
+    @numba.njit(parallel=False, nogil=True, cache=False)  # serial, as split_rows
+    def range_rows(ids, id_base, lo, bound, hi, row0, rows, pos, staged):
+        # branch-free: every id writes slot m, which advances only for the CPU's ids (a random split
+        # would mispredict every other branch)
+        m = 0
+        bad = 0
+        for i in range(ids.shape[0]):
+            r = np.int64(ids[i]) - id_base
+            ok = (r >= lo) & (r < hi)
+            gpu = (r >= lo) & (r < bound)
+            rows[m] = r if ok else lo
+            pos[m] = i
+            staged[m] = m if (ok | row0) else -1
+            bad += 0 if ok else 1
+            m += 0 if gpu else 1
+        return m, bad
+
+    return range_rows
+
+
+def range_rows(ids: np.ndarray, id_base: int, lo: int, bound: int, hi: int, row0: bool, rows: np.ndarray,
+               pos: np.ndarray, staged: np.ndarray) -> tuple[int, int]:
+    """A split lookup by table rows, in one serial pass over the call's ids: the GPU reads rows ``[lo,
+    bound)``, the CPU stages every other id. For the CPU's ``j``-th id (position ``pos[j]`` in the call):
+    ``rows[j]``, the table row to stage (as :func:`split_rows`: ``lo`` outside the window ``[lo, hi)``),
+    and ``staged[j]``, the id of staged row ``j`` for the device kernel (``j``, or ``-1`` outside the window
+    under zero rows). Returns (the CPU's ids, how many of them were outside the window). The buffers hold
+    at least ``len(ids)`` elements (every id writes one slot before the count decides to keep it)."""
+    m, bad = _range_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(bound), np.int64(hi), bool(row0), rows,
+                             pos, staged)
+    return int(m), int(bad)
+
+
 def warm_split() -> None:
-    """Compile :func:`split_rows` for int32 and int64 ids now, not in the first split lookup."""
-    rows, staged = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
+    """Compile :func:`split_rows` and :func:`range_rows` for int32 and int64 ids now, not in the first split
+    lookup."""
+    rows, staged, pos = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
     for dt in (np.int32, np.int64):
         split_rows(np.zeros(1, dtype=dt), 0, 0, 1, False, rows, staged)
+        range_rows(np.zeros(1, dtype=dt), 0, 0, 1, 1, False, rows, pos, staged)
 
 
 def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_rows: int, *,
