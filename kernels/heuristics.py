@@ -161,14 +161,15 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 # 1M: 0.2 / 0.2 / 0.25 (4,841-5,933 us). Below the first entry the GPU takes every row. Where the CPU
 # gathers 230 M random rows/s on 16 threads (65,536 rows in 284 us, run 22) and the GPU 40-55 M/s at
 # these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
-# The fourth field: which ids the GPU takes (GatherLookup.lookup_split's ``by``): "ids", the first share
-# of the call's ids, or "rows", the ids of the table's rows below a bound (the GPU's rows then lie as
-# densely as the whole call's; its sorted gather of all 1M ids ran 1.9x the rate of a random fifth of them
-# in run 24's bench). "ids" everywhere: in the sweep of run 27 (perf/results/h200_2026-12-02/run27_*/ngram/
-# ngram.log, shares 0.25-0.6 by rows) by rows lost at 65,536 ids (1,211 us at best against 597) and
-# 262,144 (2,997 against 2,065) and was even at 1M (7,139 at share 0.6, the sweep's edge, against 7,191). Its host work decides it (split_profile.log there, 1M ids at share 0.45): the serial
-# pass that finds the CPU's ids took 2,537 us, and 958 us went before it (all the ids copied up, the
-# sorted gather launched eagerly), against 5,174 us of CPU gather.
+# The fourth field: which ids the GPU takes (GatherLookup.lookup_split's ``by``): "ids", the first share of the
+# call's ids, or "rows", the ids of the table's rows below a bound (the GPU's rows then lie as densely as the
+# whole call's; its sorted gather of all 1M ids ran 1.9x the rate of a random fifth of them in run 24's bench).
+# "ids" everywhere: in the sweep of run 27 (perf/results/h200_2026-12-02/run27_*/ngram/ngram.log, shares
+# 0.25-0.6 by rows) by rows lost at 65,536 ids (1,211 us at best against 597) and 262,144 (2,997 against 2,065)
+# and was even at 1M (7,139 at share 0.6, the sweep's edge, against 7,191). Its host work decides it
+# (split_profile.log there, 1M ids at share 0.45): the serial pass that finds the CPU's ids took 2,537 us, and
+# 958 us went before it (all the ids copied up, the sorted gather launched eagerly), against 5,174 us of CPU
+# gather.
 SPLIT_PLAN = ((16384, 0.35, 0, "ids"), (65536, 0.2, 32768, "ids"), (262144, 0.15, 65536, "ids"),
               (1 << 20, 0.2, 65536, "ids"))
 SPLIT_GPU_SHARE = tuple((at, share) for at, share, _, _ in SPLIT_PLAN)
