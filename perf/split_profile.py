@@ -6,9 +6,10 @@ The n-gram shape (160-B fp8 rows, random ids, a fresh id set each call: no cache
 ``lookup_split`` calls (an eager GPU share's launch, the CPU's share whole, and within it the id pass and
 the gather with its copies up; by rows the pass that finds the CPU's ids) are wrapped with timestamps;
 per ``n``, the median µs of each stage and of the gaps between them, the call's host time and the wait
-for the stream after it. Each ``n`` at the plan's GPU share and at share 0 (the CPU alone, through the same call); before each call, a bare
-``index_select`` of as many other fresh ids as the CPU's share, timed, to set beside the split's
-``gather_up`` (``perf/host_rates.py`` has the rates of each reader by threads).
+for the stream after it. Each ``n`` at the plan's GPU share and at share 0 (the CPU alone, through the
+same call); before each call, a bare ``index_select`` of as many other fresh ids as the CPU's share,
+timed, to set beside the split's ``gather_up`` (``perf/host_rates.py`` has the rates of each reader by
+threads).
 """
 
 from __future__ import annotations
