@@ -49,7 +49,7 @@ from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
 from ._fork import keep_in_child
-from .copy.cpu_gather import gather_up, ids_within, range_rows, split_rows, warm_split
+from .copy.cpu_gather import RangeSplit, gather_up, ids_within, split_rows, warm_split
 from .devices import default_device, resolve_device
 from .errors import BackendClosed, LookupForkedError
 from .metrics import CounterSnapshots, Progress
@@ -405,8 +405,9 @@ class GatherLookup(Lookup):
         k = round(n * share)
         sp = self._split
         if by == "rows" and 0 < k < n:
-            self._split_by_rows(ids.reshape(-1), out.view(n, -1), share, chunk)
-            return out
+            if self._split_by_rows(ids.reshape(-1), out.view(n, -1), share, chunk):
+                return out
+            k = 0  # the bound left the GPU no row: all the CPU's
         graph_rows = sp.graph_rows(k, n)
         if graph_rows:
             k = graph_rows  # the GPU's share replays the graph of the ladder's size at or below it
@@ -436,68 +437,65 @@ class GatherLookup(Lookup):
                 sp.free.record(stream)
         return out
 
-    def _split_by_rows(self, flat_ids: torch.Tensor, flat_out: torch.Tensor, share: float, chunk: int) -> None:
-        """``lookup_split(by="rows")`` of ``n`` ids (``0 < share < 1``): the GPU's sorted gather of every id
-        over the table's rows ``[lo, bound)`` (the others give zero rows there, at once replaced), the CPU's
-        gather of the rest into the staging, their rows given the policy into ``cpu_out`` and copied into
-        place by their positions (``pos_dev``)."""
+    def _split_by_rows(self, flat_ids: torch.Tensor, flat_out: torch.Tensor, share: float, chunk: int) -> bool:
+        """``lookup_split(by="rows")`` of ``n`` ids (``0 < share < 1``): the GPU's gather of every id over the
+        table's rows ``[lo, bound)`` (sorted where the lookup has the workspace), the CPU's gather of the
+        ids of rows ``[bound, hi)`` (and under ``row0`` of every id outside the window, as row ``lo``) into
+        the staging, their rows given the policy into ``cpu_out`` and copied into place by their positions
+        (``pos_dev``). The GPU's kernel gives every other id a zero row (under zero rows the right one for
+        an id outside the window, counted there), which the CPU's rows then replace. False, and nothing
+        done, where the bound leaves the GPU no row."""
         sp, spec = self._split, self.spec
         n = flat_ids.numel()
         lo, hi = spec.window
         off, row0 = spec.id_offset, spec.oob == "row0"
-        gpu_oob = 0 if row0 else spec.oob_mode  # no reads for the CPU's ids (their rows are replaced)
+        gpu_oob = 0 if row0 else spec.oob_mode
         sample = flat_ids[:: max(1, n // heuristics.SPLIT_BOUND_SAMPLE)]
         kth = min(sample.numel(), max(1, round(share * sample.numel())))
         bound = min(hi, max(lo, int(torch.kthvalue(sample, kth).values) - off))
+        if bound <= lo:
+            return False
+        parts = RangeSplit(flat_ids.numpy(), off, lo, bound, hi, row0)
         with sp.lock:
             sp.free.synchronize()  # the previous call's copies out of the staging, and its reads of pos_dev
             stream = torch.cuda.current_stream(self.device)
             waited = False
             try:
-                gpu = bound > lo
-                if gpu:  # all the ids up, the GPU's gather launched before this thread's pass over them
-                    sp.ids_host[:n].copy_(flat_ids)
-                    dev_ids = sp.ids_dev[:n]
-                    dev_ids.copy_(sp.ids_host[:n], non_blocking=True)
-                    table = self._arg[:bound]  # ids of rows >= bound are outside it: zero rows, no reads
-                    if self._workspace is not None:
-                        torch.ops.uvaple.gather_rows_sorted(table, dev_ids, flat_out, self._counters, self._dq_scale,
-                                                            self._workspace, spec.scale_arg, spec.has_scale, 0, off,
-                                                            lo, gpu_oob, spec.dequant, self.dedup)
-                    else:
-                        torch.ops.uvaple.gather_rows(table, dev_ids, flat_out, self._counters, self._dq_scale,
-                                                     spec.scale_arg, spec.has_scale, 0, off, lo, gpu_oob, spec.dequant)
-                m, bad = range_rows(flat_ids.numpy(), off, lo, bound, hi, row0, sp.rows_idx[:n].numpy(),
-                                    sp.pos_host[:n].numpy(), sp.staged_host[:n].numpy())
+                m = parts.count(sp.ids_host[:n].numpy())  # the ids also copied to the pinned ids_host
+                # the GPU's gather, launched before this thread's second pass and gather
+                dev_ids = sp.ids_dev[:n]
+                dev_ids.copy_(sp.ids_host[:n], non_blocking=True)
+                table = self._arg[:bound]  # the kernel's valid rows: [lo, bound)
+                if self._workspace is not None:
+                    torch.ops.uvaple.gather_rows_sorted(table, dev_ids, flat_out, self._counters, self._dq_scale,
+                                                        self._workspace, spec.scale_arg, spec.has_scale, 0, off, lo,
+                                                        gpu_oob, spec.dequant, self.dedup)
+                else:
+                    torch.ops.uvaple.gather_rows(table, dev_ids, flat_out, self._counters, self._dq_scale,
+                                                 spec.scale_arg, spec.has_scale, 0, off, lo, gpu_oob, spec.dequant)
                 if m:
-                    staged_ids = sp.arange_dev[:m]  # row0 stages row lo for an id outside the window
+                    bad = parts.write(sp.rows_idx[:m].numpy(), sp.pos_host[:m].numpy())
                     with torch.cuda.stream(sp.copy_stream):
                         sp.pos_dev[:m].copy_(sp.pos_host[:m], non_blocking=True)
-                        if bad and not row0:
-                            staged_ids = sp.staged_dev[:m]
-                            staged_ids.copy_(sp.staged_host[:m], non_blocking=True)
-                    table_bytes = self.table.tensor.view(torch.uint8)
-                    gather_up(table_bytes, sp.rows_idx[:m], sp.rows_host, sp.rows_dev, sp.copy_stream, sp.row_bytes,
-                              chunk, path=heuristics.SPLIT_CPU_PATH)
+                    gather_up(self.table.tensor.view(torch.uint8), sp.rows_idx[:m], sp.rows_host, sp.rows_dev,
+                              sp.copy_stream, sp.row_bytes, chunk, path=heuristics.SPLIT_CPU_PATH)
                     sp.staged.record(sp.copy_stream)
                     stream.wait_event(sp.staged)
                     waited = True
                     cpu_out = sp.cpu_out[:m]
-                    torch.ops.uvaple.gather_rows(sp.staged_rows[:m], staged_ids, cpu_out, self._counters,
+                    torch.ops.uvaple.gather_rows(sp.staged_rows[:m], sp.arange_dev[:m], cpu_out, self._counters,
                                                  self._dq_scale, spec.scale_arg, spec.has_scale, 0, 0, 0,
                                                  spec.oob_mode, spec.dequant)
                     flat_out.index_copy_(0, sp.pos_dev[:m], cpu_out)
                     if self._counters is not None:  # one call of n rows: the GPU counted the CPU's ids as outside
-                        if gpu:
-                            self._counters[0].sub_(1)
-                            self._counters[1].sub_(m)
-                            self._counters[2].sub_(m)
-                        if row0 and bad:
-                            self._counters[2].add_(bad)
+                        self._counters[0].sub_(1)
+                        self._counters[1].sub_(m)
+                        self._counters[2].sub_(m - bad)  # row0's outside the window: staged as row lo
             finally:
                 if not waited:
                     stream.wait_stream(sp.copy_stream)
                 sp.free.record(stream)
+        return True
 
     def _stage_cpu_share(self, cpu_ids: torch.Tensor, out: torch.Tensor, k: int, n: int, chunk: int,
                          stream) -> None:
@@ -614,12 +612,10 @@ class _SplitState:
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
-        # by rows: the CPU's ids' positions in the call and their staged ids (pinned, copied up), and
-        # their rows after the policy, before they are copied into place
+        # by rows: the CPU's ids' positions in the call (pinned, copied up), and (cpu_out, below) their rows
+        # after the policy, before they are copied into place
         self.pos_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
-        self.staged_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
         self.pos_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
-        self.staged_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.row_bytes = table.row_bytes  # once: HostTable.row_bytes builds a tensor
         self.staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
         lo, hi = lookup.spec.window

@@ -170,8 +170,8 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 # (split_profile.log there, 1M ids at share 0.45): the serial pass that finds the CPU's ids took 2,537 us, and
 # 958 us went before it (all the ids copied up, the sorted gather launched eagerly), against 5,174 us of CPU
 # gather.
-SPLIT_PLAN = ((16384, 0.35, 0, "ids"), (65536, 0.2, 32768, "ids"), (262144, 0.15, 65536, "ids"),
-              (1 << 20, 0.2, 65536, "ids"))
+SPLIT_PLAN = ((16384, 0.35, 0, "ids"), (65536, 0.2, 32768, "ids"), (262144, 0.45, 65536, "rows"),
+              (1 << 20, 0.55, 65536, "rows"))
 SPLIT_GPU_SHARE = tuple((at, share) for at, share, _, _ in SPLIT_PLAN)
 # lookup_split(by="rows") takes its bound row from about this many of the call's ids (every n // this-th)
 SPLIT_BOUND_SAMPLE = 2048

@@ -7,6 +7,7 @@
 #   e2e levers
 #   (default: all but soak, memcheck and memlock)
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side
+#   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
@@ -113,6 +114,9 @@ fi
 if has split; then
   step "split lookup by stage (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): GPU share, CPU gather by threads, H2D, whole"
   timeout 300 python3 -m uvaple.perf.split_profile --table-gib ${NGRAM_TABLE_GIB:-24} 2>&1 | tee "$R/ngram/split_profile.log"
+  if [ -n "${PROFILE_ARGS:-}" ]; then  # a second profile, e.g. "--by rows --share 0.45"
+    timeout 300 python3 -m uvaple.perf.split_profile --table-gib ${NGRAM_TABLE_GIB:-24} $PROFILE_ARGS 2>&1 | tee "$R/ngram/split_profile_2.log"
+  fi
 fi
 if has costs; then
   step "split lookup's host steps one at a time (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): ${COSTS_ARGS:-}"

@@ -320,7 +320,7 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SPLIT_SHARES = {"ids": (0.1, 0.15, 0.2, 0.25, 0.3, 0.35), "rows": (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)}
+SPLIT_SHARES = {"ids": (0.1, 0.15, 0.2, 0.25, 0.3, 0.35), "rows": (0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.7)}
 SPLIT_CHUNKS = (16384, 32768, 65536)  # rows per copy up
 SPLIT_N = (16384, 65536, 262144, 1048576)
 

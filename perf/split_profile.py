@@ -23,6 +23,7 @@ import torch
 
 import uvaple.integration.lookup as lookup_mod
 from uvaple.integration import GatherLookup, TableSpec
+from uvaple.integration.copy.cpu_gather import RangeSplit
 from uvaple.kernels import heuristics
 
 from .host_rates import fresh_id_sets
@@ -62,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     lk = GatherLookup(table, spec, dev, dequant_scale=scale, count=False, max_rows=max(ns), split=True)
     out = torch.empty(max(ns), ROW_BYTES, dtype=torch.bfloat16, device=dev)
     marks: list = []
-    saved = {name: getattr(lookup_mod, name) for name in ("split_rows", "range_rows", "gather_up")}
+    saved = {name: getattr(lookup_mod, name) for name in ("split_rows", "gather_up")}
     for name, fn in saved.items():
         setattr(lookup_mod, name, _wrap(marks, name, fn))
+    passes = {name: getattr(RangeSplit, name) for name in ("count", "write")}  # by rows: the two passes
+    for name, fn in passes.items():
+        setattr(RangeSplit, name, _wrap(marks, f"range_{name}", fn))
     lk.lookup = _wrap(marks, "gpu_launch", lk.lookup)  # an eager GPU share (a graph's replay is not wrapped)
     lk._stage_cpu_share = _wrap(marks, "cpu_share", lk._stage_cpu_share)
     print(f"torch intra-op threads {torch.get_num_threads()}; table {table.nbytes / GIB:.1f} GiB", flush=True)
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name, fn in saved.items():
             setattr(lookup_mod, name, fn)
+        for name, fn in passes.items():
+            setattr(RangeSplit, name, fn)
         lk.close()
         table.close()
     return 0

@@ -1242,31 +1242,37 @@ def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
 
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("row0", [False, True])
-@pytest.mark.parametrize("bound", [7, 8, 450, 899, 900])
-def test_range_rows_finds_the_cpu_ids_of_a_split_by_rows(id_dtype, row0, bound):
-    """The split by rows' one pass: the CPU takes every id outside rows ``[lo, bound)``, in call order, with
-    its position, the row to stage (``lo`` outside the window) and its staged id (``j``, or -1 outside the
-    window under zero rows); the GPU's ids are no slot's."""
-    from uvaple.integration.copy.cpu_gather import range_rows
+@pytest.mark.parametrize("bound", [8, 450, 899, 900])
+@pytest.mark.parametrize("block_ids", [1 << 15, 7, 1000])
+def test_range_split_finds_the_cpu_ids_of_a_split_by_rows(monkeypatch, id_dtype, row0, bound, block_ids):
+    """The split by rows' passes: the CPU takes every id of rows ``[bound, hi)`` and under ``row0`` every id
+    outside the window too, in call order, with its position and the row to stage (``lo`` outside the
+    window); the ids copied as int64; nothing written past the CPU's ids; one block or many (each
+    writing its own slots, side by side on numba's threads)."""
+    from uvaple.integration.copy import cpu_gather as cg
 
+    monkeypatch.setattr(cg, "RANGE_BLOCK_IDS", block_ids)
     lo, hi, base, n = 7, 900, 50, 5000
     info = torch.iinfo(id_dtype)
     ids = torch.randint(-100, 1100, (n,), dtype=torch.int64)
     ids[:8] = torch.tensor([info.min, info.max, base + lo - 1, base + lo, base + hi - 1, base + hi,
                             base + bound - 1, base + bound])
     ids = ids.to(id_dtype)
-    rows, pos, staged = (torch.full((n,), -7, dtype=torch.int64) for _ in range(3))
-    m, bad = range_rows(ids.numpy(), base, lo, bound, hi, row0, rows.numpy(), pos.numpy(), staged.numpy())
+    rows, pos, copy = (torch.full((n + 1,), -7, dtype=torch.int64) for _ in range(3))
+    parts = cg.RangeSplit(ids.numpy(), base, lo, bound, hi, row0)
+    m = parts.count(copy.numpy())
+    assert torch.equal(copy[:n], ids.to(torch.int64))
+    bad = parts.write(rows.numpy(), pos.numpy())
     local = ids.to(torch.int64) - base
     ok = (local >= lo) & (local < hi)
-    cpu = ~((local >= lo) & (local < bound))
+    gpu = (local >= lo) & (local < bound)
+    cpu = ~gpu if row0 else ok & ~gpu
     want_pos = cpu.nonzero().view(-1)
-    assert m == want_pos.numel() and 0 < m <= n and bad == int((~ok).sum()) > 0
-    assert (m == n) == (bound == lo)  # at lo the GPU has no rows
+    assert m == want_pos.numel() and (m > 0) == (bound < hi or row0)
+    assert bad == (int((~ok).sum()) if row0 else 0) and (bad > 0) == row0
     assert torch.equal(pos[:m], want_pos)
     assert torch.equal(rows[:m], torch.where(ok, local, lo)[want_pos])
-    j = torch.arange(m)
-    assert torch.equal(staged[:m], torch.where((ok | row0)[want_pos], j, -1))
+    assert int(rows[m]) == int(pos[m]) == -7  # nothing past the CPU's ids
 
 
 @pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])

@@ -172,7 +172,7 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
                                            (0.5, torch.int64, None, None), (1.0, torch.int64, 1, "rows"),
                                            (None, torch.int32, 29_999, "rows"), (0.2, torch.int64, 1 << 20, "ids"),
                                            (0.45, torch.int32, 4096, "rows"), (0.9, torch.int64, 7, "rows"),
-                                           (0.0, torch.int64, 1000, "rows")):
+                                           (0.0, torch.int64, 1000, "rows"), (1e-4, torch.int64, 4096, "rows")):
             ids = torch.randint(-3, h.rows + 110, (n,))
             ids[:50] = 2**31 - 1
             ids[50:60] = -2**31
