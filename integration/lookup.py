@@ -49,7 +49,7 @@ from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
 from ._fork import keep_in_child
-from .copy.cpu_gather import RangeSplit, gather_up, ids_within, split_rows, warm_split
+from .copy.cpu_gather import gather_up, ids_within, split_rows, warm_split
 from .devices import default_device, resolve_device
 from .errors import BackendClosed, LookupForkedError
 from .metrics import CounterSnapshots, Progress
@@ -347,22 +347,11 @@ class GatherLookup(Lookup):
         return out
 
     def lookup_split(self, ids: torch.Tensor, out: torch.Tensor, *, gpu_share: float | None = None,
-                     chunk_rows: int | None = None, by: str | None = None) -> torch.Tensor:
-        """Rows for host ``ids`` (a CPU int32/int64 tensor: the scheduler's) in ``out`` (on ``device``): a
-        ``gpu_share`` of them gathered by the GPU (the direct or sorted path, as :meth:`lookup`), the
+                     chunk_rows: int | None = None) -> torch.Tensor:
+        """Rows for host ``ids`` (a CPU int32/int64 tensor: the scheduler's) in ``out`` (on ``device``): the
+        first ``gpu_share`` of them gathered by the GPU (the direct or sorted path, as :meth:`lookup`), the
         rest by this thread into pinned staging (``heuristics.SPLIT_CPU_PATH``), copied to the device and
-        given the spec's policy by the same kernel.
-
-        ``by`` says which ids the GPU takes (default :func:`uvaple.kernels.heuristics.split_by`):
-        ``"ids"``, the first ``gpu_share`` of the call's ids; ``"rows"``, every id of the table's rows below
-        a bound row (the ``gpu_share`` quantile of a sample of the ids). By rows the GPU reads its rows as
-        densely as the whole call's (random rows spread over a big table are read faster the closer they
-        lie, and a share of the ids by position is as spread as all of them): the GPU sorts all the ids and
-        reads those below the bound, the CPU stages the others (one serial pass over the ids finds them and
-        their positions), and their rows are put in place by one more device copy. By rows is no default
-        today: its host work costs more than the denser reads save (``heuristics.SPLIT_PLAN``).
-
-        The staged rows are copied up ``chunk_rows`` at a time
+        given the spec's policy by the same kernel. The staged rows are copied up ``chunk_rows`` at a time
         (default :func:`uvaple.kernels.heuristics.split_chunk_rows`), each chunk's copy beside the gather of
         the next. No worker thread, no queue: the staging is reused
         only after the previous call's copy out of it has completed (an event this lookup owns, waited
@@ -395,19 +384,10 @@ class GatherLookup(Lookup):
         if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                        or chunk_rows < 1):
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
-        if by is None:
-            by = heuristics.split_by(n)
-        elif by not in ("ids", "rows"):
-            raise ValueError(f"by must be 'ids' or 'rows', got {by!r}")
         if n == 0:
             return out  # as lookup(): nothing launched, nothing counted
-        chunk = heuristics.split_chunk_rows(n) if chunk_rows is None else chunk_rows
         k = round(n * share)
         sp = self._split
-        if by == "rows" and 0 < k < n:
-            if self._split_by_rows(ids.reshape(-1), out.view(n, -1), share, chunk):
-                return out
-            k = 0  # the bound left the GPU no row: all the CPU's
         graph_rows = sp.graph_rows(k, n)
         if graph_rows:
             k = graph_rows  # the GPU's share replays the graph of the ladder's size at or below it
@@ -427,7 +407,8 @@ class GatherLookup(Lookup):
                         self.lookup(dev_ids, flat_out[:k])
                 m = n - k
                 if m:
-                    self._stage_cpu_share(flat_ids[k:], flat_out[k:], k, n, chunk, stream)
+                    self._stage_cpu_share(flat_ids[k:], flat_out[k:], k, n, heuristics.split_chunk_rows(n)
+                                          if chunk_rows is None else chunk_rows, stream)
                     waited = True
                 if graph_rows:
                     flat_out[:k].copy_(sp.gpu_out[:k])
@@ -436,66 +417,6 @@ class GatherLookup(Lookup):
                     stream.wait_stream(sp.copy_stream)
                 sp.free.record(stream)
         return out
-
-    def _split_by_rows(self, flat_ids: torch.Tensor, flat_out: torch.Tensor, share: float, chunk: int) -> bool:
-        """``lookup_split(by="rows")`` of ``n`` ids (``0 < share < 1``): the GPU's gather of every id over the
-        table's rows ``[lo, bound)`` (sorted where the lookup has the workspace), the CPU's gather of the
-        ids of rows ``[bound, hi)`` (and under ``row0`` of every id outside the window, as row ``lo``) into
-        the staging, their rows given the policy into ``cpu_out`` and copied into place by their positions
-        (``pos_dev``). The GPU's kernel gives every other id a zero row (under zero rows the right one for
-        an id outside the window, counted there), which the CPU's rows then replace. False, and nothing
-        done, where the bound leaves the GPU no row."""
-        sp, spec = self._split, self.spec
-        n = flat_ids.numel()
-        lo, hi = spec.window
-        off, row0 = spec.id_offset, spec.oob == "row0"
-        gpu_oob = 0 if row0 else spec.oob_mode
-        sample = flat_ids[:: max(1, n // heuristics.SPLIT_BOUND_SAMPLE)]
-        kth = min(sample.numel(), max(1, round(share * sample.numel())))
-        bound = min(hi, max(lo, int(torch.kthvalue(sample, kth).values) - off))
-        if bound <= lo:
-            return False
-        parts = RangeSplit(flat_ids.numpy(), off, lo, bound, hi, row0)
-        with sp.lock:
-            sp.free.synchronize()  # the previous call's copies out of the staging, and its reads of pos_dev
-            stream = torch.cuda.current_stream(self.device)
-            waited = False
-            try:
-                m = parts.count(sp.ids_host[:n].numpy())  # the ids also copied to the pinned ids_host
-                # the GPU's gather, launched before this thread's second pass and gather
-                dev_ids = sp.ids_dev[:n]
-                dev_ids.copy_(sp.ids_host[:n], non_blocking=True)
-                table = self._arg[:bound]  # the kernel's valid rows: [lo, bound)
-                if self._workspace is not None:
-                    torch.ops.uvaple.gather_rows_sorted(table, dev_ids, flat_out, self._counters, self._dq_scale,
-                                                        self._workspace, spec.scale_arg, spec.has_scale, 0, off, lo,
-                                                        gpu_oob, spec.dequant, self.dedup)
-                else:
-                    torch.ops.uvaple.gather_rows(table, dev_ids, flat_out, self._counters, self._dq_scale,
-                                                 spec.scale_arg, spec.has_scale, 0, off, lo, gpu_oob, spec.dequant)
-                if m:
-                    bad = parts.write(sp.rows_idx[:m].numpy(), sp.pos_host[:m].numpy())
-                    with torch.cuda.stream(sp.copy_stream):
-                        sp.pos_dev[:m].copy_(sp.pos_host[:m], non_blocking=True)
-                    gather_up(self.table.tensor.view(torch.uint8), sp.rows_idx[:m], sp.rows_host, sp.rows_dev,
-                              sp.copy_stream, sp.row_bytes, chunk, path=heuristics.SPLIT_CPU_PATH)
-                    sp.staged.record(sp.copy_stream)
-                    stream.wait_event(sp.staged)
-                    waited = True
-                    cpu_out = sp.cpu_out[:m]
-                    torch.ops.uvaple.gather_rows(sp.staged_rows[:m], sp.arange_dev[:m], cpu_out, self._counters,
-                                                 self._dq_scale, spec.scale_arg, spec.has_scale, 0, 0, 0,
-                                                 spec.oob_mode, spec.dequant)
-                    flat_out.index_copy_(0, sp.pos_dev[:m], cpu_out)
-                    if self._counters is not None:  # one call of n rows: the GPU counted the CPU's ids as outside
-                        self._counters[0].sub_(1)
-                        self._counters[1].sub_(m)
-                        self._counters[2].sub_(m - bad)  # row0's outside the window: staged as row lo
-            finally:
-                if not waited:
-                    stream.wait_stream(sp.copy_stream)
-                sp.free.record(stream)
-        return True
 
     def _stage_cpu_share(self, cpu_ids: torch.Tensor, out: torch.Tensor, k: int, n: int, chunk: int,
                          stream) -> None:
@@ -612,10 +533,6 @@ class _SplitState:
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
-        # by rows: the CPU's ids' positions in the call (pinned, copied up), and (cpu_out, below) their rows
-        # after the policy, before they are copied into place
-        self.pos_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
-        self.pos_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.row_bytes = table.row_bytes  # once: HostTable.row_bytes builds a tensor
         self.staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
         lo, hi = lookup.spec.window
@@ -629,7 +546,6 @@ class _SplitState:
         weakref.finalize(self, _wait_free, self.free).atexit = False  # dropped without close()
         keep_in_child(self)  # its pinned staging, events and graphs are never freed in a forked child
         c0, c1 = lookup.spec.columns(None)
-        self.cpu_out = torch.empty(max_rows, c1 - c0, dtype=lookup.spec.output_dtype, device=device)
         self.graph_sizes = heuristics.split_graph_sizes(max_rows, (c1 - c0) * lookup.spec.output_dtype.itemsize)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.gpu_out = None

@@ -161,43 +161,33 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 # 1M: 0.2 / 0.2 / 0.25 (4,841-5,933 us). Below the first entry the GPU takes every row. Where the CPU
 # gathers 230 M random rows/s on 16 threads (65,536 rows in 284 us, run 22) and the GPU 40-55 M/s at
 # these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
-# The fourth field: which ids the GPU takes (GatherLookup.lookup_split's ``by``): "ids", the first share of the
-# call's ids, or "rows", the ids of the table's rows below a bound (the GPU's rows then lie as densely as the
-# whole call's; its sorted gather of all 1M ids ran 1.9x the rate of a random fifth of them in run 24's bench).
-# "ids" everywhere: in the sweep of run 27 (perf/results/h200_2026-12-02/run27_*/ngram/ngram.log, shares
-# 0.25-0.6 by rows) by rows lost at 65,536 ids (1,211 us at best against 597) and 262,144 (2,997 against 2,065)
-# and was even at 1M (7,139 at share 0.6, the sweep's edge, against 7,191). Its host work decides it
-# (split_profile.log there, 1M ids at share 0.45): the serial pass that finds the CPU's ids took 2,537 us, and
-# 958 us went before it (all the ids copied up, the sorted gather launched eagerly), against 5,174 us of CPU
-# gather.
-SPLIT_PLAN = ((16384, 0.35, 0, "ids"), (65536, 0.2, 32768, "ids"), (262144, 0.45, 65536, "rows"),
-              (1 << 20, 0.55, 65536, "rows"))
-SPLIT_GPU_SHARE = tuple((at, share) for at, share, _, _ in SPLIT_PLAN)
-# lookup_split(by="rows") takes its bound row from about this many of the call's ids (every n // this-th)
-SPLIT_BOUND_SAMPLE = 2048
+# The GPU takes the first ids of the call. A split by table rows (the GPU sorts every id and reads those
+# of the rows below the ids' share-quantile, as densely as the whole call's; the CPU stages the others,
+# found by two parallel passes, and their rows are put in place by index_copy_; built and measured in
+# commit 8b914a8) lost at 65,536 and 262,144 ids and was even at 1M in two sweeps
+# (perf/results/h200_2026-12-02/run27_*, run28_*/ngram/ngram.log; run 28 at 65,536 / 262,144 / 1M: best
+# 1,283 / 2,464 / 5,833 us by rows, 613 / 1,743 / 5,509 by ids): it launches the sorted gather of all
+# the ids eagerly (400 us of host time at 1M) and its GPU share ran 1.35x slower than its part of the
+# GPU's whole sorted gather (split_profile.log there), the CPU's copies up then crossing the same link.
+SPLIT_PLAN = ((16384, 0.35, 0), (65536, 0.2, 32768), (262144, 0.15, 65536), (1 << 20, 0.2, 65536))
+SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
 # The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
 # word gather ("parallel", integration/copy/cpu_gather.py) is the alternative the split sweep times too.
 SPLIT_CPU_PATH = "torch"
 
 
-def _split_entry(n: int) -> tuple[float, int, str]:
-    share, chunk, by = 1.0, 0, "ids"
-    for at, s, c, b in SPLIT_PLAN:
+def _split_entry(n: int) -> tuple[float, int]:
+    share, chunk = 1.0, 0
+    for at, s, c in SPLIT_PLAN:
         if n >= at:
-            share, chunk, by = s, c, b
-    return share, chunk, by
+            share, chunk = s, c
+    return share, chunk
 
 
 def split_gpu_share(n: int, row_bytes: int, span_bytes: int) -> float:
     """The GPU's share of a split call of ``n`` ids (the entry for the nearest measured ``n`` at or below)."""
     del row_bytes, span_bytes  # measured for the n-gram shape only (160-B rows, 24 GiB)
     return _split_entry(n)[0]
-
-
-def split_by(n: int) -> str:
-    """Which ids of a split call of ``n`` ids the GPU takes: ``"ids"`` (the first of them) or ``"rows"``
-    (those of the table's first rows)."""
-    return _split_entry(n)[2]
 
 
 def split_chunk_rows(n: int) -> int:

@@ -140,10 +140,10 @@ class Run:
         torch.cuda.current_stream().wait_event(self.uploaded)
         torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
 
-    def split(self, share: float | None = None, chunk_rows: int | None = None, by: str | None = None):
+    def split(self, share: float | None = None, chunk_rows: int | None = None):
         def call(ids_cpu):
             n = ids_cpu.numel()
-            self.lookups["split"].lookup_split(ids_cpu, self.out[:n], gpu_share=share, chunk_rows=chunk_rows, by=by)
+            self.lookups["split"].lookup_split(ids_cpu, self.out[:n], gpu_share=share, chunk_rows=chunk_rows)
         return call
 
     def memcpy(self, n: int):
@@ -320,14 +320,13 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SPLIT_SHARES = {"ids": (0.1, 0.15, 0.2, 0.25, 0.3, 0.35), "rows": (0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.7)}
-SPLIT_CHUNKS = (16384, 32768, 65536)  # rows per copy up
+SPLIT_SHARES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45)
+SPLIT_CHUNKS = (0, 16384, 32768, 65536)  # rows per copy up (0: the whole share at once)
 SPLIT_N = (16384, 65536, 262144, 1048576)
 
 
 def split_sweep(run: Run, reps: int) -> list[dict]:
-    """The split path by which ids the GPU takes (``by``), GPU share, chunk rows and n (random ids), and
-    the CPU gather alone by chunk and path: the data behind ``heuristics.SPLIT_PLAN``."""
+    """The split path by GPU share, chunk rows and n (random ids): the data behind ``heuristics.SPLIT_PLAN``."""
     recs = []
     for n in SPLIT_N:
         if n > run.out.shape[0]:
@@ -335,22 +334,17 @@ def split_sweep(run: Run, reps: int) -> list[dict]:
         sets = [torch.randint(0, run.table.rows, (n,), generator=torch.Generator().manual_seed(99 + k))
                 for k in range(4)]
         for chunk in SPLIT_CHUNKS:
-            if chunk > n:
-                continue
-            for by, shares in SPLIT_SHARES.items():
-                if by == "rows" and n < 65536:
-                    continue
-                for share in shares:
-                    t = _time_eager(run.split(share, chunk, by), sets, reps, True)
-                    recs.append({"n": n, "by": by, "gpu_share": share, "chunk_rows": chunk, "us": t["median"],
-                                 "cpu_us": t["cpu_us"]})
-                    print(f"split n {n:8d} by {by:4s} gpu share {share:.2f} chunk {chunk:8d}: {t['median']:9.1f} us "
-                          f"(cpu {t['cpu_us']:.0f} us)", flush=True)
-            for path in ("parallel", "torch"):
-                t = _time_eager(lambda i, c=chunk, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True)
-                recs.append({"n": n, "cpu_gather_chunk_rows": chunk, "cpu_path": path, "us": t["median"],
+            for share in SPLIT_SHARES:
+                t = _time_eager(run.split(share, chunk or n), sets, reps, True)
+                recs.append({"n": n, "gpu_share": share, "chunk_rows": chunk or n, "us": t["median"],
                              "cpu_us": t["cpu_us"]})
-                print(f"cpu-gather-chunked n {n:8d} chunk {chunk:8d} {path:8s}: {t['median']:9.1f} us "
+                print(f"split n {n:8d} gpu share {share:.2f} chunk {chunk or n:8d}: {t['median']:9.1f} us "
+                      f"(cpu {t['cpu_us']:.0f} us)", flush=True)
+            for path in ("parallel", "torch"):
+                t = _time_eager(lambda i, c=chunk or n, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True)
+                recs.append({"n": n, "cpu_gather_chunk_rows": chunk or n, "cpu_path": path, "us": t["median"],
+                             "cpu_us": t["cpu_us"]})
+                print(f"cpu-gather-chunked n {n:8d} chunk {chunk or n:8d} {path:8s}: {t['median']:9.1f} us "
                       f"(cpu {t['cpu_us']:.0f} us)", flush=True)
     return recs
 

@@ -1,15 +1,14 @@
 """Where a split lookup's time goes: the host-side stages of ``lookup_split`` on a timeline, call by call.
 
-``python -m uvaple.perf.split_profile [--table-gib 24] [--rows 65536,1048576] [--share S] [--by ids|rows]``
+``python -m uvaple.perf.split_profile [--table-gib 24] [--rows 65536,1048576] [--share S]``
 
 The n-gram shape (160-B fp8 rows, random ids, a fresh id set each call: no cached rates). The stages
 ``lookup_split`` calls (an eager GPU share's launch, the CPU's share whole, and within it the id pass and
-the gather with its copies up; by rows the pass that finds the CPU's ids) are wrapped with timestamps;
-per ``n``, the median µs of each stage and of the gaps between them, the call's host time and the wait
-for the stream after it. Each ``n`` at the plan's GPU share and at share 0 (the CPU alone, through the
-same call); before each call, a bare ``index_select`` of as many other fresh ids as the CPU's share,
-timed, to set beside the split's ``gather_up`` (``perf/host_rates.py`` has the rates of each reader by
-threads).
+the gather with its copies up) are wrapped with timestamps; per ``n``, the median µs of each stage and
+of the gaps between them, the call's host time and the wait for the stream after it. Each ``n`` at the
+plan's GPU share and at share 0 (the CPU alone, through the same call); before each call, a bare
+``index_select`` of as many other fresh ids as the CPU's share, timed, to set beside the split's
+``gather_up`` (``perf/host_rates.py`` has the rates of each reader by threads).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import torch
 
 import uvaple.integration.lookup as lookup_mod
 from uvaple.integration import GatherLookup, TableSpec
-from uvaple.integration.copy.cpu_gather import RangeSplit
 from uvaple.kernels import heuristics
 
 from .host_rates import fresh_id_sets
@@ -49,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table-gib", type=float, default=24.0)
     p.add_argument("--rows", default="16384,65536,262144,1048576")
     p.add_argument("--share", type=float, default=None, help="the GPU's share (default: heuristics.SPLIT_PLAN)")
-    p.add_argument("--by", choices=("ids", "rows"), default=None,
-                   help="which ids the GPU takes (default: heuristics.SPLIT_PLAN)")
     p.add_argument("--reps", type=int, default=15)
     a = p.parse_args(argv)
     if cuda_missing(p.prog):
@@ -66,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     saved = {name: getattr(lookup_mod, name) for name in ("split_rows", "gather_up")}
     for name, fn in saved.items():
         setattr(lookup_mod, name, _wrap(marks, name, fn))
-    passes = {name: getattr(RangeSplit, name) for name in ("count", "write")}  # by rows: the two passes
-    for name, fn in passes.items():
-        setattr(RangeSplit, name, _wrap(marks, f"range_{name}", fn))
     lk.lookup = _wrap(marks, "gpu_launch", lk.lookup)  # an eager GPU share (a graph's replay is not wrapped)
     lk._stage_cpu_share = _wrap(marks, "cpu_share", lk._stage_cpu_share)
     print(f"torch intra-op threads {torch.get_num_threads()}; table {table.nbytes / GIB:.1f} GiB", flush=True)
@@ -77,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         staging = torch.empty(max(ns), ROW_BYTES, dtype=torch.uint8, pin_memory=True)
         for n in ns:
             plan = heuristics.split_gpu_share(n, ROW_BYTES, table.nbytes) if a.share is None else a.share
-            by = heuristics.split_by(n) if a.by is None else a.by
             sets = fresh_id_sets(n, table.rows, seed=n)
             for share in sorted({plan, 0.0}, reverse=True):  # the plan's split, and the CPU alone through it
                 k = round(n * share)
@@ -93,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     c1 = time.perf_counter()
                     marks.clear()
                     t0 = time.perf_counter()
-                    lk.lookup_split(ids, out[:n], gpu_share=share, by=by)
+                    lk.lookup_split(ids, out[:n], gpu_share=share)
                     t1 = time.perf_counter()
                     torch.cuda.current_stream(dev).synchronize()
                     t2 = time.perf_counter()
@@ -105,13 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                     spans.setdefault("host call", []).append((t1 - t0) * 1e6)
                     spans.setdefault("whole", []).append((t2 - t0) * 1e6)
                     spans.setdefault("the CPU share's index_select alone", []).append((c1 - c0) * 1e6)
-                print(f"n {n:8d} by {by} gpu share {share:.2f}: " +
+                print(f"n {n:8d} gpu share {share:.2f}: " +
                       " | ".join(f"{k} {statistics.median(v):.0f}us" for k, v in spans.items()), flush=True)
     finally:
         for name, fn in saved.items():
             setattr(lookup_mod, name, fn)
-        for name, fn in passes.items():
-            setattr(RangeSplit, name, fn)
         lk.close()
         table.close()
     return 0

@@ -1240,41 +1240,6 @@ def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
     assert ok[3] and ok[4] and not ok[2] and not ok[5]  # the window's edges are in the data
 
 
-@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("row0", [False, True])
-@pytest.mark.parametrize("bound", [8, 450, 899, 900])
-@pytest.mark.parametrize("block_ids", [1 << 15, 7, 1000])
-def test_range_split_finds_the_cpu_ids_of_a_split_by_rows(monkeypatch, id_dtype, row0, bound, block_ids):
-    """The split by rows' passes: the CPU takes every id of rows ``[bound, hi)`` and under ``row0`` every id
-    outside the window too, in call order, with its position and the row to stage (``lo`` outside the
-    window); the ids copied as int64; nothing written past the CPU's ids; one block or many (each
-    writing its own slots, side by side on numba's threads)."""
-    from uvaple.integration.copy import cpu_gather as cg
-
-    monkeypatch.setattr(cg, "RANGE_BLOCK_IDS", block_ids)
-    lo, hi, base, n = 7, 900, 50, 5000
-    info = torch.iinfo(id_dtype)
-    ids = torch.randint(-100, 1100, (n,), dtype=torch.int64)
-    ids[:8] = torch.tensor([info.min, info.max, base + lo - 1, base + lo, base + hi - 1, base + hi,
-                            base + bound - 1, base + bound])
-    ids = ids.to(id_dtype)
-    rows, pos, copy = (torch.full((n + 1,), -7, dtype=torch.int64) for _ in range(3))
-    parts = cg.RangeSplit(ids.numpy(), base, lo, bound, hi, row0)
-    m = parts.count(copy.numpy())
-    assert torch.equal(copy[:n], ids.to(torch.int64))
-    bad = parts.write(rows.numpy(), pos.numpy())
-    local = ids.to(torch.int64) - base
-    ok = (local >= lo) & (local < hi)
-    gpu = (local >= lo) & (local < bound)
-    cpu = ~gpu if row0 else ok & ~gpu
-    want_pos = cpu.nonzero().view(-1)
-    assert m == want_pos.numel() and (m > 0) == (bound < hi or row0)
-    assert bad == (int((~ok).sum()) if row0 else 0) and (bad > 0) == row0
-    assert torch.equal(pos[:m], want_pos)
-    assert torch.equal(rows[:m], torch.where(ok, local, lo)[want_pos])
-    assert int(rows[m]) == int(pos[m]) == -7  # nothing past the CPU's ids
-
-
 @pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
 def test_torch_path_takes_in_range_ids_as_they_are(monkeypatch, ids_dtype):
     """No id offset and every id a row: index_select gets the ids themselves, the serial ids pass does

@@ -345,12 +345,11 @@ def counters(lk) -> dict:
 
 
 def check(lk, table: Table, path: str, oob: str, ids: list[int], shape: tuple, id_dtype: torch.dtype,
-          columns=None, share: float | None = None, strided: bool = False, by: str | None = None) -> None:
+          columns=None, share: float | None = None, strided: bool = False) -> None:
     """One call of ``lk`` on poisoned, guarded output: bits, no foreign element, guards, counters.
-    ``strided``: the ids are every other element of a bigger tensor (not contiguous); ``share`` and ``by``:
-    a split call's."""
+    ``strided``: the ids are every other element of a bigger tensor (not contiguous)."""
     ctx = (f"{path} {table.name} oob={oob} {id_dtype} shape={shape} columns={columns} share={share} "
-           f"strided={strided} by={by} ids={ids}")
+           f"strided={strided} ids={ids}")
     host_ids = torch.tensor(ids, dtype=torch.int64).to(id_dtype).reshape(shape)
     if strided:
         wide = torch.full((*shape, 2), 3, dtype=id_dtype)
@@ -360,7 +359,7 @@ def check(lk, table: Table, path: str, oob: str, ids: list[int], shape: tuple, i
     buf, out = guarded(tuple(want.shape), want.dtype, table.device)
     before = counters(lk)
     if path == "split":
-        got = lk.lookup_split(host_ids, out, gpu_share=share, by=by)
+        got = lk.lookup_split(host_ids, out, gpu_share=share)
     else:
         got = lk.lookup(host_ids.to(table.device), out, columns=columns)
     assert got is out, ctx
@@ -435,7 +434,6 @@ class Call:
     columns: tuple | None
     share: float | None
     strided: bool
-    by: str | None
 
 
 @st.composite
@@ -463,8 +461,7 @@ def calls(draw, path: str, enc_name: str, salt: int) -> Call:
     columns = None if path == "split" else draw(st.sampled_from(column_ranges(enc)))
     share = draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])) if path == "split" else None
     shape = draw(st.sampled_from(shapes(len(ids))))
-    by = draw(st.sampled_from(rotate(["ids", "rows"], salt))) if path == "split" else None
-    return Call(geom_name, oob, id_dtype, ids, shape, columns, share, draw(st.booleans()), by)
+    return Call(geom_name, oob, id_dtype, ids, shape, columns, share, draw(st.booleans()))
 
 
 # ------------------------------------------------------------------ the tests
@@ -485,8 +482,6 @@ def test_every_id_class(built, device, path, enc, geom):
         lk, table = built.lookup(path, enc, geom, oob, device)
         ids = edge_ids(g, id_dtype)
         check(lk, table, path, oob, ids, (len(ids),), id_dtype, share=share)
-        if path == "split":  # the GPU takes the ids of the table's first rows, the CPU every other one
-            check(lk, table, path, oob, ids, (len(ids),), id_dtype, share=share, by="rows")
         lo, hi = ID_RANGE[id_dtype]
         check(lk, table, path, oob, [min(max(g.valid_ids[0], lo), hi)], (), id_dtype, share=share)
         if path != "split":  # test_split_lookup_of_no_ids
@@ -505,8 +500,7 @@ def test_fuzz_lookup(built, device, path, enc, data):
     """Random ids of every class in random shapes, column ranges, policies and geometries."""
     c = data.draw(calls(path, enc, CASES.index((path, enc))))
     lk, table = built.lookup(path, enc, c.geom, c.oob, device)
-    check(lk, table, path, c.oob, c.ids, c.shape, c.id_dtype, columns=c.columns, share=c.share, strided=c.strided,
-          by=c.by)
+    check(lk, table, path, c.oob, c.ids, c.shape, c.id_dtype, columns=c.columns, share=c.share, strided=c.strided)
 
 
 @pytest.mark.parametrize("geom", ["wide", "wide_shard"])
@@ -581,24 +575,19 @@ def test_split_lookup_of_no_ids(built):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("by", ["ids", "rows"])
-def test_split_lookup_counts_one_call(built, by):
-    """One split call is one lookup of its rows in ``stats()``, however its ids are shared between GPU and
-    CPU (by rows the GPU's kernel sees every id, the CPU's as outside its rows)."""
+def test_split_lookup_counts_one_call(built):
+    """One split call is one lookup in ``stats()``, however its ids are shared between GPU and CPU."""
     lk, _ = _split_lookup(built, "zero")
-    before = lk.stats()
-    lk.lookup_split(torch.arange(10), torch.empty(10, 13, dtype=torch.bfloat16, device="cuda"), gpu_share=0.5, by=by)
-    after = lk.stats()
-    assert [after[k] - before[k] for k in ("lookups", "rows", "out_of_range_ids")] == [1, 10, 0]
+    before = lk.stats()["lookups"]
+    lk.lookup_split(torch.arange(10), torch.empty(10, 13, dtype=torch.bfloat16, device="cuda"), gpu_share=0.5)
+    assert lk.stats()["lookups"] - before == 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("oob", ["zero", "row0"])
-@pytest.mark.parametrize("by", ["ids", "rows"])
-def test_split_lookup_counts_out_of_range_ids(built, oob, by):
-    """The CPU share's out-of-range ids are counted once, also under ``row0`` (staged as valid rows)."""
-    lk, _ = _split_lookup(built, oob)
+def test_split_lookup_counts_out_of_range_ids_under_row0(built):
+    """Under ``row0`` the CPU share's out-of-range ids are staged as valid rows; they are counted all the same."""
+    lk, _ = _split_lookup(built, "row0")
     before = lk.stats()["out_of_range_ids"]
     ids = torch.tensor([1, 2, 3, 4, -1, 700, 2**40, -(2**63)])  # the out-of-range ids in the CPU share
-    lk.lookup_split(ids, torch.empty(8, 13, dtype=torch.bfloat16, device="cuda"), gpu_share=0.5, by=by)
+    lk.lookup_split(ids, torch.empty(8, 13, dtype=torch.bfloat16, device="cuda"), gpu_share=0.5)
     assert lk.stats()["out_of_range_ids"] - before == 4

@@ -157,8 +157,7 @@ def test_auto_order_on_the_gpu_matches_direct(fp8_table):
 @pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
 def test_split_lookup_matches_lookup(fp8_table, oob):
     """Host ids, a share gathered by this thread into pinned staging, the rest by the GPU: same bits,
-    call after call over the same staging, whatever the share and whichever ids the GPU takes (the first
-    ones, or those of the table's first rows)."""
+    call after call over the same staging, whatever the share."""
     from uvaple.integration import GatherLookup, TableSpec
 
     h = fp8_table
@@ -168,17 +167,14 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
     n = 30_000
     with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
         outs = []
-        for share, id_dtype, chunk, by in ((0.0, torch.int64, 4096, "ids"), (0.3, torch.int32, 7, "ids"),
-                                           (0.5, torch.int64, None, None), (1.0, torch.int64, 1, "rows"),
-                                           (None, torch.int32, 29_999, "rows"), (0.2, torch.int64, 1 << 20, "ids"),
-                                           (0.45, torch.int32, 4096, "rows"), (0.9, torch.int64, 7, "rows"),
-                                           (0.0, torch.int64, 1000, "rows"), (1e-4, torch.int64, 4096, "rows")):
+        for share, id_dtype, chunk in ((0.0, torch.int64, 4096), (0.3, torch.int32, 7), (0.5, torch.int64, None),
+                                       (1.0, torch.int64, 1), (None, torch.int32, 29_999), (0.2, torch.int64, 1 << 20)):
             ids = torch.randint(-3, h.rows + 110, (n,))
             ids[:50] = 2**31 - 1
             ids[50:60] = -2**31
             ids = ids.to(id_dtype)
             out = torch.full((n, 160), float("nan"), dtype=torch.bfloat16, device=DEV)
-            lk.lookup_split(ids, out, gpu_share=share, chunk_rows=chunk, by=by)
+            lk.lookup_split(ids, out, gpu_share=share, chunk_rows=chunk)
             outs.append((ids, out))  # the next call reuses the staging while this one may still copy
         for ids, out in outs:
             assert torch.equal(bits(out), bits(lk.lookup(ids.to(DEV))))
@@ -186,8 +182,6 @@ def test_split_lookup_matches_lookup(fp8_table, oob):
             lk.lookup_split(ids.to(DEV), out)
         with pytest.raises(ValueError, match="gpu_share"):
             lk.lookup_split(ids, out, gpu_share=1.5)
-        with pytest.raises(ValueError, match="by must be"):
-            lk.lookup_split(ids, out, by="cols")
         for bad in (0, -1, 2.5, True):
             with pytest.raises(ValueError, match="chunk_rows"):
                 lk.lookup_split(ids, out, chunk_rows=bad)

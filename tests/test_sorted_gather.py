@@ -218,12 +218,10 @@ def test_split_share_table():
     first = heuristics.SPLIT_GPU_SHARE[0][0]
     assert heuristics.split_gpu_share(1, 160, 0) == heuristics.split_gpu_share(first - 1, 160, 0) == 1.0
     assert heuristics.split_chunk_rows(first - 1) == first - 1  # the GPU's alone: nothing staged in chunks
-    assert heuristics.split_by(first - 1) == "ids"
-    for at, share, chunk, by in heuristics.SPLIT_PLAN:
+    for at, share, chunk in heuristics.SPLIT_PLAN:
         assert heuristics.split_gpu_share(at, 160, 0) == share and 0 < share < 1
         assert heuristics.split_chunk_rows(at) == (chunk or at)
         assert heuristics.split_chunk_rows(at + 1) == (chunk or at + 1)
-        assert heuristics.split_by(at) == heuristics.split_by(at + 1) == by and by in ("ids", "rows")
     assert heuristics.SPLIT_CPU_PATH in ("torch", "parallel")
 
 

@@ -246,97 +246,11 @@ def split_rows(ids: np.ndarray, id_base: int, lo: int, hi: int, row0: bool, rows
     return int(_split_kernel()(ids, np.int64(id_base), np.int64(lo), np.int64(hi), bool(row0), rows, staged))
 
 
-@functools.lru_cache(maxsize=1)
-def _range_kernels() -> tuple[Callable, Callable]:
-    import numba
-
-    @numba.njit(parallel=True, nogil=True, cache=False)
-    def count_blocks(ids, id_base, lo, bound, hi, row0, per, counts, copy):
-        # counts[b]: the CPU's ids in block b (ids b*per ..); each id also copied to copy (int64)
-        n = ids.shape[0]
-        for b in numba.prange(counts.shape[0]):
-            c = 0
-            for i in range(b * per, min(n, (b + 1) * per)):
-                x = np.int64(ids[i])
-                copy[i] = x
-                r = x - id_base
-                cpu = ((r < lo) | (r >= bound)) if row0 else ((r >= bound) & (r < hi))
-                c += 1 if cpu else 0
-            counts[b] = c
-
-    @numba.njit(parallel=True, nogil=True, cache=False)
-    def write_blocks(ids, id_base, lo, bound, hi, row0, per, starts, counts, rows, pos, bads):
-        # block b writes its CPU ids to slots starts[b] .. + counts[b], without a branch on the id: every id
-        # writes slot m, which advances only for the CPU's ids (a random split would mispredict every
-        # other branch); the test on m only stops the writes of the GPU's ids after the block's last CPU
-        # id, which would land on the next block's first slot
-        n = ids.shape[0]
-        for b in numba.prange(starts.shape[0]):
-            m = starts[b]
-            end = m + counts[b]
-            bad = 0
-            for i in range(b * per, min(n, (b + 1) * per)):
-                r = np.int64(ids[i]) - id_base
-                ok = (r >= lo) & (r < hi)
-                cpu = ((r < lo) | (r >= bound)) if row0 else ((r >= bound) & ok)
-                if m < end:
-                    rows[m] = r if ok else lo
-                    pos[m] = i
-                bad += 0 if ok else 1
-                m += 1 if cpu else 0
-            bads[b] = bad
-
-    return count_blocks, write_blocks
-
-
-RANGE_BLOCK_IDS = 1 << 15  # ids per block of the split by rows' passes (at most 4 blocks a numba thread)
-
-
-class RangeSplit:
-    """Which ids of a split lookup by table rows the CPU stages, found in two passes over blocks of the ids
-    on numba's threads: :meth:`count` (each block's CPU ids; the ids also copied, as int64, for the
-    GPU), then :meth:`write` (each block's CPU ids from the block's first slot). The GPU reads rows
-    ``[lo, bound)`` of the window ``[lo, hi)``; the CPU stages the ids of rows ``[bound, hi)`` and, under
-    ``row0``, the ids outside the window too (staged as row ``lo``); under zero rows those are the GPU's
-    (outside its rows: a zero row, counted there). Every staged row is a row of the window, so staged row
-    ``j`` is the CPU's ``j``-th id's."""
-
-    def __init__(self, ids: np.ndarray, id_base: int, lo: int, bound: int, hi: int, row0: bool) -> None:
-        self.ids, self.row0 = ids, bool(row0)
-        self.args = (np.int64(id_base), np.int64(lo), np.int64(bound), np.int64(hi))
-        n = ids.shape[0]
-        blocks = max(1, min(-(-n // RANGE_BLOCK_IDS), 4 * _numba_threads()))
-        self.per = np.int64(-(-n // blocks) if n else 1)
-        self.counts = np.empty(blocks, dtype=np.int64)
-
-    def count(self, copy: np.ndarray) -> int:
-        """The CPU's ids (``copy``: int64, at least as long as the ids, gets them all)."""
-        with _GATHER_LOCK:
-            _range_kernels()[0](self.ids, *self.args, self.row0, self.per, self.counts, copy)
-        return int(self.counts.sum())
-
-    def write(self, rows: np.ndarray, pos: np.ndarray) -> int:
-        """For the CPU's ``j``-th id: ``rows[j]``, the table row to stage (``lo`` outside the window), and
-        ``pos[j]``, its position in the call (int64 buffers at least as long as :meth:`count`'s answer).
-        Returns how many of the CPU's ids were outside the window (row0's: staged, yet out of range)."""
-        starts = np.zeros_like(self.counts)
-        np.cumsum(self.counts[:-1], out=starts[1:])
-        bads = np.empty_like(self.counts)
-        with _GATHER_LOCK:
-            _range_kernels()[1](self.ids, *self.args, self.row0, self.per, starts, self.counts, rows, pos, bads)
-        return int(bads.sum()) if self.row0 else 0
-
-
 def warm_split() -> None:
-    """Compile :func:`split_rows` and :class:`RangeSplit`'s passes for int32 and int64 ids now, not in the
-    first split lookup."""
-    rows, staged, pos = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
+    """Compile :func:`split_rows` for int32 and int64 ids now, not in the first split lookup."""
+    rows, staged = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
     for dt in (np.int32, np.int64):
         split_rows(np.zeros(1, dtype=dt), 0, 0, 1, False, rows, staged)
-        for row0 in (False, True):
-            rs = RangeSplit(np.zeros(1, dtype=dt), 0, 0, 1, 1, row0)
-            rs.count(staged)
-            rs.write(rows, pos)
 
 
 def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_rows: int, *,
