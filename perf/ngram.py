@@ -340,7 +340,7 @@ def split_sweep(run: Run, reps: int) -> list[dict]:
                              "cpu_us": t["cpu_us"]})
                 print(f"split n {n:8d} gpu share {share:.2f} chunk {chunk or n:8d}: {t['median']:9.1f} us "
                       f"(cpu {t['cpu_us']:.0f} us)", flush=True)
-            for path in ("parallel", "torch"):
+            for path in ("parallel", "prefetch", "torch"):
                 t = _time_eager(lambda i, c=chunk or n, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True)
                 recs.append({"n": n, "cpu_gather_chunk_rows": chunk or n, "cpu_path": path, "us": t["median"],
                              "cpu_us": t["cpu_us"]})

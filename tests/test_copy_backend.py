@@ -369,7 +369,7 @@ def gather_bytes(path: str, table: np.ndarray, ids: np.ndarray, nbytes: int, byt
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("oob", ["zero", "neg_zero", "row0"])
 def test_torch_path_stages_the_numba_bytes(monkeypatch, dtype, cols, ids_dtype, oob):
-    """The torch path writes exactly the bytes of both numba kernels (and of an independent numpy
+    """The torch path writes exactly the bytes of the numba kernels (and of an independent numpy
     gather), returns the same count, and does its copy with index_select: under oob='row0' also with
     out-of-range ids; under oob='zero' those calls are numba's."""
     calls = IndexSelectCalls(monkeypatch)
@@ -398,7 +398,7 @@ def test_torch_path_stages_the_numba_bytes(monkeypatch, dtype, cols, ids_dtype, 
                         want[~valid] = np.resize(zero, nbytes)
                     before = calls.calls
                     got = {p: gather_bytes(p, tb, ids, nbytes, byte_start, oob_row0, zero, id_base)
-                           for p in ("serial", "parallel", "torch")}
+                           for p in ("serial", "parallel", "prefetch", "torch")}
                     assert calls.calls - before == (1 if oob_row0 or valid.all() else 0)
                     for p, (bad, out) in got.items():
                         assert bad == int((~valid).sum()), p
@@ -1280,7 +1280,7 @@ def test_word_gather_gives_the_byte_gathers_bytes(itemsize, oob_row0):
             want[~valid] = np.resize(zero, nbytes)
         probe = np.empty((len(ids), nbytes), dtype=np.uint8)
         assert (cpu_gather._as_words(table, probe, byte_start, zero) is not None) == words
-        for path in ("serial", "parallel"):
+        for path in ("serial", "parallel", "prefetch"):
             out = np.full((len(ids), nbytes), 0xA5, dtype=np.uint8)
             bad = cpu_gather.cpu_gather(table, ids, out, byte_start, oob_row0, zero, path=path)
             assert bad == int((~valid).sum())
@@ -1304,3 +1304,32 @@ def test_warm_up_compiles_what_the_first_gathers_use():
             cpu_gather.cpu_gather(table, ids, out, byte_start, False, zero, path=path)
             cpu_gather.cpu_gather(table, ids.astype(np.int32), out, byte_start, True, zero, path=path)
     assert [len(k.signatures) for k in kernels] == before
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_gather_compiles_and_falls_back_where_it_cannot():
+    """The prefetching gather compiles with this numba (LLVM's prefetch intrinsic under one of its two
+    names); where it cannot, path='prefetch' is the parallel kernel's, same bytes and count; its threads'
+    blocks meet exactly (more threads than ids, ids not a multiple of the threads)."""
+    assert cpu_gather._prefetch_intrinsic() is not None and cpu_gather._prefetch_kernel() is not None
+    rng = np.random.default_rng(11)
+    table = rng.integers(0, 256, (1000, 40), dtype=np.uint8)
+    zero = np.array([0x80], dtype=np.uint8)
+    for n in (1, 3, 7, 1001):
+        ids = rng.integers(-3, 1003, n).astype(np.int64)
+        want = [np.full((n, 40), 0xA5, dtype=np.uint8) for _ in range(2)]
+        counts = [cpu_gather.cpu_gather(table, ids, want[k], 0, k == 1, zero, path="parallel") for k in range(2)]
+        for k in range(2):
+            got = np.full((n, 40), 0x5A, dtype=np.uint8)
+            assert cpu_gather.cpu_gather(table, ids, got, 0, k == 1, zero, path="prefetch") == counts[k]
+            np.testing.assert_array_equal(got, want[k])
+    cpu_gather._prefetch_kernel.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cpu_gather, "_prefetch_intrinsic", lambda: None)
+            assert cpu_gather._prefetch_kernel() is None
+            got = np.full((1001, 40), 0x5A, dtype=np.uint8)
+            assert cpu_gather.cpu_gather(table, ids, got, 0, True, zero, path="prefetch") == counts[1]
+            np.testing.assert_array_equal(got, want[1])
+    finally:
+        cpu_gather._prefetch_kernel.cache_clear()

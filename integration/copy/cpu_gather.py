@@ -105,6 +105,119 @@ def _gather_kernels() -> tuple[Callable, Callable]:
     return serial, parallel
 
 
+# The prefetching gather: each numba thread copies one contiguous block of the ids, and while it copies
+# row i it asks for the first PREFETCH_LINES cache lines of row i + PREFETCH_AHEAD (a prefetch instruction
+# retires at once, where a load that misses holds the core's window: a thread then waits for several rows
+# at a time instead of about one).
+PREFETCH_AHEAD = 8
+PREFETCH_LINES = 4
+
+
+def _prefetch_intrinsic():
+    """A numba intrinsic ``prefetch(address)`` (LLVM's ``llvm.prefetch``, for reading, kept in every cache
+    level), or None where this numba cannot compile it. LLVM names the intrinsic by its pointer type:
+    ``p0`` with opaque pointers, ``p0i8`` before them; each is tried on a tiny function."""
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    def make(name: str):
+        def codegen(context, builder, signature, args):
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                name)
+            builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                              ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        def prefetch(typingctx, addr):
+            return types.void(types.intp), codegen
+
+        return intrinsic(prefetch)
+
+    for name in ("llvm.prefetch.p0", "llvm.prefetch.p0i8"):
+        prefetch = make(name)
+
+        @numba.njit(nogil=True, cache=False)
+        def probe(a, prefetch=prefetch):
+            prefetch(a.ctypes.data)
+            return a[0]
+
+        try:
+            probe(np.ones(1, dtype=np.int64))
+        except Exception:  # this LLVM wants the other name (or has neither)
+            continue
+        return prefetch
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _zero_rows() -> Callable:
+    """A serial pass writing ``zero`` (repeated) over the rows of ``out`` whose id is out of range."""
+    import numba
+
+    @numba.njit(nogil=True, cache=False)
+    def zero_rows(ids, rows, id_base, out, zero):
+        nz = zero.shape[0]
+        for i in range(ids.shape[0]):
+            r = np.int64(ids[i]) - id_base
+            if r < 0 or r >= rows:
+                for j in range(out.shape[1]):
+                    out[i, j] = zero[j % nz]
+
+    return zero_rows
+
+
+@functools.lru_cache(maxsize=1)
+def _prefetch_kernel() -> Callable | None:
+    """The prefetching parallel gather ``(table, ids, out, id_base, rows ahead, lines a row) -> out-of-range
+    ids`` (row 0 copied for them), or None where the prefetch intrinsic does not compile."""
+    import numba
+
+    prefetch = _prefetch_intrinsic()
+    if prefetch is None:
+        return None
+
+    @numba.njit(parallel=True, nogil=True, cache=False)
+    def gather(table, ids, out, id_base, ahead, lines):
+        # row 0's elements for an out-of-range id (the caller writes zero rows over them where the policy
+        # says so); each thread one contiguous block of the ids, its loop in the parallel body itself and
+        # free of branches on the ids (a loop in a function of its own, or a branch per id, ran at half
+        # the rate); column 0 on (a column offset's signed index costs the copy its speed): the caller
+        # passes out's columns only
+        n = ids.shape[0]
+        threads = numba.get_num_threads()
+        per = (n + threads - 1) // threads
+        first = table.ctypes.data
+        row_step = table.strides[0]
+        rows = table.shape[0]
+        width = out.shape[1]
+        bads = np.zeros(threads, dtype=np.int64)
+        for t in numba.prange(threads):
+            a = t * per
+            e = min(n, a + per)
+            bad = 0
+            for i in range(a, e):
+                if i + ahead < e:  # an address inside the table, whatever the id
+                    q = min(max(np.int64(ids[i + ahead]) - id_base, 0), rows - 1)
+                    p = first + q * row_step
+                    for c in range(lines):
+                        prefetch(p + 64 * c)
+                r = np.int64(ids[i]) - id_base
+                ok = (r >= 0) & (r < rows)
+                bad += 0 if ok else 1
+                r = r if ok else 0
+                for j in range(width):
+                    out[i, j] = table[r, j]
+            bads[t] = bad
+        return bads.sum()
+
+    return gather
+
+
 def _as_words(table: np.ndarray, out: np.ndarray, byte_start: int, zero: np.ndarray):
     """(table words, out words, word start, the zero element as one word) for a copy in 8-byte words, or None."""
     nbytes = out.shape[1]
@@ -175,8 +288,8 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
     n, nbytes = out.shape
     if path is None:
         path = gather_path(n, nbytes, parallel_min_bytes=parallel_min_bytes)
-    elif path not in ("serial", "parallel", "torch"):
-        raise ValueError(f"path must be 'serial', 'parallel' or 'torch', got {path!r}")
+    elif path not in ("serial", "parallel", "prefetch", "torch"):
+        raise ValueError(f"path must be 'serial', 'parallel', 'prefetch' or 'torch', got {path!r}")
     base = np.int64(id_base)
     with _GATHER_LOCK:
         if path == "torch" and row_ids is not None:
@@ -195,8 +308,17 @@ def cpu_gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray, byte_start: 
             if not bad or oob_row0:
                 torch.index_select(src, 0, torch.from_numpy(idx), out=torch.from_numpy(out))
                 return bad
-        fn = serial if path == "serial" else parallel
         words = _as_words(table, out, byte_start, zero) if n and nbytes else None
+        if path == "prefetch":
+            pf = _prefetch_kernel() if byte_start == 0 and n else None  # else the parallel kernel
+            if pf is not None:
+                t_, o_ = (words[0], words[1]) if words is not None else (table, out)
+                bad = int(pf(t_, ids, o_, base, np.int64(PREFETCH_AHEAD), np.int64(min(PREFETCH_LINES,
+                                                                                       -(-nbytes // 64)))))
+                if bad and not oob_row0:  # zero rows for them, over row 0's
+                    _zero_rows()(ids, table.shape[0], base, out, zero)
+                return bad
+        fn = serial if path == "serial" else parallel
         if words is not None:
             return int(fn(words[0], ids, words[1], words[2], oob_row0, words[3], base))
         return int(fn(table, ids, out, byte_start, oob_row0, zero, base))
@@ -258,8 +380,8 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
     """Rows ``rows`` (int32 or int64, CPU) of ``table_bytes`` (a uint8 ``[rows, stride]`` CPU tensor)
     gathered into pinned ``host`` and copied to ``dev`` (rows of ``host``'s stride) on ``copy_stream``,
     ``chunk_rows`` rows at a time: the copy of one chunk runs while the next is gathered. ``path``:
-    ``"parallel"`` (this module's numba gather: 8-byte words on every numba thread; every row must be
-    inside the table) or ``"torch"`` (``torch.index_select`` on torch's intra-op threads, which raises
+    ``"parallel"`` or ``"prefetch"`` (this module's numba gathers: 8-byte words on every numba thread;
+    every row must be inside the table) or ``"torch"`` (``torch.index_select`` on torch's intra-op threads, which raises
     ``IndexError`` at a row outside the table, before reading it). The caller owns ``host`` until the
     copies are done (an event recorded on ``copy_stream`` after this).
 
@@ -268,11 +390,11 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
     cache that ``copy_stream`` used ``host``'s memory: when ``host`` is freed, the cache records an event
     on that stream and hands the memory out again only once it has passed, after every copy out of it
     (all on ``copy_stream``, in order), also if ``host`` is dropped while they run."""
-    if path not in ("parallel", "torch"):
-        raise ValueError(f"path must be 'parallel' or 'torch', got {path!r}")
+    if path not in ("parallel", "prefetch", "torch"):
+        raise ValueError(f"path must be 'parallel', 'prefetch' or 'torch', got {path!r}")
     m = rows.shape[0]
     step = max(1, int(chunk_rows))
-    if path == "parallel":
+    if path != "torch":
         t_np, r_np, h_np = table_bytes.numpy(), rows.numpy(), host.numpy()
         zero = np.zeros(1, dtype=np.uint8)  # unused: every row is inside the table
     stride = host.stride(0)
@@ -286,7 +408,7 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
             if path == "torch":
                 torch.index_select(table_bytes, 0, rows[a:b], out=host[a:b, :row_bytes])
             else:
-                cpu_gather(t_np, r_np[a:b], h_np[a:b, :row_bytes], 0, True, zero, path="parallel")
+                cpu_gather(t_np, r_np[a:b], h_np[a:b, :row_bytes], 0, True, zero, path=path)
             if b < m and rt is not None:
                 check(rt.cudaMemcpyAsync(dev[a].data_ptr(), host[a].data_ptr(), (b - a) * stride,
                                          rt.cudaMemcpyKind.cudaMemcpyHostToDevice, copy_stream.cuda_stream),
