@@ -77,7 +77,7 @@ if has launch; then
 fi
 if has tunecopy; then
   step "copy backend: serial/parallel CPU-gather threshold sweep on this host"
-  timeout 150 python3 -m uvaple.perf.tune_copy --out "$R/tune_copy.log" | tail -5
+  timeout 240 python3 -m uvaple.perf.tune_copy --out "$R/tune_copy.log" | tail -5
 fi
 if has tiles; then
   step "tile sweep"

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
              f"{cpu_gather.TORCH_MIN_BYTES}, TORCH_MAX_ROW_BYTES={cpu_gather.TORCH_MAX_ROW_BYTES}"]
     lines.append(f"{'row_B':>7} {'bytes':>10} {'rows':>8} {'serial_us':>10} {'parallel_us':>12} {'par/ser':>8} "
                  f"{'torch_us':>10} {'best_numba/torch':>17} {'torch_path_us':>14} {'path':>8} {'gather_us':>10} "
-                 f"{'gather/torch':>13}")
+                 f"{'gather/torch':>13} {'par_words_us':>13} {'prefetch_us':>12} {'pf/par_words':>13}")
     first_win, torch_from = {}, {}
     rng = np.random.default_rng(0)
     for row_bytes in (int(v) for v in a.row_bytes.split(",")):
@@ -104,12 +104,15 @@ def main(argv=None) -> int:
 
             tp = median_s(lambda k: gather(k, "torch"), sets, a.budget_s)
             b = median_s(gather, sets, a.budget_s)
+            # the parallel path as cpu_gather runs it (8-byte words where aligned) and the prefetching gather
+            pw = median_s(lambda k: gather(k, "parallel"), sets, a.budget_s)
+            pf = median_s(lambda k: gather(k, "prefetch"), sets, a.budget_s)
             path = cpu_gather.gather_path(n, row_bytes)
             wins.append((size, q < s))
             torch_wins.append((size, tp < min(s, q)))
             lines.append(f"{row_bytes:>7} {size:>10} {n:>8} {s * 1e6:>10.1f} {q * 1e6:>12.1f} {q / s:>8.2f} "
                          f"{g * 1e6:>10.1f} {min(s, q) / g:>17.2f} {tp * 1e6:>14.1f} {path:>8} {b * 1e6:>10.1f} "
-                         f"{b / g:>13.2f}")
+                         f"{b / g:>13.2f} {pw * 1e6:>13.1f} {pf * 1e6:>12.1f} {pf / pw:>13.2f}")
             size *= 2
         first_win[row_bytes] = _first_of_run(wins)
         torch_from[row_bytes] = _first_of_run(torch_wins)

@@ -18,11 +18,12 @@ def test_tune_copy_runs_and_reports_torch_beside_numba(tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("# tune_copy:") and "TORCH_MIN_BYTES=" in lines[0]
     assert lines[1].split() == ["row_B", "bytes", "rows", "serial_us", "parallel_us", "par/ser", "torch_us",
-                                "best_numba/torch", "torch_path_us", "path", "gather_us", "gather/torch"]
+                                "best_numba/torch", "torch_path_us", "path", "gather_us", "gather/torch",
+                                "par_words_us", "prefetch_us", "pf/par_words"]
     rows = [line.split() for line in lines[2:-2]]
     assert [(r[0], r[1]) for r in rows] == [(rb, str(sz)) for rb in ("160", "1024", "4096", "17920")
                                             for sz in (4096, 8192, 16384)]
-    assert all(len(r) == 12 and float(r[6]) > 0 and float(r[8]) > 0 and float(r[10]) > 0 for r in rows)
+    assert all(len(r) == 15 and all(float(r[c]) > 0 for c in (6, 8, 10, 12, 13)) for r in rows)
     # the backend's own choice for each request: serial below PARALLEL_MIN_BYTES (8 KiB), then parallel
     assert [r[9] for r in rows] == [cpu_gather.gather_path(int(r[2]), int(r[0])) for r in rows]
     assert [r[9] for r in rows if r[0] == "1024"] == ["serial", "parallel", "parallel"]
