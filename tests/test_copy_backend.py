@@ -489,11 +489,18 @@ def test_torch_path_taken_above_its_threshold(monkeypatch):
         before = calls.calls
         b.lookup(torch.randint(0, 500, (127,)), columns=(0, 40))  # 127 * 80 bytes: below the threshold
         assert calls.calls == before
-        # torch on fewer threads than numba (OMP_NUM_THREADS=1 under numba's pool): numba
+        # torch on fewer threads than numba (OMP_NUM_THREADS=1 under numba's pool): numba, the prefetching
+        # gather from PREFETCH_MIN_BYTES (whole rows; a column range on the parallel one)
         monkeypatch.setattr(cpu_gather, "_numba_threads", lambda: torch.get_num_threads() + 1)
-        ids = torch.randint(0, 500, (256,))
-        assert_bits_equal(b.lookup(ids), reference_gather(t, ids))
-        assert calls.calls == before and cpu_gather.gather_path(256, 160) == "parallel"
+        monkeypatch.setattr(cpu_gather, "PREFETCH_MIN_BYTES", 200 * 160)
+        real, runs = cpu_gather._prefetch_kernel(), []
+        monkeypatch.setattr(cpu_gather, "_prefetch_kernel", lambda: lambda *a: (runs.append(1), real(*a))[1])
+        for n, kernel in [(199, "parallel"), (256, "prefetch")]:
+            ids = torch.randint(-3, 503, (n,))
+            assert cpu_gather.gather_path(n, 160) == kernel
+            assert_bits_equal(b.lookup(ids), reference_gather(t, ids))
+            assert_bits_equal(b.lookup(ids, columns=(40, 80)), reference_gather(t, ids, columns=(40, 80)))
+            assert calls.calls == before and len(runs) == (kernel == "prefetch"), n
 
 
 def test_torch_path_bounds_follow_the_tuning_log():
@@ -506,7 +513,9 @@ def test_torch_path_bounds_follow_the_tuning_log():
     big = cpu_gather.TORCH_MIN_BYTES // 160 + 1
     assert cpu_gather.gather_path(big, 160) == ("torch" if same_threads else "parallel")
     assert cpu_gather.gather_path(big - 2, 160) == "parallel"
-    assert cpu_gather.gather_path(4096, 17920) == "parallel"
+    assert cpu_gather.TORCH_MIN_BYTES < cpu_gather.PREFETCH_MIN_BYTES  # where both numba gathers were timed
+    assert cpu_gather.gather_path(4096, 17920) == "prefetch"  # 70 MiB of E4B rows
+    assert cpu_gather.gather_path(cpu_gather.PREFETCH_MIN_BYTES // 17920 - 1, 17920) == "parallel"
     assert cpu_gather.gather_path(1, 160) == "serial"
     with pytest.raises(ValueError, match="path must be"):
         cpu_gather.cpu_gather(np.zeros((2, 16), np.uint8), np.zeros(1, np.int64), np.zeros((1, 16), np.uint8),
@@ -1295,10 +1304,10 @@ def test_warm_up_compiles_what_the_first_gathers_use():
     table = np.random.default_rng(5).integers(0, 256, (50, 160), dtype=np.uint8)
     zero = np.zeros(2, dtype=np.uint8)
     cpu_gather.warm_up(table, zero)
-    kernels = cpu_gather._gather_kernels()
+    kernels = [*cpu_gather._gather_kernels(), cpu_gather._prefetch_kernel(), cpu_gather._zero_rows()]
     before = [len(k.signatures) for k in kernels]
     ids = np.arange(7, dtype=np.int64)
-    for path in ("serial", "parallel"):
+    for path in ("serial", "parallel", "prefetch"):
         for byte_start, nbytes in ((0, 160), (3, 80)):  # words, then bytes
             out = np.empty((7, nbytes), dtype=np.uint8)
             cpu_gather.cpu_gather(table, ids, out, byte_start, False, zero, path=path)

@@ -8,6 +8,8 @@ Three paths, one result (the numba kernel is the definition):
 
 * serial numba, below ``PARALLEL_MIN_BYTES`` of output;
 * parallel numba (``numba.prange`` over all cores);
+* prefetching numba, from ``PREFETCH_MIN_BYTES`` where torch does not take the call: each thread copies
+  one block of the ids and asks for the lines of the row some ids ahead while it copies this one;
 * torch: calls of ``TORCH_MIN_BYTES`` or more, rows of at most ``TORCH_MAX_ROW_BYTES``, while torch has
   at least as many threads as numba. ``torch.index_select`` copies straight into the staging rows; its
   per-row ``memcpy`` beats numba's slice copy on short rows. Numba stays where the two are even (long
@@ -45,8 +47,8 @@ import torch
 
 from uvaple.uva._cuda import check, runtime
 
-__all__ = ["cpu_gather", "gather_path", "warm_up", "ids_within", "PARALLEL_MIN_BYTES", "TORCH_MIN_BYTES",
-           "TORCH_MAX_ROW_BYTES"]
+__all__ = ["cpu_gather", "gather_path", "warm_up", "ids_within", "PARALLEL_MIN_BYTES", "PREFETCH_MIN_BYTES",
+           "TORCH_MIN_BYTES", "TORCH_MAX_ROW_BYTES"]
 
 # Below this many gathered bytes the serial gather is used. Swept on the H200 host (16 cores) by
 # perf/tune_copy.py (perf/results/h200_2026-12-01/tune_copy.log): the parallel gather is faster from 8 KiB
@@ -64,6 +66,17 @@ TORCH_MIN_BYTES = 1 << 20
 # stay on numba. Between 160 and 17,920 bytes nothing was measured; the bound sits low in that gap, and
 # perf/tune_copy.py sweeps 1,024- and 4,096-byte rows (either side of it) to place it.
 TORCH_MAX_ROW_BYTES = 1024
+
+# From this many gathered bytes the numba gather is the prefetching one (PREFETCH_AHEAD, below).
+# perf/tune_copy.py on the H200 host (16 cores; perf/results/h200_2026-12-02/run30_tune_copy_prefetch/
+# tune_copy.log, the prefetching gather against the parallel one as cpu_gather runs it, in words): from
+# 8 MiB faster at every size and row length (0.54-0.63x the time with 160-B rows, 0.58-0.92x with 1,024 B,
+# 0.76-0.99x with 4,096 B, 0.80-0.94x with 17,920 B); below, slower wherever the parallel one takes the
+# call (its fixed cost, 23 us against 16, decides there) and mixed at 2-4 MiB (0.56-1.28x). It reads as
+# fast as torch's index_select on all cores (1,151 against 1,071 us for 64 MiB of 160-B rows), which the
+# backend prefers where torch has the threads: the prefetching gather serves processes that run torch on
+# fewer threads (vLLM's workers) and long rows.
+PREFETCH_MIN_BYTES = 8 << 20
 
 _GATHER_LOCK = threading.Lock()
 
@@ -263,12 +276,15 @@ def _numba_threads() -> int:
 
 
 def gather_path(n: int, row_bytes: int, *, parallel_min_bytes: int | None = None) -> str:
-    """The path of a gather of ``n`` rows of ``row_bytes``: ``"serial"``, ``"parallel"`` or ``"torch"`` (a
-    torch-path call with zero rows and an out-of-range id is gathered by the parallel kernel)."""
+    """The path of a gather of ``n`` rows of ``row_bytes``: ``"serial"``, ``"parallel"``, ``"prefetch"`` or
+    ``"torch"`` (a torch-path call with zero rows and an out-of-range id is gathered by the parallel
+    kernel; a prefetch-path call of a column range, and any where numba cannot compile the prefetch, too)."""
     total = n * row_bytes
     if total >= TORCH_MIN_BYTES and row_bytes <= TORCH_MAX_ROW_BYTES \
             and torch.get_num_threads() >= _numba_threads():
         return "torch"
+    if total >= PREFETCH_MIN_BYTES:
+        return "prefetch"
     threshold = PARALLEL_MIN_BYTES if parallel_min_bytes is None else parallel_min_bytes
     return "parallel" if total >= threshold else "serial"
 
@@ -331,12 +347,17 @@ def warm_up(table: np.ndarray, zero: np.ndarray) -> None:
     rows_of = _rows_kernel()
     row_ids = np.empty(1, dtype=np.int64)
     t64, o64, z64 = np.zeros((1, 1), dtype=np.uint64), np.empty((1, 1), dtype=np.uint64), np.zeros(1, np.uint64)
+    prefetch, zero_rows = _prefetch_kernel(), _zero_rows()
     for dt in (np.int32, np.int64):
         ids = np.zeros(1, dtype=dt)
         with _GATHER_LOCK:
             for fn in (serial, parallel):
                 fn(table, ids, out, 0, False, zero, np.int64(0))
                 fn(t64, ids, o64, np.int64(0), False, z64, np.int64(0))
+            if prefetch is not None:
+                for t_, o_ in ((table, out), (t64, o64)):
+                    prefetch(t_, ids, o_, np.int64(0), np.int64(PREFETCH_AHEAD), np.int64(1))
+            zero_rows(ids, table.shape[0], np.int64(0), out, zero)
             rows_of(ids, table.shape[0], np.int64(0), row_ids)
 
 
