@@ -27,8 +27,11 @@ Providers, all in one run, each output compared bit for bit with a CPU reference
 * ``sequential``: ``ours-direct`` over consecutive ids (the ceiling of the random-row path).
 
 GPU providers are timed in CUDA graphs (fresh ids written before each replay, outside the timed
-region); medians. ``--sweep`` also times the direct and the sorted gather on raw bytes by row size
-(32 B - 2 KiB, and 17,920 B), table span and ``n``: the data behind
+region); medians. Every timed call reads ids of its own: the id sets rotate, and enough of them that the
+rows read between two uses of one set exceed the host's last-level cache and the GPU's L2
+(``SET_ROTATE_BYTES``); the host-id providers take turns within each repetition. ``--sweep`` also times
+the direct and the sorted gather on raw bytes by row size (32 B - 2 KiB, and 17,920 B), table span and
+``n``: the data behind
 :func:`uvaple.kernels.heuristics.use_sorted`. ``--smoke`` runs tiny tables on the CPU (interpreted
 kernels, correctness only).
 """
@@ -63,6 +66,9 @@ SWEEP_SPANS_GIB = (0.25, 1.0, 4.0, None)  # None: the whole table
 SWEEP_N = (1024, 4096, 16384, 65536, 262144)
 SWEEP_MAX_CALL_BYTES = 1 << 30  # a sweep point moves at most this much per call
 GIB = 1 << 30
+# Every timed call reads rows of ids no call read in the last SET_ROTATE_BYTES of rows (more than the
+# host's 300 MB last-level cache and the GPU's 50 MB L2): the rows come from DRAM, as a prefill's do.
+SET_ROTATE_BYTES = 1 << 30
 HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_MIN_IDS_SMALL_SPAN", "SORT_MAX_ROW_BYTES",
                    "SORT_MIN_SPAN_BYTES")
 
@@ -158,11 +164,36 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
 
 
-def _time_eager(call, sets: list[torch.Tensor], reps: int, cuda: bool) -> dict[str, float]:
-    """Wall and CPU µs per call of ``call(host ids)`` (host work inside: not capturable), to completion."""
+def _sets_for(n: int) -> int:
+    """Id sets for calls of ``n`` ids: enough that the rows of the sets read between two uses of one set
+    exceed the host's last-level cache and the GPU's L2 (``SET_ROTATE_BYTES``), from 4 to 256."""
+    return max(4, min(256, -(-SET_ROTATE_BYTES // (n * ROW_BYTES))))
+
+
+def _time_eager_interleaved(calls: dict, sets: list[torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
+    """``_time_eager`` of several calls, taken in turn within each repetition (a drift of the machine's
+    state then falls on all of them alike), each call on its own id set, in rotation over ``sets``."""
+    names = list(calls)
+    walls = {k: [] for k in names}
+    cpus = {k: [] for k in names}
+    for r in range(reps + 2):
+        for p, name in enumerate(names):
+            ids = sets[(r * len(names) + p) % len(sets)]
+            c0, t0 = time.process_time(), time.perf_counter()
+            calls[name](ids)
+            torch.cuda.current_stream().synchronize()
+            if r >= 2:
+                walls[name].append((time.perf_counter() - t0) * 1e6)
+                cpus[name].append((time.process_time() - c0) * 1e6)
+    return {k: {"median": statistics.median(walls[k]), "cpu_us": statistics.median(cpus[k])} for k in names}
+
+
+def _time_eager(call, sets: list[torch.Tensor], reps: int, cuda: bool, start: int = 0) -> dict[str, float]:
+    """Wall and CPU µs per call of ``call(host ids)`` (host work inside: not capturable), to completion; the
+    id sets in rotation from ``start``."""
     walls, cpus = [], []
     for r in range(reps + 2):
-        ids = sets[r % len(sets)]
+        ids = sets[(start + r) % len(sets)]
         c0, t0 = time.process_time(), time.perf_counter()
         call(ids)
         if cuda:
@@ -178,7 +209,8 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
     recs = []
     for n in ns:
         sets_cpu = [ngram_ids(n, rows, seed=n + k) if pattern == "ngram" else
-                    torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n + k)) for k in range(4)]
+                    torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n + k))
+                    for k in range(_sets_for(n) if run.cuda else 1)]
         ids = sets_cpu[0].to(device)
         want = reference_rows(run.table, ids, True, run.scale)
         exact = {}
@@ -200,8 +232,12 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
             calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
             dev_sets = torch.stack([s.to(device) for s in sets_cpu])
 
-            def refresh(buf, dev_sets=dev_sets):
-                buf.copy_(dev_sets[torch.randint(0, dev_sets.shape[0], (buf.shape[0],), device=device)])
+            turn = [0]
+
+            def refresh(buf, dev_sets=dev_sets, turn=turn):  # the next sets in rotation: no set twice in a row
+                k = torch.arange(turn[0], turn[0] + buf.shape[0], device=device) % dev_sets.shape[0]
+                turn[0] += buf.shape[0]
+                buf.copy_(dev_sets[k])
 
             ids_buf = dev_sets[torch.arange(calls, device=device) % dev_sets.shape[0]].clone()
             us = {name: graph_replay_us(call, ids_buf, refresh, replays)["median"]
@@ -216,13 +252,11 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
 
             seq_refresh(seq_buf)
             us["sequential"] = graph_replay_us(run.ours("direct"), seq_buf, seq_refresh, replays)["median"]
-            cpu = _time_eager(run.cpu_gather, sets_cpu, max(5, replays // 2), True)
-            us["cpu-gather"] = cpu["median"]
-            chunked = _time_eager(run.cpu_gather_chunked, sets_cpu, max(5, replays // 2), True)
-            us["cpu-gather-chunked"] = chunked["median"]
+            host = _time_eager_interleaved({"cpu-gather": run.cpu_gather, "cpu-gather-chunked": run.cpu_gather_chunked,
+                                            "split": run.split()}, sets_cpu, max(5, replays // 2))
+            cpu, split = host["cpu-gather"], host["split"]
+            us.update((k, v["median"]) for k, v in host.items())
             cpu_best = min(us["cpu-gather"], us["cpu-gather-chunked"])  # the better CPU provider decides
-            split = _time_eager(run.split(), sets_cpu, max(5, replays // 2), True)
-            us["split"] = split["median"]
             rec["split_cpu_us"] = split["cpu_us"]
             rec.update(us=us, rows_per_s={k: n / (v * 1e-6) for k, v in us.items()}, cpu_gather_cpu_us=cpu["cpu_us"])
             gpu_best = min(us["ours-auto"], us["ours-direct"], us["ours-sorted"])
@@ -332,16 +366,20 @@ def split_sweep(run: Run, reps: int) -> list[dict]:
         if n > run.out.shape[0]:
             continue
         sets = [torch.randint(0, run.table.rows, (n,), generator=torch.Generator().manual_seed(99 + k))
-                for k in range(4)]
+                for k in range(_sets_for(n))]
+        turn = 0  # the sets in rotation across the whole sweep of this n
         for chunk in SPLIT_CHUNKS:
             for share in SPLIT_SHARES:
-                t = _time_eager(run.split(share, chunk or n), sets, reps, True)
+                t = _time_eager(run.split(share, chunk or n), sets, reps, True, turn)
+                turn += reps + 2
                 recs.append({"n": n, "gpu_share": share, "chunk_rows": chunk or n, "us": t["median"],
                              "cpu_us": t["cpu_us"]})
                 print(f"split n {n:8d} gpu share {share:.2f} chunk {chunk or n:8d}: {t['median']:9.1f} us "
                       f"(cpu {t['cpu_us']:.0f} us)", flush=True)
             for path in ("parallel", "prefetch", "torch"):
-                t = _time_eager(lambda i, c=chunk or n, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True)
+                t = _time_eager(lambda i, c=chunk or n, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True,
+                                turn)
+                turn += reps + 2
                 recs.append({"n": n, "cpu_gather_chunk_rows": chunk or n, "cpu_path": path, "us": t["median"],
                              "cpu_us": t["cpu_us"]})
                 print(f"cpu-gather-chunked n {n:8d} chunk {chunk or n:8d} {path:8s}: {t['median']:9.1f} us "
