@@ -4,7 +4,7 @@ Rows are copied as bytes (columns as a byte range), so every dtype is exact. Out
 zero element given (the backend passes -0.0 when a negative scale follows on the device) or row 0. The
 gather returns how many ids were out of range (the backend's counter).
 
-Three paths, one result (the numba kernel is the definition):
+Four paths, one result (the numba kernel is the definition):
 
 * serial numba, below ``PARALLEL_MIN_BYTES`` of output;
 * parallel numba (``numba.prange`` over all cores);
