@@ -170,6 +170,19 @@ def _sets_for(n: int) -> int:
     return max(4, min(256, -(-SET_ROTATE_BYTES // (n * ROW_BYTES))))
 
 
+def _rotation(dev_sets: torch.Tensor, calls: int):
+    """A graph's id buffer of ``calls`` calls (the first sets of ``dev_sets``) and its refresh: before each
+    replay, the next ``calls`` sets in rotation, so no set is read twice in a row."""
+    device, turn = dev_sets.device, [calls]
+
+    def refresh(buf):
+        k = torch.arange(turn[0], turn[0] + buf.shape[0], device=device) % dev_sets.shape[0]
+        turn[0] += buf.shape[0]
+        buf.copy_(dev_sets[k])
+
+    return dev_sets[torch.arange(calls, device=device) % dev_sets.shape[0]].clone(), refresh
+
+
 def _time_eager_interleaved(calls: dict, sets: list[torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
     """``_time_eager`` of several calls, taken in turn within each repetition (a drift of the machine's
     state then falls on all of them alike), each call on its own id set, in rotation over ``sets``."""
@@ -232,14 +245,7 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
             calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
             dev_sets = torch.stack([s.to(device) for s in sets_cpu])
 
-            turn = [0]
-
-            def refresh(buf, dev_sets=dev_sets, turn=turn):  # the next sets in rotation: no set twice in a row
-                k = torch.arange(turn[0], turn[0] + buf.shape[0], device=device) % dev_sets.shape[0]
-                turn[0] += buf.shape[0]
-                buf.copy_(dev_sets[k])
-
-            ids_buf = dev_sets[torch.arange(calls, device=device) % dev_sets.shape[0]].clone()
+            ids_buf, refresh = _rotation(dev_sets, calls)
             us = {name: graph_replay_us(call, ids_buf, refresh, replays)["median"]
                   for name, call in [("ours-auto", run.ours("auto")), ("ours-direct", run.ours("direct")),
                                      ("ours-sorted", run.ours("sorted")), ("vllm-peer", run.peer),
@@ -326,31 +332,61 @@ def sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
-SHAPES = [(1, 1, False), (1, 4, False), (4, 4, False), (4, 4, True), (16, 4, False), (16, 4, True), (64, 4, True)]
+# The sorted kernel's program shapes: (sorted ids per program, warps, de-duplication). One row per program
+# with more warps keeps fewer rows in flight per SM (64 warps an SM: 4 warps, 16 programs; 16 warps, 4),
+# so the rows in flight at once lie in a narrower stretch of the sorted order.
+SHAPES = [(1, 1, False), (1, 2, False), (1, 4, False), (1, 8, False), (1, 16, False), (1, 32, False),
+          (2, 8, False), (4, 16, False), (4, 4, True), (16, 4, True), (16, 16, True)]
+DIRECT_WARPS = (1, 2, 4, 8, 16)  # the direct kernel's warps per program (one 160-row tile each)
+SHAPE_N = (16384, 65536, 262144, 1048576)
+
+
+def _cold_sets(run: Run, n: int, calls: int):
+    """Device id buffer for ``calls`` calls of ``n`` random ids and its refresh: the next sets of a rotation
+    over ``_sets_for(n)`` sets (as :func:`bench`), so every timed call reads rows from DRAM."""
+    g = torch.Generator(device=run.device).manual_seed(n)
+    return _rotation(torch.randint(0, run.table.rows, (_sets_for(n), n), device=run.device, generator=g), calls)
 
 
 def shape_sweep(run: Run, replays: int) -> list[dict]:
-    """The sorted kernel's program shape (rows per program x warps) on 160-B rows over the whole table."""
-    from uvaple.kernels.gather import launch_sorted
-    from uvaple.kernels.heuristics import SortedConfig
+    """The lookup's own sorted call (fp8 rows dequantised to bf16, row keys, its sort) by program shape
+    (``SHAPES``), the direct kernel by warps (``DIRECT_WARPS``) and the vLLM-shape peer, random ids over the
+    whole table, cold rows (:func:`_cold_sets`), each output compared bit for bit with the shipped call's."""
+    from uvaple.kernels.gather import launch, launch_sorted
+    from uvaple.kernels.heuristics import LaunchConfig, SortedConfig
 
-    device, recs = run.device, []
-    table = run.view.view(torch.uint8)
-    for n in (65536, 1048576):
+    lk = run.lookups["sorted"]
+    spec, recs = lk.spec, []
+    args = (lk._dq_scale,)
+    ws = lk._workspace
+    tail = (spec.scale_arg, spec.has_scale, 0, spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant)
+    for n in SHAPE_N:
         if n > run.out.shape[0]:
             continue
-        out = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=device)
-        ws = torch.empty(2, n, dtype=torch.int64, device=device)
-        ids_buf = torch.randint(0, table.shape[0], (2, n), device=device)
+        calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
+        ids_buf, refresh = _cold_sets(run, n, calls)
+        out, check = run.out[:n], ids_buf[0].clone()  # (the timing rewrites ids_buf)
+        lk.lookup(check, out)
+        want = out.clone()
+        variants = {"shipped-sorted": run.ours("sorted"), "shipped-direct": run.ours("direct"), "vllm-peer": run.peer}
         for rows, warps, dedup in SHAPES:
             cfg = SortedConfig(rows, 256, warps)
-
-            def call(ids, cfg=cfg, out=out, ws=ws, dedup=dedup):
-                launch_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, dedup, config=cfg)
-
-            us = graph_replay_us(call, ids_buf, lambda b: b.random_(0, table.shape[0]), replays)["median"]
-            recs.append({"n": n, "block_rows": rows, "num_warps": warps, "dedup": dedup, "us": us})
-            print(f"shape n {n:8d} rows/program {rows:3d} warps {warps} dedup {dedup!s:5s}: {us:9.1f} us", flush=True)
+            variants[f"sorted r{rows} w{warps}{' dedup' if dedup else ''}"] = (
+                lambda ids, cfg=cfg, dedup=dedup: launch_sorted(lk._arg, ids, run.out[: ids.numel()], None, *args, ws,
+                                                                *tail, dedup, config=cfg))
+        for warps in DIRECT_WARPS:
+            cfg = LaunchConfig(256, warps)
+            variants[f"direct w{warps}"] = (
+                lambda ids, cfg=cfg: launch(lk._arg, ids, run.out[: ids.numel()], None, *args, *tail, config=cfg))
+        for name, call in variants.items():
+            out.view(torch.int16).fill_(0x7FA5)
+            call(check)
+            exact = torch.equal(out.view(torch.int16), want.view(torch.int16))
+            t = graph_replay_us(call, ids_buf, refresh, replays)
+            recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"],
+                         "bit_exact": exact})
+            print(f"shape n {n:8d} {name:26s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
+                  f"{n / t['median']:7.1f} M rows/s exact {exact}", flush=True)
     return recs
 
 
@@ -421,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patterns", default="random,ngram")
     p.add_argument("--sweep", action="store_true", help="also the direct/sorted sweep by row size, span and n")
     p.add_argument("--split-sweep", action="store_true", help="also the split sweep (GPU share x chunk rows) alone")
+    p.add_argument("--shape-sweep", action="store_true", help="also the kernels' program shapes (cold rows) alone")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny table, interpreted kernels, correctness only")
     p.add_argument("--out", help="directory for ngram.json (and ngram_rows.png)")
@@ -440,15 +477,16 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(table, max(ns), device)
     recs = []
     try:
-        for pattern in a.patterns.split(","):
-            recs += bench(run, ns, pattern.strip(), a.replays)
+        for pattern in filter(None, (x.strip() for x in a.patterns.split(","))):  # "": the sweeps alone
+            recs += bench(run, ns, pattern, a.replays)
         sweep_recs = sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
         split_recs = split_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.split_sweep) and cuda else []
-        shape_recs = shape_sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
+        shape_recs = shape_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.shape_sweep) and cuda else []
     finally:
         run.close()
         table.close()
-    bad = [r for r in recs if not all(r["bit_exact"].values())] + [r for r in sweep_recs if not r["bit_exact"]]
+    bad = [r for r in recs if not all(r["bit_exact"].values())] + \
+        [r for r in sweep_recs + shape_recs if not r["bit_exact"]]
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "ngram.json"), "w") as f:
