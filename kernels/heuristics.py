@@ -71,11 +71,18 @@ def launch_config(row_bytes: int, itemsize: int, n_rows: int, *, tile_bytes: int
 # 11.2-12.5 for 64). So without de-duplication a program takes one row. De-duplication needs several
 # rows per program (repeats are found within a program): then SORTED_PROGRAM_BYTES per program (16 rows
 # of a 160-byte row's 256-byte tile), at least SORTED_MIN_ROWS.
+# The warps of a one-row program decide how many rows an SM has in flight (64 warps an SM), so how wide a
+# stretch of the sorted order is read at once: the GPU pays for every 64-KiB page of host memory a call
+# touches, less where nearby reads share the walk. The lookup's own call, cold rows (perf/results/
+# h200_2026-12-03/run1_shape_sweep_cold): 65,536 ids 1,684 us with 1 or 2 warps, 1,382 with 4, 1,311 with 8,
+# 1,312 with 16, 1,323 with 32; 262,144 ids 4,516-4,518 us from 1 to 8 warps (4,536 with 16); 1M ids
+# 8,582 with 1-2 warps, 8,590 with 4, 8,602 with 8, 8,703 with 16 and 12,830 with 32.
 SORTED_PROGRAM_BYTES = 4096
 SORTED_TILE_BYTES = 1024
 SORTED_MIN_ROWS = 4
 SORTED_MAX_ROWS = 64
-SORTED_NUM_WARPS = 4
+SORTED_NUM_WARPS = 4  # programs of several rows (de-duplication)
+SORTED_ONE_ROW_WARPS = 8  # one-row programs
 
 
 @dataclass(frozen=True)
@@ -93,9 +100,10 @@ def sorted_config(row_bytes: int, itemsize: int, dedup: bool = True, program_byt
     if dedup:
         rows = (program_bytes or SORTED_PROGRAM_BYTES) // tile
         rows = triton.next_power_of_2(max(SORTED_MIN_ROWS, min(SORTED_MAX_ROWS, rows)))
+        warps = SORTED_NUM_WARPS
     else:
-        rows = 1
-    return SortedConfig(rows, max(1, tile // itemsize), num_warps or SORTED_NUM_WARPS)
+        rows, warps = 1, SORTED_ONE_ROW_WARPS
+    return SortedConfig(rows, max(1, tile // itemsize), num_warps or warps)
 
 
 # When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep of the default

@@ -199,7 +199,8 @@ def test_sorted_config_shapes():
     c = heuristics.sorted_config(160, 1)
     assert (c.block_rows, c.block_cols) == (16, 256)
     plain = heuristics.sorted_config(160, 1, dedup=False)  # no repeats to find: one row per program
-    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, 4)
+    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, heuristics.SORTED_ONE_ROW_WARPS)
+    assert c.num_warps == heuristics.SORTED_NUM_WARPS
     big = heuristics.sorted_config(17920, 2)
     assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
     tiny = heuristics.sorted_config(16, 4)
