@@ -45,6 +45,7 @@ import weakref
 import torch
 
 from uvaple.kernels import heuristics
+from uvaple.kernels._capture import waits_allowed
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
@@ -504,7 +505,8 @@ class GatherLookup(Lookup):
 
     def close(self) -> None:
         if self._split is not None and not self._forked:  # (a forked child has no CUDA)
-            self._split.free.synchronize()  # no copy may still read the staging when it goes
+            with waits_allowed():  # also inside a graph capture
+                self._split.free.synchronize()  # no copy may still read the staging when it goes
         self._arg = None
         self._workspace = None
         self._split = None
@@ -515,7 +517,8 @@ def _wait_free(free: torch.cuda.Event) -> None:
     """A split state's last words: its device buffers and graphs go back only after the last call's work
     (copies out of the staging, graph replays) is done. Not in a forked child: no CUDA there."""
     if not torch.cuda._is_in_bad_fork():
-        free.synchronize()
+        with waits_allowed():  # the collector may run this in the middle of a graph capture
+            free.synchronize()
 
 
 class _SplitState:

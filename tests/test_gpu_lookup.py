@@ -282,6 +282,67 @@ def test_split_lookup_replays_the_gpu_share_graph(fp8_table, monkeypatch):
     del scribble
 
 
+def test_split_lookup_dropped_or_closed_during_a_graph_capture_leaves_the_capture_intact():
+    """A split lookup's last words wait for its last call: when the collector runs them in the middle of a
+    CUDA graph capture in the default (global) mode, on the capturing thread or on another one, and when
+    close() is called there, the capture still succeeds and replays the right bits (a wait in global mode
+    would fail and invalidate the capture)."""
+    code = textwrap.dedent("""
+        import gc, threading
+        import torch
+        from uvaple.uva import HostTable
+        from uvaple.integration import GatherLookup, TableSpec
+        g = torch.Generator().manual_seed(9)
+        t = torch.randn(20000, 64, generator=g).to(torch.bfloat16)
+        h = HostTable.from_tensor(t, register=True)
+        def split_lookup():
+            lk = GatherLookup(h, TableSpec.of(h), "cuda", max_rows=20000, split=True)
+            ids = torch.randint(0, 20000, (20000,), generator=g)
+            out = torch.empty(20000, 64, dtype=torch.bfloat16, device="cuda")
+            torch.cuda._sleep(100_000_000)  # the call still in flight when the lookup goes
+            lk.lookup_split(ids, out, gpu_share=0.5)
+            return lk, bool(torch.equal(out.cpu(), t[ids]))
+        x = torch.randn(4096, device="cuda")
+        def capture(during):
+            y = torch.empty_like(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # capture_error_mode="global"
+                y.copy_(x * 2)
+                during()
+                y.add_(1)
+            y.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            return bool(torch.equal(y, x * 2 + 1))
+        results = []
+        lk, ok = split_lookup()
+        def drop_here():
+            global lk
+            del lk
+            gc.collect()
+        results.append(("dropped on the capturing thread", ok and capture(drop_here)))
+        lk, ok = split_lookup()
+        results.append(("closed on the capturing thread", ok and capture(lk.close) and lk.closed))
+        lk, ok = split_lookup()
+        def drop_elsewhere():
+            def run():
+                global lk
+                del lk
+                gc.collect()
+            th = threading.Thread(target=run)
+            th.start()
+            th.join()
+        results.append(("dropped on another thread", ok and capture(drop_elsewhere)))
+        for what, good in results:
+            print(what, int(good), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for what in ("dropped on the capturing thread", "closed on the capturing thread", "dropped on another thread"):
+        assert f"{what} 1" in r.stdout, (r.stdout, r.stderr[-3000:])
+    assert "Exception ignored" not in r.stderr, r.stderr[-3000:]
+
+
 def test_split_lookup_first_call_on_another_stream_waits_for_the_capture():
     """The graphs' warm-up (eager calls on a side stream, the counters restored after them) is done before a
     first call on any stream touches the same buffers: the warm-up slowed by a GPU sleep, streams on their
