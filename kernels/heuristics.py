@@ -72,11 +72,12 @@ def launch_config(row_bytes: int, itemsize: int, n_rows: int, *, tile_bytes: int
 # rows per program (repeats are found within a program): then SORTED_PROGRAM_BYTES per program (16 rows
 # of a 160-byte row's 256-byte tile), at least SORTED_MIN_ROWS.
 # The warps of a one-row program decide how many rows an SM has in flight (64 warps an SM), so how wide a
-# stretch of the sorted order is read at once: the GPU pays for every 64-KiB page of host memory a call
-# touches, less where nearby reads share the walk. The lookup's own call, cold rows (perf/results/
-# h200_2026-12-03/run1_shape_sweep_cold): 65,536 ids 1,684 us with 1 or 2 warps, 1,382 with 4, 1,311 with 8,
-# 1,312 with 16, 1,323 with 32; 262,144 ids 4,516-4,518 us from 1 to 8 warps (4,536 with 16); 1M ids
-# 8,582 with 1-2 warps, 8,590 with 4, 8,602 with 8, 8,703 with 16 and 12,830 with 32.
+# stretch of the sorted order is read at once. The sorted call's time fits a cost per distinct 64-KiB page
+# of host memory it touches (~21 ns) plus ~1 ns a row (65,536 and 1M ids; 7% under the time at 262,144),
+# as if each page needed a translation that reads in flight together can share. The lookup's own call,
+# cold rows (perf/results/h200_2026-12-03/run1_shape_sweep_cold): 65,536 ids 1,684 us with 1 or 2 warps,
+# 1,382 with 4, 1,311 with 8, 1,312 with 16, 1,323 with 32; 262,144 ids 4,516-4,518 us from 1 to 8 warps
+# (4,536 with 16); 1M ids 8,582 with 1-2 warps, 8,590 with 4, 8,602 with 8, 8,703 with 16, 12,830 with 32.
 SORTED_PROGRAM_BYTES = 4096
 SORTED_TILE_BYTES = 1024
 SORTED_MIN_ROWS = 4
