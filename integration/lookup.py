@@ -505,7 +505,7 @@ class GatherLookup(Lookup):
 
     def close(self) -> None:
         if self._split is not None and not self._forked:  # (a forked child has no CUDA)
-            with waits_allowed():  # also inside a graph capture
+            with waits_allowed():  # also inside a graph capture (then _wait_free destroys its graphs)
                 self._split.free.synchronize()  # no copy may still read the staging when it goes
         self._arg = None
         self._workspace = None
@@ -513,12 +513,17 @@ class GatherLookup(Lookup):
         super().close()
 
 
-def _wait_free(free: torch.cuda.Event) -> None:
+def _wait_free(free: torch.cuda.Event, graphs: dict) -> None:
     """A split state's last words: its device buffers and graphs go back only after the last call's work
-    (copies out of the staging, graph replays) is done. Not in a forked child: no CUDA there."""
+    (copies out of the staging, graph replays) is done. The wait and the graphs' destruction run in the
+    relaxed capture mode: the collector (or ``close()``) may run this in the middle of a graph capture,
+    which either would otherwise invalidate. Not in a forked child: no CUDA there."""
     if not torch.cuda._is_in_bad_fork():
-        with waits_allowed():  # the collector may run this in the middle of a graph capture
+        with waits_allowed():
             free.synchronize()
+            for g in graphs.values():
+                g.reset()
+            graphs.clear()
 
 
 class _SplitState:
@@ -546,11 +551,11 @@ class _SplitState:
             self.copy_stream = torch.cuda.Stream(device)
         warm_split()
         self.lock = threading.Lock()
-        weakref.finalize(self, _wait_free, self.free).atexit = False  # dropped without close()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # filled by _capture
+        weakref.finalize(self, _wait_free, self.free, self.graphs).atexit = False  # also dropped without close()
         keep_in_child(self)  # its pinned staging, events and graphs are never freed in a forked child
         c0, c1 = lookup.spec.columns(None)
         self.graph_sizes = heuristics.split_graph_sizes(max_rows, (c1 - c0) * lookup.spec.output_dtype.itemsize)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.gpu_out = None
         if self.graph_sizes:
             self.gpu_out = torch.empty(self.graph_sizes[-1], c1 - c0, dtype=lookup.spec.output_dtype, device=device)
