@@ -42,7 +42,7 @@ import triton
 from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 
 from . import _capture, _gather_triton, _jit
-from .heuristics import NUM_WARPS, TILE_BYTES, LaunchConfig, SortedConfig, launch_config, sorted_config
+from .heuristics import NUM_WARPS, TILE_BYTES, LaunchConfig, SortedConfig, launch_config, sorted_config, sorted_warps
 
 __all__ = ["gather_rows", "launch", "launch_hot", "launch_sorted", "scale_bits", "column_range", "check_ids",
            "check_out", "OOB_POLICIES",
@@ -64,6 +64,15 @@ ROW_KEY_BLOCK = 1024
 ROW_SCALE_BYTES = 4
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_INTERPRETED_SMS = 132  # the interpreter runs one program at a time: any count gives the same bits
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (asked once per device)."""
+    if device.type != "cuda":
+        return _INTERPRETED_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -339,7 +348,11 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     torch.autograd.graph.increment_version(out)
     if n == 0 or ncols == 0:
         return
-    cfg = config or sorted_config(ncols * table.element_size(), table.element_size(), dedup)
+    if config is None:  # one-row programs: warps by how sparse the ids lie in the table (heuristics)
+        span = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
+        warps = None if dedup else sorted_warps(n, span, _sms(ids.device))
+        config = sorted_config(ncols * table.element_size(), table.element_size(), dedup, num_warps=warps)
+    cfg = config
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     order = workspace[1, :n]
     # What is sorted: 4-byte row keys (row_keys_kernel) wherever they can name every row, else the ids as given.

@@ -71,19 +71,36 @@ def launch_config(row_bytes: int, itemsize: int, n_rows: int, *, tile_bytes: int
 # 11.2-12.5 for 64). So without de-duplication a program takes one row. De-duplication needs several
 # rows per program (repeats are found within a program): then SORTED_PROGRAM_BYTES per program (16 rows
 # of a 160-byte row's 256-byte tile), at least SORTED_MIN_ROWS.
-# The warps of a one-row program decide how many rows an SM has in flight (64 warps an SM), so how wide a
-# stretch of the sorted order is read at once. The sorted call's time fits a cost per distinct 64-KiB page
-# of host memory it touches (~21 ns) plus ~1 ns a row (65,536 and 1M ids; 7% under the time at 262,144),
-# as if each page needed a translation that reads in flight together can share. The lookup's own call,
-# cold rows (perf/results/h200_2026-12-03/run1_shape_sweep_cold): 65,536 ids 1,684 us with 1 or 2 warps,
-# 1,382 with 4, 1,311 with 8, 1,312 with 16, 1,323 with 32; 262,144 ids 4,516-4,518 us from 1 to 8 warps
-# (4,536 with 16); 1M ids 8,582 with 1-2 warps, 8,590 with 4, 8,602 with 8, 8,703 with 16, 12,830 with 32.
+# The warps of a one-row program decide how many rows an SM has in flight (64 warps an SM, at most 32
+# programs), so how wide a stretch of the sorted order is read at once: the ids' mean gap in the table
+# times the rows in flight. The sorted call's time fits a cost per distinct 64-KiB page of host memory it
+# touches (~21 ns) plus ~1 ns a row (65,536 and 1M ids; 7% under the time at 262,144), as if each page
+# needed a translation that reads in flight together can share, as long as their stretch stays within
+# SORTED_WINDOW_BYTES. So a call takes the fewest warps (the most rows in flight, which dense calls need)
+# whose stretch fits (sorted_warps). The lookup's own call, cold random rows over 24 GiB, two runs
+# (perf/results/h200_2026-12-03/run1_shape_sweep_cold, run2_tests_ngram_shape_split; 4 / 8 / 16 / 32
+# warps, us): 16,384 ids 441 / 409 / 371 / 335 (run 2; 1-2 warps 494); 65,536 ids 1,382 / 1,311 / 1,312 /
+# 1,323 and 1,413 / 1,355 / 1,356 / 1,363 (1-2 warps 1,684-1,722); 262,144 ids within 0.4% from 1 to 32
+# warps; 1M ids 8,590 / 8,602 / 8,703 / 12,830 and 8,919 / 8,928 / 8,987 / 12,750 (1-2 warps as 4).
 SORTED_PROGRAM_BYTES = 4096
 SORTED_TILE_BYTES = 1024
 SORTED_MIN_ROWS = 4
 SORTED_MAX_ROWS = 64
-SORTED_NUM_WARPS = 4  # programs of several rows (de-duplication)
-SORTED_ONE_ROW_WARPS = 8  # one-row programs
+SORTED_NUM_WARPS = 4  # programs of several rows (de-duplication), and one-row programs of dense calls
+SORTED_ONE_ROW_WARPS = (4, 8, 16, 32)  # the choices for one-row programs, most rows in flight first
+SORTED_WINDOW_BYTES = 448 << 20  # the widest stretch of table that the rows in flight may span
+SM_BLOCKS = 32  # resident programs an SM can hold (Hopper), whatever their warps
+SM_WARPS = 64
+
+
+def sorted_warps(n: int, span_bytes: int, sms: int) -> int:
+    """Warps of the sorted gather's one-row programs for a call of ``n`` ids over ``span_bytes`` of table
+    on a GPU of ``sms`` SMs: the fewest whose rows in flight span at most ``SORTED_WINDOW_BYTES``."""
+    gap = span_bytes / max(1, n)
+    for w in SORTED_ONE_ROW_WARPS:
+        if sms * min(SM_BLOCKS, SM_WARPS // w) * gap <= SORTED_WINDOW_BYTES:
+            return w
+    return SORTED_ONE_ROW_WARPS[-1]
 
 
 @dataclass(frozen=True)
@@ -101,10 +118,9 @@ def sorted_config(row_bytes: int, itemsize: int, dedup: bool = True, program_byt
     if dedup:
         rows = (program_bytes or SORTED_PROGRAM_BYTES) // tile
         rows = triton.next_power_of_2(max(SORTED_MIN_ROWS, min(SORTED_MAX_ROWS, rows)))
-        warps = SORTED_NUM_WARPS
     else:
-        rows, warps = 1, SORTED_ONE_ROW_WARPS
-    return SortedConfig(rows, max(1, tile // itemsize), num_warps or warps)
+        rows = 1
+    return SortedConfig(rows, max(1, tile // itemsize), num_warps or SORTED_NUM_WARPS)
 
 
 # When the sorted gather is used (GatherLookup(order="auto")): from the committed sweep of the default
@@ -170,6 +186,11 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 # 1M: 0.2 / 0.2 / 0.25 (4,841-5,933 us). Below the first entry the GPU takes every row. Where the CPU
 # gathers 230 M random rows/s on 16 threads (65,536 rows in 284 us, run 22) and the GPU 40-55 M/s at
 # these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
+# Those sweeps read partly cached rows (four id sets reused). The plan below is the best of the first
+# sweep on rows from DRAM (perf/results/h200_2026-12-03/run2_tests_ngram_shape_split, "split_sweep"):
+# 16,384 ids 0.45 whole (309 us; the CPU alone 301); 65,536: 0.25 in chunks of 32,768 (778 us; 0.2 814,
+# the CPU 831); 262,144: 0.25 in chunks of 16,384 (2,038 us; 0.15 2,286, the CPU 2,423); 1M: 0.25 in
+# chunks of 65,536 (5,674 us; 0.2 5,873, the CPU 7,511).
 # The GPU takes the first ids of the call. A split by table rows (the GPU sorts every id and reads those
 # of the rows below the ids' share-quantile, as densely as the whole call's; the CPU stages the others,
 # found by two parallel passes, and their rows are put in place by index_copy_; built and measured in
@@ -178,7 +199,7 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
 # 1,283 / 2,464 / 5,833 us by rows, 613 / 1,743 / 5,509 by ids): it launches the sorted gather of all
 # the ids eagerly (400 us of host time at 1M) and its GPU share ran 1.35x slower than its part of the
 # GPU's whole sorted gather (split_profile.log there), the CPU's copies up then crossing the same link.
-SPLIT_PLAN = ((16384, 0.35, 0), (65536, 0.2, 32768), (262144, 0.15, 65536), (1 << 20, 0.2, 65536))
+SPLIT_PLAN = ((16384, 0.45, 0), (65536, 0.25, 32768), (262144, 0.25, 16384), (1 << 20, 0.25, 65536))
 SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
 # The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
 # word gather ("parallel", integration/copy/cpu_gather.py) is the alternative the split sweep times too.

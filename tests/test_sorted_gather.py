@@ -199,8 +199,28 @@ def test_sorted_config_shapes():
     c = heuristics.sorted_config(160, 1)
     assert (c.block_rows, c.block_cols) == (16, 256)
     plain = heuristics.sorted_config(160, 1, dedup=False)  # no repeats to find: one row per program
-    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, heuristics.SORTED_ONE_ROW_WARPS)
+    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, heuristics.SORTED_NUM_WARPS)
+    assert heuristics.sorted_config(160, 1, dedup=False, num_warps=16).num_warps == 16
     assert c.num_warps == heuristics.SORTED_NUM_WARPS
+
+
+def test_sorted_warps_keep_the_rows_in_flight_within_the_window():
+    """One-row programs: the fewest warps whose rows in flight (132 SMs x programs an SM) span at most the
+    window, from the measured cases (24 GiB: 32 warps at 16,384 ids, 8 at 65,536, 4 from 262,144) to the
+    bounds (every choice too wide: the most warps; no ids or one: no error)."""
+    gib = 1 << 30
+    assert [heuristics.sorted_warps(n, 24 * gib, 132) for n in (16384, 65536, 262144, 1 << 20)] == [32, 8, 4, 4]
+    assert heuristics.sorted_warps(65536, gib, 132) == 4  # dense in a small table: the most rows in flight
+    assert heuristics.sorted_warps(10, 24 * gib, 132) == heuristics.SORTED_ONE_ROW_WARPS[-1]
+    assert heuristics.sorted_warps(0, 24 * gib, 132) == heuristics.SORTED_ONE_ROW_WARPS[-1]
+    for n in (1000, 16384, 65536, 300_000):
+        w = heuristics.sorted_warps(n, 24 * gib, 132)
+        rows_in_flight = 132 * min(heuristics.SM_BLOCKS, heuristics.SM_WARPS // w)
+        fits = rows_in_flight * 24 * gib / n <= heuristics.SORTED_WINDOW_BYTES
+        assert fits or w == heuristics.SORTED_ONE_ROW_WARPS[-1]
+        fewer = [v for v in heuristics.SORTED_ONE_ROW_WARPS if v < w]  # none of the wider choices fits
+        assert all(132 * min(heuristics.SM_BLOCKS, heuristics.SM_WARPS // v) * 24 * gib / n
+                   > heuristics.SORTED_WINDOW_BYTES for v in fewer)
     big = heuristics.sorted_config(17920, 2)
     assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
     tiny = heuristics.sorted_config(16, 4)
