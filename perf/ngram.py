@@ -29,7 +29,7 @@ Providers, all in one run, each output compared bit for bit with a CPU reference
 GPU providers are timed in CUDA graphs (fresh ids written before each replay, outside the timed
 region); medians. Every timed call reads ids of its own: the id sets rotate, and enough of them that the
 rows read between two uses of one set exceed the host's last-level cache and the GPU's L2
-(``SET_ROTATE_BYTES``); the host-id providers take turns within each repetition. ``--sweep`` also times
+(``SET_ROTATE_BYTES``); the host-id providers run in blocks of consecutive calls that take turns. ``--sweep`` also times
 the direct and the sorted gather on raw bytes by row size (32 B - 2 KiB, and 17,920 B), table span and
 ``n``: the data behind
 :func:`uvaple.kernels.heuristics.use_sorted`. ``--smoke`` runs tiny tables on the CPU (interpreted
@@ -183,22 +183,27 @@ def _rotation(dev_sets: torch.Tensor, calls: int):
     return dev_sets[torch.arange(calls, device=device) % dev_sets.shape[0]].clone(), refresh
 
 
-def _time_eager_interleaved(calls: dict, sets: list[torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
-    """``_time_eager`` of several calls, taken in turn within each repetition (a drift of the machine's
-    state then falls on all of them alike), each call on its own id set, in rotation over ``sets``."""
-    names = list(calls)
-    walls = {k: [] for k in names}
-    cpus = {k: [] for k in names}
-    for r in range(reps + 2):
-        for p, name in enumerate(names):
-            ids = sets[(r * len(names) + p) % len(sets)]
-            c0, t0 = time.process_time(), time.perf_counter()
-            calls[name](ids)
-            torch.cuda.current_stream().synchronize()
-            if r >= 2:
-                walls[name].append((time.perf_counter() - t0) * 1e6)
-                cpus[name].append((time.process_time() - c0) * 1e6)
-    return {k: {"median": statistics.median(walls[k]), "cpu_us": statistics.median(cpus[k])} for k in names}
+def _time_eager_blocks(calls: dict, sets: list[torch.Tensor], reps: int, rounds: int = 2) -> dict[str, dict]:
+    """``_time_eager`` of several calls, each in blocks of consecutive calls, as a serving loop runs one path
+    call after call (taken in turn call by call, each paid for the others' staging: at 1M ids the split and
+    the chunked CPU gather took 26% and 18% longer in the bench's row than in the split sweep of the same
+    run, perf/results/h200_2026-12-03/run2_tests_ngram_shape_split). The blocks take turns over ``rounds``
+    rounds, so a drift of the machine's state falls on all alike; the id sets rotate across every call."""
+    walls = {k: [] for k in calls}
+    cpus = {k: [] for k in calls}
+    per, turn = max(2, -(-reps // rounds)), 0
+    for _ in range(rounds):
+        for name, call in calls.items():
+            for r in range(per + 2):
+                ids = sets[turn % len(sets)]
+                turn += 1
+                c0, t0 = time.process_time(), time.perf_counter()
+                call(ids)
+                torch.cuda.current_stream().synchronize()
+                if r >= 2:
+                    walls[name].append((time.perf_counter() - t0) * 1e6)
+                    cpus[name].append((time.process_time() - c0) * 1e6)
+    return {k: {"median": statistics.median(walls[k]), "cpu_us": statistics.median(cpus[k])} for k in calls}
 
 
 def _time_eager(call, sets: list[torch.Tensor], reps: int, cuda: bool, start: int = 0) -> dict[str, float]:
@@ -258,7 +263,7 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
 
             seq_refresh(seq_buf)
             us["sequential"] = graph_replay_us(run.ours("direct"), seq_buf, seq_refresh, replays)["median"]
-            host = _time_eager_interleaved({"cpu-gather": run.cpu_gather, "cpu-gather-chunked": run.cpu_gather_chunked,
+            host = _time_eager_blocks({"cpu-gather": run.cpu_gather, "cpu-gather-chunked": run.cpu_gather_chunked,
                                             "split": run.split()}, sets_cpu, max(5, replays // 2))
             cpu, split = host["cpu-gather"], host["split"]
             us.update((k, v["median"]) for k, v in host.items())
