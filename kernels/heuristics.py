@@ -130,8 +130,15 @@ def sorted_config(row_bytes: int, itemsize: int, dedup: bool = True, program_byt
 # 160-B rows: 1.32x at 16,384 ids over 4 GiB, 1.57x at 65,536 and 1.82x at 262,144 over 24 GiB, but
 # 0.81x at 16,384 over 1 GiB (1.75x at 65,536), 1.05x at 16,384 over 24 GiB, and a loss everywhere over
 # 0.25 GiB; 32-B rows alike; 512-B rows gain from 4 GiB up only; 2 KiB and 17,920-B rows never gain.
+# That sweep ran the one-row programs with 4 warps. With their warps by the ids' gap (sorted_warps) the
+# sparse calls gain too: 16,384 ids over 24 GiB, 160-B rows, 332 us sorted against 470 direct (random
+# ids; 313 against 387 for n-gram ids) and 109 against 112 at 4,096 (n-gram ids 96 against 92), the
+# lookup's own calls on cold rows (perf/results/h200_2026-12-03/run3_tests_ngram_window_warps_blocks;
+# run 2's shape sweep: 335 against 473). So rows up to SORT_SPARSE_MAX_ROW_BYTES no longer need the
+# density; wider rows (512 B, not measured with the new warps) still do.
 SORT_MIN_IDS = 16384  # below this the sort costs more than the order saves, at any span
-SORT_MIN_IDS_PER_GIB = 2730  # ... and the ids must be this dense in the table's span
+SORT_MIN_IDS_PER_GIB = 2730  # ... and rows wider than SORT_SPARSE_MAX_ROW_BYTES need ids this dense in the span
+SORT_SPARSE_MAX_ROW_BYTES = 256
 SORT_MIN_IDS_SMALL_SPAN = 65536  # ... and this many where the span is below 4 GiB (the direct read is fast)
 SORT_MAX_ROW_BYTES = 512
 SORT_MIN_SPAN_BYTES = {256: 1 << 30, 512: 4 << 30}  # rows up to K bytes: the smallest span that gains
@@ -170,7 +177,9 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
     if row_bytes > SORT_MAX_ROW_BYTES or n < SORT_MIN_IDS:
         return False
     min_span = next(v for k, v in sorted(SORT_MIN_SPAN_BYTES.items()) if row_bytes <= k)
-    if span_bytes < min_span or n < SORT_MIN_IDS_PER_GIB * span_bytes / (1 << 30):
+    if span_bytes < min_span:
+        return False
+    if row_bytes > SORT_SPARSE_MAX_ROW_BYTES and n < SORT_MIN_IDS_PER_GIB * span_bytes / (1 << 30):
         return False
     return span_bytes >= 4 << 30 or n >= SORT_MIN_IDS_SMALL_SPAN
 

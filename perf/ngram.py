@@ -69,8 +69,8 @@ GIB = 1 << 30
 # Every timed call reads rows of ids no call read in the last SET_ROTATE_BYTES of rows (more than the
 # host's 300 MB last-level cache and the GPU's 50 MB L2): the rows come from DRAM, as a prefill's do.
 SET_ROTATE_BYTES = 1 << 30
-HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_MIN_IDS_SMALL_SPAN", "SORT_MAX_ROW_BYTES",
-                   "SORT_MIN_SPAN_BYTES")
+HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_SPARSE_MAX_ROW_BYTES", "SORT_MIN_IDS_SMALL_SPAN",
+                   "SORT_MAX_ROW_BYTES", "SORT_MIN_SPAN_BYTES")
 
 
 def make_table(table_gib: float, smoke: bool) -> HostTable:

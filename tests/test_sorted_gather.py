@@ -164,7 +164,9 @@ def test_heuristic_thresholds():
     gib = 1 << 30
     use = heuristics.use_sorted
     # the measured crossovers of the default shape (kernels/heuristics.py)
-    assert not use(16384, 160, 24 * gib) and use(65536, 160, 24 * gib) and use(1 << 20, 160, 24 * gib)
+    assert use(16384, 160, 24 * gib) and use(65536, 160, 24 * gib) and use(1 << 20, 160, 24 * gib)
+    assert not use(16383, 160, 24 * gib) and not use(4096, 160, 24 * gib)  # the sort's fixed cost
+    assert not use(16384, 512, 24 * gib) and use(65536, 512, 24 * gib)  # wider rows: the ids' density too
     assert use(16384, 160, 4 * gib) and not use(4096, 160, 4 * gib)
     assert not use(16384, 160, 1 * gib) and use(65536, 160, 1 * gib)  # a 1 GiB span is read fast directly
     assert not use(1 << 20, 160, gib // 4)  # ... and a 0.25 GiB one faster still
