@@ -185,10 +185,11 @@ def _rotation(dev_sets: torch.Tensor, calls: int):
 
 def _time_eager_blocks(calls: dict, sets: list[torch.Tensor], reps: int, rounds: int = 2) -> dict[str, dict]:
     """``_time_eager`` of several calls, each in blocks of consecutive calls, as a serving loop runs one path
-    call after call (taken in turn call by call, each paid for the others' staging: at 1M ids the split and
-    the chunked CPU gather took 26% and 18% longer in the bench's row than in the split sweep of the same
-    run, perf/results/h200_2026-12-03/run2_tests_ngram_shape_split). The blocks take turns over ``rounds``
-    rounds, so a drift of the machine's state falls on all alike; the id sets rotate across every call."""
+    call after call; the blocks take turns over ``rounds`` rounds, so a drift of the machine's state falls
+    on all alike; the id sets rotate across every call. (Taken in turn call by call, the split and the
+    chunked CPU gather at 1M ids took 26% and 18% longer than in the split sweep of the same run; in
+    blocks, the next run's CPU providers were no faster: the eager host timings of the shared machine move
+    10-20% from run to run whatever the order, perf/results/h200_2026-12-03/NOTE.md runs 2-3.)"""
     walls = {k: [] for k in calls}
     cpus = {k: [] for k in calls}
     per, turn = max(2, -(-reps // rounds)), 0
