@@ -42,7 +42,16 @@ import triton
 from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 
 from . import _capture, _gather_triton, _jit
-from .heuristics import NUM_WARPS, TILE_BYTES, LaunchConfig, SortedConfig, launch_config, sorted_config, sorted_warps
+from .heuristics import (
+    NUM_WARPS,
+    SORTED_TILE_BYTES,
+    TILE_BYTES,
+    LaunchConfig,
+    SortedConfig,
+    launch_config,
+    sorted_config,
+    sorted_warps,
+)
 
 __all__ = ["gather_rows", "launch", "launch_hot", "launch_sorted", "scale_bits", "column_range", "check_ids",
            "check_out", "OOB_POLICIES",
@@ -323,6 +332,19 @@ def _check_hot(table, ids, counters, hot_rows, slot_map, id_counts=None) -> None
                          "ids, hits)")
 
 
+def sorted_launch_config(table: torch.Tensor, device: torch.device, n: int, ncols: int, row_lo: int,
+                         dedup: bool) -> SortedConfig:
+    """The sorted gather's program shape for a call of ``n`` ids: :func:`~.heuristics.sorted_config`, and
+    for one-row programs of rows within one tile, warps by how sparse the ids lie in the table
+    (:func:`~.heuristics.sorted_warps`; measured on such rows). Rows of several tiles keep the default."""
+    row_bytes = ncols * table.element_size()
+    warps = None
+    if not dedup and row_bytes <= SORTED_TILE_BYTES:
+        span = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
+        warps = sorted_warps(n, span, _sms(device))
+    return sorted_config(row_bytes, table.element_size(), dedup, num_warps=warps)
+
+
 def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
                   dq_scale: torch.Tensor | None, workspace: torch.Tensor, bits: int, has_scale: bool, col_start: int,
                   id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool, *,
@@ -348,11 +370,7 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     torch.autograd.graph.increment_version(out)
     if n == 0 or ncols == 0:
         return
-    if config is None:  # one-row programs: warps by how sparse the ids lie in the table (heuristics)
-        span = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
-        warps = None if dedup else sorted_warps(n, span, _sms(ids.device))
-        config = sorted_config(ncols * table.element_size(), table.element_size(), dedup, num_warps=warps)
-    cfg = config
+    cfg = config or sorted_launch_config(table, ids.device, n, ncols, row_lo, dedup)
     kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     order = workspace[1, :n]
     # What is sorted: 4-byte row keys (row_keys_kernel) wherever they can name every row, else the ids as given.

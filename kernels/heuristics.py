@@ -77,8 +77,9 @@ def launch_config(row_bytes: int, itemsize: int, n_rows: int, *, tile_bytes: int
 # touches (~21 ns) plus ~1 ns a row (65,536 and 1M ids; 7% under the time at 262,144), as if each page
 # needed a translation that reads in flight together can share, as long as their stretch stays within
 # SORTED_WINDOW_BYTES. So a call takes the fewest warps (the most rows in flight, which dense calls need)
-# whose stretch fits (sorted_warps). The lookup's own call, cold random rows over 24 GiB, two runs
-# (perf/results/h200_2026-12-03/run1_shape_sweep_cold, run2_tests_ngram_shape_split; 4 / 8 / 16 / 32
+# whose stretch fits (sorted_warps), where its rows fit one tile (measured there; gather.
+# sorted_launch_config). The lookup's own call, cold random rows over 24 GiB, two runs (perf/results/
+# h200_2026-12-03/run1_shape_sweep_cold, run2_tests_ngram_shape_split; 4 / 8 / 16 / 32
 # warps, us): 16,384 ids 441 / 409 / 371 / 335 (run 2; 1-2 warps 494); 65,536 ids 1,382 / 1,311 / 1,312 /
 # 1,323 and 1,413 / 1,355 / 1,356 / 1,363 (1-2 warps 1,684-1,722); 262,144 ids within 0.4% from 1 to 32
 # warps; 1M ids 8,590 / 8,602 / 8,703 / 12,830 and 8,919 / 8,928 / 8,987 / 12,750 (1-2 warps as 4).

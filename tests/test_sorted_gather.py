@@ -206,6 +206,26 @@ def test_sorted_config_shapes():
     assert c.num_warps == heuristics.SORTED_NUM_WARPS
 
 
+def test_sorted_launch_config_takes_warps_by_gap_for_one_tile_rows_only():
+    """The launch's shape: one-row programs of rows within a tile take warps by the ids' gap (the window),
+    de-duplicating programs and rows of several tiles the default warps, whatever the gap."""
+    from uvaple.kernels.gather import sorted_launch_config
+
+    cpu = torch.device("cpu")
+    small = torch.empty(1000, 160, dtype=torch.uint8)
+    wide = torch.empty(1000, 8960, dtype=torch.bfloat16)
+    assert sorted_launch_config(small, cpu, 8, 160, 0, False).num_warps == heuristics.sorted_warps(8, 160_000, 132)
+    big = torch.empty(150_000_000, 160, dtype=torch.uint8, device="meta")  # 24 GB of rows: shape and strides only
+    wide_big = torch.empty(1_500_000, 8960, dtype=torch.bfloat16, device="meta")
+    assert sorted_launch_config(big, cpu, 16384, 160, 0, False).num_warps == heuristics.SORTED_ONE_ROW_WARPS[-1]
+    assert sorted_launch_config(big, cpu, 1 << 20, 160, 0, False).num_warps == heuristics.SORTED_ONE_ROW_WARPS[0]
+    assert sorted_launch_config(big, cpu, 16384, 160, 0, True).num_warps == heuristics.SORTED_NUM_WARPS
+    assert sorted_launch_config(wide_big, cpu, 16384, 8960, 0, False).num_warps == heuristics.SORTED_NUM_WARPS
+    assert sorted_launch_config(wide, cpu, 8, 8960, 0, False).num_warps == heuristics.SORTED_NUM_WARPS
+    # the span is the window's: rows below row_lo are not read
+    assert sorted_launch_config(big, cpu, 16384, 160, 149_990_000, False).num_warps == heuristics.SORTED_NUM_WARPS
+
+
 def test_sorted_warps_keep_the_rows_in_flight_within_the_window():
     """One-row programs: the fewest warps whose rows in flight (132 SMs x programs an SM) span at most the
     window, from the measured cases (24 GiB: 32 warps at 16,384 ids, 8 at 65,536, 4 from 262,144) to the
