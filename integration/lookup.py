@@ -45,7 +45,6 @@ import weakref
 import torch
 
 from uvaple.kernels import heuristics
-from uvaple.kernels._capture import waits_allowed
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
@@ -53,7 +52,7 @@ from ._fork import keep_in_child
 from .copy.cpu_gather import gather_up, ids_within, split_rows, warm_split
 from .devices import default_device, resolve_device
 from .errors import BackendClosed, LookupForkedError
-from .metrics import CounterSnapshots, Progress
+from .metrics import CounterSnapshots, Progress, RelaxedCaptureMode
 from .spec import TableSpec
 
 __all__ = ["Lookup", "GatherLookup", "default_device"]
@@ -505,8 +504,7 @@ class GatherLookup(Lookup):
 
     def close(self) -> None:
         if self._split is not None and not self._forked:  # (a forked child has no CUDA)
-            with waits_allowed():  # also inside a graph capture (then _wait_free destroys its graphs)
-                self._split.free.synchronize()  # no copy may still read the staging when it goes
+            self._split.release()  # no copy may still read the staging when it goes; also inside a capture
         self._arg = None
         self._workspace = None
         self._split = None
@@ -519,7 +517,7 @@ def _wait_free(free: torch.cuda.Event, graphs: dict) -> None:
     relaxed capture mode: the collector (or ``close()``) may run this in the middle of a graph capture,
     which either would otherwise invalidate. Not in a forked child: no CUDA there."""
     if not torch.cuda._is_in_bad_fork():
-        with waits_allowed():
+        with RelaxedCaptureMode():
             free.synchronize()
             for g in graphs.values():
                 g.reset()
@@ -552,7 +550,9 @@ class _SplitState:
         warm_split()
         self.lock = threading.Lock()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # filled by _capture
-        weakref.finalize(self, _wait_free, self.free, self.graphs).atexit = False  # also dropped without close()
+        # close() calls it; the collector does where the state is dropped without close()
+        self.release = weakref.finalize(self, _wait_free, self.free, self.graphs)
+        self.release.atexit = False
         keep_in_child(self)  # its pinned staging, events and graphs are never freed in a forked child
         c0, c1 = lookup.spec.columns(None)
         self.graph_sizes = heuristics.split_graph_sizes(max_rows, (c1 - c0) * lookup.spec.output_dtype.itemsize)

@@ -144,7 +144,9 @@ class RelaxedCaptureMode:
     from *another* thread counts as a potentially unsafe call and invalidates that capture (PyTorch's NCCL
     watchdog met this; it now queries in a non-global mode). The reads here (a lookup's snapshots, the copy
     placement's health) touch only their own streams and events, never one recorded inside a capture, so
-    they may run during any capture.
+    they may run during any capture. So may a split lookup's last words (``GatherLookup.close`` or its
+    finaliser, which the collector can run in the middle of a capture): a wait on an event recorded before
+    and the destruction of its own CUDA graphs, which under global mode also invalidate the capture.
     """
 
     __slots__ = ("_old",)

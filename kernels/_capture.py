@@ -10,7 +10,6 @@ torch's usual rule instead: a graph's inputs must outlive it.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -53,29 +52,3 @@ def kept() -> int:
     """How many host tables captured graphs keep alive (for tests)."""
     return len(_kept)
 
-
-@contextlib.contextmanager
-def waits_allowed():
-    """Let this thread wait for an event (``cudaEventSynchronize``) while a graph is being captured.
-
-    In CUDA's default (global) capture mode such a wait is prohibited on the capturing thread, and on
-    every other thread while any thread captures in global mode: the call fails and the capture is
-    invalidated. A finaliser run by the garbage collector in the middle of a capture, or a ``close()``
-    there, only waits for work recorded before (never for the captured stream), so it switches this
-    thread to the relaxed mode for the wait and back after it. Without CUDA's driver (or its bindings)
-    nothing changes.
-    """
-    try:
-        from cuda.bindings import driver as cu
-
-        err, prev = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-        switched = err == cu.CUresult.CUDA_SUCCESS
-    except Exception:  # noqa: BLE001 - no bindings or no driver: no capture either
-        switched = False
-    if not switched:
-        yield
-        return
-    try:
-        yield
-    finally:
-        cu.cuThreadExchangeStreamCaptureMode(prev)

@@ -73,15 +73,6 @@ ROW_KEY_BLOCK = 1024
 ROW_SCALE_BYTES = 4
 OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-_INTERPRETED_SMS = 132  # the interpreter runs one program at a time: any count gives the same bits
-
-
-@functools.lru_cache(maxsize=16)
-def _sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (asked once per device)."""
-    if device.type != "cuda":
-        return _INTERPRETED_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -330,6 +321,17 @@ def _check_hot(table, ids, counters, hot_rows, slot_map, id_counts=None) -> None
     if counters is not None and counters.numel() < 4:
         raise ValueError("uvaple::gather_rows_hot: counters must be int64 [>= 4] (lookups, rows, out-of-range "
                          "ids, hits)")
+
+
+_INTERPRETED_SMS = 132  # the interpreter runs one program at a time: any count gives the same bits
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (asked once per device)."""
+    if device.type != "cuda":
+        return _INTERPRETED_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sorted_launch_config(table: torch.Tensor, device: torch.device, n: int, ncols: int, row_lo: int,

@@ -204,6 +204,10 @@ def test_sorted_config_shapes():
     assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, heuristics.SORTED_NUM_WARPS)
     assert heuristics.sorted_config(160, 1, dedup=False, num_warps=16).num_warps == 16
     assert c.num_warps == heuristics.SORTED_NUM_WARPS
+    big = heuristics.sorted_config(17920, 2)
+    assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
+    tiny = heuristics.sorted_config(16, 4)
+    assert tiny.block_rows == heuristics.SORTED_MAX_ROWS and tiny.block_cols == 4
 
 
 def test_sorted_launch_config_takes_warps_by_gap_for_one_tile_rows_only():
@@ -243,10 +247,6 @@ def test_sorted_warps_keep_the_rows_in_flight_within_the_window():
         fewer = [v for v in heuristics.SORTED_ONE_ROW_WARPS if v < w]  # none of the wider choices fits
         assert all(132 * min(heuristics.SM_BLOCKS, heuristics.SM_WARPS // v) * 24 * gib / n
                    > heuristics.SORTED_WINDOW_BYTES for v in fewer)
-    big = heuristics.sorted_config(17920, 2)
-    assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
-    tiny = heuristics.sorted_config(16, 4)
-    assert tiny.block_rows == heuristics.SORTED_MAX_ROWS and tiny.block_cols == 4
 
 
 def test_split_needs_a_gpu_and_max_rows(table):
