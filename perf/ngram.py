@@ -396,6 +396,89 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     return recs
 
 
+SORT_N = (16384, 65536, 262144, 1048576)
+
+
+def _sort_calls(run: Run, n: int) -> dict:
+    """:func:`sort_sweep`'s calls for ``n`` ids: name -> (call, writes the output)."""
+    import triton
+
+    from uvaple.kernels import _gather_triton, _jit
+    from uvaple.kernels.gather import (
+        ROW_KEY_BLOCK,
+        _hot_args,
+        _kernel_views,
+        _scale_col,
+        _scale_word,
+        sorted_launch_config,
+    )
+
+    kern = _jit.variant(_gather_triton, not run.cuda)
+    lk = run.lookups["sorted"]
+    spec, ws, rows = lk.spec, lk._workspace, lk._arg.shape[0]
+    shift = max(0, rows.bit_length() - 15)  # bucket keys below 2**15
+    halves = ws[0].view(torch.int32)
+    unsorted, keys, order = halves[:n], halves[ws.shape[1]: ws.shape[1] + n], ws[1, :n]
+    k16 = torch.empty(n, dtype=torch.int16, device=run.device)
+    s16 = torch.empty(n, dtype=torch.int16, device=run.device)
+    ids_sorted = torch.empty(n, dtype=torch.int64, device=run.device)
+
+    def sort32(ids):
+        kern.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, 0, 0, rows, BLOCK=ROW_KEY_BLOCK,
+                                                               num_warps=4)
+        torch.sort(unsorted, stable=False, out=(keys, order))
+
+    def sort16(ids):
+        torch.bitwise_right_shift(ids, shift, out=ids_sorted)
+        k16.copy_(ids_sorted)
+        torch.sort(k16, stable=False, out=(s16, order))
+
+    def bucket16(ids):
+        sort16(ids)
+        torch.take(ids, order, out=ids_sorted)
+        cfg = sorted_launch_config(lk._arg, ids.device, n, ROW_BYTES, 0, False)
+        o = run.out[:n]
+        hot = _hot_args(ids, o, None, None, None, spec.has_scale, spec.oob_mode, spec.dequant)
+        table, o, convert = _kernel_views(lk._arg, ids, o, spec.has_scale, spec.oob_mode, spec.dequant)
+        grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ROW_BYTES, cfg.block_cols))
+        kern.gather_sorted_kernel[grid](
+            table, ids_sorted, order, o, ids, lk._dq_scale, *hot, n, 0, 0, rows, table.stride(0), 0, ROW_BYTES,
+            spec.scale_arg, _scale_col(table, spec.dequant), HAS_SCALE=spec.has_scale, CONVERT=convert,
+            OOB_ROW0=spec.oob_mode == 1, NEG_ZERO=spec.oob_mode == 2, DEQUANT=spec.dequant, COUNT=False,
+            HOT=False, COUNT_IDS=False, SCALE_WORD=_scale_word(table, None, spec.dequant), DEDUP=False, KEYS=False,
+            BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps)
+
+    return {"shipped-sorted": (run.ours("sorted"), True), "sort only: row keys int32": (sort32, False),
+            f"sort only: buckets int16 (>>{shift})": (sort16, False), "sorted on int16 buckets": (bucket16, True)}
+
+
+def sort_sweep(run: Run, replays: int) -> list[dict]:
+    """What the sorted call's sort costs, and whether coarser keys cost less (random ids, cold rows, CUDA
+    graphs): the shipped call; its sort alone (``row_keys_kernel`` + torch's sort of 4-byte row keys); int16
+    bucket keys (``row >> shift``, buckets of ``2**shift`` rows) sorted alone; and the whole call on bucket
+    order (int16 keys, the ids taken in that order, the gather kernel on them as given), compared bit for bit
+    with the shipped call's output."""
+    lk, recs = run.lookups["sorted"], []
+    for n in SORT_N:
+        if n > run.out.shape[0]:
+            continue
+        calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
+        ids_buf, refresh = _cold_sets(run, n, calls)
+        out, check = run.out[:n], ids_buf[0].clone()
+        lk.lookup(check, out)
+        want = out.clone()
+        for name, (call, writes) in _sort_calls(run, n).items():
+            out.view(torch.int16).fill_(0x7FA5)
+            call(check)
+            exact = torch.equal(out.view(torch.int16), want.view(torch.int16)) if writes else None
+            t = graph_replay_us(call, ids_buf, refresh, replays)
+            recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"],
+                         "bit_exact": exact})
+            print(f"sort n {n:8d} {name:34s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
+                  f"exact {exact}", flush=True)
+    return recs
+
+
 SPLIT_SHARES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45)
 SPLIT_CHUNKS = (0, 16384, 32768, 65536)  # rows per copy up (0: the whole share at once)
 SPLIT_N = (16384, 65536, 262144, 1048576)
@@ -464,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also the direct/sorted sweep by row size, span and n")
     p.add_argument("--split-sweep", action="store_true", help="also the split sweep (GPU share x chunk rows) alone")
     p.add_argument("--shape-sweep", action="store_true", help="also the kernels' program shapes (cold rows) alone")
+    p.add_argument("--sort-sweep", action="store_true", help="also the sorted call's sort alone and coarser keys")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny table, interpreted kernels, correctness only")
     p.add_argument("--out", help="directory for ngram.json (and ngram_rows.png)")
@@ -488,11 +572,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep_recs = sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
         split_recs = split_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.split_sweep) and cuda else []
         shape_recs = shape_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.shape_sweep) and cuda else []
+        sort_recs = sort_sweep(run, max(5, a.replays // 2)) if a.sort_sweep and cuda else []
     finally:
         run.close()
         table.close()
     bad = [r for r in recs if not all(r["bit_exact"].values())] + \
-        [r for r in sweep_recs + shape_recs if not r["bit_exact"]]
+        [r for r in sweep_recs + shape_recs + sort_recs if r["bit_exact"] is False]
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "ngram.json"), "w") as f:
@@ -500,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                        "row_bytes": ROW_BYTES, "heuristic": {k: getattr(heuristics, k) for k in HEURISTIC_NAMES},
                        "split_plan": [list(x) for x in heuristics.SPLIT_PLAN],
                        "results": recs, "sweep": sweep_recs, "split_sweep": split_recs,
-                       "shape_sweep": shape_recs}, f, indent=1)
+                       "shape_sweep": shape_recs, "sort_sweep": sort_recs}, f, indent=1)
         if cuda:
             _plot(recs, os.path.join(a.out, "ngram_rows.png"))
     if bad:

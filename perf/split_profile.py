@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="16384,65536,262144,1048576")
     p.add_argument("--share", type=float, default=None, help="the GPU's share (default: heuristics.SPLIT_PLAN)")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="then N calls at the plan's share of each n under cProfile: the host functions by own time")
     a = p.parse_args(argv)
     if cuda_missing(p.prog):
         return 2
@@ -99,12 +101,39 @@ def main(argv: list[str] | None = None) -> int:
                     spans.setdefault("the CPU share's index_select alone", []).append((c1 - c0) * 1e6)
                 print(f"n {n:8d} gpu share {share:.2f}: " +
                       " | ".join(f"{k} {statistics.median(v):.0f}us" for k, v in spans.items()), flush=True)
+        for name, fn in saved.items():
+            setattr(lookup_mod, name, fn)
+        if a.cprofile:
+            _cprofile(lk, out, ns, table.rows, a.share, a.cprofile)
     finally:
         for name, fn in saved.items():
             setattr(lookup_mod, name, fn)
         lk.close()
         table.close()
     return 0
+
+
+def _cprofile(lk, out, ns, rows: int, share, calls: int) -> None:
+    """``calls`` split calls of each ``n`` (fresh ids, the stream synchronised after each, outside the profile)
+    under cProfile: the 22 functions with the most own time, per call."""
+    import cProfile
+    import pstats
+
+    for n in ns:
+        sets = fresh_id_sets(n, rows, seed=n + 1)
+        prof = cProfile.Profile()
+        for r in range(calls + 2):
+            if r >= 2:
+                prof.enable()
+            lk.lookup_split(sets[r % len(sets)], out[:n], gpu_share=share)
+            prof.disable()
+            torch.cuda.synchronize()
+        st = pstats.Stats(prof)
+        top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:22]
+        print(f"n {n:8d} cProfile, us per call (own / with callees, calls per call):", flush=True)
+        for (file, line, fn), (_, ncalls, tottime, cumtime, _) in top:
+            print(f"  {tottime / calls * 1e6:8.1f} {cumtime / calls * 1e6:8.1f} {ncalls / calls:6.1f}  "
+                  f"{fn} ({file.rsplit('/', 1)[-1]}:{line})", flush=True)
 
 
 if __name__ == "__main__":
