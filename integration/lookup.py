@@ -45,8 +45,9 @@ import weakref
 import torch
 
 from uvaple.kernels import heuristics
-from uvaple.kernels.gather import check_ids, check_out
+from uvaple.kernels.gather import check_ids, check_out, prepared_launch
 from uvaple.uva import HostTable
+from uvaple.uva._cuda import copy_async
 
 from ._fork import keep_in_child
 from .copy.cpu_gather import gather_up, ids_within, split_rows, warm_split
@@ -394,13 +395,16 @@ class GatherLookup(Lookup):
         flat_ids, flat_out = ids.reshape(-1), out.view(n, -1)
         with sp.lock:
             sp.free.synchronize()  # the previous call's copies out of the staging are done
-            stream = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.current_stream(sp.device_index)
             waited = False  # whether the caller's stream already waits for every copy queued out of the staging
             try:
                 if k:  # the GPU's share first: it runs while this thread gathers the rest
                     sp.ids_host[:k].copy_(flat_ids[:k])
                     dev_ids = sp.ids_dev[:k]
-                    dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
+                    # (raw copies: this state's buffers, fenced by `free` before any reuse or release)
+                    if not copy_async(sp.ids_dev.data_ptr(), sp.ids_host.data_ptr(), k * 8, stream.cuda_stream,
+                                      "the GPU share's ids"):
+                        dev_ids.copy_(sp.ids_host[:k], non_blocking=True)
                     if graph_rows:
                         sp.graphs[k].replay()  # lookup(ids_dev[:k], gpu_out[:k]) on this stream
                     else:
@@ -410,7 +414,9 @@ class GatherLookup(Lookup):
                     self._stage_cpu_share(flat_ids[k:], flat_out[k:], k, n, heuristics.split_chunk_rows(n)
                                           if chunk_rows is None else chunk_rows, stream)
                     waited = True
-                if graph_rows:
+                if graph_rows and not copy_async(flat_out.data_ptr(), sp.gpu_out.data_ptr(),
+                                                 k * sp.gpu_out.stride(0) * sp.gpu_out.element_size(),
+                                                 stream.cuda_stream, "the GPU share's rows"):
                     flat_out[:k].copy_(sp.gpu_out[:k])
             finally:  # also after a failure: the staging is free only once every copy queued out of it is done
                 if not waited:
@@ -428,11 +434,11 @@ class GatherLookup(Lookup):
         m = n - k
         lo, hi = spec.window
         row0, off = spec.oob == "row0", spec.id_offset
-        table_bytes = self.table.tensor.view(torch.uint8)
         path = heuristics.SPLIT_CPU_PATH
 
         def stage(rows):
-            gather_up(table_bytes, rows, sp.rows_host, sp.rows_dev, sp.copy_stream, sp.row_bytes, chunk, path=path)
+            gather_up(sp.table_bytes, rows, sp.rows_host, sp.rows_dev, sp.copy_stream, sp.row_bytes, chunk, path=path,
+                      track=False)
 
         # Every id a row of the window: the ids are the rows to stage (less the offset), and staged row j is
         # staged id j (a device arange, nothing to copy up). Over the whole table, index_select itself
@@ -458,8 +464,7 @@ class GatherLookup(Lookup):
             stage(sp.rows_idx[:m])
         sp.staged.record(sp.copy_stream)
         stream.wait_event(sp.staged)
-        torch.ops.uvaple.gather_rows(sp.staged_rows[:m], staged_ids, out, self._counters, self._dq_scale,
-                                     spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
+        sp.policy(staged_ids, out)  # the kernel of gather_rows over the staged rows (every staged id below m)
         if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
             if k:
                 self._counters[0].sub_(1)
@@ -540,7 +545,14 @@ class _SplitState:
         self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
         self.row_bytes = table.row_bytes  # once: HostTable.row_bytes builds a tensor
-        self.staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
+        self.table_bytes = table.tensor.view(torch.uint8)
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
+        spec = lookup.spec
+        c0, c1 = spec.columns(None)
+        # the policy over the staged rows, checked here once: one kernel launch a call
+        self.policy = prepared_launch(staged_rows, spec.output_dtype, c1 - c0, lookup._counters, lookup._dq_scale,
+                                      spec.scale_arg, spec.has_scale, spec.oob_mode, spec.dequant)
         lo, hi = lookup.spec.window
         self.whole_window = lo == 0 and hi == table.rows and lookup.spec.id_offset == 0
         with torch.cuda.device(device):

@@ -33,6 +33,7 @@ CUDA graph and replayable with new ids written into the captured ids buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import struct
 
@@ -49,6 +50,7 @@ from .heuristics import (
     LaunchConfig,
     SortedConfig,
     launch_config,
+    sort_buckets,
     sorted_config,
     sorted_warps,
 )
@@ -263,18 +265,60 @@ def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: 
     cfg = config or launch_config(ncols * item, item, n)
     hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
+    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
+    _gather_kernel(kernels, cfg, table, ids, out, counters, dq_scale, hot_args, n, ncols, bits, has_scale, convert,
+                   col_start, id_base, row_lo, oob_mode, dequant, hot_rows is not None, id_counts is not None,
+                   _scale_word(table, hot_rows, dequant))
+
+
+def _gather_kernel(kernels, cfg: LaunchConfig, table, ids, out, counters, dq_scale, hot_args: tuple, n: int,
+                   ncols: int, bits: int, has_scale: bool, convert: bool, col_start: int, id_base: int, row_lo: int,
+                   oob_mode: int, dequant: int, hot: bool, count_ids: bool, scale_word: bool) -> None:
+    """``gather_rows_kernel``'s launch over ``n`` ids (the tensors already as :func:`_kernel_views` gives them)."""
     tiles = triton.cdiv(ncols, cfg.block)
     grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
-    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
     kernels.gather_rows_kernel[grid](
         table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, *hot_args,
         n, id_base,
         row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
         HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None,
-        SCALE_WORD=_scale_word(table, hot_rows, dequant), BLOCK=cfg.block, ROW_TILES=cfg.row_tiles,
-        num_warps=cfg.num_warps,
+        COUNT=counters is not None, HOT=hot, COUNT_IDS=count_ids, SCALE_WORD=scale_word, BLOCK=cfg.block,
+        ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps,
     )
+
+
+def prepared_launch(table: torch.Tensor, out_dtype: torch.dtype, ncols: int, counters: torch.Tensor | None,
+                    dq_scale: torch.Tensor | None, bits: int, has_scale: bool, oob_mode: int, dequant: int):
+    """:func:`launch` for one table and policy, its checks and choices made here, once: ``go(ids, out)``
+    launches the kernel :func:`launch` would (same arguments, same bits) for ``ids`` and ``out`` with no
+    per-call check, dispatch or choice left but the grid. For a caller whose every call's ids and ``out``
+    are its own and already checked (a split lookup's staged ids and rows: int64 ids, contiguous, on the
+    table's CUDA device; ``out`` contiguous ``[n, ncols]`` of ``out_dtype`` there), never under graph
+    capture. Columns from 0, ids not shifted, rows from 0."""
+    ids0 = torch.empty(1, dtype=torch.int64, device=table.device)
+    out0 = torch.empty(1, ncols, dtype=out_dtype, device=table.device)
+    _check_launch(table, ids0, out0, dq_scale, 0, 0, 0, oob_mode, dequant, "gather_rows")
+    item = out0.element_size() if dequant else table.element_size()
+    cfg = launch_config(ncols * item, item, 0)
+    convert = has_scale or out_dtype != table.dtype or oob_mode == 2
+    view, as_int = table, None
+    if dequant:
+        view = table.view(torch.uint8)
+    elif not convert:
+        as_int = _INT_OF_SIZE[table.element_size()]
+        view = table.view(as_int)
+    scale_word = _scale_word(view, None, dequant)
+    kernels = _jit.variant(_gather_triton, table.device.type != "cuda")
+
+    def go(ids: torch.Tensor, out: torch.Tensor) -> None:
+        torch.autograd.graph.increment_version(out)
+        n = ids.shape[0]
+        if n:
+            _gather_kernel(kernels, cfg, view, ids, out if as_int is None else out.view(as_int), counters, dq_scale,
+                           (ids, ids, 0, ids), n, ncols, bits, has_scale, convert, 0, 0, 0, oob_mode, dequant, False,
+                           False, scale_word)
+
+    return go
 
 
 def _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale: bool, oob_mode: int, dequant: int) -> tuple:
@@ -344,7 +388,9 @@ def sorted_launch_config(table: torch.Tensor, device: torch.device, n: int, ncol
     if not dedup and row_bytes <= SORTED_TILE_BYTES:
         span = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
         warps = sorted_warps(n, span, _sms(device))
-    return sorted_config(row_bytes, table.element_size(), dedup, num_warps=warps)
+    cfg = sorted_config(row_bytes, table.element_size(), dedup, num_warps=warps)
+    buckets = sort_buckets(n, dedup)
+    return dataclasses.replace(cfg, buckets=buckets) if buckets else cfg
 
 
 def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
@@ -377,9 +423,25 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     order = workspace[1, :n]
     # What is sorted: 4-byte row keys (row_keys_kernel) wherever they can name every row, else the ids as given.
     # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc once
-    # warm, and a captured graph owns it.
+    # warm, and a captured graph owns it. Without de-duplication, from BUCKET_SORT_MIN_IDS ids, the keys are
+    # ordered by bucket instead (heuristics.sort_buckets): counters in the workspace's first half, no scratch.
     use_keys = table.shape[0] - row_lo <= ROW_KEY_MAX
-    if use_keys:
+    buckets = cfg.buckets if not dedup and 2 * cfg.buckets <= workspace.shape[1] else 0
+    if buckets & (buckets - 1):
+        raise ValueError(f"uvaple::gather_rows_sorted: buckets must be a power of two, got {buckets}")
+    if use_keys and buckets:
+        halves = workspace[0].view(torch.int32)
+        counts, starts = halves[:buckets], halves[buckets: 2 * buckets]
+        keys = halves[workspace.shape[1]: workspace.shape[1] + n]
+        shift = max(0, (table.shape[0] - row_lo - 1).bit_length() - (buckets.bit_length() - 1))
+        counts.zero_()
+        blocks = (triton.cdiv(n, ROW_KEY_BLOCK),)
+        kernels.bucket_count_kernel[blocks](ids, counts, n, id_base, row_lo, table.shape[0], shift,
+                                            BUCKETS=buckets, BLOCK=ROW_KEY_BLOCK, num_warps=4)
+        kernels.bucket_starts_kernel[(1,)](counts, starts, BUCKETS=buckets, num_warps=8)
+        kernels.bucket_scatter_kernel[blocks](ids, starts, keys, order, n, id_base, row_lo, table.shape[0], shift,
+                                              BUCKETS=buckets, BLOCK=ROW_KEY_BLOCK, num_warps=4)
+    elif use_keys:
         halves = workspace[0].view(torch.int32)  # 2 x max_rows: the keys as computed, then sorted
         unsorted, keys = halves[:n], halves[workspace.shape[1]: workspace.shape[1] + n]
         kernels.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, id_base, row_lo, table.shape[0],

@@ -1249,6 +1249,25 @@ def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
     assert ok[3] and ok[4] and not ok[2] and not ok[5]  # the window's edges are in the data
 
 
+@pytest.mark.parametrize("host_shape,dev_shape,dtype", [
+    ((10, 160), (9, 160), torch.uint8),  # fewer device rows than ids
+    ((9, 160), (10, 160), torch.uint8),  # fewer staging rows than ids
+    ((10, 160), (10, 176), torch.uint8),  # strides differ
+    ((10, 80), (10, 80), torch.int16),  # not byte rows
+])
+def test_gather_up_refuses_staging_that_cannot_take_the_rows(host_shape, dev_shape, dtype):
+    """``gather_up`` copies staged rows by address: staging too small, of another stride or not bytes is
+    refused (named) before any row is read or copied."""
+    from uvaple.integration.copy.cpu_gather import gather_up
+
+    table = torch.randint(0, 256, (50, 160), dtype=torch.int32).to(torch.uint8)
+    host = torch.full(host_shape, 7, dtype=dtype)
+    dev = torch.full(dev_shape, 7, dtype=dtype)
+    with pytest.raises(ValueError, match="byte rows of the same stride, at least 10"):
+        gather_up(table, torch.arange(10), host, dev, None, 160, 4)
+    assert bool((host == 7).all()) and bool((dev == 7).all())
+
+
 @pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
 def test_torch_path_takes_in_range_ids_as_they_are(monkeypatch, ids_dtype):
     """No id offset and every id a row: index_select gets the ids themselves, the serial ids pass does

@@ -324,3 +324,63 @@ def test_table_without_rows_is_refused(device):
     for oob in ("zero", "row0"):
         with pytest.raises(ValueError, match="no rows"):
             gather_rows(torch.randn(64, 8)[64:].to(device), ids, oob=oob)
+
+
+# (table dtype, out dtype, scale, fp8 format) for prepared_launch against the operator (fp8 rows under zero / row0)
+_PREPARED = [
+    (torch.bfloat16, torch.bfloat16, None, 0),  # a plain copy (integer views)
+    (torch.float16, torch.float32, None, 0),
+    (torch.bfloat16, torch.bfloat16, -0.37, 0),
+    (torch.float8_e4m3fn, torch.bfloat16, None, 1),  # fp8 codes x a global scale
+    (torch.float8_e5m2, torch.float16, None, 2),
+    (torch.float8_e4m3fn, torch.bfloat16, None, 3),  # fp8 codes x the row's own scale (4 bytes after them)
+]
+
+
+@pytest.mark.parametrize("table_dtype,out_dtype,scale,dequant,oob", [
+    (*case, oob) for case in _PREPARED for oob in ("zero", "row0", "neg_zero") if not (case[3] and oob == "neg_zero")])
+def test_prepared_launch_is_the_operators_launch(device, table_dtype, out_dtype, scale, dequant, oob):
+    """``gather.prepared_launch`` (a split lookup's policy over its staged rows) writes the bits and counts
+    the operator writes for the same ids, out-of-range ones among them, and nothing for no ids."""
+    from uvaple.kernels.gather import FP8_FORMATS, OOB_MODES, ROW_SCALE_BYTES, prepared_launch
+
+    rows, cols = 37, 19
+    g = torch.Generator().manual_seed(rows * 7 + dequant)
+    if dequant:
+        width = cols + (ROW_SCALE_BYTES if dequant >= 3 else 0)
+        raw = torch.randint(0, 256, (rows, width), generator=g, dtype=torch.int32).to(torch.uint8)
+        if dequant >= 3:  # finite row scales, stored as float32 bytes after the codes
+            raw[:, cols:] = (torch.rand(rows, 1, generator=g) * 3 - 1.5).view(torch.uint8)
+        table = raw.view(table_dtype).to(device)
+        fmt = FP8_FORMATS[table_dtype] + (2 if dequant >= 3 else 0)
+        dq = torch.tensor([0.625], dtype=torch.float32, device=device) if dequant < 3 else None
+    else:
+        table, fmt, dq = rand(rows, cols, table_dtype, seed=3).to(device), 0, None
+    bits_arg = 0 if scale is None else scale_bits(scale, table_dtype)
+    ids = torch.randint(-3, rows + 4, (53,), generator=g).to(device)
+    ids[5], ids[6] = -1, rows  # out of range on both sides, whatever the draw
+    want_counts = torch.zeros(4, dtype=torch.int64, device=device)
+    want = poisoned((53, cols), out_dtype, device)
+    torch.ops.uvaple.gather_rows(table, ids, want, want_counts, dq, bits_arg, scale is not None, 0, 0, 0,
+                                 OOB_MODES[oob], fmt)
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    go = prepared_launch(table, out_dtype, cols, counts, dq, bits_arg, scale is not None, OOB_MODES[oob], fmt)
+    got = poisoned((53, cols), out_dtype, device)
+    go(ids, got)
+    assert same_bits(got, want)
+    assert counts.tolist() == want_counts.tolist() and counts[2].item() >= 2
+    untouched = poisoned((0, cols), out_dtype, device)
+    go(ids[:0], untouched)
+    assert counts.tolist() == want_counts.tolist()  # no ids: no launch, nothing counted
+
+
+def test_prepared_launch_refuses_what_launch_refuses(device):
+    """Its one check is the operator's: columns past the table, or fp8 rows without their scale, are named."""
+    from uvaple.kernels.gather import prepared_launch
+
+    table = rand(8, 4, torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="columns 0..5 are not inside"):
+        prepared_launch(table, torch.bfloat16, 5, None, None, 0, False, 0, 0)
+    fp8 = torch.zeros(8, 4, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8 dequantisation needs"):
+        prepared_launch(fp8, torch.bfloat16, 4, None, None, 0, False, 0, 1)

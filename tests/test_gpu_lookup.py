@@ -104,8 +104,9 @@ def fp8_table():
 
 @pytest.mark.parametrize("dedup", [True, False])
 def test_sorted_gather_in_a_cuda_graph_replays_new_ids(fp8_table, dedup):
-    """The n-gram path on the GPU: fp8 rows dequantised in the kernel, ids sorted on the device, repeats
-    read once; captured once, replayed with new ids (random, all equal, runs, out of range)."""
+    """The n-gram path on the GPU: fp8 rows dequantised in the kernel, ids sorted on the device (exactly with
+    de-duplication, repeats read once; by buckets of rows without: 20,000 ids), captured once, replayed with
+    new ids (random, all equal, runs, out of range, mostly out of range)."""
     from uvaple.integration import GatherLookup, TableSpec
 
     h = fp8_table
@@ -124,9 +125,12 @@ def test_sorted_gather_in_a_cuda_graph_replays_new_ids(fp8_table, dedup):
         with torch.cuda.graph(graph):
             lk.lookup(ids, out)
         g = torch.Generator().manual_seed(9)
+        shard = torch.randint(h.rows, 8 * h.rows, (n,), generator=g)  # mostly out of range, as a shard's ids
+        shard[::8] = torch.randint(0, h.rows, (shard[::8].numel(),), generator=g)
         cases = [torch.randint(-3, h.rows + 3, (n,), generator=g), torch.full((n,), 123),
                  torch.randint(0, 500, (n,), generator=g).sort().values,
-                 torch.cat([torch.tensor([-(2**63), 2**63 - 1, -1, h.rows]), torch.randint(0, h.rows, (n - 4,))])]
+                 torch.cat([torch.tensor([-(2**63), 2**63 - 1, -1, h.rows]), torch.randint(0, h.rows, (n - 4,))]),
+                 shard]
         for k, new in enumerate(cases):
             ids.copy_(new)
             out.fill_(float("nan"))

@@ -315,3 +315,93 @@ def test_row_keys_and_ids_as_given_sort_to_the_same_bits(monkeypatch, oob, dedup
         (a, sa), (b, sb) = got.values()
         assert torch.equal(a, bits(ref)) and torch.equal(b, bits(ref))
         assert sa == sb and sa["out_of_range_ids"] == int(((ids - 50 < 20) | (ids - 50 >= 260)).sum())
+
+
+def _force_buckets(monkeypatch, buckets: int, min_ids: int) -> list:
+    """Sorted calls of ``min_ids`` ids or more without de-duplication take the bucket order with ``buckets``
+    buckets; returns the list each bucket scatter's launch appends its ``n`` to (the path was taken)."""
+    from uvaple.kernels import _gather_triton, _jit
+    from uvaple.kernels import gather as kgather
+
+    monkeypatch.setattr(kgather, "sort_buckets", lambda n, dedup: 0 if dedup or n < min_ids else buckets)
+    kern, launched = _jit.variant(_gather_triton, True), []
+    scatter = kern.bucket_scatter_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def go(*args, **kw):
+                launched.append(args[4])
+                return scatter[grid](*args, **kw)
+            return go
+
+    monkeypatch.setattr(kern, "bucket_scatter_kernel", Spy())
+    return launched
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [32, 33, 300])
+def test_bucket_order_every_pattern_bit_exact(table, monkeypatch, id_dtype, n):
+    """Without de-duplication a big call is ordered by buckets of rows (heuristics.sort_buckets; forced here
+    at 16 buckets from 32 ids): every id pattern gives the reference's bits and counts, out-of-range ids and
+    all-equal ids included."""
+    launched = _force_buckets(monkeypatch, 16, 32)
+    with sorted_lookup(table, dedup=False) as lk:
+        for name, ids in patterns(n, ROWS, seed=n + 1).items():
+            if id_dtype == torch.int32:
+                ids = ids.clamp(-(2**31), 2**31 - 1)
+            ids = ids.to(id_dtype)
+            before = lk.stats()
+            out = torch.full((n, 80), float("nan"), dtype=torch.bfloat16)
+            lk.lookup(ids, out)
+            assert torch.equal(bits(out), bits(reference_gather(table.tensor, ids))), name
+            after = lk.stats()
+            assert after["rows"] - before["rows"] == n
+            assert after["out_of_range_ids"] - before["out_of_range_ids"] == int(((ids < 0) | (ids >= ROWS)).sum())
+    assert launched == [n] * 7  # every pattern took the bucket order
+
+
+@pytest.mark.parametrize("oob", ["zero", "row0", "neg_zero"])
+def test_bucket_order_with_a_window_an_offset_and_wide_buckets(monkeypatch, oob):
+    """Buckets of several rows (a 240-row window in 16 buckets: 16 rows each), an id offset, a row window and
+    out-of-range ids spread over the buckets: the reference's bits and the exact sort's counters."""
+    launched = _force_buckets(monkeypatch, 16, 64)
+    t = rand(300, 24, torch.bfloat16, seed=11)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, oob=oob, id_offset=50, row_window=(20, 260))
+        g = torch.Generator().manual_seed(5)
+        ids = torch.cat([torch.randint(40, 330, (150,), generator=g), torch.full((40,), 77),
+                         patterns(60, 400, seed=8)["out_of_range"]])[torch.randperm(250, generator=g)]
+        got = []
+        for n_ids in (ids, ids[:63]):  # the bucket order, then the exact sort (below 64 ids)
+            with sorted_lookup(h, spec, dedup=False, max_rows=256) as lk:
+                out = torch.full((n_ids.numel(), 24), float("nan"), dtype=torch.bfloat16)
+                lk.lookup(n_ids, out)
+                ref = reference_gather(t, n_ids, oob=oob, rows=(20, 260), id_base=50)
+                assert torch.equal(bits(out), bits(ref))
+                got.append(lk.stats()["out_of_range_ids"])
+        local = ids - 50
+        bad = (local < 20) | (local >= 260)
+        assert got == [int(bad.sum()), int(bad[:63].sum())] and got[0] > 40
+    assert launched == [250]
+
+
+def test_bucket_order_config():
+    """Which calls take the bucket order, its launch config, and a bucket count that is no power of two."""
+    from uvaple.kernels import gather as kgather
+    from uvaple.kernels.heuristics import SortedConfig
+
+    h = heuristics
+    assert h.sort_buckets(h.BUCKET_SORT_MIN_IDS, False) == h.SORT_BUCKETS
+    assert h.sort_buckets(h.BUCKET_SORT_MIN_IDS - 1, False) == 0 and h.sort_buckets(1 << 20, True) == 0
+    assert h.SORT_BUCKETS & (h.SORT_BUCKETS - 1) == 0 and h.BUCKET_SORT_MIN_IDS >= 2 * h.SORT_BUCKETS
+    big = torch.empty(150_000_000, 160, dtype=torch.uint8, device="meta")
+    cpu = torch.device("cpu")
+    assert kgather.sorted_launch_config(big, cpu, 65536, 160, 0, False).buckets == h.SORT_BUCKETS
+    assert kgather.sorted_launch_config(big, cpu, 65536, 160, 0, True).buckets == 0
+    assert kgather.sorted_launch_config(big, cpu, 4096, 160, 0, False).buckets == 0
+    t = rand(50, 8, torch.bfloat16)
+    ids = torch.randint(0, 50, (40,))
+    with pytest.raises(ValueError, match="power of two"):
+        kgather.launch_sorted(t, ids, torch.empty(40, 8, dtype=torch.bfloat16), None, None,
+                              torch.empty(2, 40, dtype=torch.int64), 0, False, 0, 0, 0, 0, 0, False,
+                              config=SortedConfig(1, 8, 4, buckets=12))

@@ -76,6 +76,25 @@ def check(result, what: str, exc=RegistrationError, hint: str = ""):
     return rest[0] if len(rest) == 1 else rest
 
 
+def copy_async(dst: int, src: int, nbytes: int, stream: int, what: str) -> bool:
+    """``cudaMemcpyAsync`` of ``nbytes`` from address ``src`` to ``dst`` (UVA: the runtime infers the
+    direction) on the stream whose handle is ``stream``: a few µs on the host, a third of torch's
+    ``copy_``. False where cuda-python is missing (the caller copies through torch); a failed copy raises
+    ``RuntimeError`` naming ``what``. Nothing tells torch's caching allocators about the copy: the caller
+    keeps both buffers alive until it has completed."""
+    rt = runtime()
+    if rt is None:
+        return False
+    check(rt.cudaMemcpyAsync(dst, src, nbytes, _memcpy_default(), stream), f"cudaMemcpyAsync of {what}",
+          exc=RuntimeError)
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _memcpy_default():
+    return runtime().cudaMemcpyKind.cudaMemcpyDefault
+
+
 def device_attribute(attr_name: str, device: int) -> int:
     rt = runtime()
     attr = getattr(rt.cudaDeviceAttr, attr_name)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from uvaple.uva._cuda import check, runtime
+from uvaple.uva._cuda import copy_async
 
 __all__ = ["cpu_gather", "gather_path", "warm_up", "ids_within", "PARALLEL_MIN_BYTES", "PREFETCH_MIN_BYTES",
            "TORCH_MIN_BYTES", "TORCH_MAX_ROW_BYTES"]
@@ -397,7 +397,7 @@ def warm_split() -> None:
 
 
 def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_rows: int, *,
-              path: str = "torch") -> None:
+              path: str = "torch", track: bool = True) -> None:
     """Rows ``rows`` (int32 or int64, CPU) of ``table_bytes`` (a uint8 ``[rows, stride]`` CPU tensor)
     gathered into pinned ``host`` and copied to ``dev`` (rows of ``host``'s stride) on ``copy_stream``,
     ``chunk_rows`` rows at a time: the copy of one chunk runs while the next is gathered. ``path``:
@@ -406,11 +406,13 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
     ``IndexError`` at a row outside the table, before reading it). The caller owns ``host`` until the
     copies are done (an event recorded on ``copy_stream`` after this).
 
-    Every chunk but the last goes up through the runtime's ``cudaMemcpyAsync`` (a few µs on the host, a
-    third of torch's ``copy_``); the last through torch's ``copy_``, which tells torch's pinned-memory
-    cache that ``copy_stream`` used ``host``'s memory: when ``host`` is freed, the cache records an event
-    on that stream and hands the memory out again only once it has passed, after every copy out of it
-    (all on ``copy_stream``, in order), also if ``host`` is dropped while they run."""
+    The chunks go up through the runtime's ``cudaMemcpyAsync`` (a few µs on the host, a third of torch's
+    ``copy_``). With ``track``, the last goes through torch's ``copy_`` instead, which tells torch's
+    pinned-memory cache that ``copy_stream`` used ``host``'s memory: when ``host`` is freed, the cache
+    records an event on that stream and hands the memory out again only once it has passed, after every
+    copy out of it (all on ``copy_stream``, in order), also if ``host`` is dropped while they run. A caller
+    that fences its staging itself (a split lookup: an event waited for before any reuse or release)
+    passes ``track=False``."""
     if path not in ("parallel", "prefetch", "torch"):
         raise ValueError(f"path must be 'parallel', 'prefetch' or 'torch', got {path!r}")
     m = rows.shape[0]
@@ -419,21 +421,19 @@ def gather_up(table_bytes, rows, host, dev, copy_stream, row_bytes: int, chunk_r
         t_np, r_np, h_np = table_bytes.numpy(), rows.numpy(), host.numpy()
         zero = np.zeros(1, dtype=np.uint8)  # unused: every row is inside the table
     stride = host.stride(0)
-    if dev.stride(0) != stride or host.stride(1) != 1 or dev.stride(1) != 1:
-        raise ValueError(f"gather_up: host and device staging need the same row stride, got {host.stride()} and "
-                         f"{dev.stride()}")
-    rt = runtime()
-    with torch.cuda.device(dev.device):
+    if dev.stride(0) != stride or host.stride(1) != 1 or dev.stride(1) != 1 or host.element_size() != 1 or \
+            dev.element_size() != 1 or dev.shape[0] < m or host.shape[0] < m:
+        raise ValueError(f"gather_up: host and device staging need byte rows of the same stride, at least {m} "
+                         f"of them, got {tuple(host.shape)} {host.stride()} and {tuple(dev.shape)} {dev.stride()}")
+    host_ptr, dev_ptr, handle = host.data_ptr(), dev.data_ptr(), copy_stream.cuda_stream
+    with torch.cuda.device(dev.get_device()):
         for a in range(0, m, step):
             b = min(m, a + step)
             if path == "torch":
                 torch.index_select(table_bytes, 0, rows[a:b], out=host[a:b, :row_bytes])
             else:
                 cpu_gather(t_np, r_np[a:b], h_np[a:b, :row_bytes], 0, True, zero, path=path)
-            if b < m and rt is not None:
-                check(rt.cudaMemcpyAsync(dev[a].data_ptr(), host[a].data_ptr(), (b - a) * stride,
-                                         rt.cudaMemcpyKind.cudaMemcpyHostToDevice, copy_stream.cuda_stream),
-                      "cudaMemcpyAsync of staged rows", exc=RuntimeError)
-            else:
+            if (b == m and track) or not copy_async(dev_ptr + a * stride, host_ptr + a * stride, (b - a) * stride,
+                                                    handle, "staged rows"):
                 with torch.cuda.stream(copy_stream):
                     dev[a:b].copy_(host[a:b], non_blocking=True)
