@@ -358,23 +358,6 @@ def gather_sorted_kernel(
         tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], v, mask=dup)
 
 
-@jit
-def _row_keys(ids_ptr, i, m, id_base, row_lo, n_rows):
-    """The sort keys of ids ``i`` (``m``: in the call): ``row - row_lo + 1`` for a row inside the table (or
-    its window), 0 for an out-of-range id."""
-    row = tl.load(ids_ptr + i, mask=m, other=0).to(tl.int64) - id_base
-    valid = (row >= row_lo) & (row < n_rows)
-    return tl.where(valid, row - row_lo + 1, 0)
-
-
-@jit
-def _bucket(key, i, shift, BUCKETS: tl.constexpr):
-    """The bucket of each row key: its row's ``>> shift`` (below ``BUCKETS`` for any row the host's shift
-    covers); out-of-range ids (key 0) go round every bucket by position, so a call of mostly out-of-range
-    ids (a shard's) does not pile its atomics onto one counter."""
-    return tl.where(key > 0, (key - 1) >> shift, i % BUCKETS).to(tl.int32)
-
-
 # n changes from call to call: not specialised (see gather_rows_kernel).
 @jit(do_not_specialize=["n"])
 def row_keys_kernel(
@@ -384,63 +367,16 @@ def row_keys_kernel(
     id_base, row_lo, n_rows,  # as gather_rows_kernel
     BLOCK: tl.constexpr,
 ):
-    """The sort key of each id (:func:`_row_keys`). Sorting these 4-byte keys instead of the caller's
-    (often 8-byte) ids halves the radix sort's passes, and every out-of-range id sorts into one run at the
-    front (one leader under ``dedup``: they all give the same output row)."""
+    """The sort key of each id: ``row - row_lo + 1`` for a row inside the table (or its window), 0 for an
+    out-of-range id. Sorting these 4-byte keys instead of the caller's (often 8-byte) ids halves the radix
+    sort's passes, and every out-of-range id sorts into one run at the front (one leader under ``dedup``:
+    they all give the same output row)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    key = _row_keys(ids_ptr, i, m, id_base, row_lo, n_rows)
+    row = tl.load(ids_ptr + i, mask=m, other=0).to(tl.int64) - id_base
+    valid = (row >= row_lo) & (row < n_rows)
+    key = tl.where(valid, row - row_lo + 1, 0)
     tl.store(keys_ptr + i, key.to(keys_ptr.dtype.element_ty), mask=m)
-
-
-# The bucket order (gather.launch_sorted without de-duplication): the ids counted by bucket of row keys,
-# the counts turned into each bucket's first position, then every id's key and position scattered to the
-# next free place of its bucket. Rows come out ordered by bucket, in no set order within one (atomics):
-# locality is what the gather needs, and every id still lands on a position of its own.
-@jit(do_not_specialize=["n"])
-def bucket_count_kernel(
-    ids_ptr,  # *Pointer* to the ids [n] (int32 or int64)
-    counts_ptr,  # *Pointer* to int32 [BUCKETS], zero before the call: ids per bucket
-    n,  # ids in this call
-    id_base, row_lo, n_rows, shift,  # as gather_rows_kernel; rows per bucket = 2**shift
-    BUCKETS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    b = tl.where(m, _bucket(_row_keys(ids_ptr, i, m, id_base, row_lo, n_rows), i, shift, BUCKETS), 0)
-    h = tl.histogram(b, BUCKETS)  # one atomic per bucket this block holds, however many of its ids repeat
-    bins = tl.arange(0, BUCKETS)
-    h = h - tl.where(bins == 0, BLOCK - tl.reduce(m.to(tl.int32), 0, _add), 0)  # lanes past n: counted in bucket 0
-    tl.atomic_add(counts_ptr + bins, h, mask=h > 0, sem="relaxed")
-
-
-@jit
-def bucket_starts_kernel(
-    counts_ptr,  # *Pointer* to int32 [BUCKETS]: ids per bucket
-    starts_ptr,  # *Pointer* to int32 [BUCKETS]: written, each bucket's first position (exclusive prefix sum)
-    BUCKETS: tl.constexpr,
-):
-    c = tl.load(counts_ptr + tl.arange(0, BUCKETS))
-    tl.store(starts_ptr + tl.arange(0, BUCKETS), tl.associative_scan(c, 0, _add) - c)
-
-
-@jit(do_not_specialize=["n"])
-def bucket_scatter_kernel(
-    ids_ptr,  # *Pointer* to the ids [n] (int32 or int64)
-    starts_ptr,  # *Pointer* to int32 [BUCKETS]: each bucket's next free position (bucket_starts_kernel's)
-    keys_ptr,  # *Pointer* to int32 [n]: written, the row keys in bucket order
-    order_ptr,  # *Pointer* to int64 [n]: written, the position in the call of each key
-    n,  # ids in this call
-    id_base, row_lo, n_rows, shift,  # as bucket_count_kernel
-    BUCKETS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    key = _row_keys(ids_ptr, i, m, id_base, row_lo, n_rows)
-    at = tl.atomic_add(starts_ptr + _bucket(key, i, shift, BUCKETS), tl.full([BLOCK], 1, tl.int32), mask=m,
-                       sem="relaxed").to(tl.int64)
-    tl.store(keys_ptr + at, key.to(tl.int32), mask=m)
-    tl.store(order_ptr + at, i, mask=m)
 
 
 @jit(do_not_specialize=["n"])

@@ -33,7 +33,6 @@ CUDA graph and replayable with new ids written into the captured ids buffer.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import struct
 
@@ -50,7 +49,6 @@ from .heuristics import (
     LaunchConfig,
     SortedConfig,
     launch_config,
-    sort_buckets,
     sorted_config,
     sorted_warps,
 )
@@ -388,9 +386,7 @@ def sorted_launch_config(table: torch.Tensor, device: torch.device, n: int, ncol
     if not dedup and row_bytes <= SORTED_TILE_BYTES:
         span = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
         warps = sorted_warps(n, span, _sms(device))
-    cfg = sorted_config(row_bytes, table.element_size(), dedup, num_warps=warps)
-    buckets = sort_buckets(n, dedup)
-    return dataclasses.replace(cfg, buckets=buckets) if buckets else cfg
+    return sorted_config(row_bytes, table.element_size(), dedup, num_warps=warps)
 
 
 def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
@@ -423,25 +419,14 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     order = workspace[1, :n]
     # What is sorted: 4-byte row keys (row_keys_kernel) wherever they can name every row, else the ids as given.
     # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc once
-    # warm, and a captured graph owns it. Without de-duplication, from BUCKET_SORT_MIN_IDS ids, the keys are
-    # ordered by bucket instead (heuristics.sort_buckets): counters in the workspace's first half, no scratch.
+    # warm, and a captured graph owns it. The exact order pays: 8,192 buckets of rows (5 MB of a 24 GiB
+    # table), their ids in no set order (count / starts / scatter kernels), read 7% slower at 65,536 ids (as
+    # fast at 1M), and their kernels cost no less than this sort (52 us at 65,536 ids, 407 against 102 at 1M;
+    # perf/results/h200_2026-12-03/run9_ngram_sort_sweep_split, ngram.json "sort_sweep"). int16 keys of
+    # 8,192-row buckets (1.3 MB, stable: in call order within a bucket) sorted in 34 us instead of 52 with the
+    # gather's time within 1% (run7_sort_sweep_split_cprofile): not worth a second key format.
     use_keys = table.shape[0] - row_lo <= ROW_KEY_MAX
-    buckets = cfg.buckets if not dedup and 2 * cfg.buckets <= workspace.shape[1] else 0
-    if buckets & (buckets - 1):
-        raise ValueError(f"uvaple::gather_rows_sorted: buckets must be a power of two, got {buckets}")
-    if use_keys and buckets:
-        halves = workspace[0].view(torch.int32)
-        counts, starts = halves[:buckets], halves[buckets: 2 * buckets]
-        keys = halves[workspace.shape[1]: workspace.shape[1] + n]
-        shift = max(0, (table.shape[0] - row_lo - 1).bit_length() - (buckets.bit_length() - 1))
-        counts.zero_()
-        blocks = (triton.cdiv(n, ROW_KEY_BLOCK),)
-        kernels.bucket_count_kernel[blocks](ids, counts, n, id_base, row_lo, table.shape[0], shift,
-                                            BUCKETS=buckets, BLOCK=ROW_KEY_BLOCK, num_warps=4)
-        kernels.bucket_starts_kernel[(1,)](counts, starts, BUCKETS=buckets, num_warps=8)
-        kernels.bucket_scatter_kernel[blocks](ids, starts, keys, order, n, id_base, row_lo, table.shape[0], shift,
-                                              BUCKETS=buckets, BLOCK=ROW_KEY_BLOCK, num_warps=4)
-    elif use_keys:
+    if use_keys:
         halves = workspace[0].view(torch.int32)  # 2 x max_rows: the keys as computed, then sorted
         unsorted, keys = halves[:n], halves[workspace.shape[1]: workspace.shape[1] + n]
         kernels.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, id_base, row_lo, table.shape[0],

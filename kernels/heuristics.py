@@ -109,24 +109,6 @@ class SortedConfig:
     block_rows: int  # sorted ids per program
     block_cols: int  # elements per program per row
     num_warps: int
-    buckets: int = 0  # the ids ordered by this many buckets of rows (sort_buckets); 0: sorted exactly
-
-
-# The order of a sorted call without de-duplication: by buckets of rows, not by row. The gather needs only
-# locality: the rows in flight lie within a stretch of tens to hundreds of MiB of table (sorted_warps), so
-# buckets far smaller than that read as fast as an exact order. torch's sort (cub's radix sort of 4-byte keys
-# and 8-byte positions) took 52 us of a 65,536-id call's 1,354 and 105 of 8,921 at 1M ids; int16 keys of
-# 8,192-row buckets 34 and 69, with the gather's time unchanged (perf/results/h200_2026-12-03/
-# run7_sort_sweep_split_cprofile, ngram.json "sort_sweep"). The bucket order is three small kernels (count,
-# starts, scatter: gather.launch_sorted), in the workspace's first half, which holds 2 x SORT_BUCKETS counters
-# from 2 x SORT_BUCKETS ids. De-duplication needs equal ids side by side: it keeps the exact sort.
-SORT_BUCKETS = 8192
-BUCKET_SORT_MIN_IDS = 2 * SORT_BUCKETS
-
-
-def sort_buckets(n: int, dedup: bool) -> int:
-    """Buckets of the order of a sorted call of ``n`` ids (0: the exact sort)."""
-    return 0 if dedup or n < BUCKET_SORT_MIN_IDS else SORT_BUCKETS
 
 
 @functools.lru_cache(maxsize=256)

@@ -401,76 +401,80 @@ SORT_N = (16384, 65536, 262144, 1048576)
 
 def _sort_calls(run: Run, n: int) -> dict:
     """:func:`sort_sweep`'s calls for ``n`` ids: name -> (call, writes the output)."""
-    import dataclasses
-
     import triton
 
     from uvaple.kernels import _gather_triton, _jit
-    from uvaple.kernels.gather import ROW_KEY_BLOCK, launch_sorted, sorted_launch_config
+    from uvaple.kernels.gather import (
+        ROW_KEY_BLOCK,
+        _hot_args,
+        _kernel_views,
+        _scale_col,
+        _scale_word,
+        sorted_launch_config,
+    )
 
     kern = _jit.variant(_gather_triton, not run.cuda)
     lk = run.lookups["sorted"]
     spec, ws, rows = lk.spec, lk._workspace, lk._arg.shape[0]
+    shift = max(0, rows.bit_length() - 15)  # bucket keys below 2**15
     halves = ws[0].view(torch.int32)
     unsorted, keys, order = halves[:n], halves[ws.shape[1]: ws.shape[1] + n], ws[1, :n]
-    shipped = sorted_launch_config(lk._arg, run.device, n, ROW_BYTES, 0, False)
-    exact = dataclasses.replace(shipped, buckets=0)
-    b = shipped.buckets
-    counts, starts = halves[:b], halves[b: 2 * b]
-    shift = max(0, (rows - 1).bit_length() - (b.bit_length() - 1))
-    tail = (spec.scale_arg, spec.has_scale, 0, spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant, False)
+    k16 = torch.empty(n, dtype=torch.int16, device=run.device)
+    s16 = torch.empty(n, dtype=torch.int16, device=run.device)
+    ids_sorted = torch.empty(n, dtype=torch.int64, device=run.device)
 
-    def exact_sorted(ids):
-        launch_sorted(lk._arg, ids, run.out[:n], None, lk._dq_scale, ws, *tail, config=exact)
-
-    def sort_exact(ids):
+    def sort32(ids):
         kern.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, 0, 0, rows, BLOCK=ROW_KEY_BLOCK,
                                                                num_warps=4)
         torch.sort(unsorted, stable=False, out=(keys, order))
 
-    def sort_buckets(ids):
-        counts.zero_()
-        blocks = (triton.cdiv(n, ROW_KEY_BLOCK),)
-        kern.bucket_count_kernel[blocks](ids, counts, n, 0, 0, rows, shift, BUCKETS=b, BLOCK=ROW_KEY_BLOCK,
-                                         num_warps=4)
-        kern.bucket_starts_kernel[(1,)](counts, starts, BUCKETS=b, num_warps=8)
-        kern.bucket_scatter_kernel[blocks](ids, starts, keys, order, n, 0, 0, rows, shift, BUCKETS=b,
-                                           BLOCK=ROW_KEY_BLOCK, num_warps=4)
+    def sort16(ids):
+        torch.bitwise_right_shift(ids, shift, out=ids_sorted)
+        k16.copy_(ids_sorted)
+        torch.sort(k16, stable=False, out=(s16, order))
 
-    calls = {f"shipped-sorted ({'buckets' if b else 'exact'})": (run.ours("sorted"), True),
-             "sorted, exact order (torch sort)": (exact_sorted, True),
-             "order only: exact (row keys, torch sort)": (sort_exact, False)}
-    if b:
-        calls[f"order only: {b} buckets"] = (sort_buckets, False)
-    return calls
+    def bucket16(ids):
+        sort16(ids)
+        torch.take(ids, order, out=ids_sorted)
+        cfg = sorted_launch_config(lk._arg, ids.device, n, ROW_BYTES, 0, False)
+        o = run.out[:n]
+        hot = _hot_args(ids, o, None, None, None, spec.has_scale, spec.oob_mode, spec.dequant)
+        table, o, convert = _kernel_views(lk._arg, ids, o, spec.has_scale, spec.oob_mode, spec.dequant)
+        grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ROW_BYTES, cfg.block_cols))
+        kern.gather_sorted_kernel[grid](
+            table, ids_sorted, order, o, ids, lk._dq_scale, *hot, n, 0, 0, rows, table.stride(0), 0, ROW_BYTES,
+            spec.scale_arg, _scale_col(table, spec.dequant), HAS_SCALE=spec.has_scale, CONVERT=convert,
+            OOB_ROW0=spec.oob_mode == 1, NEG_ZERO=spec.oob_mode == 2, DEQUANT=spec.dequant, COUNT=False,
+            HOT=False, COUNT_IDS=False, SCALE_WORD=_scale_word(table, None, spec.dequant), DEDUP=False, KEYS=False,
+            BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps)
+
+    return {"shipped-sorted": (run.ours("sorted"), True), "sort only: row keys int32": (sort32, False),
+            f"sort only: buckets int16 (>>{shift})": (sort16, False), "sorted on int16 buckets": (bucket16, True)}
 
 
 def sort_sweep(run: Run, replays: int) -> list[dict]:
-    """The sorted call's order and what it costs (random ids, cold rows, CUDA graphs): the shipped call (by
-    buckets of rows from ``heuristics.BUCKET_SORT_MIN_IDS`` ids) and the same call in exact order (row keys,
-    torch's sort), each bit for bit against the shipped lookup's output; each order alone; and both calls with
-    every id equal (the bucket order's worst case: every atomic on one counter)."""
+    """What the sorted call's sort costs, and whether coarser keys cost less (random ids, cold rows, CUDA
+    graphs): the shipped call; its sort alone (``row_keys_kernel`` + torch's sort of 4-byte row keys); int16
+    bucket keys (``row >> shift``, buckets of ``2**shift`` rows) sorted alone; and the whole call on bucket
+    order (int16 keys, the ids taken in that order, the gather kernel on them as given), compared bit for bit
+    with the shipped call's output."""
     lk, recs = run.lookups["sorted"], []
     for n in SORT_N:
         if n > run.out.shape[0]:
             continue
         calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
         ids_buf, refresh = _cold_sets(run, n, calls)
-        out = run.out[:n]
-        variants = _sort_calls(run, n)
-        same = torch.full_like(ids_buf, 12345)  # every id equal: one bucket takes every atomic
-        for name, (call, writes), buf, again in [(k, v, ids_buf, refresh) for k, v in variants.items()] + \
-                [(f"{k}, all ids equal", v, same, lambda b: None) for k, v in list(variants.items())[:2]]:
-            probe = buf[0].clone()
-            lk.lookup(probe, out)
-            want = out.clone()
+        out, check = run.out[:n], ids_buf[0].clone()
+        lk.lookup(check, out)
+        want = out.clone()
+        for name, (call, writes) in _sort_calls(run, n).items():
             out.view(torch.int16).fill_(0x7FA5)
-            call(probe)
+            call(check)
             exact = torch.equal(out.view(torch.int16), want.view(torch.int16)) if writes else None
-            t = graph_replay_us(call, buf, again, replays)
+            t = graph_replay_us(call, ids_buf, refresh, replays)
             recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"],
                          "bit_exact": exact})
-            print(f"sort n {n:8d} {name:52s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
+            print(f"sort n {n:8d} {name:34s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
                   f"exact {exact}", flush=True)
     return recs
 

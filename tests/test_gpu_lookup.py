@@ -104,9 +104,9 @@ def fp8_table():
 
 @pytest.mark.parametrize("dedup", [True, False])
 def test_sorted_gather_in_a_cuda_graph_replays_new_ids(fp8_table, dedup):
-    """The n-gram path on the GPU: fp8 rows dequantised in the kernel, ids sorted on the device (exactly with
-    de-duplication, repeats read once; by buckets of rows without: 20,000 ids), captured once, replayed with
-    new ids (random, all equal, runs, out of range, mostly out of range)."""
+    """The n-gram path on the GPU: fp8 rows dequantised in the kernel, ids sorted on the device, repeats
+    read once; captured once, replayed with new ids (random, all equal, runs, out of range, mostly out of
+    range)."""
     from uvaple.integration import GatherLookup, TableSpec
 
     h = fp8_table
