@@ -235,6 +235,27 @@ def test_split_lookup_in_range_ids(fp8_table, offset, window, monkeypatch):
         assert st["out_of_range_ids"] == 2 and st["rows"] == 4 * n and st["lookups"] == 4
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_lookup_reads_the_scale_as_it_is_at_each_call(fp8_table, out_dtype):
+    """The CPU share's rows get the dequantisation scale of the moment (a scale written in place between
+    calls, on the stream, is the one used), in every output dtype: lookup's bits, whatever the share."""
+    from uvaple.integration import GatherLookup, TableSpec
+
+    h = fp8_table
+    scale = torch.tensor([0.5], device=DEV)
+    spec = TableSpec.of(h, encoding="fp8_global", out_dtype=out_dtype)
+    n = 5000
+    g = torch.Generator().manual_seed(21)
+    with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
+        for value, share in ((0.5, 0.0), (-3.25, 0.0), (1e-3, 0.4), (7.0, 0.4)):
+            scale.fill_(value)
+            ids = torch.randint(0, h.rows, (n,), generator=g)
+            out = torch.full((n, 160), float("nan"), dtype=out_dtype, device=DEV)
+            lk.lookup_split(ids, out, gpu_share=share)
+            want = reference_gather(h.tensor, ids, dequant_scale=scale, out_dtype=out_dtype)
+            assert torch.equal(bits(out), bits(want)), (value, share)
+
+
 def test_split_lookup_replays_the_gpu_share_graph(fp8_table, monkeypatch):
     """A GPU share on the ladder replays the graph captured at construction (no eager lookup; a share
     between two sizes rounds down, one outside the ladder launches eagerly); the graphs' warm-up leaves the
