@@ -384,15 +384,23 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
             cfg = LaunchConfig(256, warps)
             variants[f"direct w{warps}"] = (
                 lambda ids, cfg=cfg: launch(lk._arg, ids, run.out[: ids.numel()], None, *args, *tail, config=cfg))
-        for name, call in variants.items():
-            out.view(torch.int16).fill_(0x7FA5)
-            call(check)
-            exact = torch.equal(out.view(torch.int16), want.view(torch.int16))
-            t = graph_replay_us(call, ids_buf, refresh, replays)
-            recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"],
-                         "bit_exact": exact})
-            print(f"shape n {n:8d} {name:26s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
-                  f"{n / t['median']:7.1f} M rows/s exact {exact}", flush=True)
+        recs += _time_variants("shape", n, {k: (v, True) for k, v in variants.items()}, ids_buf, refresh, check,
+                               out, want, replays)
+    return recs
+
+
+def _time_variants(kind: str, n: int, variants: dict, ids_buf, refresh, check, out, want, replays: int) -> list[dict]:
+    """Each of ``variants`` (name -> (call, whether it writes ``out``)) checked bit for bit against ``want`` on
+    the ids ``check`` (poisoned output first), then timed in a CUDA graph over the rotating ``ids_buf``."""
+    recs = []
+    for name, (call, writes) in variants.items():
+        out.view(torch.int16).fill_(0x7FA5)
+        call(check)
+        exact = torch.equal(out.view(torch.int16), want.view(torch.int16)) if writes else None
+        t = graph_replay_us(call, ids_buf, refresh, replays)
+        recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"], "bit_exact": exact})
+        print(f"{kind} n {n:8d} {name:34s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
+              f"{n / t['median']:7.1f} M rows/s exact {exact}", flush=True)
     return recs
 
 
@@ -467,15 +475,7 @@ def sort_sweep(run: Run, replays: int) -> list[dict]:
         out, check = run.out[:n], ids_buf[0].clone()
         lk.lookup(check, out)
         want = out.clone()
-        for name, (call, writes) in _sort_calls(run, n).items():
-            out.view(torch.int16).fill_(0x7FA5)
-            call(check)
-            exact = torch.equal(out.view(torch.int16), want.view(torch.int16)) if writes else None
-            t = graph_replay_us(call, ids_buf, refresh, replays)
-            recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"],
-                         "bit_exact": exact})
-            print(f"sort n {n:8d} {name:34s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
-                  f"exact {exact}", flush=True)
+        recs += _time_variants("sort", n, _sort_calls(run, n), ids_buf, refresh, check, out, want, replays)
     return recs
 
 
