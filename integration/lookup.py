@@ -352,9 +352,7 @@ class GatherLookup(Lookup):
         """Rows for host ``ids`` (a CPU int32/int64 tensor: the scheduler's) in ``out`` (on ``device``): the
         first ``gpu_share`` of them gathered by the GPU (the direct or sorted path, as :meth:`lookup`), the
         rest by this thread into pinned staging (``heuristics.SPLIT_CPU_PATH``), copied to the device and
-        given the spec's policy by the same kernel (or, where every staged row is valid and the policy is a
-        copy or vLLM's fp8 formula, by torch's own ops: the same bits, a fraction of the kernel's launch on
-        the host). The staged rows are copied up ``chunk_rows`` at a time
+        given the spec's policy by the same kernel. The staged rows are copied up ``chunk_rows`` at a time
         (default :func:`uvaple.kernels.heuristics.split_chunk_rows`), each chunk's copy beside the gather of
         the next. No worker thread, no queue: the staging is reused
         only after the previous call's copy out of it has completed (an event this lookup owns, waited
@@ -430,9 +428,8 @@ class GatherLookup(Lookup):
                          stream) -> None:
         """The CPU's share of a split call (ids ``k .. n``, their rows ``out``): gathered into the pinned
         staging, copied up on the copy stream chunk by chunk as gathered (beside the GPU share's reads on the
-        caller's stream), then given the spec's policy on the caller's stream, after it waits for the
-        copies: by torch's ops where ``_SplitState.by_torch`` and every staged row is valid, else by the
-        kernel. The staging is this lookup's alone and free (``lookup_split`` waited for it)."""
+        caller's stream), then given the spec's policy by one kernel on the caller's stream, after it waits
+        for the copies. The staging is this lookup's alone and free (``lookup_split`` waited for it)."""
         sp, spec = self._split, self.spec
         m = n - k
         lo, hi = spec.window
@@ -449,7 +446,7 @@ class GatherLookup(Lookup):
         # aminmax decides, and where it fails one serial pass maps the ids. A gather abandoned at an
         # IndexError leaves copies queued on the copy stream; those of the serial pass's gather come after
         # them on that stream and write the same device rows last.
-        staged_ids, bad, serial_ids = None, 0, None  # serial_ids: the staged ids of the serial pass, if it ran
+        staged_ids, bad = None, 0
         if sp.whole_window and path == "torch":
             try:
                 stage(cpu_ids)
@@ -461,24 +458,12 @@ class GatherLookup(Lookup):
             staged_ids = sp.arange_dev[:m]
         if staged_ids is None:
             bad = split_rows(cpu_ids.numpy(), off, lo, hi, row0, sp.rows_idx[:m].numpy(), sp.ids_host[k:n].numpy())
-            staged_ids = serial_ids = sp.ids_dev[k:n]
+            staged_ids = sp.ids_dev[k:n]
             with torch.cuda.stream(sp.copy_stream):
                 staged_ids.copy_(sp.ids_host[k:n], non_blocking=True)
             stage(sp.rows_idx[:m])
         sp.staged.record(sp.copy_stream)
         stream.wait_event(sp.staged)
-        if sp.by_torch and staged_ids is not serial_ids:
-            # every staged row valid and a policy torch states in one or two ops: vLLM's formula itself
-            # (codes.to(out) * scale.to(out), the kernel's bits) or a copy; cheaper to launch than the kernel
-            out.copy_(sp.staged_rows[:m, : out.shape[-1]])
-            if sp.scale_out is not None:
-                sp.scale_out.copy_(self._dq_scale)  # the scale as it is now, on this stream
-                out.mul_(sp.scale_out)
-            if self._counters is not None:  # one call, whatever its shares (the GPU share's graph counted it)
-                self._counters[1].add_(m)
-                if not k:
-                    self._counters[0].add_(1)
-            return
         sp.policy(staged_ids, out)  # the kernel of gather_rows over the staged rows (every staged id below m)
         if self._counters is not None:  # one call, whatever its shares; row0's staged ids look valid
             if k:
@@ -565,12 +550,11 @@ class _SplitState:
         staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
         spec = lookup.spec
         c0, c1 = spec.columns(None)
-        # Staged rows all valid: fp8 codes times the global scale, or rows copied (converted) as they are,
-        # are given their policy by torch ops (spec.dequant 1/2, or no scale); else by the kernel
-        self.by_torch = spec.dequant in (1, 2) or (spec.dequant == 0 and not spec.has_scale)
         self.staged_rows = staged_rows
-        self.scale_out = torch.empty(1, dtype=spec.output_dtype, device=device) if spec.dequant in (1, 2) else None
-        # the policy over the staged rows, checked here once: one kernel launch a call
+        # the policy over the staged rows, checked here once: one kernel launch a call (through the operator,
+        # with its checks each call, the split took 3-6% longer; torch's own ops, where every staged row is
+        # valid and the policy is vLLM's fp8 formula, took less host time but as long or 4% longer to
+        # complete: perf/results/h200_2026-12-03/run11_split_policy_ab)
         self.policy = prepared_launch(staged_rows, spec.output_dtype, c1 - c0, lookup._counters, lookup._dq_scale,
                                       spec.scale_arg, spec.has_scale, spec.oob_mode, spec.dequant)
         lo, hi = lookup.spec.window

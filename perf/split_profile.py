@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=None, help="the GPU's share (default: heuristics.SPLIT_PLAN)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--ab", type=int, default=0, metavar="N",
-                   help="then N calls of each way to give the CPU share its policy, taking turns call by call")
+                   help="then N calls of each way to launch the CPU share's policy kernel, taking turns")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="then N calls at the plan's share of each n under cProfile: the host functions by own time")
     a = p.parse_args(argv)
@@ -118,19 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ab(lk, out, ns, rows: int, share, calls: int) -> None:
-    """The CPU share's policy three ways, taking turns call by call (so the machine's drift falls on all):
-    torch's ops (as shipped where every staged row is valid), the kernel through ``prepared_launch``, and
-    the kernel through the ``uvaple::gather_rows`` operator (the launch before ``prepared_launch``); the
-    median host time of the call and its time to completion, at the plan's share and at share 0."""
+    """The CPU share's policy kernel launched two ways, taking turns call by call (so the machine's drift
+    falls on both): through ``gather.prepared_launch`` (as shipped) and through the ``uvaple::gather_rows``
+    operator with its checks; the median host time of the call and its time to completion, at the plan's
+    share and at share 0."""
     sp, spec = lk._split, lk.spec
-    prepared, shipped = sp.policy, sp.by_torch
+    prepared = sp.policy
 
     def through_op(ids, o):
         torch.ops.uvaple.gather_rows(sp.staged_rows[: ids.shape[0]], ids, o, lk._counters, lk._dq_scale,
                                      spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
 
-    ways = {"torch ops": (True, prepared), "kernel, prepared": (False, prepared), "kernel, operator": (False,
-                                                                                                     through_op)}
+    ways = {"prepared launch": prepared, "operator": through_op}
     try:
         for n in ns:
             plan = heuristics.split_gpu_share(n, ROW_BYTES, 0) if share is None else share
@@ -138,23 +137,23 @@ def _ab(lk, out, ns, rows: int, share, calls: int) -> None:
             for s in sorted({plan, 0.0}, reverse=True):
                 host = {w: [] for w in ways}
                 whole = {w: [] for w in ways}
-                for r in range(3 * (calls + 2)):
-                    w = list(ways)[r % 3]
-                    sp.by_torch, sp.policy = ways[w]
+                for r in range(len(ways) * (calls + 2)):
+                    w = list(ways)[r % len(ways)]
+                    sp.policy = ways[w]
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     lk.lookup_split(sets[r % len(sets)], out[:n], gpu_share=s)
                     t1 = time.perf_counter()
                     torch.cuda.synchronize()
                     t2 = time.perf_counter()
-                    if r >= 6:
+                    if r >= 2 * len(ways):
                         host[w].append((t1 - t0) * 1e6)
                         whole[w].append((t2 - t0) * 1e6)
                 print(f"n {n:8d} gpu share {s:.2f} policy by: " + " | ".join(
                     f"{w} host {statistics.median(host[w]):.0f}us whole {statistics.median(whole[w]):.0f}us"
                     for w in ways), flush=True)
     finally:
-        sp.by_torch, sp.policy = shipped, prepared
+        sp.policy = prepared
 
 
 def _cprofile(lk, out, ns, rows: int, share, calls: int) -> None:
