@@ -546,19 +546,18 @@ class _SplitState:
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
         self.row_bytes = table.row_bytes  # once: HostTable.row_bytes builds a tensor
         self.table_bytes = table.tensor.view(torch.uint8)
-        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-        staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
+        self.device_index = device.index  # (resolve_device: a CUDA device always has its index)
+        self.staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table
         spec = lookup.spec
         c0, c1 = spec.columns(None)
-        self.staged_rows = staged_rows
         # the policy over the staged rows, checked here once: one kernel launch a call (through the operator,
         # with its checks each call, the split took 3-6% longer; torch's own ops, where every staged row is
         # valid and the policy is vLLM's fp8 formula, took less host time but as long or 4% longer to
         # complete: perf/results/h200_2026-12-03/run11_split_policy_ab)
-        self.policy = prepared_launch(staged_rows, spec.output_dtype, c1 - c0, lookup._counters, lookup._dq_scale,
+        self.policy = prepared_launch(self.staged_rows, spec.output_dtype, c1 - c0, lookup._counters, lookup._dq_scale,
                                       spec.scale_arg, spec.has_scale, spec.oob_mode, spec.dequant)
-        lo, hi = lookup.spec.window
-        self.whole_window = lo == 0 and hi == table.rows and lookup.spec.id_offset == 0
+        lo, hi = spec.window
+        self.whole_window = lo == 0 and hi == table.rows and spec.id_offset == 0
         with torch.cuda.device(device):
             self.free = torch.cuda.Event()
             self.staged = torch.cuda.Event()
@@ -570,11 +569,10 @@ class _SplitState:
         self.release = weakref.finalize(self, _wait_free, self.free, self.graphs)
         self.release.atexit = False
         keep_in_child(self)  # its pinned staging, events and graphs are never freed in a forked child
-        c0, c1 = lookup.spec.columns(None)
-        self.graph_sizes = heuristics.split_graph_sizes(max_rows, (c1 - c0) * lookup.spec.output_dtype.itemsize)
+        self.graph_sizes = heuristics.split_graph_sizes(max_rows, (c1 - c0) * spec.output_dtype.itemsize)
         self.gpu_out = None
         if self.graph_sizes:
-            self.gpu_out = torch.empty(self.graph_sizes[-1], c1 - c0, dtype=lookup.spec.output_dtype, device=device)
+            self.gpu_out = torch.empty(self.graph_sizes[-1], c1 - c0, dtype=spec.output_dtype, device=device)
             self._capture(lookup, device)
         with torch.cuda.device(device):
             self.free.record()  # after the capture's warm-up (the current stream waited for it): a first call

@@ -298,15 +298,10 @@ def prepared_launch(table: torch.Tensor, out_dtype: torch.dtype, ncols: int, cou
     _check_launch(table, ids0, out0, dq_scale, 0, 0, 0, oob_mode, dequant, "gather_rows")
     item = out0.element_size() if dequant else table.element_size()
     cfg = launch_config(ncols * item, item, 0)
-    convert = has_scale or out_dtype != table.dtype or oob_mode == 2
-    view, as_int = table, None
-    if dequant:
-        view = table.view(torch.uint8)
-    elif not convert:
-        as_int = _INT_OF_SIZE[table.element_size()]
-        view = table.view(as_int)
+    view, out0, convert = _kernel_views(table, ids0, out0, has_scale, oob_mode, dequant)
+    as_int = None if out0.dtype == out_dtype else out0.dtype  # a plain copy: out viewed as the table's integers
     scale_word = _scale_word(view, None, dequant)
-    kernels = _jit.variant(_gather_triton, table.device.type != "cuda")
+    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(table))
 
     def go(ids: torch.Tensor, out: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(out)
@@ -437,18 +432,9 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
         torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
     hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
-    grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
-    kernels.gather_sorted_kernel[grid](
-        table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
-        *hot_args, n,
-        id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
-        HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot_rows is not None, COUNT_IDS=id_counts is not None,
-        SCALE_WORD=_scale_word(table, hot_rows, dequant), DEDUP=dedup, KEYS=use_keys,
-        BLOCK_R=cfg.block_rows,
-        BLOCK_C=cfg.block_cols,
-        num_warps=cfg.num_warps,
-    )
+    grid = sorted_kernel(kernels, cfg, table, keys, order, ids, out, counters, dq_scale, hot_args, ncols, bits,
+                         has_scale, convert, col_start, id_base, row_lo, oob_mode, dequant, hot_rows is not None,
+                         id_counts is not None, _scale_word(table, hot_rows, dequant), dedup, use_keys)
     if dedup and grid[0] > 1:  # the repeats of runs that cross into a program copy their leader's row
         rows_out = out.view(_INT_OF_SIZE[out.element_size()])  # a copy of bits, whatever the dtype
         # a plain HBM copy: wide tiles, so few programs repeat the leader's search; 32 search steps cover
@@ -457,6 +443,26 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
         kernels.dedup_tail_kernel[(grid[0], triton.cdiv(ncols, block_c))](
             keys, order, rows_out, n, ncols, STEPS=32 if n < 1 << 32 else 64, BLOCK_R=cfg.block_rows,
             BLOCK_C=block_c, num_warps=NUM_WARPS)
+
+
+def sorted_kernel(kernels, cfg: SortedConfig, table, keys, order, ids, out, counters, dq_scale, hot_args: tuple,
+                  ncols: int, bits: int, has_scale: bool, convert: bool, col_start: int, id_base: int, row_lo: int,
+                  oob_mode: int, dequant: int, hot: bool, count_ids: bool, scale_word: bool, dedup: bool,
+                  use_keys: bool) -> tuple[int, int]:
+    """``gather_sorted_kernel``'s launch over the ``order``-ed ``keys`` (row keys, or ids as given) of the
+    call's ``ids`` (tensors as :func:`_kernel_views` gives them); returns its grid. :func:`launch_sorted`'s
+    body after the sort; ``perf/ngram.py``'s sort sweep launches it on orders of its own."""
+    n = order.shape[0]
+    grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
+    kernels.gather_sorted_kernel[grid](
+        table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
+        *hot_args, n,
+        id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
+        HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
+        COUNT=counters is not None, HOT=hot, COUNT_IDS=count_ids, SCALE_WORD=scale_word, DEDUP=dedup, KEYS=use_keys,
+        BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps,
+    )
+    return grid
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None, *,

@@ -416,8 +416,8 @@ def _sort_calls(run: Run, n: int) -> dict:
         ROW_KEY_BLOCK,
         _hot_args,
         _kernel_views,
-        _scale_col,
         _scale_word,
+        sorted_kernel,
         sorted_launch_config,
     )
 
@@ -448,13 +448,9 @@ def _sort_calls(run: Run, n: int) -> dict:
         o = run.out[:n]
         hot = _hot_args(ids, o, None, None, None, spec.has_scale, spec.oob_mode, spec.dequant)
         table, o, convert = _kernel_views(lk._arg, ids, o, spec.has_scale, spec.oob_mode, spec.dequant)
-        grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ROW_BYTES, cfg.block_cols))
-        kern.gather_sorted_kernel[grid](
-            table, ids_sorted, order, o, ids, lk._dq_scale, *hot, n, 0, 0, rows, table.stride(0), 0, ROW_BYTES,
-            spec.scale_arg, _scale_col(table, spec.dequant), HAS_SCALE=spec.has_scale, CONVERT=convert,
-            OOB_ROW0=spec.oob_mode == 1, NEG_ZERO=spec.oob_mode == 2, DEQUANT=spec.dequant, COUNT=False,
-            HOT=False, COUNT_IDS=False, SCALE_WORD=_scale_word(table, None, spec.dequant), DEDUP=False, KEYS=False,
-            BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps)
+        sorted_kernel(kern, cfg, table, ids_sorted, order, ids, o, None, lk._dq_scale, hot, ROW_BYTES, spec.scale_arg,
+                      spec.has_scale, convert, 0, 0, 0, spec.oob_mode, spec.dequant, False, False,
+                      _scale_word(table, None, spec.dequant), False, False)
 
     return {"shipped-sorted": (run.ours("sorted"), True), "sort only: row keys int32": (sort32, False),
             f"sort only: buckets int16 (>>{shift})": (sort16, False), "sorted on int16 buckets": (bucket16, True)}

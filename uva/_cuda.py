@@ -85,8 +85,9 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int, what: str) -> bool:
     rt = runtime()
     if rt is None:
         return False
-    check(rt.cudaMemcpyAsync(dst, src, nbytes, _memcpy_default(), stream), f"cudaMemcpyAsync of {what}",
-          exc=RuntimeError)
+    result = rt.cudaMemcpyAsync(dst, src, nbytes, _memcpy_default(), stream)
+    if not _ok(result[0] if isinstance(result, tuple) else result):  # the message built only on failure
+        check(result, f"cudaMemcpyAsync of {what}", exc=RuntimeError)
     return True
 
 
