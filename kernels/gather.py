@@ -433,8 +433,9 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
     hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
     table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
     grid = sorted_kernel(kernels, cfg, table, keys, order, ids, out, counters, dq_scale, hot_args, ncols, bits,
-                         has_scale, convert, col_start, id_base, row_lo, oob_mode, dequant, hot_rows is not None,
-                         id_counts is not None, _scale_word(table, hot_rows, dequant), dedup, use_keys)
+                         has_scale, convert, col_start, id_base, row_lo, oob_mode, dequant, hot=hot_rows is not None,
+                         count_ids=id_counts is not None, scale_word=_scale_word(table, hot_rows, dequant),
+                         dedup=dedup, use_keys=use_keys)
     if dedup and grid[0] > 1:  # the repeats of runs that cross into a program copy their leader's row
         rows_out = out.view(_INT_OF_SIZE[out.element_size()])  # a copy of bits, whatever the dtype
         # a plain HBM copy: wide tiles, so few programs repeat the leader's search; 32 search steps cover
@@ -447,7 +448,7 @@ def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, cou
 
 def sorted_kernel(kernels, cfg: SortedConfig, table, keys, order, ids, out, counters, dq_scale, hot_args: tuple,
                   ncols: int, bits: int, has_scale: bool, convert: bool, col_start: int, id_base: int, row_lo: int,
-                  oob_mode: int, dequant: int, hot: bool, count_ids: bool, scale_word: bool, dedup: bool,
+                  oob_mode: int, dequant: int, *, hot: bool, count_ids: bool, scale_word: bool, dedup: bool,
                   use_keys: bool) -> tuple[int, int]:
     """``gather_sorted_kernel``'s launch over the ``order``-ed ``keys`` (row keys, or ids as given) of the
     call's ``ids`` (tensors as :func:`_kernel_views` gives them); returns its grid. :func:`launch_sorted`'s

@@ -449,8 +449,8 @@ def _sort_calls(run: Run, n: int) -> dict:
         hot = _hot_args(ids, o, None, None, None, spec.has_scale, spec.oob_mode, spec.dequant)
         table, o, convert = _kernel_views(lk._arg, ids, o, spec.has_scale, spec.oob_mode, spec.dequant)
         sorted_kernel(kern, cfg, table, ids_sorted, order, ids, o, None, lk._dq_scale, hot, ROW_BYTES, spec.scale_arg,
-                      spec.has_scale, convert, 0, 0, 0, spec.oob_mode, spec.dequant, False, False,
-                      _scale_word(table, None, spec.dequant), False, False)
+                      spec.has_scale, convert, 0, 0, 0, spec.oob_mode, spec.dequant, hot=False, count_ids=False,
+                      scale_word=_scale_word(table, None, spec.dequant), dedup=False, use_keys=False)
 
     return {"shipped-sorted": (run.ours("sorted"), True), "sort only: row keys int32": (sort32, False),
             f"sort only: buckets int16 (>>{shift})": (sort16, False), "sorted on int16 buckets": (bucket16, True)}

@@ -130,6 +130,7 @@ def _ab(lk, out, ns, rows: int, share, calls: int) -> None:
                                      spec.scale_arg, spec.has_scale, 0, 0, 0, spec.oob_mode, spec.dequant)
 
     ways = {"prepared launch": prepared, "operator": through_op}
+    names = list(ways)
     try:
         for n in ns:
             plan = heuristics.split_gpu_share(n, ROW_BYTES, 0) if share is None else share
@@ -138,7 +139,7 @@ def _ab(lk, out, ns, rows: int, share, calls: int) -> None:
                 host = {w: [] for w in ways}
                 whole = {w: [] for w in ways}
                 for r in range(len(ways) * (calls + 2)):
-                    w = list(ways)[r % len(ways)]
+                    w = names[r % len(names)]
                     sp.policy = ways[w]
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()

@@ -60,12 +60,14 @@ def cuda_available() -> bool:
     return _ok(err) and n > 0
 
 
+def _unpack(result) -> tuple:
+    """A cuda-python result as (error, the values after it)."""
+    return (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+
+
 def check(result, what: str, exc=RegistrationError, hint: str = ""):
     """Unpack a cuda-python result tuple, raising ``exc`` with the error's name if it failed."""
-    if isinstance(result, tuple):
-        err, rest = result[0], result[1:]
-    else:
-        err, rest = result, ()
+    err, rest = _unpack(result)
     if not _ok(err):
         msg = f"{what} failed: {_name(err)} ({int(err)})"
         if hint:
@@ -86,7 +88,7 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int, what: str) -> bool:
     if rt is None:
         return False
     result = rt.cudaMemcpyAsync(dst, src, nbytes, _memcpy_default(), stream)
-    if not _ok(result[0] if isinstance(result, tuple) else result):  # the message built only on failure
+    if not _ok(_unpack(result)[0]):  # the message built only on failure
         check(result, f"cudaMemcpyAsync of {what}", exc=RuntimeError)
     return True
 
@@ -137,8 +139,7 @@ def read_only_register_supported(device: int) -> bool:
 
 def host_register(ptr: int, nbytes: int, flags: int) -> None:
     rt = runtime()
-    err = rt.cudaHostRegister(ptr, nbytes, flags)
-    err = err[0] if isinstance(err, tuple) else err
+    err = _unpack(rt.cudaHostRegister(ptr, nbytes, flags))[0]
     if not _ok(err):
         # cudaHostRegister leaves a sticky last error; clear it so later launches are not blamed.
         rt.cudaGetLastError()
@@ -147,8 +148,7 @@ def host_register(ptr: int, nbytes: int, flags: int) -> None:
 
 def host_unregister(ptr: int) -> None:
     rt = runtime()
-    err = rt.cudaHostUnregister(ptr)
-    err = err[0] if isinstance(err, tuple) else err
+    err = _unpack(rt.cudaHostUnregister(ptr))[0]
     if not _ok(err):
         rt.cudaGetLastError()
         raise RegistrationError(f"cudaHostUnregister failed: {_name(err)} ({int(err)})")
