@@ -39,9 +39,19 @@ import struct
 import torch
 import triton
 
-from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
-
 from . import _capture, _gather_triton, _jit
+from .checks import (
+    ID_BASE_LIMIT,
+    OOB_MODES,
+    OOB_POLICIES,
+    OUT_DTYPES,
+    check_ids,
+    check_out,
+    check_policy,
+    check_table,
+    column_range,
+)
+from .encodings import ROW_SCALE_BYTES
 from .heuristics import (
     NUM_WARPS,
     SORTED_TILE_BYTES,
@@ -55,119 +65,12 @@ from .heuristics import (
 
 __all__ = ["gather_rows", "launch", "launch_hot", "launch_sorted", "scale_bits", "column_range", "check_ids",
            "check_out", "OOB_POLICIES",
-           "TABLE_DTYPES", "OUT_DTYPES"]
+           "OUT_DTYPES"]
 
-OOB_POLICIES = ("zero", "row0", "neg_zero")
-#: oob policy -> the operator's ``oob_mode``
-OOB_MODES = {"zero": 0, "row0": 1, "neg_zero": 2}
-#: fp8 dtype -> the operator's ``dequant`` format (rows of fp8 codes times a global scale; + 2: times the
-#: row's own scale, stored after its codes)
-FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-#: ids are shifted by ``id_base`` (``0 <= id_base < ID_BASE_LIMIT``) before the range check; below 2**62 a
-#: wrapped int64 difference of an extreme id stays far outside any table.
-ID_BASE_LIMIT = 1 << 62
 #: the largest row key of the sorted gather (row - row_lo + 1, int32); tables with more rows sort the ids as given
 ROW_KEY_MAX = (1 << 31) - 1
 ROW_KEY_BLOCK = 1024
-#: bytes of the float32 scale an fp8 row with its own scale carries after its codes (dequant 3/4)
-ROW_SCALE_BYTES = 4
-OUT_DTYPES = FLOAT_DTYPES
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-_ID_DTYPES = (torch.int32, torch.int64)
-
-
-def column_range(columns, cols: int) -> tuple[int, int]:
-    """``(start, stop)`` of a request: ``None`` (the whole row), ``(start, stop)`` or a unit-step slice."""
-    if columns is None:
-        return 0, cols
-    if isinstance(columns, slice):
-        if columns.step not in (None, 1):
-            raise ValueError(f"columns must be a contiguous range, got step {columns.step}")
-        c0, c1 = columns.start or 0, cols if columns.stop is None else columns.stop
-    else:
-        try:
-            c0, c1 = columns
-        except (TypeError, ValueError):
-            raise ValueError(f"columns must be None, (start, stop) or a slice, got {columns!r}") from None
-    if not (isinstance(c0, int) and isinstance(c1, int)) or not 0 <= c0 < c1 <= cols:
-        raise ValueError(f"columns {columns!r} is not a non-empty range inside 0..{cols}")
-    return c0, c1
-
-
-def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype, dequant: bool = False) -> torch.dtype:
-    """Policy checks (once per spec, or per functional call): returns the output dtype.
-
-    ``dequant``: rows are fp8 codes dequantised with a global scale (the output dtype defaults to bf16).
-    """
-    if table_dtype not in TABLE_DTYPES:
-        raise TypeError(f"table dtype {table_dtype} is not supported; use one of {TABLE_DTYPES}")
-    if oob not in OOB_POLICIES:
-        raise ValueError(f"oob must be one of {OOB_POLICIES}, got {oob!r}")
-    if dequant:
-        if table_dtype not in FP8_FORMATS:
-            raise TypeError(f"fp8 dequantisation needs an fp8 table (e4m3fn or e5m2), this one is {table_dtype}")
-        if scale is not None:
-            raise TypeError("an fp8 table's rows are scaled by its dequantisation scale; a second scale is not "
-                            "supported")
-        dtype = out_dtype or torch.bfloat16
-        if dtype not in OUT_DTYPES:
-            raise TypeError(f"fp8 rows dequantise to one of {OUT_DTYPES}, not {dtype}")
-        return dtype
-    if scale is not None:
-        if table_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"scale needs a float table, this one is {table_dtype}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
-    dtype = out_dtype or table_dtype
-    if dtype != table_dtype and (dtype not in OUT_DTYPES or table_dtype not in FLOAT_DTYPES):
-        raise TypeError(f"cannot convert a {table_dtype} table to {dtype} output; "
-                        f"supported outputs are {OUT_DTYPES} from float tables")
-    if oob == "neg_zero" and dtype not in FLOAT_DTYPES:
-        raise TypeError(f"oob='neg_zero' writes -0.0: it needs a float output, not {dtype}")
-    return dtype
-
-
-def check_ids(ids) -> None:
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ID_DTYPES:
-        raise TypeError(f"ids must be an int32 or int64 tensor, got "
-                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-
-
-def check_out(out: torch.Tensor, want: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """``out`` must be ``want``-shaped, of ``dtype``, contiguous and on ``device``."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise TypeError(f"out has dtype {out.dtype}, expected {dtype} (the out_dtype of the request)")
-    if tuple(out.shape) != want:
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} ([*ids.shape, columns])")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    if out.device != device:
-        raise ValueError(f"out is on {out.device} but the ids are on {device}")
-
-
-def check_table(table: torch.Tensor, device: torch.device) -> None:
-    """A table tensor a launch on ``device`` (the ids') can read."""
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"table must be a 2-D torch.Tensor (for a HostTable pass table.tensor, or use "
-                        f"uvaple.integration.make_lookup), got {type(table).__name__}")
-    if table.dim() != 2 or table.stride(1) != 1:
-        raise ValueError(f"table must be 2-D with unit column stride, got shape {tuple(table.shape)} "
-                         f"strides {table.stride()}")
-    if table.dtype not in TABLE_DTYPES:
-        raise TypeError(f"table dtype {table.dtype} is not supported")
-    if table.shape[0] == 0:
-        raise ValueError("table has no rows: there is no row to read, not even row 0 for out-of-range ids")
-    if device.type == "cuda":
-        # is_pinned() asks the driver, which torch.compile cannot trace: checked in eager calls only
-        if table.device.type == "cpu" and not torch.compiler.is_compiling() and not table.is_pinned():
-            raise ValueError("the table is an ordinary CPU tensor; the GPU can only read registered or pinned "
-                             "host memory (use uvaple.uva.HostTable.from_tensor)")
-        if table.device.type == "cuda" and table.device != device:
-            raise ValueError(f"table is on {table.device} but ids are on {device}")
-    elif table.device.type != "cpu":
-        raise ValueError(f"ids are on {device} but the table is on {table.device}")
 
 
 def scale_bits(scale: float, dtype: torch.dtype) -> int:

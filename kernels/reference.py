@@ -19,7 +19,7 @@ def reference_gather(table: torch.Tensor, ids: torch.Tensor, *, scale: float | N
     float32 scale (4 bytes, little-endian) and is ``codes.to(out) * row_scale.to(out)``; columns index
     the codes.
     """
-    from .gather import column_range
+    from .checks import column_range
 
     t = table.detach().cpu()
     c0, c1 = column_range(columns, t.shape[1] - 4 if row_scale else t.shape[1])
