@@ -45,6 +45,7 @@ import weakref
 import torch
 
 from uvaple.kernels import heuristics
+from uvaple.kernels.capture import RelaxedCaptureMode
 from uvaple.kernels.gather import check_ids, check_out, prepared_launch
 from uvaple.uva import HostTable
 from uvaple.uva._cuda import copy_async
@@ -53,7 +54,7 @@ from ._fork import keep_in_child
 from .copy.cpu_gather import gather_up, ids_within, split_rows, warm_split
 from .devices import default_device, resolve_device
 from .errors import BackendClosed, LookupForkedError
-from .metrics import CounterSnapshots, Progress, RelaxedCaptureMode
+from .metrics import CounterSnapshots, Progress
 from .spec import TableSpec
 
 __all__ = ["Lookup", "GatherLookup", "default_device"]

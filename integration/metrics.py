@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -34,20 +33,16 @@ from typing import Any
 
 import torch
 
-from ._fork import ForkSafeLock, gate_fork, keep_in_child
-from .errors import BackendError
+from uvaple.kernels.capture import RelaxedCaptureMode
 
-__all__ = ["Progress", "Health", "CounterSnapshots", "ProgressReadError", "ProgressCollector",
-           "RelaxedCaptureMode", "register_prometheus", "MultiprocessExporter", "multiprocess_dir"]
+from ._fork import ForkSafeLock, gate_fork, keep_in_child
+
+__all__ = ["Progress", "Health", "CounterSnapshots", "ProgressCollector",
+           "register_prometheus", "MultiprocessExporter", "multiprocess_dir"]
 
 log = logging.getLogger("uvaple.integration.metrics")
 
 
-class ProgressReadError(BackendError, RuntimeError):
-    """A CUDA call of the non-blocking counter read failed (the read itself never waits)."""
-
-
-@dataclasses.dataclass(frozen=True)
 class Progress:
     """What a lookup has certainly done, read without a host synchronisation (``lookup.progress()``).
 
@@ -127,50 +122,6 @@ class Health:
 
 
 # ----------------------------------------------------------------------------------- non-blocking counter read
-@functools.lru_cache(maxsize=1)
-def _driver():
-    """cuda-python's driver bindings (a dependency), or None where they cannot be imported."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return None
-    return driver
-
-
-class RelaxedCaptureMode:
-    """This thread's stream-capture interaction mode set to relaxed for a few CUDA calls, then restored.
-
-    Under ``torch.cuda.graph``'s default (global) capture mode, a ``cudaEventQuery`` or an event record
-    from *another* thread counts as a potentially unsafe call and invalidates that capture (PyTorch's NCCL
-    watchdog met this; it now queries in a non-global mode). The reads here (a lookup's snapshots, the copy
-    placement's health) touch only their own streams and events, never one recorded inside a capture, so
-    they may run during any capture. So may a split lookup's last words (``GatherLookup.close`` or its
-    finaliser, which the collector can run in the middle of a capture): a wait on an event recorded before
-    and the destruction of its own CUDA graphs, which under global mode also invalidate the capture.
-    """
-
-    __slots__ = ("_old",)
-
-    def __enter__(self) -> None:
-        self._old = None
-        drv = _driver()
-        if drv is None:
-            return
-        try:
-            err, old = drv.cuThreadExchangeStreamCaptureMode(
-                drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-        except Exception as e:  # noqa: BLE001 - the bindings could not reach the driver
-            raise ProgressReadError(f"cuThreadExchangeStreamCaptureMode could not be called: {e}") from e
-        if int(err) != 0:
-            raise ProgressReadError(f"cuThreadExchangeStreamCaptureMode failed: {getattr(err, 'name', err)}; the "
-                                    "CUDA context of this lookup is not usable")
-        self._old = old
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            _driver().cuThreadExchangeStreamCaptureMode(self._old)
-
-
 class CounterSnapshots:
     """Double-buffered, non-blocking snapshots of an int64 counter tensor (a lookup's device counters).
 

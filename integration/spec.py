@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from uvaple.kernels.gather import FP8_FORMATS, ID_BASE_LIMIT, OOB_MODES, check_policy, column_range, scale_bits
+from uvaple.kernels.checks import ID_BASE_LIMIT, OOB_MODES, check_policy, column_range
+from uvaple.kernels.encodings import FP8_FORMATS
+from uvaple.kernels.gather import scale_bits
 
 __all__ = ["TableSpec", "ENCODINGS", "ROW_SCALE_BYTES", "spec_for"]
 

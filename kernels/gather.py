@@ -39,7 +39,7 @@ import struct
 import torch
 import triton
 
-from . import _capture, _gather_triton, _jit
+from . import _gather_triton, _jit, capture
 from .checks import (
     ID_BASE_LIMIT,
     OOB_MODES,
@@ -133,8 +133,8 @@ def _scale_word(table: torch.Tensor, hot_rows: torch.Tensor | None, dequant: int
 def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int):
     """(table, out, convert) as the kernels take them: fp8 codes as bytes, plain copies as integers."""
     convert = has_scale or out.dtype != table.dtype or oob_mode == 2
-    if _capture.capturing(ids):
-        _capture.keep_for_graph(table)
+    if capture.capturing(ids):
+        capture.keep_for_graph(table)
     if dequant:
         table = table.view(torch.uint8)  # fp8 codes, widened with integer ops in the kernel
     elif not convert:

@@ -134,6 +134,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from uvaple.kernels.capture import RelaxedCaptureMode
 from uvaple.kernels.gather import check_ids, check_out
 from uvaple.uva import HostTable
 
@@ -147,7 +148,7 @@ from ..errors import (
     CopyTimeout,
 )
 from ..lookup import Lookup
-from ..metrics import Health, Progress, RelaxedCaptureMode
+from ..metrics import Health, Progress
 from ..spec import TableSpec, spec_for
 from . import cpu_gather
 from ._exit import ExitRegistry
