@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from uvaple.cli import main
-from uvaple.uva import _sys
+from uvaple.uva import system
 
 
 def test_doctor_says_what_runs_here(capsys):
     code = main(["doctor", "--no-measure"])
     out = capsys.readouterr().out
     assert "torch build" in out
-    huge = _sys.huge_pages_in("/dev/shm")  # this machine's /dev/shm, read from the mount table
+    huge = system.huge_pages_in("/dev/shm")  # this machine's /dev/shm, read from the mount table
     assert f"shared tables in /dev/shm     : {'2 MiB' if huge in ('always', 'within_size') else '4 KiB'} pages" in out
     if torch.cuda.is_available():
         assert code == 0 and "UVA path usable               : yes" in out

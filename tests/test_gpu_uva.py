@@ -10,7 +10,7 @@ import torch
 
 from uvaple.integration import make_lookup
 from uvaple.kernels import gather_rows, reference_gather
-from uvaple.uva import HostTable, host_table
+from uvaple.uva import HostTable, memory
 
 pytestmark = pytest.mark.gpu
 
@@ -130,7 +130,7 @@ def test_close_under_pending_work_is_safe():
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_chunked_registration_reads_across_chunk_boundaries(monkeypatch, threads):
-    monkeypatch.setattr(host_table, "REGISTER_CHUNK_BYTES", 64 << 20)
+    monkeypatch.setattr(memory, "REGISTER_CHUNK_BYTES", 64 << 20)
     rows, cols = 9000, 8960  # 154 MiB: three chunks, registered by one thread or by three at once
     t = rand(rows, cols, seed=9)
     with HostTable.from_tensor(t, register=True, threads=threads) as h:
@@ -216,14 +216,14 @@ def test_deferred_shared_tables_register_when_ready():
     then reads the rows through both mappings, bit-exact; construction already checked registration."""
     import uuid
 
-    from uvaple.uva import DeviceCapabilityError, _cuda
+    from uvaple.uva import DeviceCapabilityError, cuda_runtime
 
     name = f"gpu-deferred-{uuid.uuid4().hex[:8]}"
     src = rand(3001, 80, seed=9)
     a = HostTable.shared(name, 3001, 80, torch.bfloat16, defer_ready=True, register=True)
     b = HostTable.shared(name, 3001, 80, torch.bfloat16, defer_ready=True, register=True)
     try:
-        assert not a.registered and not b.registered and not _cuda.is_registered(a.ptr)  # the probe let go
+        assert not a.registered and not b.registered and not cuda_runtime.is_registered(a.ptr)  # the probe let go
         with pytest.raises(DeviceCapabilityError, match="registered when it is ready"):
             a.cuda_view()
         a.write_rows(src)
@@ -246,12 +246,12 @@ def test_deferred_registration_refused_is_named_at_construction(monkeypatch):
     import os
     import uuid
 
-    from uvaple.uva import RegistrationError, _cuda, _region
+    from uvaple.uva import RegistrationError, _region, cuda_runtime
 
     def refuse(ptr, nbytes, flags):
         raise RegistrationError("cudaHostRegister failed: operation not permitted")
 
-    monkeypatch.setattr(_cuda, "host_register", refuse)
+    monkeypatch.setattr(cuda_runtime, "host_register", refuse)
     name = f"gpu-refused-{uuid.uuid4().hex[:8]}"
     n_live = len(_region.live_regions())
     with pytest.raises(RegistrationError, match="cudaHostRegister of this table's memory failed"):

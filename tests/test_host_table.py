@@ -26,15 +26,15 @@ from uvaple.uva import (
     RegistrationError,
     SharedSegmentError,
     TableClosedError,
-    _cuda,
     _region,
-    _sys,
-    host_table,
+    cuda_runtime,
+    memory,
     row_stride_bytes,
     segments,
+    system,
 )
 
-mapped = _sys.mapped
+mapped = system.mapped
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.float8_e4m3fn]
 
@@ -71,8 +71,8 @@ def test_an_fp8_ngram_table_takes_its_size_and_no_more():
     """160-B fp8 rows (the n-gram PLE table's): host memory is the rows' bytes, rounded to one page."""
     with HostTable.empty(100_003, 160, torch.float8_e4m3fn, register=False) as t:
         assert t.stride_bytes == 160
-        assert t.nbytes == _sys.round_up(100_003 * 160, _sys.PAGE_SIZE)
-        assert t.nbytes - 100_003 * 160 < _sys.PAGE_SIZE
+        assert t.nbytes == system.round_up(100_003 * 160, system.PAGE_SIZE)
+        assert t.nbytes - 100_003 * 160 < system.PAGE_SIZE
 
 
 @pytest.mark.parametrize("rows,cols,dtype", [(1, 1, torch.bfloat16), (1823, 781, torch.float16),
@@ -85,8 +85,8 @@ def test_empty_exact_size_alignment_zeroed(rows, cols, dtype):
         assert t.shape == (rows, cols) and t.dtype == dtype
         assert t.stride_bytes == stride_bytes and t.stride * itemsize == stride_bytes
         # Exact: the table's bytes rounded to one page, never to a power of two.
-        assert t.nbytes == _sys.round_up(rows * stride_bytes, _sys.PAGE_SIZE)
-        assert t.ptr % _sys.HUGE_PAGE_SIZE == 0
+        assert t.nbytes == system.round_up(rows * stride_bytes, system.PAGE_SIZE)
+        assert t.ptr % system.HUGE_PAGE_SIZE == 0
         assert t.tensor.shape == (rows, cols) and t.tensor.stride() == (t.stride, 1)
         assert t.tensor.data_ptr() == t.ptr
         assert t.bytes_view().shape == (rows, stride_bytes)
@@ -111,16 +111,16 @@ def test_large_table_is_exactly_sized_and_prefaulted_in_parallel():
 
 def test_threads_touch_disjoint_ranges(monkeypatch):
     calls = []
-    real = _sys.madvise
+    real = system.madvise
 
     def spy(addr, length, advice):
         calls.append((addr, length, advice))
         return real(addr, length, advice)
 
-    monkeypatch.setattr(_sys, "madvise", spy)
+    monkeypatch.setattr(system, "madvise", spy)
     with HostTable.empty(1000, 256 * 1024, torch.uint8, threads=3) as t:
-        populate = sorted((a, n) for a, n, adv in calls if adv == _sys.MADV_POPULATE_WRITE)
-        assert len(populate) == -(-t.nbytes // host_table._POPULATE_CHUNK_BYTES)
+        populate = sorted((a, n) for a, n, adv in calls if adv == system.MADV_POPULATE_WRITE)
+        assert len(populate) == -(-t.nbytes // memory.POPULATE_CHUNK_BYTES)
         covered = t.ptr
         for a, n in populate:
             assert a == covered
@@ -129,8 +129,8 @@ def test_threads_touch_disjoint_ranges(monkeypatch):
 
 
 def test_populate_fallback_when_madvise_populate_is_missing(monkeypatch):
-    real = _sys.madvise
-    monkeypatch.setattr(_sys, "madvise", lambda a, n, adv: 22 if adv in (22, 23) else real(a, n, adv))
+    real = system.madvise
+    monkeypatch.setattr(system, "madvise", lambda a, n, adv: 22 if adv in (22, 23) else real(a, n, adv))
     with HostTable.empty(64, 4096, torch.uint8) as t:
         assert not t.bytes_view().any()
 
@@ -138,9 +138,9 @@ def test_populate_fallback_when_madvise_populate_is_missing(monkeypatch):
 @pytest.mark.parametrize("populate_works", [True, False])
 def test_shared_creator_reserves_only_where_populate_cannot_allocate(monkeypatch, populate_works):
     """MADV_POPULATE_WRITE allocates a segment's pages itself; posix_fallocate only for the touch fallback."""
-    real, reserved = _sys.madvise, []
+    real, reserved = system.madvise, []
     if not populate_works:
-        monkeypatch.setattr(_sys, "madvise", lambda a, n, adv: 22 if adv in (22, 23) else real(a, n, adv))
+        monkeypatch.setattr(system, "madvise", lambda a, n, adv: 22 if adv in (22, 23) else real(a, n, adv))
     real_fallocate = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (reserved.append(n), real_fallocate(fd, off, n)))
     src = torch.randint(0, 256, (300, 1000), dtype=torch.uint8)
@@ -150,12 +150,12 @@ def test_shared_creator_reserves_only_where_populate_cannot_allocate(monkeypatch
 
 
 def test_shared_segment_on_a_full_tmpfs_is_named_and_removed(monkeypatch):
-    real = _sys.madvise
+    real = system.madvise
 
     def full(addr, length, advice):  # shmem refuses pages once the tmpfs is full: EFAULT (not the probe's page)
-        return 14 if advice == _sys.MADV_POPULATE_WRITE and length > _sys.PAGE_SIZE else real(addr, length, advice)
+        return 14 if advice == system.MADV_POPULATE_WRITE and length > system.PAGE_SIZE else real(addr, length, advice)
 
-    monkeypatch.setattr(_sys, "madvise", full)
+    monkeypatch.setattr(system, "madvise", full)
     name = shm_name()
     n_live = len(_region.live_regions())
     with pytest.raises(HostMemoryError, match=rf"shared table '{name}'.*filesystem is full.*uvaple shm"):
@@ -175,7 +175,7 @@ def test_bad_dtype():
 
 
 def test_table_bigger_than_free_memory_leaves_nothing_mapped():
-    avail = _sys.mem_available_bytes()
+    avail = system.mem_available_bytes()
     rows = (avail // 4096) * 2
     n_live = len(_region.live_regions())
     with pytest.raises(HostMemoryError, match="does not fit"):
@@ -186,15 +186,15 @@ def test_table_bigger_than_free_memory_leaves_nothing_mapped():
 def test_populate_failure_unmaps(monkeypatch):
     """ENOMEM while pre-faulting: named error, mapping released, nothing tracked."""
     seen = []
-    real = _sys.madvise
+    real = system.madvise
 
     def fail(addr, length, advice):
-        if advice == _sys.MADV_POPULATE_WRITE:
+        if advice == system.MADV_POPULATE_WRITE:
             seen.append(addr)
             return 12  # ENOMEM
         return real(addr, length, advice)
 
-    monkeypatch.setattr(_sys, "madvise", fail)
+    monkeypatch.setattr(system, "madvise", fail)
     with pytest.raises(HostMemoryError, match="not enough free memory"):
         HostTable.empty(256, 4096, torch.uint8)
     assert seen and not mapped(seen[0])
@@ -204,7 +204,7 @@ def test_mmap_refused_is_named(monkeypatch):
     def refuse(*a, **k):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(_sys, "map_anonymous_aligned", refuse)
+    monkeypatch.setattr(system, "map_anonymous_aligned", refuse)
     with pytest.raises(HostMemoryError, match="mmap of"):
         HostTable.empty(16, 16, torch.uint8)
 
@@ -214,10 +214,10 @@ def test_mmap_refused_is_named(monkeypatch):
 def fake_cuda(monkeypatch):
     """Pretend a GPU exists; record host_register/unregister calls."""
     state = {"registered": {}, "fail_at": None, "calls": 0, "synced": 0}
-    monkeypatch.setattr(_cuda, "cuda_available", lambda: True)
-    monkeypatch.setattr(_cuda, "ensure_context", lambda dev: None)
-    monkeypatch.setattr(_cuda, "require_host_pointer_access", lambda dev: None)
-    monkeypatch.setattr(_cuda, "read_only_register_supported", lambda dev: True)
+    monkeypatch.setattr(cuda_runtime, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda_runtime, "ensure_context", lambda dev: None)
+    monkeypatch.setattr(cuda_runtime, "require_host_pointer_access", lambda dev: None)
+    monkeypatch.setattr(cuda_runtime, "read_only_register_supported", lambda dev: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     def register(ptr, n, flags):
@@ -232,15 +232,15 @@ def fake_cuda(monkeypatch):
     def sync():
         state["synced"] += 1
 
-    monkeypatch.setattr(_cuda, "host_register", register)
-    monkeypatch.setattr(_cuda, "host_unregister", unregister)
-    monkeypatch.setattr(_cuda, "host_device_pointer", lambda ptr: ptr)
-    monkeypatch.setattr(_cuda, "synchronize_devices", sync)
+    monkeypatch.setattr(cuda_runtime, "host_register", register)
+    monkeypatch.setattr(cuda_runtime, "host_unregister", unregister)
+    monkeypatch.setattr(cuda_runtime, "host_device_pointer", lambda ptr: ptr)
+    monkeypatch.setattr(cuda_runtime, "synchronize_devices", sync)
     return state
 
 
 def test_registration_in_chunks_and_release(fake_cuda, monkeypatch):
-    monkeypatch.setattr(host_table, "REGISTER_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(memory, "REGISTER_CHUNK_BYTES", 1 << 20)
     t = HostTable.empty(40, 100_000, torch.uint8, register=True, read_only=True)
     assert t.registered and t.read_only_registered and t.device_index == 0
     chunks = sorted(fake_cuda["registered"].items())
@@ -256,19 +256,19 @@ def test_registration_in_chunks_and_release(fake_cuda, monkeypatch):
 def test_registration_pieces_cover_the_table_once(monkeypatch):
     gib = 1 << 30
     # default: one registration per 128 GiB chunk (a copy may not span two registrations)
-    assert host_table.register_piece_bytes(48 * gib, 16) == host_table.REGISTER_CHUNK_BYTES
-    assert host_table.register_piece_bytes(600 * gib, 1) == host_table.REGISTER_CHUNK_BYTES
-    monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", gib)
-    assert host_table.register_piece_bytes(48 * gib, 16) == 3 * gib
-    assert host_table.register_piece_bytes(48 * gib + 1, 16) == 3 * gib + (2 << 20)  # 2 MiB granular
-    assert host_table.register_piece_bytes(4 * gib, 16) == gib
+    assert memory.register_piece_bytes(48 * gib, 16) == memory.REGISTER_CHUNK_BYTES
+    assert memory.register_piece_bytes(600 * gib, 1) == memory.REGISTER_CHUNK_BYTES
+    monkeypatch.setattr(memory, "REGISTER_MIN_PIECE_BYTES", gib)
+    assert memory.register_piece_bytes(48 * gib, 16) == 3 * gib
+    assert memory.register_piece_bytes(48 * gib + 1, 16) == 3 * gib + (2 << 20)  # 2 MiB granular
+    assert memory.register_piece_bytes(4 * gib, 16) == gib
 
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_registration_by_several_threads(fake_cuda, monkeypatch, threads):
-    monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
+    monkeypatch.setattr(memory, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
     seen = set()
-    register = _cuda.host_register
+    register = cuda_runtime.host_register
     together = threading.Barrier(threads, timeout=30)  # every piece waits for the others: one per thread
 
     def on_thread(ptr, n, flags):
@@ -276,7 +276,7 @@ def test_registration_by_several_threads(fake_cuda, monkeypatch, threads):
         together.wait()
         register(ptr, n, flags)
 
-    monkeypatch.setattr(_cuda, "host_register", on_thread)
+    monkeypatch.setattr(cuda_runtime, "host_register", on_thread)
     with HostTable.empty(40, 200_000, torch.uint8, register=True, threads=threads) as t:  # 7.6 MiB
         pieces = sorted((ptr - t.ptr, n) for ptr, (n, _) in fake_cuda["registered"].items())
         assert t._region.chunks == pieces and len(pieces) == threads  # one 2 MiB-granular share per thread
@@ -288,8 +288,8 @@ def test_registration_by_several_threads(fake_cuda, monkeypatch, threads):
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_registration_refused_on_one_thread_rolls_back_all(fake_cuda, monkeypatch, threads):
-    monkeypatch.setattr(host_table, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
-    register, mapped, bases = _cuda.host_register, _sys.map_anonymous_aligned, []
+    monkeypatch.setattr(memory, "REGISTER_MIN_PIECE_BYTES", 1 << 20)
+    register, mapped, bases = cuda_runtime.host_register, system.map_anonymous_aligned, []
 
     def map_and_record(n):
         bases.append(mapped(n))
@@ -301,8 +301,8 @@ def test_registration_refused_on_one_thread_rolls_back_all(fake_cuda, monkeypatc
         time.sleep(0.01)
         register(ptr, n, flags)
 
-    monkeypatch.setattr(_sys, "map_anonymous_aligned", map_and_record)
-    monkeypatch.setattr(_cuda, "host_register", refuse_third)
+    monkeypatch.setattr(system, "map_anonymous_aligned", map_and_record)
+    monkeypatch.setattr(cuda_runtime, "host_register", refuse_third)
     n_live = len(_region.live_regions())
     where = "2.00 MiB at offset 2.00 MiB" if threads > 1 else "7.63 MiB at offset 0 B"
     with pytest.raises(RegistrationError, match=rf"failed for {where}.*ulimit -l"):
@@ -312,7 +312,7 @@ def test_registration_refused_on_one_thread_rolls_back_all(fake_cuda, monkeypatc
 
 
 def test_registration_refused_rolls_back(fake_cuda, monkeypatch):
-    monkeypatch.setattr(host_table, "REGISTER_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(memory, "REGISTER_CHUNK_BYTES", 1 << 20)
     fake_cuda["fail_at"] = 3
     n_live = len(_region.live_regions())
     with pytest.raises(RegistrationError, match=r"ulimit -l.*copy"):
@@ -322,7 +322,7 @@ def test_registration_refused_rolls_back(fake_cuda, monkeypatch):
 
 
 def test_device_pointer_mismatch_is_refused(fake_cuda, monkeypatch):
-    monkeypatch.setattr(_cuda, "host_device_pointer", lambda ptr: ptr + 4096)
+    monkeypatch.setattr(cuda_runtime, "host_device_pointer", lambda ptr: ptr + 4096)
     with pytest.raises(DeviceCapabilityError, match="copy"):
         HostTable.empty(4, 64, torch.uint8, register=True)
     assert fake_cuda["registered"] == {}
@@ -706,9 +706,9 @@ def test_synchronize_devices_covers_live_contexts_and_restores(monkeypatch):
             return (0,)
 
     rt = FakeRuntime()
-    monkeypatch.setattr(_cuda, "runtime", lambda: rt)
-    monkeypatch.setattr(_cuda, "_context_active", lambda d: d != 2)
-    _cuda.synchronize_devices()
+    monkeypatch.setattr(cuda_runtime, "runtime", lambda: rt)
+    monkeypatch.setattr(cuda_runtime, "_context_active", lambda d: d != 2)
+    cuda_runtime.synchronize_devices()
     assert [c for c in calls if c[0] == "sync"] == [("sync", 0), ("sync", 1)]
     assert rt.current == 1
 
@@ -719,7 +719,7 @@ def test_attach_mmap_failure_is_named(monkeypatch):
         def refuse(*a, **k):
             raise OSError(12, "Cannot allocate memory")
 
-        monkeypatch.setattr(_sys, "mmap", refuse)
+        monkeypatch.setattr(system, "mmap", refuse)
         with pytest.raises(SharedSegmentError, match="mapping shared table"):
             HostTable.attach(name)
 

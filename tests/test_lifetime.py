@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from uvaple.uva import HostTable, TableClosedError, TableForkedError, _region
-from uvaple.uva._sys import mapped
+from uvaple.uva.system import mapped
 
 
 def run_py(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -245,8 +245,8 @@ def test_release_during_a_capture_is_put_off(monkeypatch):
     t = HostTable.empty(8, 8, torch.float32, register=False)  # never really registered, also on a GPU
     region = t._region
     region.chunks.append((0, region.length))  # pretend it is registered: a release must sync the devices
-    monkeypatch.setattr(_region._cuda, "synchronize_devices", lambda: calls.append("sync"))
-    monkeypatch.setattr(_region._cuda, "host_unregister", lambda ptr: calls.append("unregister"))
+    monkeypatch.setattr(_region.cuda_runtime, "synchronize_devices", lambda: calls.append("sync"))
+    monkeypatch.setattr(_region.cuda_runtime, "host_unregister", lambda ptr: calls.append("unregister"))
     try:
         t.close()
         assert not region.released and calls == [] and region in _region._deferred
@@ -281,12 +281,12 @@ def test_import_installs_no_fork_or_exit_hook():
     """Fork and exit hooks come with the first table, the first lock taken or the first fork gate."""
     out = run_py("""
         import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.gemma3n
-        import uvaple.integration.metrics, uvaple.integration.vllm.tables, uvaple.cli
-        from uvaple.integration import _fork
+        import uvaple.integration.telemetry, uvaple.integration.vllm.tables, uvaple.cli
+        from uvaple.integration import fork
         from uvaple.uva import _region, segments
-        print(_fork._hooks, _region._hooks_installed, segments._fork_hook)
-        with _fork.ForkSafeLock():
-            print(_fork._hooks)
+        print(fork._hooks, _region._hooks_installed, segments._fork_hook)
+        with fork.ForkSafeLock():
+            print(fork._hooks)
     """)
     assert out.stdout.split() == ["False", "False", "False", "True"], out.stdout
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from uvaple.uva import HostMemoryError, HostTable, SharedSegmentError, SharedSegmentTimeout, _region, _sys, segments
+from uvaple.uva import HostMemoryError, HostTable, SharedSegmentError, SharedSegmentTimeout, _region, segments, system
 
 ROWS, COLS = 1000, 160  # 160 fp32 columns: 640-byte rows
 
@@ -603,14 +603,14 @@ def test_deferred_creator_commits_pages_as_it_writes_and_the_rest_when_ready(nam
 def test_a_full_tmpfs_during_a_deferred_fill_is_named_and_fails_the_table(name, monkeypatch):
     """The writer's own commit meets the full tmpfs: a named error, not a SIGBUS in the copy; mark_ready
     then fails the table for every process, and nothing is left."""
-    real = _sys.madvise
+    real = system.madvise
 
     def full(addr, length, advice):  # shmem refuses pages once the tmpfs is full: EFAULT
-        return 14 if advice == _sys.MADV_POPULATE_WRITE and length > _sys.PAGE_SIZE else real(addr, length, advice)
+        return 14 if advice == system.MADV_POPULATE_WRITE and length > system.PAGE_SIZE else real(addr, length, advice)
 
     a = HostTable.shared(name, 2048, 1024, torch.uint8, defer_ready=True)
     b = HostTable.shared(name, 2048, 1024, torch.uint8, defer_ready=True)
-    monkeypatch.setattr(_sys, "madvise", full)
+    monkeypatch.setattr(system, "madvise", full)
     src = torch.randint(0, 256, (2048, 1024), dtype=torch.uint8)
     with pytest.raises(HostMemoryError, match=rf"shared table '{name}'.*filesystem is full"):
         a.write_rows(src)
@@ -686,7 +686,7 @@ def test_deferred_tables_in_another_directory(name, tmpfs_dir):
 
 
 def test_directories_that_cannot_hold_a_table_are_named(name, tmp_path):
-    assert _sys.filesystem_type("/dev/shm") == segments.TMPFS_MAGIC
+    assert system.filesystem_type("/dev/shm") == segments.TMPFS_MAGIC
     with pytest.raises(SharedSegmentError, match="not on a tmpfs"):
         HostTable.shared(name, 4, 4, torch.float32, directory="/proc")  # procfs: not a tmpfs
     with pytest.raises(SharedSegmentError, match="not an existing directory"):
@@ -706,9 +706,9 @@ def test_huge_page_option_of_a_tmpfs_mount_is_read():
     mounts = [line.split() for line in open("/proc/self/mounts")]
     shm = [m for m in mounts if m[1] == "/dev/shm" and m[2] == "tmpfs"]
     want = next((o[5:] for o in shm[-1][3].split(",") if o.startswith("huge=")), "never") if shm else None
-    assert _sys.huge_pages_in("/dev/shm") == want
-    assert _sys.huge_pages_in("/dev/shm/some/file") == want  # below the mount point: the same mount
-    assert _sys.huge_pages_in("/proc") is None  # not a tmpfs
+    assert system.huge_pages_in("/dev/shm") == want
+    assert system.huge_pages_in("/dev/shm/some/file") == want  # below the mount point: the same mount
+    assert system.huge_pages_in("/proc") is None  # not a tmpfs
 
 
 def test_the_commit_after_the_fill_covers_only_what_no_write_committed(name, monkeypatch):
@@ -717,15 +717,15 @@ def test_the_commit_after_the_fill_covers_only_what_no_write_committed(name, mon
     try:
         a.write_rows(torch.randint(0, 256, (rows // 2, cols), dtype=torch.uint8), rows // 4)  # the middle half
         calls = []
-        real = _sys.madvise
-        monkeypatch.setattr(_sys, "madvise", lambda ad, n, adv: (calls.append((ad - a._region.base, n, adv)),
+        real = system.madvise
+        monkeypatch.setattr(system, "madvise", lambda ad, n, adv: (calls.append((ad - a._region.base, n, adv)),
                                                                  real(ad, n, adv))[1])
         a.mark_ready()
-        done = sorted((o, o + n) for o, n, adv in calls if adv == _sys.MADV_POPULATE_WRITE)
+        done = sorted((o, o + n) for o, n, adv in calls if adv == system.MADV_POPULATE_WRITE)
         head, quarter = segments.DATA_OFFSET, rows // 4 * cols
         assert done[0][0] == 0 and done[-1][1] == a._region.length  # header and both unwritten quarters...
-        assert sum(hi - lo for lo, hi in done) <= head + 2 * quarter + 2 * _sys.PAGE_SIZE  # ...not the written half
-        page = _sys.PAGE_SIZE
+        assert sum(hi - lo for lo, hi in done) <= head + 2 * quarter + 2 * system.PAGE_SIZE  # ...not the written half
+        page = system.PAGE_SIZE
         assert all(hi <= head + quarter + page or lo >= head + 3 * quarter - page for lo, hi in done)
     finally:
         a.close()

@@ -1,4 +1,11 @@
-"""Host memory: tables in pinned, mapped host memory that the GPU reads through UVA."""
+"""Host memory: tables in pinned, mapped host memory that the GPU reads through UVA.
+
+``host_table`` (the ``HostTable`` object: properties, views, fills, lifetime), ``views`` (views that
+hold the memory they read), ``memory`` (geometry, private mapping, page commit, registration),
+``sharing`` (named tables: create-or-attach, the creator's fill, readiness), ``segments`` (the shared
+segment files' protocol), ``loading`` (safetensors), ``cuda_runtime`` and ``system`` (checked CUDA
+runtime and libc calls), ``_region`` (when a mapping is released). Importing it changes nothing global.
+"""
 
 from .errors import (
     CheckpointError,
@@ -11,7 +18,8 @@ from .errors import (
     TableForkedError,
     UvapleError,
 )
-from .host_table import SUPPORTED_DTYPES, HostTable, row_stride_bytes
+from .host_table import HostTable
+from .memory import SUPPORTED_DTYPES, row_stride_bytes
 
 __all__ = [
     "HostTable",

@@ -16,6 +16,9 @@ So ``HostTable.close()`` (which drops the table's own anchor) releases at once w
 otherwise when the last view goes; a view read after ``close()`` reads the table's bytes, never an
 unmapped page. A table dropped without ``close()`` is released the same way, by reference counting,
 because nothing in a region or an anchor points back at the table (no cycle for the collector to miss).
+A table that fails to build is closed before its error propagates, and :func:`drop_views_of_failure`
+clears the locals of the error's finished frames (a loader's, a ``fill``'s), so that no view held there
+keeps the half-built mapping alive.
 
 Three situations make the release wait or shrink:
 
@@ -40,14 +43,15 @@ import atexit
 import logging
 import os
 import threading
+import traceback
 import weakref
 
-from . import _cuda, _sys
+from . import cuda_runtime, system
 from .errors import UvapleError
 
 log = logging.getLogger("uvaple.uva")
 
-__all__ = ["Region", "Anchor", "live_regions", "drain_deferred"]
+__all__ = ["Region", "Anchor", "live_regions", "drain_deferred", "drop_views_of_failure"]
 
 # Re-entrant: a garbage collection may run a region's finalizer (which takes this lock) on a thread that
 # already holds it, inside any allocation.
@@ -105,9 +109,9 @@ class Region:
 
     # ------------------------------------------------------------------ fork
     def _protect_from_fork(self) -> None:
-        if _sys.madvise(self.base, self.length, _sys.MADV_WIPEONFORK) == 0:
+        if system.madvise(self.base, self.length, system.MADV_WIPEONFORK) == 0:
             return
-        if _sys.madvise(self.base, self.length, _sys.MADV_DONTFORK) != 0:
+        if system.madvise(self.base, self.length, system.MADV_DONTFORK) != 0:
             log.warning("neither MADV_WIPEONFORK nor MADV_DONTFORK was accepted for a host table: a forked "
                         "child shares its pages copy-on-write")
 
@@ -127,7 +131,7 @@ class Region:
         while self.chunks:
             off, _ = self.chunks.pop()
             try:
-                _cuda.host_unregister(self.base + off)
+                cuda_runtime.host_unregister(self.base + off)
             except UvapleError as e:
                 log.warning("unregistering host table chunk at offset %d failed: %s", off, e)
 
@@ -148,7 +152,7 @@ class Region:
                     _defer(self)
                     return
                 try:
-                    _cuda.synchronize_devices()
+                    cuda_runtime.synchronize_devices()
                 except UvapleError as e:
                     log.warning("device synchronise before releasing a host table failed (%s); the table "
                                 "stays mapped and registered until the next try or the process ends", e)
@@ -157,7 +161,7 @@ class Region:
                 self.unregister()
             self.released = True
             try:
-                _sys.munmap(self.base, self.length)
+                system.munmap(self.base, self.length)
             except OSError as e:
                 log.warning("munmap of a host table failed: %s", e)
             self._detach_segment(at_exit=False)
@@ -167,7 +171,7 @@ class Region:
         self.released = True
         self.chunks = []  # the parent's registration: not ours to undo
         try:
-            _sys.munmap(self.base, self.length)
+            system.munmap(self.base, self.length)
         except OSError:
             pass
         if self.segment is not None:
@@ -231,6 +235,16 @@ def drain_deferred() -> None:
         region.release()
 
 
+def drop_views_of_failure(exc: BaseException) -> None:
+    """A table that failed to build must not stay mapped because the traceback's finished frames (a
+    loader's, a ``fill``'s) still hold views of it: clear their locals (the trace itself is kept)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def live_regions() -> list[Region]:
     """Every region of this process not yet released (for tests and ``uvaple shm``)."""
     with _lock:
@@ -266,8 +280,8 @@ def _after_fork_in_child() -> None:
             region.segment.close_descriptor()
         if region.private:
             try:
-                _sys.mmap(region.length, _sys.PROT_READ | _sys.PROT_WRITE,
-                          _sys.MAP_PRIVATE | _sys.MAP_ANONYMOUS | _sys.MAP_NORESERVE | _sys.MAP_FIXED,
-                          addr=region.base)
+                system.mmap(region.length, system.PROT_READ | system.PROT_WRITE,
+                            system.MAP_PRIVATE | system.MAP_ANONYMOUS | system.MAP_NORESERVE | system.MAP_FIXED,
+                            addr=region.base)
             except OSError:
                 pass

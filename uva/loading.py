@@ -6,6 +6,8 @@ threads in blocks (``pread`` drops the GIL). When the table's row stride equals 
 dtypes agree, bytes go from the page cache into the table with no intermediate buffer; otherwise each
 thread reuses one bounded staging block (at most ``_BLOCK_BYTES``) to re-stride or cast. Nothing is ever
 staged through the GPU, and peak extra memory is ``threads x _BLOCK_BYTES`` whatever the table size.
+Each thread commits the pages of its block before reading into it (``HostTable._commit_rows``: a
+shortage is a named error, never a SIGBUS), so a table filled here is not pre-faulted first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from uvaple._util import SAFETENSORS_DTYPES, TABLE_DTYPES
 
 from .errors import CheckpointError
+from .memory import default_threads
 
 _DTYPES = SAFETENSORS_DTYPES
 
@@ -29,7 +32,7 @@ _MAX_HEADER_BYTES = 100 << 20
 # Rows per read: 64 MiB blocks keep 16 threads busy and bound the staging memory.
 _BLOCK_BYTES = 64 << 20
 
-__all__ = ["TensorInfo", "locate_tensor", "read_header", "stream_into"]
+__all__ = ["TensorInfo", "locate_tensor", "read_header", "stream_into", "safetensors_fill"]
 
 
 @dataclass(frozen=True)
@@ -217,3 +220,13 @@ def stream_into(table, info: TensorInfo, *, threads: int) -> None:
                 f.result()
     finally:
         os.close(fd)
+
+
+def safetensors_fill(info: TensorInfo, *, threads: int | None = None):
+    """A ``fill`` for :meth:`HostTable.shared` (or ``HostTable._filled``) that streams ``info``
+    (:func:`locate_tensor`) in."""
+
+    def fill(table) -> None:
+        stream_into(table, info, threads=threads or default_threads())
+
+    return fill

@@ -7,7 +7,7 @@ holds the table once.
 Directory. ``/dev/shm`` by default; any tmpfs directory may be given instead (``directory=``), and every
 process sharing a table must give the same one. Where ``/dev/shm`` has 4 KiB pages (the kernel default,
 ``huge=never``), a tmpfs mounted with ``huge=always`` holds the table in 2 MiB pages: its pages are
-allocated and registered several times faster (measured in ``perf/ready_probe.py``). A directory that is
+allocated and registered several times faster (measured in ``perf/studies/ready_probe.py``). A directory that is
 not on a tmpfs is refused: a table there would be written back to a disk.
 
 Header: ``MAGIC`` (8 bytes), the JSON length (u64), then JSON: ``rows``, ``cols``, ``dtype``,
@@ -59,7 +59,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import _sys
+from . import system
 from .errors import SharedSegmentError, SharedSegmentTimeout
 
 log = logging.getLogger("uvaple.uva")
@@ -74,7 +74,7 @@ MAGIC = b"UVAPLE01"
 _HEAD = struct.Struct("<8sQ")  # magic, JSON length
 _HEADER_BYTES = 4096
 # The rows start 2 MiB in, so they stay aligned for huge pages where tmpfs has them.
-DATA_OFFSET = _sys.HUGE_PAGE_SIZE
+DATA_OFFSET = system.HUGE_PAGE_SIZE
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _BUILD_BYTE, _ATTACH_BYTE = 0, 1
 # Polling while a creator fills: from 1 ms (a small table is ready in a few ms) up to 50 ms (a 100 GB
@@ -98,7 +98,7 @@ def segment_dir(directory: str | os.PathLike | None = None) -> str:
     if not isinstance(d, str) or not os.path.isdir(d):
         raise SharedSegmentError(f"shared-table directory {d!r} is not an existing directory; create it (a "
                                  f"tmpfs mount: mount -t tmpfs -o huge=always,size=<table>G none {d})")
-    fstype = _sys.filesystem_type(d)
+    fstype = system.filesystem_type(d)
     if fstype is not None and fstype != TMPFS_MAGIC:
         raise SharedSegmentError(
             f"shared-table directory {d!r} is not on a tmpfs (filesystem type {fstype:#x}): a table there "
@@ -414,8 +414,8 @@ def _mismatch(meta: dict, want: dict, size: int) -> list[str]:
     bad = [f"{k}: expected {v!r}, segment has {meta.get(k)!r}" for k, v in want.items()
            if v is not None and meta.get(k) != v]
     try:
-        need = int(meta["data_offset"]) + _sys.round_up(int(meta["rows"]) * int(meta["stride_bytes"]),
-                                                        _sys.PAGE_SIZE)
+        need = int(meta["data_offset"]) + system.round_up(int(meta["rows"]) * int(meta["stride_bytes"]),
+                                                          system.PAGE_SIZE)
     except (KeyError, TypeError, ValueError):
         return bad + ["the header lacks rows/stride_bytes/data_offset"]
     if size < need:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from uvaple._machine import gpu_info
 from uvaple._util import fmt_bytes
-from uvaple.uva import _cuda, _sys
+from uvaple.uva import cuda_runtime, system
 
 
 @dataclass
@@ -104,10 +104,10 @@ def _measure_cpu(seconds: float) -> tuple[float, float]:
 def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None = None) -> Capabilities:
     """Probe this machine for the UVA path (``measure``: also time the two ~``seconds`` benchmarks)."""
     caps = Capabilities()
-    soft, _ = _sys.memlock_limit()
+    soft, _ = system.memlock_limit()
     caps.memlock_soft_bytes = soft
-    caps.mem_available_bytes = _sys.mem_available_bytes()
-    caps.shm_huge_pages = _sys.huge_pages_in("/dev/shm")
+    caps.mem_available_bytes = system.mem_available_bytes()
+    caps.shm_huge_pages = system.huge_pages_in("/dev/shm")
     try:
         import torch
     except ImportError:
@@ -120,23 +120,23 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
         if measure:
             caps.cpu_copy_gbps, caps.cpu_interpreter_rows_per_s = _measure_cpu(seconds)
         return caps
-    if _cuda.runtime() is None:
+    if cuda_runtime.runtime() is None:
         caps.reason = "cuda-python is not installed (pip install cuda-python)"
         return caps
-    if not _cuda.cuda_available():
+    if not cuda_runtime.cuda_available():
         caps.reason = "cuda-python cannot reach a GPU (cudaGetDeviceCount failed)"
         return caps
     caps.cuda = True
     dev = torch.cuda.current_device() if device is None else device
     caps.device_index = dev
     caps.device_name = torch.cuda.get_device_name(dev)
-    rt = _cuda.runtime()
+    rt = cuda_runtime.runtime()
     err, ver = rt.cudaDriverGetVersion()
     caps.driver_version = f"{ver // 1000}.{ver % 1000 // 10}" if int(err) == 0 else None
 
     def attr(name: str) -> bool | None:
         try:
-            return _cuda.device_attribute(name, dev) == 1
+            return cuda_runtime.device_attribute(name, dev) == 1
         except Exception:  # noqa: BLE001 - an attribute missing from this cuda-python
             return None
 

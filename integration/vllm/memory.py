@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from uvaple.uva import _sys, segments
-from uvaple.uva.host_table import row_stride_bytes
+from uvaple.uva import segments, system
+from uvaple.uva.memory import row_stride_bytes
 
 __all__ = ["NodeMemory", "node_memory", "next_pow2"]
 
@@ -42,5 +42,5 @@ def node_memory(rows: int, row_bytes: int, *, tp: int, dp: int, divisor: int = 1
         raise ValueError(f"{padded} padded rows do not split over {tp} ranks")
     per_rank = padded // tp
     vllm = next_pow2(per_rank * row_bytes) * tp * dp
-    shard = segments.DATA_OFFSET + _sys.round_up(per_rank * row_stride_bytes(row_bytes), _sys.PAGE_SIZE)
+    shard = segments.DATA_OFFSET + system.round_up(per_rank * row_stride_bytes(row_bytes), system.PAGE_SIZE)
     return NodeMemory(tp, dp, per_rank, vllm, shard * tp)
