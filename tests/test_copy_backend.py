@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from uvaple.integration.copy import CopyBackend, cpu_gather
-from uvaple.integration.copy.device_ops import DeviceOps
 from uvaple.integration.errors import (
     BackendClosed,
     BackendError,
@@ -30,6 +28,9 @@ from uvaple.integration.errors import (
     CopyRequestTooLarge,
     CopyTimeout,
 )
+from uvaple.integration.placements import host_gather as cpu_gather
+from uvaple.integration.placements.copy import CopyBackend
+from uvaple.integration.placements.copy.device_ops import DeviceOps
 from uvaple.integration.spec import TableSpec
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable
@@ -1058,7 +1059,7 @@ def test_inline_lookup_admitted_while_closing_fails_with_backend_closed(fake):
 
 EXIT_SCRIPT = textwrap.dedent("""
     import torch
-    from uvaple.integration.copy import CopyBackend
+    from uvaple.integration.placements.copy import CopyBackend
     torch.manual_seed(0)
     t = torch.randn(20000, 2048).to(torch.bfloat16)
     b = CopyBackend(t, device="cpu", max_rows=8192)  # owns its table
@@ -1230,7 +1231,7 @@ def test_interrupt_in_inline_gather_propagates_as_itself(fake, exc):
 def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
     """The split lookup's one pass over its CPU share: the row to stage (the id's, or ``lo`` outside the
     window) and the staged id the device kernel reads (``j``, or -1 outside under zero rows)."""
-    from uvaple.integration.copy.cpu_gather import split_rows
+    from uvaple.integration.placements.host_gather import split_rows
 
     lo, hi, base = 7, 900, 50
     info = torch.iinfo(id_dtype)
@@ -1258,7 +1259,7 @@ def test_split_rows_maps_a_cpu_share_as_the_policy_says(id_dtype, row0):
 def test_gather_up_refuses_staging_that_cannot_take_the_rows(host_shape, dev_shape, dtype):
     """``gather_up`` copies staged rows by address: staging too small, of another stride or not bytes is
     refused (named) before any row is read or copied."""
-    from uvaple.integration.copy.cpu_gather import gather_up
+    from uvaple.integration.placements.host_gather import gather_up
 
     table = torch.randint(0, 256, (50, 160), dtype=torch.int32).to(torch.uint8)
     host = torch.full(host_shape, 7, dtype=dtype)

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from uvaple.integration.copy import CopyBackend
 from uvaple.integration.errors import BackendClosed, CopyBackendOverloaded, CopyJobFailed
+from uvaple.integration.placements.copy import CopyBackend
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable
 

@@ -47,7 +47,7 @@ and the ordering of rewritten CUDA ids are exercised only with CUDA). With CUDA,
 GPU, half the schedules run on a non-default stream, and the copy backend gets CPU ids for some passes.
 
 ``UVAPLE_EQUIV_SCHEDULES``: the number of schedules (default 60, about 45 s on two idle CPU cores; the GPU
-run passes 10000, split over processes by ``perf/soak.py``). ``UVAPLE_EQUIV_FIRST_SEED``: the first schedule's
+run passes 10000, split over processes by ``perf/studies/soak.py``). ``UVAPLE_EQUIV_FIRST_SEED``: the first schedule's
 seed (default 0). ``UVAPLE_EQUIV_DEADLINE_S``: no schedule starts after this many seconds (a soak's bound; the
 summary says how many ran). From 40 schedules on, every feature above must have happened at least once (``EXERCISED``).
 ``UVAPLE_EQUIV_SUMMARY``: where to write a JSON summary of what ran (schedules, passes, lookups compared,
@@ -73,15 +73,15 @@ import pytest
 import torch
 
 from uvaple.integration import HotSet, TableSpec, make_lookup
-from uvaple.integration.copy import backend as copy_backend
 from uvaple.integration.errors import BackendClosed, CopyBackendOverloaded, CopyJobCancelled
+from uvaple.integration.placements.copy import worker as copy_worker
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable, _region
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
 N_SCHEDULES = int(os.environ.get("UVAPLE_EQUIV_SCHEDULES", "60"))
-# The first schedule's seed: a soak splits its seeds over processes running side by side (perf/soak.py).
+# The first schedule's seed: a soak splits its seeds over processes running side by side (perf/studies/soak.py).
 FIRST_SEED = int(os.environ.get("UVAPLE_EQUIV_FIRST_SEED", "0"))
 # A soak's time bound: no schedule starts after this many seconds (the summary says how many ran); unset: none.
 DEADLINE_S = float(os.environ.get("UVAPLE_EQUIV_DEADLINE_S", "inf"))
@@ -621,7 +621,7 @@ def host_state() -> dict:
     """What holds host memory, registrations or threads in this process, by the library's own accounting."""
     return {"regions": set(_region.live_regions()),  # mapped host tables (and their registrations)
             "workers": {t for t in threading.enumerate() if t.name == "uvaple-copy-worker"},
-            "backends": {id(b) for b in copy_backend._live_backends.items()}}  # not yet closed
+            "backends": {id(b) for b in copy_worker.live_backends.items()}}  # not yet closed
 
 
 def leftovers(before: dict) -> dict:

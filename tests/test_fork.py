@@ -1,4 +1,4 @@
-"""Fork: locks a child finds free, forks that wait for a gated section to end (``integration._fork``), and
+"""Fork: locks a child finds free, forks that wait for a gated section to end (``integration.fork``), and
 lookups a child refuses to use (their table, streams and threads are the parent's).
 
 Each fork's child reports through its exit status and ends with ``os._exit``; a child that would hang is
@@ -17,9 +17,9 @@ import pytest
 import torch
 from helpers import rand
 
-from uvaple.integration import CopyBackend, GatherLookup, TableSpec, _fork
-from uvaple.integration._fork import ForkSafeLock, gate_fork
+from uvaple.integration import CopyBackend, GatherLookup, TableSpec, fork
 from uvaple.integration.errors import BackendClosed, LookupForkedError
+from uvaple.integration.fork import ForkSafeLock, gate_fork
 from uvaple.uva import HostTable
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
@@ -123,7 +123,7 @@ def test_a_fork_never_splits_a_gated_section():
 
 
 def test_a_section_longer_than_the_wait_does_not_hold_the_fork(monkeypatch):
-    monkeypatch.setattr(_fork, "FORK_WAIT_S", 0.2)
+    monkeypatch.setattr(fork, "FORK_WAIT_S", 0.2)
     lock = gate_fork(ForkSafeLock())
     release, t = held_by_a_thread(lock)
     try:
@@ -145,7 +145,7 @@ def test_a_fork_interrupted_in_its_wait_gives_back_every_gate_it_took(monkeypatc
     """A signal's handler raises while the fork waits for a busy gate (the fork goes on without the hook):
     the gates taken before it are given back in the parent all the same."""
     free, busy = ForkSafeLock(), ForkSafeLock()
-    monkeypatch.setattr(_fork, "_GATES", [free, busy])  # this order: the free one is taken first
+    monkeypatch.setattr(fork, "_GATES", [free, busy])  # this order: the free one is taken first
     release, t = held_by_a_thread(busy)
 
     def interrupt(*_):
@@ -261,7 +261,7 @@ def test_a_child_never_frees_what_keep_in_child_holds():
 
     kept, plain = Holder(), Holder()
     kept.cycle = kept  # only the collector would free it
-    _fork.keep_in_child(kept)
+    fork.keep_in_child(kept)
     ran = []
     weakref.finalize(kept, ran.append, "kept")
     weakref.finalize(plain, ran.append, "plain")

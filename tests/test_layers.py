@@ -68,9 +68,10 @@ def layer(name: str) -> str:
 
 def test_the_source_folders_are_read():
     g = graph()
-    assert "uvaple.kernels.gather" in g and "uvaple.uva.host_table" in g and "uvaple.integration.copy.backend" in g
+    assert "uvaple.kernels.gather" in g and "uvaple.uva.host_table" in g \
+        and "uvaple.integration.placements.copy.backend" in g
     assert "uvaple.uva" in g["uvaple.integration.lookup"]  # the parser sees real edges
-    assert "uvaple.integration.copy.cpu_gather" in g["uvaple.integration.copy.backend"]
+    assert "uvaple.integration.placements.host_gather" in g["uvaple.integration.placements.copy.backend"]
 
 
 def test_each_layer_imports_only_below_itself():

@@ -23,9 +23,11 @@ from helpers import rand
 from test_copy_backend import FakeAsyncOps, fake_backend, until
 from torch.profiler import ProfilerActivity, profile
 
-from uvaple.integration import CopyBackend, GatherLookup, HotSet, TableSpec, make_lookup, metrics
+from uvaple.integration import CopyBackend, GatherLookup, HotSet, TableSpec, make_lookup, telemetry
 from uvaple.integration.errors import CopyTimeout
-from uvaple.integration.metrics import CounterSnapshots, Health, Progress, register_prometheus
+from uvaple.integration.telemetry import CounterSnapshots, Health, Progress, register_prometheus
+from uvaple.integration.telemetry.exporter import _push_metrics
+from uvaple.kernels import capture
 from uvaple.uva import HostTable
 
 HAS_CUDA = torch.cuda.is_available()
@@ -184,7 +186,7 @@ class DelayedDevice(CounterSnapshots):
 
 @pytest.fixture
 def delayed(monkeypatch):
-    monkeypatch.setattr(metrics, "_driver", lambda: None)  # no CUDA driver here: no capture mode to set
+    monkeypatch.setattr(capture, "_driver", lambda: None)  # no CUDA driver here: no capture mode to set
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     counters = torch.zeros(4, dtype=torch.int64)
     return counters, DelayedDevice(counters)
@@ -480,7 +482,7 @@ _RANK = textwrap.dedent("""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]  # as vLLM sets it for its engine processes
     import torch
     from uvaple.integration import GatherLookup, TableSpec
-    from uvaple.integration.metrics import MultiprocessExporter, multiprocess_dir
+    from uvaple.integration.telemetry import MultiprocessExporter, multiprocess_dir
     from uvaple.uva import HostTable
     assert multiprocess_dir() == sys.argv[1]
     rank = int(sys.argv[2])
@@ -533,7 +535,7 @@ def test_concurrent_pushes_never_count_twice(table):
     pytest.importorskip("prometheus_client")
     _, h = table
     lk = GatherLookup(h, TableSpec.of(h), "cpu")
-    ex = metrics.MultiprocessExporter(interval_s=0.01)
+    ex = telemetry.MultiprocessExporter(interval_s=0.01)
     ex.add("twice", lk)
     for _ in range(10):
         lk.lookup(torch.tensor([1, 2, 3]))
@@ -543,14 +545,14 @@ def test_concurrent_pushes_never_count_twice(table):
     for t in threads:
         t.join(60)
     ex.close()
-    counter = metrics._push_metrics()["lookups"].labels("twice", lk.kind)
+    counter = _push_metrics()["lookups"].labels("twice", lk.kind)
     assert counter._value.get() == lk.stats()["lookups"] == 10
 
 
 _FORKED = textwrap.dedent("""
     import faulthandler, os, signal, sys, threading, time, torch
     from uvaple.integration import GatherLookup, TableSpec
-    from uvaple.integration.metrics import MultiprocessExporter, Progress
+    from uvaple.integration.telemetry import MultiprocessExporter, Progress
     from uvaple.uva import HostTable
 
     class Slow:  # a lookup whose progress() takes a while: a push spends most of its time inside it
@@ -624,8 +626,8 @@ def test_multiprocess_exporter_checks_its_arguments_and_stops(table):
     pytest.importorskip("prometheus_client")
     _, h = table
     with pytest.raises(ValueError, match="interval_s"):
-        metrics.MultiprocessExporter(interval_s=0)
-    ex = metrics.MultiprocessExporter(interval_s=0.01)
+        telemetry.MultiprocessExporter(interval_s=0)
+    ex = telemetry.MultiprocessExporter(interval_s=0.01)
     assert not ex.running  # no thread before a lookup is added
     lk = GatherLookup(h, TableSpec.of(h), "cpu")
     with pytest.raises(TypeError, match="progress"):
@@ -650,10 +652,10 @@ def test_multiprocess_exporter_checks_its_arguments_and_stops(table):
 def test_importing_uvaple_imports_no_prometheus_client_and_registering_says_what_is_missing():
     code = textwrap.dedent("""
         import sys
-        import uvaple, uvaple.integration, uvaple.integration.metrics
+        import uvaple, uvaple.integration, uvaple.integration.telemetry
         assert "prometheus_client" not in sys.modules, "imported at import time"
         sys.modules["prometheus_client"] = None  # as if not installed
-        from uvaple.integration.metrics import register_prometheus
+        from uvaple.integration.telemetry import register_prometheus
         try:
             register_prometheus({})
         except ImportError as e:

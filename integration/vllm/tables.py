@@ -38,7 +38,7 @@ Metrics
 Each shard's lookup is exported to vLLM's ``/metrics`` (:func:`export_metrics`, ``metrics_interval_s``).
 vLLM serves that endpoint from its API server process; with ``PROMETHEUS_MULTIPROC_DIR`` set it
 aggregates every process's ``prometheus_client`` files, so an engine process pushes its lookups'
-``progress()`` there every few seconds (:class:`~uvaple.integration.metrics.MultiprocessExporter`).
+``progress()`` there every few seconds (:class:`~uvaple.integration.telemetry.MultiprocessExporter`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import threading
 
 import torch
 
-from uvaple.integration._fork import ForkSafeLock
 from uvaple.integration.errors import BackendError
+from uvaple.integration.fork import ForkSafeLock
 from uvaple.uva import HostTable
 from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
 
@@ -93,7 +93,7 @@ def export_metrics(name: str, lookup, interval_s: float) -> str | None:
     of; returns how (``"multiprocess"``, ``"registry"``) or None when not exported.
 
     With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it when it runs several API servers; set it yourself,
-    an empty directory, for one) one :class:`~uvaple.integration.metrics.MultiprocessExporter` per process
+    an empty directory, for one) one :class:`~uvaple.integration.telemetry.MultiprocessExporter` per process
     pushes every ``interval_s`` seconds into the files vLLM's API server aggregates. Without it, one
     collector in ``prometheus_client.REGISTRY`` reads at scrape time: served by vLLM only where the engine
     runs in the API server's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The first export says in the
@@ -101,20 +101,20 @@ def export_metrics(name: str, lookup, interval_s: float) -> str | None:
     failure is logged and never stops the model from being served."""
     if not interval_s:
         return None
-    from uvaple.integration import metrics
+    from uvaple.integration import telemetry
 
     with _EXPORT_LOCK:
         if _EXPORT.get("pid") != os.getpid():  # a forked child: its parent's objects restart themselves
             _EXPORT["pid"], _EXPORT["said"] = os.getpid(), False
         try:
-            if metrics.multiprocess_dir() is not None:
+            if telemetry.multiprocess_dir() is not None:
                 if "multiprocess" not in _EXPORT:
-                    _EXPORT["multiprocess"] = metrics.MultiprocessExporter(interval_s)
+                    _EXPORT["multiprocess"] = telemetry.MultiprocessExporter(interval_s)
                 _EXPORT["multiprocess"].add(name, lookup)
                 how = "multiprocess"
             else:
                 if "registry" not in _EXPORT:
-                    _EXPORT["registry"] = metrics.register_prometheus({})
+                    _EXPORT["registry"] = telemetry.register_prometheus({})
                 _EXPORT["registry"].add(name, lookup)
                 how = "registry"
         except Exception as e:  # noqa: BLE001 - metrics must never stop serving
@@ -124,7 +124,7 @@ def export_metrics(name: str, lookup, interval_s: float) -> str | None:
             _EXPORT["said"] = True
             if how == "multiprocess":
                 log.info("uvaple: lookup metrics pushed every %g s into PROMETHEUS_MULTIPROC_DIR=%s (vLLM's "
-                         "/metrics aggregates it)", interval_s, metrics.multiprocess_dir())
+                         "/metrics aggregates it)", interval_s, telemetry.multiprocess_dir())
             else:
                 log.info("uvaple: lookup metrics in this process's prometheus_client registry; vLLM's /metrics "
                          "shows them only when the engine runs in the API server's process. To export them "

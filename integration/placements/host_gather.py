@@ -1,8 +1,13 @@
-"""The copy backend's CPU gather: row bytes into pinned staging, by numba or by ``torch.index_select``.
+"""CPU gathers of table rows into pinned staging, by numba or by ``torch.index_select``.
+
+Two placements use them, so they sit beside both: the copy placement (:mod:`.copy`) stages every row of
+a job with :func:`cpu_gather`, and the split lookup (``GatherLookup.lookup_split``) gathers its CPU share
+with :func:`gather_up` (chunks copied up while the next is gathered), mapping ids with :func:`split_rows`
+and :func:`ids_within` first.
 
 Rows are copied as bytes (columns as a byte range), so every dtype is exact. Out-of-range ids write the
-zero element given (the backend passes -0.0 when a negative scale follows on the device) or row 0. The
-gather returns how many ids were out of range (the backend's counter).
+zero element given (the copy placement passes -0.0 when a negative scale follows on the device) or row 0.
+The gather returns how many ids were out of range (the copy placement's counter).
 
 Four paths, one result (the numba kernel is the definition):
 
@@ -45,7 +50,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from uvaple.uva._cuda import copy_async
+from uvaple.uva.cuda_runtime import copy_async
 
 __all__ = ["cpu_gather", "gather_path", "warm_up", "ids_within", "PARALLEL_MIN_BYTES", "PREFETCH_MIN_BYTES",
            "TORCH_MIN_BYTES", "TORCH_MAX_ROW_BYTES"]
