@@ -4,11 +4,13 @@ Heavy or optional pieces (transformers, vLLM) are imported lazily by their own m
 """
 
 from . import errors
-from .copy import CopyBackend, CopyJob
 from .factory import KINDS, make_lookup
-from .hotset import HotSet, counts_of_ids, rank_rows
-from .lookup import GatherLookup, Lookup, default_device
+from .lookup import Lookup, default_device
+from .placements.copy import CopyBackend, CopyJob
+from .placements.gather import GatherLookup
+from .placements.hot import HotSet, counts_of_ids, rank_rows
+from .placements.split import SplitLookup
 from .spec import TableSpec
 
-__all__ = ["TableSpec", "Lookup", "GatherLookup", "CopyBackend", "CopyJob", "make_lookup", "KINDS",
+__all__ = ["TableSpec", "Lookup", "GatherLookup", "SplitLookup", "CopyBackend", "CopyJob", "make_lookup", "KINDS",
            "default_device", "errors", "HotSet", "rank_rows", "counts_of_ids"]

@@ -58,7 +58,7 @@ from uvaple._util import fmt_bytes
 
 from .devices import resolve_device
 from .factory import make_lookup
-from .hotset import hot_set_from_options
+from .placements.hot import hot_set_from_options
 from .spec import TableSpec
 
 __all__ = ["HostScaledEmbedding", "host_state_dict_excluded", "QUANTIZE"]

@@ -13,20 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from uvaple.kernels.checks import ID_BASE_LIMIT, OOB_MODES, check_policy, column_range
-from uvaple.kernels.encodings import FP8_FORMATS
-from uvaple.kernels.gather import scale_bits
+from uvaple.kernels.checks import ID_BASE_LIMIT, OOB_MODES, check_policy, column_range, scale_bits
+from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 
-__all__ = ["TableSpec", "ENCODINGS", "ROW_SCALE_BYTES", "spec_for"]
+__all__ = ["TableSpec", "ENCODINGS", "spec_for"]
 
-#: How rows are stored. ``raw``: the table dtype as is. ``fp8_global``: fp8 codes (e4m3fn or e5m2) times
-#: one global float32 scale held by the lookup (``dequant_scale``), dequantised in the kernel with vLLM's
-#: formula ``rows.to(out_dtype) * scale.to(out_dtype)``. ``fp8_row``: each row is ``cols - 4`` fp8 codes
-#: followed by its own float32 scale (4 bytes, little-endian: one contiguous read), dequantised the same
-#: way with the row's scale; a lookup returns ``cols - 4`` values per row.
-ENCODINGS = ("raw", "fp8_global", "fp8_row")
-#: the bytes of an fp8_row row's scale
-ROW_SCALE_BYTES = 4
+#: The encodings a spec accepts: the names of :data:`uvaple.kernels.encodings.ENCODINGS` (each one entry there:
+#: its row layout, kernel constant, quantiser and torch reference).
+ENCODINGS = tuple(_REGISTRY)
 
 
 @dataclass(frozen=True)
@@ -87,11 +81,10 @@ class TableSpec:
         object.__setattr__(self, "stride", stride)
         if self.encoding not in ENCODINGS:
             raise ValueError(f"TableSpec.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+        enc = _REGISTRY[self.encoding]
         out = check_policy(self.dtype, scale=self.scale, oob=self.oob, out_dtype=self.out_dtype,
-                           dequant=self.encoding != "raw")
-        if self.encoding == "fp8_row" and self.cols <= ROW_SCALE_BYTES:
-            raise ValueError(f"an fp8_row row is its codes then a {ROW_SCALE_BYTES}-byte float32 scale: it needs more "
-                             f"than {ROW_SCALE_BYTES} columns, this table has {self.cols}")
+                           dequant=enc.scale != "none")
+        enc.check(self.dtype, self.cols)
         object.__setattr__(self, "_out", out)
         if self.row_window is not None:
             try:
@@ -140,14 +133,12 @@ class TableSpec:
     def dequant(self) -> int:
         """The kernel's ``dequant``: 0 (rows as stored), 1/2 (e4m3fn/e5m2 codes x the global scale), 3/4
         (e4m3fn/e5m2 codes x the row's own scale)."""
-        if self.encoding == "raw":
-            return 0
-        return FP8_FORMATS[self.dtype] + (2 if self.encoding == "fp8_row" else 0)
+        return _REGISTRY[self.encoding].kernel_code(self.dtype)
 
     @property
     def value_cols(self) -> int:
         """Values a whole-row lookup returns: ``cols``, less the scale's bytes of an ``fp8_row`` row."""
-        return self.cols - ROW_SCALE_BYTES if self.encoding == "fp8_row" else self.cols
+        return _REGISTRY[self.encoding].value_cols(self.cols)
 
     @property
     def oob_mode(self) -> int:

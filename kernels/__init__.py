@@ -1,4 +1,10 @@
-"""Triton gather kernels, their launchers and launch heuristics, and the ``uvaple::gather_rows`` op."""
+"""Device code and how it is launched: the gather kernels, their launchers and plans, their operators.
+
+``gather`` (direct), ``gather_sorted`` and ``gather_hot`` each hold one operator (``torch.ops.uvaple.*``,
+registered on import) with its kernel, launcher and fake; ``plan`` makes a lookup's launchers once;
+``encodings`` is the registry of row encodings; ``tuning`` holds the measured launch tables; ``reference``
+is the definition every kernel path is compared against. Takes tensors and ints only.
+"""
 
 import sys
 
@@ -10,9 +16,13 @@ if __name__ != "uvaple.kernels":
 
     sys.modules[__name__] = importlib.import_module("uvaple.kernels")
 else:
-    from . import ops  # noqa: F401  (registers torch.ops.uvaple.gather_rows)
-    from .gather import OOB_POLICIES, gather_rows
-    from .heuristics import launch_config
+    from . import gather_hot  # noqa: F401  (registers torch.ops.uvaple.gather_rows_hot)
+    from .checks import OOB_POLICIES
+    from .encodings import ENCODINGS, Encoding
+    from .gather import gather_rows
+    from .plan import GatherPlan
     from .reference import reference_gather
+    from .tuning import launch_config
 
-    __all__ = ["gather_rows", "reference_gather", "launch_config", "OOB_POLICIES"]
+    __all__ = ["gather_rows", "reference_gather", "launch_config", "OOB_POLICIES", "GatherPlan", "ENCODINGS",
+               "Encoding"]

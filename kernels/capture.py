@@ -26,7 +26,8 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _is_host_memory(t: torch.Tensor) -> bool:
+def is_host_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is host memory (a CPU tensor, or a CUDA view of registered or pinned host memory)."""
     if not t.is_cuda:
         return True
     try:
@@ -42,7 +43,7 @@ def _is_host_memory(t: torch.Tensor) -> bool:
 
 def keep_for_graph(table: torch.Tensor) -> None:
     """Keep ``table`` (and so its host mapping) until exit: a captured graph reads it."""
-    if not _is_host_memory(table):
+    if not is_host_memory(table):
         return
     storage = table.untyped_storage()
     key = (storage.data_ptr(), storage.nbytes())

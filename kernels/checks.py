@@ -7,14 +7,18 @@ a lookup runs the policy and table checks once, when it plans, and only :func:`c
 
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 
 from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
 
-from .encodings import FP8_FORMATS
+from .encodings import DEQUANT_CODES, FP8_FORMATS, ROW_SCALE_BYTES
 
 __all__ = ["OOB_POLICIES", "OOB_MODES", "ID_BASE_LIMIT", "OUT_DTYPES", "ID_DTYPES", "column_range", "check_policy",
-           "check_ids", "check_out", "check_table"]
+           "check_ids", "check_out", "check_table", "scale_bits", "check_fixed", "check_call", "check_hot",
+           "check_workspace"]
 
 OOB_POLICIES = ("zero", "row0", "neg_zero")
 #: oob policy -> the kernels' ``oob_mode``
@@ -118,3 +122,95 @@ def check_table(table: torch.Tensor, device: torch.device) -> None:
             raise ValueError(f"table is on {table.device} but ids are on {device}")
     elif table.device.type != "cpu":
         raise ValueError(f"ids are on {device} but the table is on {table.device}")
+
+
+def scale_bits(scale: float, dtype: torch.dtype) -> int:
+    """The kernels' scale argument: the bits (signed int32) of ``torch.tensor(scale).to(dtype)`` as fp32.
+
+    HF: ``embedding * embed_scale.to(weight.dtype)``: the scale is rounded to fp32, then to the table
+    dtype. Cached by the scale's own bits, so -0.0 and +0.0 (equal as floats) are distinct keys.
+    """
+    return _scale_bits(struct.pack("<d", float(scale)), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
+    (value,) = struct.unpack("<d", key)
+    rounded = torch.tensor(value, dtype=torch.float32).to(dtype).to(torch.float32)
+    return int(rounded.view(torch.int32).item())
+
+
+# ------------------------------------------------------------------ the operators' integer checks
+# The operators are public: even a direct call with any integers stays inside the table and ``out``. A plan
+# makes the checks of what it fixes once (check_fixed); a call through an operator makes check_call too.
+
+def check_fixed(table: torch.Tensor, dq_scale, id_base: int, row_lo: int, oob_mode: int, dequant: int,
+                what: str) -> None:
+    """What a plan fixes: the table's layout, the row range, the policy codes, the fp8 scale."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError(f"uvaple::{what}: the table must be a 2-D tensor with unit column stride")
+    if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2) \
+            or dequant not in DEQUANT_CODES:
+        raise ValueError(f"uvaple::{what}: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
+                         f"{dequant} is out of range (table of {table.shape[0]} rows, id_base < 2**62)")
+    if dequant in (1, 2) and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
+                              or table.element_size() != 1):
+        raise ValueError(f"uvaple::{what}: fp8 dequantisation needs a 1-byte table and a float32 scale of one "
+                         "element")
+    if dequant in (3, 4) and (table.element_size() != 1 or table.shape[1] <= ROW_SCALE_BYTES):
+        raise ValueError(f"uvaple::{what}: fp8 rows with a row scale need a 1-byte table whose last "
+                         f"{ROW_SCALE_BYTES} columns are the scale")
+
+
+def check_call(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, col_start: int, dequant: int, what: str,
+               dq_scale=None) -> int:
+    """What a call brings: contiguous ids and ``out`` of ``[*ids.shape, ncols]``, the columns inside the table
+    (and before an fp8 row's scale), ``out`` (and the fp8 scale) on the ids' device; returns ``ncols``."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
+        raise TypeError(f"uvaple::{what}: ids must be an int32 or int64 tensor")
+    n = ids.numel()
+    ncols = out.shape[-1] if out.dim() else 0
+    if out.numel() != n * ncols or not out.is_contiguous() or not ids.is_contiguous():
+        raise ValueError(f"uvaple::{what}: out must be contiguous [*ids.shape, ncols] and ids contiguous "
+                         f"(got out {tuple(out.shape)}, ids {tuple(ids.shape)})")
+    if col_start < 0 or col_start + ncols > table.shape[1]:
+        raise ValueError(f"uvaple::{what}: columns {col_start}..{col_start + ncols} are not inside the table's "
+                         f"{table.shape[1]}")
+    if dequant >= 3 and col_start + ncols > table.shape[1] - ROW_SCALE_BYTES:
+        raise ValueError(f"uvaple::{what}: fp8 rows with a row scale need a 1-byte table whose last "
+                         f"{ROW_SCALE_BYTES} columns are the scale; columns {col_start}..{col_start + ncols} reach "
+                         f"into them (table of {table.shape[1]} columns)")
+    if out.device != ids.device or (dq_scale is not None and dq_scale.device != ids.device):
+        raise ValueError(f"uvaple::{what}: out (and an fp8 scale) must be on the ids' device {ids.device}")
+    return ncols
+
+
+def check_hot(table: torch.Tensor, device: torch.device, counters, hot_rows, slot_map, id_counts) -> None:
+    """A hot set's buffers (and the counters it adds hits to) fit the table, on ``device``."""
+    if hot_rows.dim() != 2 or hot_rows.dtype != table.dtype or hot_rows.shape[1] != table.shape[1] or \
+            hot_rows.stride(0) != table.stride(0) or hot_rows.stride(1) != 1 or hot_rows.device != device:
+        raise ValueError(f"uvaple::gather_rows_hot: the hot rows must be a {table.dtype} [slots, {table.shape[1]}] "
+                         f"tensor with the table's row stride ({table.stride(0)}) on {device}, got "
+                         f"{hot_rows.dtype} {tuple(hot_rows.shape)} stride {hot_rows.stride()} on {hot_rows.device}")
+    if slot_map is None or slot_map.dtype != torch.int32 or slot_map.dim() != 1 or \
+            slot_map.numel() < table.shape[0] or not slot_map.is_contiguous() or slot_map.device != device:
+        raise ValueError(f"uvaple::gather_rows_hot: the slot map must be a contiguous int32 [>= {table.shape[0]}] "
+                         f"tensor on {device}")
+    if id_counts is not None and (id_counts.dtype != torch.int64 or id_counts.dim() != 1 or
+                                  id_counts.numel() < table.shape[0] or not id_counts.is_contiguous() or
+                                  id_counts.device != device):
+        raise ValueError(f"uvaple::gather_rows_hot: id counts must be a contiguous int64 [>= {table.shape[0]}] "
+                         f"tensor on {device}")
+    if counters is not None and counters.numel() < 4:
+        raise ValueError("uvaple::gather_rows_hot: counters must be int64 [>= 4] (lookups, rows, out-of-range "
+                         "ids, hits)")
+
+
+def check_workspace(workspace, n: int, device: torch.device) -> None:
+    """The sorted gather's workspace: contiguous int64 ``[2, >= n]`` on ``device``."""
+    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int64 or workspace.dim() != 2 or \
+            workspace.shape[0] != 2 or workspace.shape[1] < n or not workspace.is_contiguous() or \
+            workspace.device != device:
+        raise ValueError(f"uvaple::gather_rows_sorted: the workspace must be a contiguous int64 [2, >= {n}] "
+                         f"tensor on {device}, got {getattr(workspace, 'dtype', None)} "
+                         f"{tuple(getattr(workspace, 'shape', ()))}")

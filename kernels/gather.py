@@ -1,381 +1,290 @@
-"""Row gather: ``out[i, :] = table[ids[i], c0:c1] (* scale)`` in the caller's current CUDA stream.
+"""The direct gather: ``out[i, :] = table[ids[i], c0:c1]`` with the row policy, in the caller's CUDA stream.
 
-One kernel serves every table placement: a CPU tensor over registered host memory (read over PCIe
-through UVA), a CUDA tensor aliasing it, or a CUDA tensor in HBM. On CPU tensors the same source runs
-under Triton's interpreter (chosen per launch: :mod:`uvaple.kernels._jit`), which is how CI checks
-indexing, masking, rounding and edge cases. This layer takes tensors and ints only; host tables, specs
-and placements are :mod:`uvaple.integration`'s.
+Kernel, launcher, operator and fake, in that order (Liger's), and the functional :func:`gather_rows`.
 
-Work split: program ``(i, j)`` copies column tile ``j`` of row ``ids[i]``. Tile width comes from
-:func:`uvaple.kernels.heuristics.launch_config` (bytes per tile and warps, by row bytes).
+One kernel serves every table placement: a CPU tensor over registered host memory (read over PCIe through
+UVA), a CUDA tensor aliasing it, or a CUDA tensor in HBM. On CPU tensors the same source runs under
+Triton's interpreter (:mod:`uvaple.kernels.jit`), which is how CI checks indexing, masking, rounding and
+edge cases. This layer takes tensors and ints only; host tables, specs and placements are
+:mod:`uvaple.integration`'s.
 
-Out-of-range ids (negative, >= rows, any int64) never form an address outside the table: the id is
-replaced by 0 before any pointer arithmetic, then
-  * ``oob="zero"``: the row's loads are masked off and the output row is +0.0 (scale or not);
-  * ``oob="row0"``: the row reads row 0 (what Gemma 3n's embedding path does for such ids).
+Work split: program ``(i, j)`` copies column tile ``j`` of row ``ids[i]``; the tile width comes from
+:func:`uvaple.kernels.tuning.launch_config` (bytes per tile and warps, by row bytes).
 
-Rounding: with ``scale``, the result is bit-identical to HF Gemma 3n's ``emb * scale.to(weight.dtype)``:
-the scale is rounded to the table dtype on the host (and passed as its fp32 bits, so -0.0 and subnormals
-arrive intact), the product is formed in fp32 and rounded once to the table dtype with
-round-to-nearest-even, then converted to the output dtype. NaN results are NaN; their sign and payload
-are the device's (torch on the CPU and a GPU disagree there too). bf16 is widened with a shift and
-narrowed with integer ops (Triton's interpreter mangles bf16 subnormals and rounds half away from zero;
-the GPU's own conversions give the same bits as these), so CPU and GPU agree.
+Out-of-range ids (negative, >= rows, any int64) never form an address outside the table: the id is replaced
+by ``row_lo`` before any pointer arithmetic (``rows.safe_row``), then ``oob_mode`` 0 masks the row's loads
+off (a +0.0 row whatever the scale), 1 reads row ``row_lo`` (Gemma 3n's embedding does this), 2 writes -0.0
+rows (a sum over ranks keeps every owner's bits).
 
-Counters: a launch may add to an int64 ``[3]`` tensor on the device — lookups, rows, out-of-range ids
-— with relaxed atomics (one per call, one per out-of-range id), so progress is readable without any
+Counters: a launch may add to an int64 ``[>= 3]`` device tensor (lookups, rows, out-of-range ids; a hot set's
+hits fourth) with relaxed atomics (one per call, one per out-of-range id), so progress is readable without
 host work on the hot path, under CUDA graphs too.
 
-Hot path: no host synchronisation, no allocation when ``out`` is given, launch on the current stream only,
-always through the ``uvaple::gather_rows`` op (eager and compiled give the same bits); capturable in a
-CUDA graph and replayable with new ids written into the captured ids buffer.
+:class:`DirectGather` is made once per table and policy (a lookup's plan, :mod:`uvaple.kernels.plan`): it
+holds the table's view, the constants, a config per column count and the compiled kernels
+(:class:`~uvaple.kernels.launch.KernelLaunch`); a call passes ids, ``out`` and the first column. The
+operator ``uvaple::gather_rows`` makes one for its call after checking every argument, or, given a plan's
+handle, runs that plan's: the same launcher either way.
+
+Operator schema::
+
+    uvaple::gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale,
+                        int scale_bits, bool has_scale, int col_start, int id_base, int row_lo,
+                        int oob_mode, int dequant, int plan=-1) -> ()
+
+Valid ids are ``row_lo <= id - id_base < table.shape[0]`` and read row ``id - id_base``. ``dequant``: the
+encoding's kernel code (:mod:`uvaple.kernels.encodings`). ``plan``: the handle of the plan that makes this
+call (a lookup's, :mod:`uvaple.kernels.registry`), or -1. Entered on every call of a compiled model, so
+``torch.compile`` and vLLM see an opaque call that mutates ``out`` and the counters: they never trace into
+Triton and never treat a host table as something to copy. Defined with ``torch.library.Library`` rather
+than ``custom_op``, whose Python wrapper costs ~20 us a call where the plain library operator costs ~2 us.
 """
 
 from __future__ import annotations
 
-import functools
-import struct
+import sys
 
 import torch
-import triton
+import triton.language as tl
 
-from . import _gather_triton, _jit, capture
+from . import capture, jit, registry
+from . import rows as _rows
 from .checks import (
-    ID_BASE_LIMIT,
     OOB_MODES,
-    OOB_POLICIES,
-    OUT_DTYPES,
+    check_call,
+    check_fixed,
     check_ids,
     check_out,
     check_policy,
     check_table,
     column_range,
+    scale_bits,
 )
-from .encodings import ROW_SCALE_BYTES
-from .heuristics import (
-    NUM_WARPS,
-    SORTED_TILE_BYTES,
-    TILE_BYTES,
-    LaunchConfig,
-    SortedConfig,
-    launch_config,
-    sorted_config,
-    sorted_warps,
-)
+from .launch import KernelLaunch
+from .tuning import LaunchConfig, launch_config
 
-__all__ = ["gather_rows", "launch", "launch_hot", "launch_sorted", "scale_bits", "column_range", "check_ids",
-           "check_out", "OOB_POLICIES",
-           "OUT_DTYPES"]
+__all__ = ["gather_rows", "DirectGather", "kernel_views", "scale_word"]
 
-#: the largest row key of the sorted gather (row - row_lo + 1, int32); tables with more rows sort the ids as given
-ROW_KEY_MAX = (1 << 31) - 1
-ROW_KEY_BLOCK = 1024
+kernel = jit.kernel_decorator(__name__)
+_rows = jit.same_variant(__name__, _rows)
+safe_row, convert_rows, either, row_scale_bits = _rows.safe_row, _rows.convert_rows, _rows.either, _rows.row_scale_bits
+
+
+# n_ids changes from call to call (1 in decode, thousands in prefill) and only feeds the counters: not
+# specialised, so a new batch size never compiles a new variant (perhaps inside a graph capture).
+@kernel(do_not_specialize=["scale_bits", "n_ids"])
+def gather_rows_kernel(
+    table_ptr,  # *Pointer* to row 0 of the table (host memory through UVA, or HBM)
+    ids_ptr,  # *Pointer* to the flattened ids, int32 or int64
+    out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
+    counters_ptr,  # *Pointer* to int64 [3]: lookups, rows, out-of-range ids (read only when COUNT)
+    dq_scale_ptr,  # *Pointer* to the fp32 dequantisation scale [1] (read only when DEQUANT)
+    hot_ptr,  # *Pointer* to row 0 of the hot set: device copies of table rows, the table's stride (HOT)
+    slot_ptr,  # *Pointer* to int32 [n_rows]: the hot slot of each table row, or -1 (HOT)
+    n_hot,  # slots in the hot set (a slot outside 0..n_hot is a miss, whatever the map holds)
+    id_counts_ptr,  # *Pointer* to int64 [n_rows]: lookups of each table row, added to (COUNT_IDS)
+    n_ids,  # ids in this call
+    id_base,  # the id of table row 0 (a rank's vocabulary shard stored alone; 0 for a whole table)
+    row_lo,  # valid rows are row_lo <= id - id_base < n_rows (a rank's shard of a full table; else 0)
+    n_rows,  # one past the last valid row
+    table_stride,  # elements between two table rows (>= the row length, padded)
+    col_start,  # first column of the range to copy
+    n_cols,  # columns to copy per row
+    scale_bits,  # int32: the bits of the fp32 scale, already rounded to the table dtype (HAS_SCALE)
+    scale_col,  # the column (byte) of a row's own float32 scale (DEQUANT 3/4)
+    HAS_SCALE: tl.constexpr,  # multiply by the scale with the model's rounding
+    CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
+    OOB_ROW0: tl.constexpr,  # out-of-range ids read row row_lo (else they give a zero row)
+    NEG_ZERO: tl.constexpr,  # zero rows are -0.0 (a sum over ranks then keeps every owner's bits)
+    DEQUANT: tl.constexpr,  # 0: as stored; 1/2: e4m3fn/e5m2 codes x the scale at dq_scale_ptr; 3/4: x the row's
+    COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id; HOT: per hit)
+    HOT: tl.constexpr,  # rows in the hot set are read from it (HBM), the others from the table
+    COUNT_IDS: tl.constexpr,  # count each valid id's lookup at id_counts_ptr (a hot set's profile)
+    SCALE_WORD: tl.constexpr,  # DEQUANT 3/4: the row scale is a 4-byte aligned word in the table and the hot set
+    BLOCK: tl.constexpr,  # columns per program
+    ROW_TILES: tl.constexpr,  # a 1-D grid, the tiles of a row side by side (heuristics.LaunchConfig.row_tiles)
+):
+    if ROW_TILES:
+        n_tiles = (n_cols + BLOCK - 1) // BLOCK
+        flat = tl.program_id(0).to(tl.int64)
+        pid = flat // n_tiles
+        tile = (flat - pid * n_tiles).to(tl.int32)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
+    row, valid = safe_row(ids_ptr, pid, id_base, row_lo, n_rows)
+    if OOB_ROW0:
+        limit = n_cols
+    else:
+        limit = tl.where(valid, n_cols, 0)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    load_mask = cols < limit
+    if HOT:
+        # row is inside the table (valid or not), so its map entry is too; a slot outside the hot set is a
+        # miss, so no address outside either buffer is formed, whatever the map holds
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        hit = (slot >= 0) & (slot < n_hot)
+        if not OOB_ROW0:
+            hit = hit & valid  # an out-of-range id reads nothing
+        slot = tl.where(hit, slot, 0)
+        hit_cols = (tl.full([BLOCK], 0, tl.int32) + hit.to(tl.int32)) != 0  # the masks as blocks of bool
+        x_hot = tl.load(hot_ptr + slot * table_stride + col_start + cols, mask=load_mask & hit_cols, other=0)
+        x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask & (hit_cols == 0), other=0)
+        x = either(x_hot, x, hit_cols)
+    else:
+        hit = False
+        x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
+    if COUNT:
+        if tile == 0:
+            first = pid == 0
+            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 1, n_ids, mask=first, sem="relaxed")
+            tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
+            if HOT:
+                tl.atomic_add(counters_ptr + 3, 1, mask=hit & valid, sem="relaxed")
+    if COUNT_IDS:
+        if tile == 0:
+            tl.atomic_add(id_counts_ptr + row, 1, mask=valid, sem="relaxed")
+    row_scale = 0.0
+    if DEQUANT >= 3:
+        if HOT:
+            # one read of the scale, from wherever the row's codes came (slot and row are inside their buffers)
+            src = tl.where(hit, hot_ptr + slot * table_stride, table_ptr + row * table_stride)
+        else:
+            src = table_ptr + row * table_stride  # row is inside the table
+        row_scale = row_scale_bits(src + scale_col, True, SCALE_WORD).to(tl.float32, bitcast=True)
+    y = convert_rows(x, load_mask, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT,
+                 OOB_ROW0, NEG_ZERO, DEQUANT)
+    tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
+
+
+
+# ------------------------------------------------------------------ launcher
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_I32_MAX = (1 << 31) - 1
 
 
-def scale_bits(scale: float, dtype: torch.dtype) -> int:
-    """The kernel's scale argument: the bits (signed int32) of ``torch.tensor(scale).to(dtype)`` as fp32.
-
-    HF: ``embedding * embed_scale.to(weight.dtype)``: the scale is rounded to fp32, then to the table
-    dtype. Cached by the scale's own bits, so -0.0 and +0.0 (equal as floats) are distinct keys.
-    """
-    return _scale_bits(struct.pack("<d", float(scale)), dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _scale_bits(key: bytes, dtype: torch.dtype) -> int:
-    (value,) = struct.unpack("<d", key)
-    rounded = torch.tensor(value, dtype=torch.float32).to(dtype).to(torch.float32)
-    return int(rounded.view(torch.int32).item())
+def kernel_views(table: torch.Tensor, out_dtype: torch.dtype, has_scale: bool, oob_mode: int, dequant: int
+                 ) -> tuple[torch.Tensor, torch.dtype | None, bool]:
+    """(the table as the kernels read it, the dtype ``out`` is viewed as or None, whether rows are converted):
+    fp8 codes as bytes (widened with integer ops in the kernel); a plain copy moves bits, so the table and
+    ``out`` as same-width integers (fp8 and friends need no support)."""
+    convert = has_scale or out_dtype != table.dtype or oob_mode == 2
+    if dequant:
+        return table.view(torch.uint8), None, convert
+    if not convert:
+        as_int = _INT_OF_SIZE[table.element_size()]
+        return table.view(as_int), as_int, convert
+    return table, None, convert
 
 
-def _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, what) -> int:
-    """The integer checks every launch makes (the operators are public: even a direct call stays inside
-    the table and ``out``); returns the columns per row."""
-    n = ids.numel()
-    ncols = out.shape[-1] if out.dim() else 0
-    if out.numel() != n * ncols or not out.is_contiguous() or not ids.is_contiguous():
-        raise ValueError(f"uvaple::{what}: out must be contiguous [*ids.shape, ncols] and ids contiguous "
-                         f"(got out {tuple(out.shape)}, ids {tuple(ids.shape)})")
-    if table.dim() != 2 or table.stride(1) != 1 or col_start < 0 or col_start + ncols > table.shape[1]:
-        raise ValueError(f"uvaple::{what}: columns {col_start}..{col_start + ncols} are not inside the "
-                         f"table's {table.shape[-1]} (or the table is not 2-D with unit column stride)")
-    if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2) \
-            or dequant not in (0, 1, 2, 3, 4):
-        raise ValueError(f"uvaple::{what}: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
-                         f"{dequant} is out of range (table of {table.shape[0]} rows, id_base < 2**62)")
-    if dequant in (1, 2) and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
-                              or table.element_size() != 1 or dq_scale.device != out.device):
-        raise ValueError(f"uvaple::{what}: fp8 dequantisation needs a 1-byte table and a float32 scale of "
-                         "one element on the output's device")
-    if dequant in (3, 4) and (table.element_size() != 1 or col_start + ncols > table.shape[1] - ROW_SCALE_BYTES):
-        raise ValueError(f"uvaple::{what}: fp8 rows with a row scale need a 1-byte table whose last "
-                         f"{ROW_SCALE_BYTES} columns are the scale; columns {col_start}..{col_start + ncols} reach "
-                         f"into them (table of {table.shape[1]} columns)")
-    return ncols
-
-
-def _scale_col(table: torch.Tensor, dequant: int) -> int:
-    """The column of a row's own scale (``dequant`` 3/4), else 0 (unused)."""
-    return table.shape[1] - ROW_SCALE_BYTES if dequant >= 3 else 0
-
-
-def _scale_word(table: torch.Tensor, hot_rows: torch.Tensor | None, dequant: int) -> bool:
-    """Whether every row's own scale (``dequant`` 3/4) is a 4-byte aligned word, in the table and the hot set:
-    the kernels then read it with one load, not four (1-byte tables: strides and offsets are bytes)."""
+def scale_word(view: torch.Tensor, hot_view: torch.Tensor | None, dequant: int) -> bool:
+    """Whether every row's own scale (``dequant`` 3/4) is a 4-byte aligned word in the table (and the hot
+    set): the kernels then read it with one load, not four (1-byte tables: strides and offsets are bytes)."""
     if dequant < 3:
         return False
-    col = _scale_col(table, dequant)
-    bufs = (table,) if hot_rows is None else (table, hot_rows)
+    col = view.shape[1] - 4
+    bufs = (view,) if hot_view is None else (view, hot_view)
     return all((b.data_ptr() + col) % 4 == 0 and b.stride(0) % 4 == 0 for b in bufs)
 
 
-def _kernel_views(table, ids, out, has_scale: bool, oob_mode: int, dequant: int):
-    """(table, out, convert) as the kernels take them: fp8 codes as bytes, plain copies as integers."""
-    convert = has_scale or out.dtype != table.dtype or oob_mode == 2
-    if capture.capturing(ids):
-        capture.keep_for_graph(table)
-    if dequant:
-        table = table.view(torch.uint8)  # fp8 codes, widened with integer ops in the kernel
-    elif not convert:
-        # A plain copy moves bits: give the kernel same-width integers (fp8 and friends need no support).
-        as_int = _INT_OF_SIZE[table.element_size()]
-        table, out = table.view(as_int), out.view(as_int)
-    return table, out, convert
+class DirectGather:
+    """``gather_rows_kernel`` over one table with one policy, everything that does not depend on the call made
+    here, once: the views, the constants, the unused pointers' stand-ins; a config and a
+    :class:`~uvaple.kernels.launch.KernelLaunch` per column count, made at its first call.
 
-
-def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-           dq_scale: torch.Tensor | None, bits: int, has_scale: bool, col_start: int, id_base: int, row_lo: int,
-           oob_mode: int, dequant: int, *, config: LaunchConfig | None = None, hot_rows: torch.Tensor | None = None,
-           slot_map: torch.Tensor | None = None, id_counts: torch.Tensor | None = None) -> None:
-    """Launch the gather kernel (arguments already checked; ``ids`` contiguous, ``out`` ``[*ids.shape, ncols]``).
-
-    The body of the ``uvaple::gather_rows`` op; call the op, not this (``perf/tune_gather.py`` calls it
-    with an explicit ``config`` to sweep tile widths). ``hot_rows``/``slot_map``: :func:`launch_hot`'s.
+    ``table``: 2-D, unit column stride (checked by the caller: :func:`~uvaple.kernels.checks.check_fixed`);
+    ``device``: where calls' ids and ``out`` are (CPU: interpreted). ``hot_rows``/``slot_map``/``id_counts``:
+    a hot set (:mod:`uvaple.kernels.gather_hot`). ``config``: a fixed tile config (the bench's sweeps).
+    A call (:meth:`__call__`) takes contiguous ids (``n > 0``), ``out`` ``[n, ncols]`` of ``out_dtype`` and the
+    first column, already checked, and launches on the current stream: no check, no allocation, no sync.
     """
-    n = ids.numel()
-    what = "gather_rows" if hot_rows is None else "gather_rows_hot"
-    ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant, what)
-    if hot_rows is not None:
-        _check_hot(table, ids, counters, hot_rows, slot_map, id_counts)
+
+    def __init__(self, table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, *, counters=None,
+                 dq_scale=None, bits: int = 0, has_scale: bool = False, id_base: int = 0, row_lo: int = 0,
+                 oob_mode: int = 0, dequant: int = 0, hot_rows=None, slot_map=None, id_counts=None,
+                 config: LaunchConfig | None = None) -> None:
+        self.interpret = device.type != "cuda"
+        self.kernels = jit.variant(sys.modules[__name__], self.interpret)
+        view, as_int, convert = kernel_views(table, out_dtype, has_scale, oob_mode, dequant)
+        hot_view = None if hot_rows is None else kernel_views(hot_rows, out_dtype, has_scale, oob_mode, dequant)[0]
+        self.source = table  # what a captured graph must keep alive (capture.keep_for_graph)
+        self.host_memory = capture.is_host_memory(table)
+        self.views = () if as_int is None else ((2, as_int),)
+        # the item a program writes sizes its tile: fp8 codes are widened in the kernel (tuning.launch_config)
+        self.item = torch.empty((), dtype=out_dtype).element_size() if dequant else table.element_size()
+        self.config = config
+        stand_in = view  # never read: the kernel's pointer to a buffer its constants say it does not use
+        self.head = (view,)
+        self.mid = (stand_in if counters is None else counters, stand_in if dq_scale is None else dq_scale,
+                    stand_in if hot_view is None else hot_view, stand_in if slot_map is None else slot_map,
+                    0 if hot_view is None else hot_view.shape[0], stand_in if id_counts is None else id_counts)
+        self.fixed = (id_base, row_lo, view.shape[0], view.stride(0))
+        self.tail = (bits, view.shape[1] - 4 if dequant >= 3 else 0)
+        self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,
+                              DEQUANT=dequant, COUNT=counters is not None, HOT=hot_view is not None,
+                              COUNT_IDS=id_counts is not None, SCALE_WORD=scale_word(view, hot_view, dequant))
+        self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch]] = {}
+
+    def _for_cols(self, ncols: int) -> tuple[LaunchConfig, KernelLaunch]:
+        cfg = self.config or launch_config(ncols * self.item, self.item, 0)
+        launch = KernelLaunch(self.kernels.gather_rows_kernel,
+                              dict(self.constants, BLOCK=cfg.block, ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps),
+                              interpret=self.interpret, views=self.views)
+        self._by_cols[ncols] = cfg, launch
+        return cfg, launch
+
+    def __call__(self, ids: torch.Tensor, out: torch.Tensor, col_start: int, n: int) -> None:
+        ncols = out.shape[-1]
+        cfg, launch = self._by_cols.get(ncols) or self._for_cols(ncols)
+        if self.host_memory and capture.capturing(ids):
+            capture.keep_for_graph(self.source)
+        tiles = -(-ncols // cfg.block)
+        grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
+        launch(grid, (*self.head, ids, out, *self.mid, n, *self.fixed, col_start, ncols, *self.tail),
+               (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX))
+
+
+# ------------------------------------------------------------------ operator
+def _gather_rows(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
+                 plan=-1) -> None:
     torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
-    if n == 0 or ncols == 0:
+    mine = registry.find(plan, table)
+    if mine is not None:
+        if check_call(table, ids, out, col_start, dequant, "gather_rows") and ids.numel():
+            mine.direct(ids, out, col_start, ids.numel())
         return
-    # fp8 codes widened in the kernel: the tile is sized by what a program writes (heuristics.launch_config)
-    item = out.element_size() if dequant else table.element_size()
-    cfg = config or launch_config(ncols * item, item, n)
-    hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
-    table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
-    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
-    _gather_kernel(kernels, cfg, table, ids, out, counters, dq_scale, hot_args, n, ncols, bits, has_scale, convert,
-                   col_start, id_base, row_lo, oob_mode, dequant, hot_rows is not None, id_counts is not None,
-                   _scale_word(table, hot_rows, dequant))
+    check_fixed(table, dq_scale, id_base, row_lo, oob_mode, dequant, "gather_rows")
+    ncols = check_call(table, ids, out, col_start, dequant, "gather_rows", dq_scale)
+    if ids.numel() and ncols:
+        DirectGather(table, ids.device, out.dtype, counters=counters, dq_scale=dq_scale, bits=bits, has_scale=has_scale,
+                     id_base=id_base, row_lo=row_lo, oob_mode=oob_mode, dequant=dequant)(ids, out, col_start,
+                                                                                         ids.numel())
 
 
-def _gather_kernel(kernels, cfg: LaunchConfig, table, ids, out, counters, dq_scale, hot_args: tuple, n: int,
-                   ncols: int, bits: int, has_scale: bool, convert: bool, col_start: int, id_base: int, row_lo: int,
-                   oob_mode: int, dequant: int, hot: bool, count_ids: bool, scale_word: bool) -> None:
-    """``gather_rows_kernel``'s launch over ``n`` ids (the tensors already as :func:`_kernel_views` gives them)."""
-    tiles = triton.cdiv(ncols, cfg.block)
-    grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
-    kernels.gather_rows_kernel[grid](
-        table, ids, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale, *hot_args,
-        n, id_base,
-        row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
-        HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot, COUNT_IDS=count_ids, SCALE_WORD=scale_word, BLOCK=cfg.block,
-        ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps,
-    )
+def _gather_rows_fake(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode,
+                      dequant, plan=-1) -> None:
+    return None
 
 
-def prepared_launch(table: torch.Tensor, out_dtype: torch.dtype, ncols: int, counters: torch.Tensor | None,
-                    dq_scale: torch.Tensor | None, bits: int, has_scale: bool, oob_mode: int, dequant: int):
-    """:func:`launch` for one table and policy, its checks and choices made here, once: ``go(ids, out)``
-    launches the kernel :func:`launch` would (same arguments, same bits) for ``ids`` and ``out`` with no
-    per-call check, dispatch or choice left but the grid. For a caller whose every call's ids and ``out``
-    are its own and already checked (a split lookup's staged ids and rows: int64 ids, contiguous, on the
-    table's CUDA device; ``out`` contiguous ``[n, ncols]`` of ``out_dtype`` there), never under graph
-    capture. Columns from 0, ids not shifted, rows from 0."""
-    ids0 = torch.empty(1, dtype=torch.int64, device=table.device)
-    out0 = torch.empty(1, ncols, dtype=out_dtype, device=table.device)
-    _check_launch(table, ids0, out0, dq_scale, 0, 0, 0, oob_mode, dequant, "gather_rows")
-    item = out0.element_size() if dequant else table.element_size()
-    cfg = launch_config(ncols * item, item, 0)
-    view, out0, convert = _kernel_views(table, ids0, out0, has_scale, oob_mode, dequant)
-    as_int = None if out0.dtype == out_dtype else out0.dtype  # a plain copy: out viewed as the table's integers
-    scale_word = _scale_word(view, None, dequant)
-    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(table))
-
-    def go(ids: torch.Tensor, out: torch.Tensor) -> None:
-        torch.autograd.graph.increment_version(out)
-        n = ids.shape[0]
-        if n:
-            _gather_kernel(kernels, cfg, view, ids, out if as_int is None else out.view(as_int), counters, dq_scale,
-                           (ids, ids, 0, ids), n, ncols, bits, has_scale, convert, 0, 0, 0, oob_mode, dequant, False,
-                           False, scale_word)
-
-    return go
+if not jit.is_interpreted_copy(__name__):  # the interpreted copy of this module holds the kernel's twin only
+    _lib = torch.library.Library("uvaple", "FRAGMENT")
+    _lib.define("gather_rows(Tensor table, Tensor ids, Tensor(a!) out, Tensor(b!)? counters, Tensor? dq_scale, "
+                "int scale_bits, bool has_scale, int col_start, int id_base, int row_lo, int oob_mode, int dequant, "
+                "int plan=-1) -> ()")
+    _lib.impl("gather_rows", _gather_rows, "CompositeExplicitAutograd")
+    torch.library.register_fake("uvaple::gather_rows", _gather_rows_fake, lib=_lib)
 
 
-def _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale: bool, oob_mode: int, dequant: int) -> tuple:
-    """The kernels' hot-set arguments (rows viewed as the table is, map, slots, id counts), or stand-ins
-    (never read) without a hot set."""
-    if hot_rows is not None:
-        hot_rows = _kernel_views(hot_rows, ids, out, has_scale, oob_mode, dequant)[0]  # kept for a graph too
-    return (ids if hot_rows is None else hot_rows, ids if slot_map is None else slot_map,
-            0 if hot_rows is None else hot_rows.shape[0], ids if id_counts is None else id_counts)
-
-
-def launch_hot(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-               dq_scale: torch.Tensor | None, hot_rows: torch.Tensor, slot_map: torch.Tensor,
-               workspace: torch.Tensor | None, id_counts: torch.Tensor | None, bits: int, has_scale: bool,
-               col_start: int, id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool) -> None:
-    """The body of ``uvaple::gather_rows_hot``: as :func:`launch` (or, with a ``workspace``, as
-    :func:`launch_sorted`, repeats read once when ``dedup``), but a row whose ``slot_map`` entry is a slot
-    ``0 <= s < len(hot_rows)`` is read from ``hot_rows[s]`` (device memory, the same bytes as the table
-    row) and the others from the table; ``counters`` (int64 ``[>= 4]``) also count hits; ``id_counts``
-    (int64, one per table row) counts each valid id's lookup, on the device."""
-    if workspace is not None:
-        launch_sorted(table, ids, out, counters, dq_scale, workspace, bits, has_scale, col_start, id_base, row_lo,
-                      oob_mode, dequant, dedup, hot_rows=hot_rows, slot_map=slot_map, id_counts=id_counts)
-    else:
-        launch(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
-               hot_rows=hot_rows, slot_map=slot_map, id_counts=id_counts)
-
-
-def _check_hot(table, ids, counters, hot_rows, slot_map, id_counts=None) -> None:
-    if hot_rows.dim() != 2 or hot_rows.dtype != table.dtype or hot_rows.shape[1] != table.shape[1] or \
-            hot_rows.stride(0) != table.stride(0) or hot_rows.stride(1) != 1 or hot_rows.device != ids.device:
-        raise ValueError(f"uvaple::gather_rows_hot: the hot rows must be a {table.dtype} [slots, {table.shape[1]}] "
-                         f"tensor with the table's row stride ({table.stride(0)}) on {ids.device}, got "
-                         f"{hot_rows.dtype} {tuple(hot_rows.shape)} stride {hot_rows.stride()} on {hot_rows.device}")
-    if slot_map is None or slot_map.dtype != torch.int32 or slot_map.dim() != 1 or \
-            slot_map.numel() < table.shape[0] or not slot_map.is_contiguous() or slot_map.device != ids.device:
-        raise ValueError(f"uvaple::gather_rows_hot: the slot map must be a contiguous int32 [>= {table.shape[0]}] "
-                         f"tensor on {ids.device}")
-    if id_counts is not None and (id_counts.dtype != torch.int64 or id_counts.dim() != 1 or
-                                  id_counts.numel() < table.shape[0] or not id_counts.is_contiguous() or
-                                  id_counts.device != ids.device):
-        raise ValueError(f"uvaple::gather_rows_hot: id counts must be a contiguous int64 [>= {table.shape[0]}] "
-                         f"tensor on {ids.device}")
-    if counters is not None and counters.numel() < 4:
-        raise ValueError("uvaple::gather_rows_hot: counters must be int64 [>= 4] (lookups, rows, out-of-range "
-                         "ids, hits)")
-
-
-_INTERPRETED_SMS = 132  # the interpreter runs one program at a time: any count gives the same bits
-
-
-@functools.lru_cache(maxsize=16)
-def _sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (asked once per device)."""
-    if device.type != "cuda":
-        return _INTERPRETED_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def sorted_launch_config(table: torch.Tensor, device: torch.device, n: int, ncols: int, row_lo: int,
-                         dedup: bool) -> SortedConfig:
-    """The sorted gather's program shape for a call of ``n`` ids: :func:`~.heuristics.sorted_config`, and
-    for one-row programs of rows within one tile, warps by how sparse the ids lie in the table
-    (:func:`~.heuristics.sorted_warps`; measured on such rows). Rows of several tiles keep the default."""
-    row_bytes = ncols * table.element_size()
-    warps = None
-    if not dedup and row_bytes <= SORTED_TILE_BYTES:
-        span = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
-        warps = sorted_warps(n, span, _sms(device))
-    return sorted_config(row_bytes, table.element_size(), dedup, num_warps=warps)
-
-
-def launch_sorted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor | None,
-                  dq_scale: torch.Tensor | None, workspace: torch.Tensor, bits: int, has_scale: bool, col_start: int,
-                  id_base: int, row_lo: int, oob_mode: int, dequant: int, dedup: bool, *,
-                  config: SortedConfig | None = None, hot_rows: torch.Tensor | None = None,
-                  slot_map: torch.Tensor | None = None, id_counts: torch.Tensor | None = None) -> None:
-    """The body of ``uvaple::gather_rows_sorted``: sort the ids into ``workspace`` (int64 ``[2, max_rows]``:
-    the sort keys and their positions), then gather in sorted order, each row to its own output position,
-    repeats de-duplicated when ``dedup``. Same arguments and bits as :func:`launch`.
-
-    The keys are 4-byte row keys (``row_keys_kernel``: one small launch; out-of-range ids all key 0) written
-    into the first half of ``workspace[0]`` and sorted into its second half, for any table of fewer than
-    ``ROW_KEY_MAX`` rows; a bigger one sorts the ids as given.
-    """
-    n = ids.numel()
-    ncols = _check_launch(table, ids, out, dq_scale, col_start, id_base, row_lo, oob_mode, dequant,
-                          "gather_rows_sorted" if hot_rows is None else "gather_rows_hot")
-    if hot_rows is not None:
-        _check_hot(table, ids, counters, hot_rows, slot_map, id_counts)
-    if workspace.dtype != torch.int64 or workspace.dim() != 2 or workspace.shape[0] != 2 or \
-            workspace.shape[1] < n or not workspace.is_contiguous() or workspace.device != ids.device:
-        raise ValueError(f"uvaple::gather_rows_sorted: the workspace must be a contiguous int64 [2, >= {n}] "
-                         f"tensor on {ids.device}, got {workspace.dtype} {tuple(workspace.shape)}")
-    torch.autograd.graph.increment_version(out)
-    if n == 0 or ncols == 0:
-        return
-    cfg = config or sorted_launch_config(table, ids.device, n, ncols, row_lo, dedup)
-    kernels = _jit.variant(_gather_triton, _jit.running_on_cpu(ids, out))
-    order = workspace[1, :n]
-    # What is sorted: 4-byte row keys (row_keys_kernel) wherever they can name every row, else the ids as given.
-    # torch's sort (cub radix sort on CUDA): its scratch comes from the caching allocator, no cudaMalloc once
-    # warm, and a captured graph owns it. The exact order pays: 8,192 buckets of rows (5 MB of a 24 GiB
-    # table), their ids in no set order (count / starts / scatter kernels), read 7% slower at 65,536 ids (as
-    # fast at 1M), and their kernels cost no less than this sort (52 us at 65,536 ids, 407 against 102 at 1M;
-    # perf/results/h200_2026-12-03/run9_ngram_sort_sweep_split, ngram.json "sort_sweep"). int16 keys of
-    # 8,192-row buckets (1.3 MB, stable: in call order within a bucket) sorted in 34 us instead of 52 with the
-    # gather's time within 1% (run7_sort_sweep_split_cprofile): not worth a second key format.
-    use_keys = table.shape[0] - row_lo <= ROW_KEY_MAX
-    if use_keys:
-        halves = workspace[0].view(torch.int32)  # 2 x max_rows: the keys as computed, then sorted
-        unsorted, keys = halves[:n], halves[workspace.shape[1]: workspace.shape[1] + n]
-        kernels.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, id_base, row_lo, table.shape[0],
-                                                                   BLOCK=ROW_KEY_BLOCK, num_warps=4)
-        torch.sort(unsorted, stable=False, out=(keys, order))
-    else:
-        keys = workspace[0].view(ids.dtype)[:n] if ids.dtype != torch.int64 else workspace[0, :n]
-        torch.sort(ids.reshape(-1), stable=False, out=(keys, order))
-    hot_args = _hot_args(ids, out, hot_rows, slot_map, id_counts, has_scale, oob_mode, dequant)
-    table, out, convert = _kernel_views(table, ids, out, has_scale, oob_mode, dequant)
-    grid = sorted_kernel(kernels, cfg, table, keys, order, ids, out, counters, dq_scale, hot_args, ncols, bits,
-                         has_scale, convert, col_start, id_base, row_lo, oob_mode, dequant, hot=hot_rows is not None,
-                         count_ids=id_counts is not None, scale_word=_scale_word(table, hot_rows, dequant),
-                         dedup=dedup, use_keys=use_keys)
-    if dedup and grid[0] > 1:  # the repeats of runs that cross into a program copy their leader's row
-        rows_out = out.view(_INT_OF_SIZE[out.element_size()])  # a copy of bits, whatever the dtype
-        # a plain HBM copy: wide tiles, so few programs repeat the leader's search; 32 search steps cover
-        # any n below 2**32 (one compiled variant; the steps past the answer load nothing)
-        block_c = min(triton.next_power_of_2(ncols), max(1, TILE_BYTES // out.element_size()))
-        kernels.dedup_tail_kernel[(grid[0], triton.cdiv(ncols, block_c))](
-            keys, order, rows_out, n, ncols, STEPS=32 if n < 1 << 32 else 64, BLOCK_R=cfg.block_rows,
-            BLOCK_C=block_c, num_warps=NUM_WARPS)
-
-
-def sorted_kernel(kernels, cfg: SortedConfig, table, keys, order, ids, out, counters, dq_scale, hot_args: tuple,
-                  ncols: int, bits: int, has_scale: bool, convert: bool, col_start: int, id_base: int, row_lo: int,
-                  oob_mode: int, dequant: int, *, hot: bool, count_ids: bool, scale_word: bool, dedup: bool,
-                  use_keys: bool) -> tuple[int, int]:
-    """``gather_sorted_kernel``'s launch over the ``order``-ed ``keys`` (row keys, or ids as given) of the
-    call's ``ids`` (tensors as :func:`_kernel_views` gives them); returns its grid. :func:`launch_sorted`'s
-    body after the sort; ``perf/ngram.py``'s sort sweep launches it on orders of its own."""
-    n = order.shape[0]
-    grid = (triton.cdiv(n, cfg.block_rows), triton.cdiv(ncols, cfg.block_cols))
-    kernels.gather_sorted_kernel[grid](
-        table, keys, order, out, ids if counters is None else counters, ids if dq_scale is None else dq_scale,
-        *hot_args, n,
-        id_base, row_lo, table.shape[0], table.stride(0), col_start, ncols, bits, _scale_col(table, dequant),
-        HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2, DEQUANT=dequant,
-        COUNT=counters is not None, HOT=hot, COUNT_IDS=count_ids, SCALE_WORD=scale_word, DEDUP=dedup, KEYS=use_keys,
-        BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps,
-    )
-    return grid
-
-
+# ------------------------------------------------------------------ functional
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None, *,
                 scale: float | None = None, columns=None, oob: str = "zero",
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gather rows ``table[ids, columns]`` (optionally scaled) into ``out`` on the current stream.
 
-    The functional entry point (every check, every call). A table used more than once is better served
-    by :func:`uvaple.integration.make_lookup`, which checks its policy once.
+    The functional entry point: every check, and a launcher made for the call, on every call. A table
+    used more than once is better served by :func:`uvaple.integration.make_lookup`, which checks and plans
+    once and then only launches.
 
     Parameters
     ----------
@@ -392,8 +301,8 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
         ``rows * torch.tensor(scale).to(table.dtype)``).
     columns : (start, stop) or slice, optional
         A contiguous column range, e.g. one layer's 256 values of a PLE row.
-    oob : {"zero", "row0"}
-        What out-of-range ids produce: a zero row, or row 0.
+    oob : {"zero", "row0", "neg_zero"}
+        What out-of-range ids produce: a zero row, row 0, or a -0.0 row.
     out_dtype : torch.dtype, optional
         bf16/fp16/fp32 output for float tables (default: the table's dtype).
 

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from uvaple.kernels import _gather_triton, _jit
+from uvaple.kernels import gather, gather_sorted, jit
 
 POINTERS = {"ids_ptr": "*i64", "counters_ptr": "*i64", "dq_scale_ptr": "*fp32", "slot_ptr": "*i32",
             "id_counts_ptr": "*i64", "sorted_ptr": "*i64", "order_ptr": "*i64"}
@@ -44,7 +44,7 @@ def _signature(fn, dequant: int, constexprs: dict) -> dict:
 @pytest.mark.parametrize("kernel", ["gather_rows_kernel", "gather_sorted_kernel"])
 def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled here, not found in a cache
-    fn = getattr(_jit.variant(_gather_triton, False), kernel)
+    fn = getattr(jit.variant(gather if kernel == "gather_rows_kernel" else gather_sorted, False), kernel)
     compiled = 0
     for dequant, count, hot, count_ids in itertools.product((0, 1, 3), (False, True), (False, True), (False, True)):
         cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": hot, "NEG_ZERO": False, "DEQUANT": dequant,
@@ -62,7 +62,7 @@ def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
 @pytest.mark.parametrize("id_type", ["*i32", "*i64"])
 def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fn = _jit.variant(_gather_triton, False).dedup_tail_kernel
+    fn = jit.variant(gather_sorted, False).dedup_tail_kernel
     cx = {"STEPS": 32, "BLOCK_R": 4, "BLOCK_C": 512}
     sig = {"sorted_ptr": id_type, "order_ptr": "*i64", "out_ptr": "*i16", "n": "i64", "n_cols": "i64",
            "STEPS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
@@ -74,7 +74,7 @@ def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch)
 @pytest.mark.parametrize("id_type", ["*i32", "*i64"])
 def test_the_row_keys_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fn = _jit.variant(_gather_triton, False).row_keys_kernel
+    fn = jit.variant(gather_sorted, False).row_keys_kernel
     sig = {"ids_ptr": id_type, "keys_ptr": "*i32", "n": "i64", "id_base": "i64", "row_lo": "i64", "n_rows": "i64",
            "BLOCK": "constexpr"}
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
@@ -86,12 +86,12 @@ def test_the_row_keys_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch):
 @pytest.mark.parametrize("row_bytes,itemsize,dequant", [(1, 1, 3), (2, 2, 0), (4, 4, 0)])
 def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, dequant, keys, tmp_path, monkeypatch):
     """A one-column range of a short row, sorted, de-duplicated, through a counting hot set, row keys or int64 ids: the
-    tile :func:`~uvaple.kernels.heuristics.sorted_config` gives it compiles (Triton 3.6 failed at a
+    tile :func:`~uvaple.kernels.tuning.sorted_config` gives it compiles (Triton 3.6 failed at a
     one-element tile while the kernel selected on the hit mask)."""
-    from uvaple.kernels.heuristics import sorted_config
+    from uvaple.kernels.tuning import sorted_config
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fn = _jit.variant(_gather_triton, False).gather_sorted_kernel
+    fn = jit.variant(gather_sorted, False).gather_sorted_kernel
     cfg = sorted_config(row_bytes, itemsize, True)
     cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, "DEQUANT": dequant,
           "COUNT": True, "HOT": True, "COUNT_IDS": True, "SCALE_WORD": False, "DEDUP": True, "KEYS": keys,
@@ -114,10 +114,10 @@ def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched
     """fp8 rows with their own scale, sorted, de-duplicated, through a hot set, with the specialisations a
     launch gives (16-byte aligned pointers and strides, a column count divisible by 16): Triton 3.6's
     layout pass failed on a select of the hit mask here (oob row0 / -0.0; the soak's fp8_row table)."""
-    from uvaple.kernels.heuristics import sorted_config
+    from uvaple.kernels.tuning import sorted_config
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fn = _jit.variant(_gather_triton, False).gather_sorted_kernel
+    fn = jit.variant(gather_sorted, False).gather_sorted_kernel
     cfg = sorted_config(ncols, 1, True)
     cx = {"HAS_SCALE": False, "CONVERT": True, "OOB_ROW0": oob == "row0", "NEG_ZERO": oob == "neg_zero",
           "DEQUANT": 4, "COUNT": True, "HOT": True, "COUNT_IDS": False, "SCALE_WORD": word, "DEDUP": True,

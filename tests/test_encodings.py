@@ -220,13 +220,13 @@ def test_row_scaled_specs_and_operator_refuse_misuse(device):
 def test_a_row_scale_is_read_as_one_word_only_where_it_is_aligned():
     """The kernels read a row's own scale with one 32-bit load where the scale column, the row stride and the
     buffer are 4-byte aligned (in the table and the hot set alike), else byte by byte."""
-    from uvaple.kernels.gather import _scale_word
+    from uvaple.kernels.gather import scale_word
 
     for codes, word in ((16, True), (36, True), (37, False), (33, False)):
         t = row_scaled(torch.zeros(4, codes, dtype=torch.uint8), [1.0] * 4).view(torch.float8_e4m3fn)
         with HostTable.from_tensor(t) as h:
-            assert _scale_word(h.tensor, None, 3) is word and _scale_word(h.tensor, None, 1) is False
-            assert _scale_word(h.tensor, h.tensor[1:], 4) is word  # a hot set's buffer, aligned like the table
+            assert scale_word(h.tensor, None, 3) is word and scale_word(h.tensor, None, 1) is False
+            assert scale_word(h.tensor, h.tensor[1:], 4) is word  # a hot set's buffer, aligned like the table
     base = torch.zeros(8, 20, dtype=torch.uint8)
-    assert _scale_word(base[:, :20], None, 3) is True
-    assert _scale_word(base.view(-1)[1:].view(-1)[:140].view(7, 20), None, 3) is False  # the buffer is misaligned
+    assert scale_word(base[:, :20], None, 3) is True
+    assert scale_word(base.view(-1)[1:].view(-1)[:140].view(7, 20), None, 3) is False  # the buffer is misaligned

@@ -45,12 +45,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from uvaple.integration import HotSet, TableSpec, make_lookup
-from uvaple.integration.copy.cpu_gather import gather_path
+from uvaple.integration.placements.host_gather import gather_path
 from uvaple.uva import HostTable
 
 EXAMPLES = int(os.environ.get("UVAPLE_FUZZ_EXAMPLES", "10"))
 # the most ids one call draws (sorted workspaces are sized from it): runs of repeats beyond one program's
-# ids need more than the 64 a de-duplicating program of short rows holds (heuristics.SORTED_MAX_ROWS)
+# ids need more than the 64 a de-duplicating program of short rows holds (tuning.SORTED_MAX_ROWS)
 MAX_IDS = 256
 # a global fp8 scale that bf16 cannot hold exactly (the kernel rounds it to the output dtype first)
 DQ_SCALE = 0.0173
@@ -153,7 +153,7 @@ PATHS = {
     "device": dict(kind="device", order="direct"),
     "device_dedup": dict(kind="device", order="sorted", dedup=True),
     "copy": dict(kind="copy"),
-    "split": dict(kind="uva", order="direct", split=True),  # lookup_split: host ids, CUDA only
+    "split": dict(kind="split", order="direct"),  # lookup_split: host ids, CUDA only
 }
 
 

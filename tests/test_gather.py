@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from uvaple.kernels import gather_rows, launch_config, reference_gather
-from uvaple.kernels.gather import scale_bits
+from uvaple.kernels.checks import scale_bits
 from uvaple.uva import HostTable, TableClosedError
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
@@ -50,7 +50,7 @@ def same_bits(got, ref) -> bool:
 def check(table_t, host, ids, device, **kw):
     ids = ids.to(device)
     out_dtype = kw.get("out_dtype") or table_t.dtype
-    from uvaple.kernels.gather import column_range
+    from uvaple.kernels.checks import column_range
 
     c0, c1 = column_range(kw.get("columns"), table_t.shape[1])
     out = poisoned((*ids.shape, c1 - c0), out_dtype, device)
@@ -326,8 +326,8 @@ def test_table_without_rows_is_refused(device):
             gather_rows(torch.randn(64, 8)[64:].to(device), ids, oob=oob)
 
 
-# (table dtype, out dtype, scale, fp8 format) for prepared_launch against the operator (fp8 rows under zero / row0)
-_PREPARED = [
+# (table dtype, out dtype, scale, fp8 format) for a plan against the operator (fp8 rows under zero / row0)
+_PLANNED = [
     (torch.bfloat16, torch.bfloat16, None, 0),  # a plain copy (integer views)
     (torch.float16, torch.float32, None, 0),
     (torch.bfloat16, torch.bfloat16, -0.37, 0),
@@ -338,11 +338,15 @@ _PREPARED = [
 
 
 @pytest.mark.parametrize("table_dtype,out_dtype,scale,dequant,oob", [
-    (*case, oob) for case in _PREPARED for oob in ("zero", "row0", "neg_zero") if not (case[3] and oob == "neg_zero")])
-def test_prepared_launch_is_the_operators_launch(device, table_dtype, out_dtype, scale, dequant, oob):
-    """``gather.prepared_launch`` (a split lookup's policy over its staged rows) writes the bits and counts
-    the operator writes for the same ids, out-of-range ones among them, and nothing for no ids."""
-    from uvaple.kernels.gather import FP8_FORMATS, OOB_MODES, ROW_SCALE_BYTES, prepared_launch
+    (*case, oob) for case in _PLANNED for oob in ("zero", "row0", "neg_zero") if not (case[3] and oob == "neg_zero")])
+def test_a_plan_launches_what_the_operator_launches(device, table_dtype, out_dtype, scale, dequant, oob):
+    """A :class:`GatherPlan` (a lookup's, or a split lookup's policy over its staged rows) writes the bits and
+    counts the operator writes for the same ids, out-of-range ones among them, and nothing for no ids; the
+    operator given the plan's handle runs that plan, the same bits and counts again; calls after the first
+    (the compiled kernel kept, on a GPU) too."""
+    from uvaple.kernels.checks import OOB_MODES
+    from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
+    from uvaple.kernels.plan import GatherPlan
 
     rows, cols = 37, 19
     g = torch.Generator().manual_seed(rows * 7 + dequant)
@@ -361,26 +365,46 @@ def test_prepared_launch_is_the_operators_launch(device, table_dtype, out_dtype,
     ids[5], ids[6] = -1, rows  # out of range on both sides, whatever the draw
     want_counts = torch.zeros(4, dtype=torch.int64, device=device)
     want = poisoned((53, cols), out_dtype, device)
-    torch.ops.uvaple.gather_rows(table, ids, want, want_counts, dq, bits_arg, scale is not None, 0, 0, 0,
-                                 OOB_MODES[oob], fmt)
+    policy = (bits_arg, scale is not None, 0, 0, 0, OOB_MODES[oob], fmt)
+    torch.ops.uvaple.gather_rows(table, ids, want, want_counts, dq, *policy)
     counts = torch.zeros(4, dtype=torch.int64, device=device)
-    go = prepared_launch(table, out_dtype, cols, counts, dq, bits_arg, scale is not None, OOB_MODES[oob], fmt)
-    got = poisoned((53, cols), out_dtype, device)
-    go(ids, got)
-    assert same_bits(got, want)
-    assert counts.tolist() == want_counts.tolist() and counts[2].item() >= 2
+    plan = GatherPlan(table, ids.device, out_dtype, bits=bits_arg, has_scale=scale is not None, oob_mode=OOB_MODES[oob],
+                      dequant=fmt, counters=counts, dq_scale=dq)
+    for _ in range(2):
+        got = poisoned((53, cols), out_dtype, device)
+        plan.run(ids, got)
+        assert same_bits(got, want)
+    assert counts.tolist() == [2 * c for c in want_counts.tolist()] and counts[2].item() >= 4
     untouched = poisoned((0, cols), out_dtype, device)
-    go(ids[:0], untouched)
-    assert counts.tolist() == want_counts.tolist()  # no ids: no launch, nothing counted
+    plan.run(ids[:0], untouched)
+    assert counts.tolist() == [2 * c for c in want_counts.tolist()]  # no ids: no launch, nothing counted
+    counts.zero_()
+    got = poisoned((53, cols), out_dtype, device)
+    torch.ops.uvaple.gather_rows(table, ids, got, counts, dq, *policy, plan.handle)
+    assert same_bits(got, want) and counts.tolist() == want_counts.tolist()
 
 
-def test_prepared_launch_refuses_what_launch_refuses(device):
-    """Its one check is the operator's: columns past the table, or fp8 rows without their scale, are named."""
-    from uvaple.kernels.gather import prepared_launch
+def test_a_plan_refuses_what_the_operator_refuses(device):
+    """A plan checks what it fixes when made (fp8 rows without their scale are named); the operator given a
+    plan's handle still checks what the call brings (columns past the table are named); a handle whose plan
+    is gone, or that names another table, takes the operator's full path."""
+    from uvaple.kernels.plan import GatherPlan
 
     table = rand(8, 4, torch.bfloat16).to(device)
-    with pytest.raises(ValueError, match="columns 0..5 are not inside"):
-        prepared_launch(table, torch.bfloat16, 5, None, None, 0, False, 0, 0)
     fp8 = torch.zeros(8, 4, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="fp8 dequantisation needs"):
-        prepared_launch(fp8, torch.bfloat16, 4, None, None, 0, False, 0, 1)
+        GatherPlan(fp8, torch.device(device), torch.bfloat16, dequant=1)
+    plan = GatherPlan(table, torch.device(device), torch.bfloat16)
+    ids = torch.tensor([1, 2], device=device)
+    with pytest.raises(ValueError, match="columns 0..5 are not inside"):
+        torch.ops.uvaple.gather_rows(table, ids, torch.empty(2, 5, dtype=torch.bfloat16, device=device), None, None,
+                                     0, False, 0, 0, 0, 0, 0, plan.handle)
+    other = rand(8, 4, torch.bfloat16, seed=5).to(device)
+    out = poisoned((2, 4), torch.bfloat16, device)
+    torch.ops.uvaple.gather_rows(other, ids, out, None, None, 0, False, 0, 0, 0, 0, 0, plan.handle)
+    assert same_bits(out, other[ids.cpu()].to(device))  # another table: not this plan's
+    handle = plan.handle
+    del plan
+    out = poisoned((2, 4), torch.bfloat16, device)
+    torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0, handle)
+    assert same_bits(out, table[ids.cpu()].to(device))

@@ -2,7 +2,7 @@
 
 Skipped where there is no CUDA (CI); run on the GPU machine (perf/gpu_check.sh), log committed. The
 full-size runs (an 8 GiB table released by its finalizer, 4 processes sharing 16 GiB) are
-``perf/lifetime_gpu.py``.
+``perf/studies/lifetime_gpu.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from helpers import bits, rand
 
 from uvaple.kernels import gather_rows, reference_gather
 from uvaple.uva import HostTable
-from uvaple.uva._cuda import is_registered as registered
-from uvaple.uva._sys import mapped
+from uvaple.uva.cuda_runtime import is_registered as registered
+from uvaple.uva.system import mapped
 
 pytestmark = pytest.mark.gpu
 
@@ -117,11 +117,11 @@ def test_fork_with_a_split_lookup_and_its_graphs():
     code = textwrap.dedent("""
         import gc, os, sys, torch
         from uvaple.uva import HostTable
-        from uvaple.integration import GatherLookup, TableSpec
+        from uvaple.integration import SplitLookup, TableSpec
         from uvaple.integration.errors import LookupForkedError
         t = torch.randn(6000, 96, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
         h = HostTable.from_tensor(t, register=True)
-        lk = GatherLookup(h, TableSpec.of(h), "cuda", max_rows=9000, split=True)
+        lk = SplitLookup(h, TableSpec.of(h), "cuda", max_rows=9000)
         assert lk._split.graphs
         ids = torch.randint(0, 6000, (9000,), generator=torch.Generator().manual_seed(2))
         out = torch.full((9000, 96), float("nan"), dtype=torch.bfloat16, device="cuda")

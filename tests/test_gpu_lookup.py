@@ -146,12 +146,12 @@ def test_sorted_gather_in_a_cuda_graph_replays_new_ids(fp8_table, dedup):
 
 def test_auto_order_on_the_gpu_matches_direct(fp8_table):
     from uvaple.integration import GatherLookup, TableSpec
-    from uvaple.kernels import heuristics
+    from uvaple.kernels import tuning
 
     h = fp8_table
     scale = torch.tensor([2.5], device=DEV)
     spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16)
-    n = heuristics.SORT_MIN_IDS * 2
+    n = tuning.SORT_MIN_IDS * 2
     with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n) as auto, \
             GatherLookup(h, spec, DEV, dequant_scale=scale, order="direct") as direct:
         ids = torch.randint(0, h.rows, (n,), device=DEV)
@@ -162,14 +162,14 @@ def test_auto_order_on_the_gpu_matches_direct(fp8_table):
 def test_split_lookup_matches_lookup(fp8_table, oob):
     """Host ids, a share gathered by this thread into pinned staging, the rest by the GPU: same bits,
     call after call over the same staging, whatever the share."""
-    from uvaple.integration import GatherLookup, TableSpec
+    from uvaple.integration import SplitLookup, TableSpec
 
     h = fp8_table
     scale = torch.tensor([0.25], device=DEV)
     spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16, oob=oob, id_offset=100,
                         row_window=(5, h.rows - 7))
     n = 30_000
-    with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
+    with SplitLookup(h, spec, DEV, dequant_scale=scale, max_rows=n) as lk:
         outs = []
         for share, id_dtype, chunk in ((0.0, torch.int64, 4096), (0.3, torch.int32, 7), (0.5, torch.int64, None),
                                        (1.0, torch.int64, 1), (None, torch.int32, 29_999), (0.2, torch.int64, 1 << 20)):
@@ -201,8 +201,8 @@ def test_split_lookup_in_range_ids(fp8_table, offset, window, monkeypatch):
     serial pass, staged ids a device arange). Same bits as lookup, int32 and int64, the window's edges
     included, call after call over the same staging; one id outside falls back to the serial pass (and
     only then is that pass run)."""
-    import uvaple.integration.lookup as lookup_mod
-    from uvaple.integration import GatherLookup, TableSpec
+    import uvaple.integration.placements.split as lookup_mod
+    from uvaple.integration import SplitLookup, TableSpec
 
     passes = []
     serial = lookup_mod.split_rows
@@ -215,7 +215,7 @@ def test_split_lookup_in_range_ids(fp8_table, offset, window, monkeypatch):
                         row_window=None if window is None else (lo, hi))
     n = 20_000
     g = torch.Generator().manual_seed(offset + 3)
-    with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
+    with SplitLookup(h, spec, DEV, dequant_scale=scale, max_rows=n) as lk:
         outs = []
         for share, id_dtype, edge_out in ((0.0, torch.int64, False), (0.4, torch.int32, False),
                                           (0.25, torch.int64, True), (0.0, torch.int32, True)):
@@ -239,14 +239,14 @@ def test_split_lookup_in_range_ids(fp8_table, offset, window, monkeypatch):
 def test_split_lookup_reads_the_scale_as_it_is_at_each_call(fp8_table, out_dtype):
     """The CPU share's rows get the dequantisation scale of the moment (a scale written in place between
     calls, on the stream, is the one used), in every output dtype: lookup's bits, whatever the share."""
-    from uvaple.integration import GatherLookup, TableSpec
+    from uvaple.integration import SplitLookup, TableSpec
 
     h = fp8_table
     scale = torch.tensor([0.5], device=DEV)
     spec = TableSpec.of(h, encoding="fp8_global", out_dtype=out_dtype)
     n = 5000
     g = torch.Generator().manual_seed(21)
-    with GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True) as lk:
+    with SplitLookup(h, spec, DEV, dequant_scale=scale, max_rows=n) as lk:
         for value, share in ((0.5, 0.0), (-3.25, 0.0), (1e-3, 0.4), (7.0, 0.4)):
             scale.fill_(value)
             ids = torch.randint(0, h.rows, (n,), generator=g)
@@ -262,16 +262,16 @@ def test_split_lookup_replays_the_gpu_share_graph(fp8_table, monkeypatch):
     counters at zero; same bits as lookup; a lookup dropped with a call in flight waits for it first."""
     import gc
 
-    from uvaple.integration import GatherLookup, TableSpec
-    from uvaple.kernels import heuristics
+    from uvaple.integration import GatherLookup, SplitLookup, TableSpec
+    from uvaple.integration.placements import split as split_plan
 
     h = fp8_table
     scale = torch.tensor([1.5], device=DEV)
     spec = TableSpec.of(h, encoding="fp8_global", out_dtype=torch.bfloat16, oob="neg_zero")
     n = 20_000
-    lk = GatherLookup(h, spec, DEV, dequant_scale=scale, max_rows=n, split=True)
-    sizes = heuristics.split_graph_sizes(n, 320)
-    assert sizes and sizes[0] == heuristics.SPLIT_GRAPH_MIN_ROWS and sizes[-1] < n
+    lk = SplitLookup(h, spec, DEV, dequant_scale=scale, max_rows=n)
+    sizes = split_plan.split_graph_sizes(n, 320)
+    assert sizes and sizes[0] == split_plan.SPLIT_GRAPH_MIN_ROWS and sizes[-1] < n
     assert sorted(lk._split.graphs) == list(sizes)
     st = lk.stats()
     assert st["lookups"] == 0 and st["rows"] == 0
@@ -289,7 +289,7 @@ def test_split_lookup_replays_the_gpu_share_graph(fp8_table, monkeypatch):
         lk.lookup_split(ids, out, gpu_share=share)
         assert eager == want_eager, (share, eager)
         outs.append((ids, out))
-    assert heuristics.split_graph_rows(round(n * 0.41), sizes) < round(n * 0.41)  # rounded down
+    assert split_plan.split_graph_rows(round(n * 0.41), sizes) < round(n * 0.41)  # rounded down
     st = lk.stats()
     assert st["lookups"] == len(outs) and st["rows"] == len(outs) * n
     for ids, out in outs:
@@ -316,12 +316,12 @@ def test_split_lookup_dropped_or_closed_during_a_graph_capture_leaves_the_captur
         import gc, threading
         import torch
         from uvaple.uva import HostTable
-        from uvaple.integration import GatherLookup, TableSpec
+        from uvaple.integration import SplitLookup, TableSpec
         g = torch.Generator().manual_seed(9)
         t = torch.randn(20000, 64, generator=g).to(torch.bfloat16)
         h = HostTable.from_tensor(t, register=True)
         def split_lookup():
-            lk = GatherLookup(h, TableSpec.of(h), "cuda", max_rows=20000, split=True)
+            lk = SplitLookup(h, TableSpec.of(h), "cuda", max_rows=20000)
             ids = torch.randint(0, 20000, (20000,), generator=g)
             out = torch.empty(20000, 64, dtype=torch.bfloat16, device="cuda")
             torch.cuda._sleep(100_000_000)  # the call still in flight when the lookup goes
@@ -377,7 +377,7 @@ def test_split_lookup_first_call_on_another_stream_waits_for_the_capture():
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"  # streams on their own queues: no false ordering
         import torch
         from uvaple.uva import HostTable
-        from uvaple.integration import GatherLookup, TableSpec
+        from uvaple.integration import GatherLookup, SplitLookup, TableSpec
         g = torch.Generator().manual_seed(5)
         t = torch.randn(20000, 64, generator=g).to(torch.bfloat16)
         h = HostTable.from_tensor(t, register=True)
@@ -388,7 +388,7 @@ def test_split_lookup_first_call_on_another_stream_waits_for_the_capture():
                 torch.cuda._sleep(1_000_000_000)
             return real(self, *a, **kw)
         GatherLookup.lookup = slow
-        lk = GatherLookup(h, TableSpec.of(h), "cuda", max_rows=20000, split=True)
+        lk = SplitLookup(h, TableSpec.of(h), "cuda", max_rows=20000)
         GatherLookup.lookup = real
         ids = torch.randint(0, 20000, (20000,), generator=g)
         out = torch.full((20000, 64), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import bits, rand
 
-from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, rank_rows
+from uvaple.integration import GatherLookup, HotSet, SplitLookup, TableSpec, counts_of_ids, rank_rows
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable
 
@@ -162,8 +162,8 @@ def test_bad_hot_sets_are_named(device):
         with pytest.raises(ValueError, match="HotSet of this table"):
             GatherLookup(other, TableSpec.of(other), device, hot=hs)
         if device.type == "cuda":
-            with pytest.raises(ValueError, match="not split"):
-                GatherLookup(h, TableSpec.of(h), device, hot=hs, split=True, max_rows=16)
+            with pytest.raises(TypeError, match="hot"):  # a split lookup takes no hot set
+                SplitLookup(h, TableSpec.of(h), device, hot=hs, max_rows=16)
         ids = torch.arange(4, device=device)
         out = torch.empty(4, 16, dtype=torch.bfloat16, device=device)
         table = h.cuda_view() if device.type == "cuda" else h.tensor
@@ -316,8 +316,8 @@ def test_the_hf_module_serves_through_a_hot_set(device, tmp_path):
 def test_the_row_tile_launch_order_gives_the_same_bits_and_counts(device, encoding, oob):
     """``LaunchConfig.row_tiles`` (a 1-D grid, the tiles of a row side by side) against the 2-D grid: the same
     bits and counters, through a hot set, with tiles that do not divide the row (a ragged last tile)."""
-    from uvaple.kernels import gather as kgather
-    from uvaple.kernels.heuristics import LaunchConfig
+    from uvaple.kernels.gather import DirectGather
+    from uvaple.kernels.tuning import LaunchConfig
 
     data, kw = ENCODINGS[encoding]()
     with HostTable.from_tensor(data) as h:
@@ -330,9 +330,10 @@ def test_the_row_tile_launch_order_gives_the_same_bits_and_counts(device, encodi
         for row_tiles in (False, True):
             with GatherLookup(h, spec, device, hot=hs, order="direct") as lk:
                 o = poisoned(len(ids), width, spec.output_dtype, device)
-                kgather.launch(lk._arg, ids, o, lk._counters, lk._dq_scale, spec.scale_arg, spec.has_scale, 0,
-                               spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant,
-                               config=LaunchConfig(16, 1, row_tiles), hot_rows=hs.rows, slot_map=hs.slot_map)
+                DirectGather(lk._arg, device, spec.output_dtype, counters=lk._counters, dq_scale=lk._dq_scale,
+                             bits=spec.scale_arg, has_scale=spec.has_scale, id_base=spec.id_offset, row_lo=lk._row_lo,
+                             oob_mode=spec.oob_mode, dequant=spec.dequant, hot_rows=hs.rows, slot_map=hs.slot_map,
+                             config=LaunchConfig(16, 1, row_tiles))(ids, o, 0, len(ids))
                 outs.append(bits(o))
                 counts.append(lk._counters.cpu().clone())
                 want = lk.lookup(ids, poisoned(len(ids), width, spec.output_dtype, device))
@@ -342,14 +343,14 @@ def test_the_row_tile_launch_order_gives_the_same_bits_and_counts(device, encodi
 
 @pytest.mark.parametrize("encoding", ["bf16", "fp8_row"])
 def test_auto_order_with_a_hot_set_dedups_from_its_own_bound(encoding, monkeypatch):
-    """order="auto" with a hot set and dedup sorts from ``heuristics.dedup_min_ids(hot=True, dequant=...)``
+    """order="auto" with a hot set and dedup sorts from ``tuning.dedup_min_ids(hot=True, dequant=...)``
     ids (lowered here to fit the table), not from the bound without a hot set; bit-exact on either side of
     the bound. (These rows are narrow enough for the order alone to be considered: a workspace either way.)"""
-    from uvaple.kernels import heuristics
+    from uvaple.kernels import tuning
 
-    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS", 20)
-    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS_HOT", 40)
-    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS_HOT_DEQUANT", 60)
+    monkeypatch.setattr(tuning, "DEDUP_MIN_IDS", 20)
+    monkeypatch.setattr(tuning, "DEDUP_MIN_IDS_HOT", 40)
+    monkeypatch.setattr(tuning, "DEDUP_MIN_IDS_HOT_DEQUANT", 60)
     bound = 60 if encoding == "fp8_row" else 40
     data, kw = ENCODINGS[encoding]()
     with HostTable.from_tensor(data) as h:

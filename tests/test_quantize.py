@@ -11,7 +11,8 @@ import torch
 from helpers import bits
 
 from uvaple.integration import GatherLookup, TableSpec
-from uvaple.integration.quantize import FP8_MAX, fp8_row_table, quantize_fp8_rows
+from uvaple.integration.quantize import fp8_row_table
+from uvaple.kernels.encodings import FP8_MAX, quantize_fp8_rows
 
 FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}  # mantissa bits, exponent bias
 BF16_MAX = torch.finfo(torch.bfloat16).max

@@ -10,8 +10,9 @@ from helpers import bits, rand
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from uvaple.integration import GatherLookup, TableSpec
-from uvaple.kernels import heuristics, reference_gather
+from uvaple.integration import GatherLookup, SplitLookup, TableSpec
+from uvaple.integration.placements import split as split_plan
+from uvaple.kernels import reference_gather, tuning
 from uvaple.uva import HostTable
 
 ROWS = 517
@@ -123,14 +124,16 @@ def test_sorted_needs_max_rows_and_respects_it(table):
 
 
 def test_auto_choice_follows_the_heuristic(table, monkeypatch):
+    """A lookup's plan takes its size classes from the heuristic when it is built (it never re-plans)."""
     with GatherLookup(table, None, "cpu", max_rows=100_000) as lk:
-        assert lk._workspace.shape == (2, 100_000)
         span = table.rows * table.stride_bytes
         for n in (1, 4096, 16384, 100_000):
-            assert lk.uses_sorted(n) == heuristics.use_sorted(n, 160, span)
-        monkeypatch.setattr(heuristics, "SORT_MIN_SPAN_BYTES", {256: 0, 512: 0})
-        monkeypatch.setattr(heuristics, "SORT_MIN_IDS", 50)
-        monkeypatch.setattr(heuristics, "SORT_MIN_IDS_SMALL_SPAN", 50)
+            assert lk.uses_sorted(n) == tuning.use_sorted(n, 160, span)
+    monkeypatch.setattr(tuning, "SORT_MIN_SPAN_BYTES", {256: 0, 512: 0})
+    monkeypatch.setattr(tuning, "SORT_MIN_IDS", 50)
+    monkeypatch.setattr(tuning, "SORT_MIN_IDS_SMALL_SPAN", 50)
+    with GatherLookup(table, None, "cpu", max_rows=100_000) as lk:
+        assert lk._workspace.shape == (2, 100_000)
         assert lk.uses_sorted(60) and not lk.uses_sorted(49)
         ids = torch.randint(0, ROWS, (333,))
         assert torch.equal(bits(lk.lookup(ids)), bits(reference_gather(table.tensor, ids)))
@@ -142,7 +145,7 @@ def test_auto_with_dedup_sorts_prefill_sized_calls_of_any_rows(monkeypatch):
     """Rows too wide for the order alone to pay (E4B's): with dedup, auto sorts and de-duplicates calls of
     DEDUP_MIN_IDS ids or more, bit-exact, and keeps smaller calls direct; no workspace where no call can
     be that big."""
-    monkeypatch.setattr(heuristics, "DEDUP_MIN_IDS", 40)
+    monkeypatch.setattr(tuning, "DEDUP_MIN_IDS", 40)
     src = rand(61, 1200, torch.bfloat16, seed=9)  # 2,400-byte rows: above SORT_MAX_ROW_BYTES
     with HostTable.from_tensor(src) as t:
         with GatherLookup(t, None, "cpu", max_rows=39, dedup=True) as small:
@@ -162,8 +165,8 @@ def test_auto_with_dedup_sorts_prefill_sized_calls_of_any_rows(monkeypatch):
 
 def test_heuristic_thresholds():
     gib = 1 << 30
-    use = heuristics.use_sorted
-    # the measured crossovers of the default shape (kernels/heuristics.py)
+    use = tuning.use_sorted
+    # the measured crossovers of the default shape (kernels/tuning.py)
     assert use(16384, 160, 24 * gib) and use(65536, 160, 24 * gib) and use(1 << 20, 160, 24 * gib)
     assert not use(16383, 160, 24 * gib) and not use(4096, 160, 24 * gib)  # the sort's fixed cost
     assert not use(16384, 512, 24 * gib) and use(65536, 512, 24 * gib)  # wider rows: the ids' density too
@@ -172,7 +175,7 @@ def test_heuristic_thresholds():
     assert not use(1 << 20, 160, gib // 4)  # ... and a 0.25 GiB one faster still
     assert not use(262144, 512, 1 * gib) and use(16384, 512, 4 * gib) and use(65536, 512, 24 * gib)
     assert not use(1 << 20, 2048, 24 * gib) and not use(1 << 20, 17920, 24 * gib)
-    assert use(heuristics.SORT_MIN_IDS, 32, 4 * gib) and not use(heuristics.SORT_MIN_IDS - 1, 32, 4 * gib)
+    assert use(tuning.SORT_MIN_IDS, 32, 4 * gib) and not use(tuning.SORT_MIN_IDS - 1, 32, 4 * gib)
     # de-duplicated calls: from dedup_min_ids ids whatever the rows and span (E4B rows, prefill chunks), later
     # with a hot set (only the misses' repeats are saved), later still for fp8 rows through a hot set
     assert use(2048, 17920, 4 * gib, dedup=True) and not use(2047, 17920, 4 * gib, dedup=True)
@@ -198,36 +201,36 @@ def test_operator_refuses_a_bad_workspace(table):
 
 
 def test_sorted_config_shapes():
-    c = heuristics.sorted_config(160, 1)
+    c = tuning.sorted_config(160, 1)
     assert (c.block_rows, c.block_cols) == (16, 256)
-    plain = heuristics.sorted_config(160, 1, dedup=False)  # no repeats to find: one row per program
-    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, heuristics.SORTED_NUM_WARPS)
-    assert heuristics.sorted_config(160, 1, dedup=False, num_warps=16).num_warps == 16
-    assert c.num_warps == heuristics.SORTED_NUM_WARPS
-    big = heuristics.sorted_config(17920, 2)
-    assert big.block_rows == heuristics.SORTED_MIN_ROWS and big.block_cols * 2 == heuristics.SORTED_TILE_BYTES
-    tiny = heuristics.sorted_config(16, 4)
-    assert tiny.block_rows == heuristics.SORTED_MAX_ROWS and tiny.block_cols == 4
+    plain = tuning.sorted_config(160, 1, dedup=False)  # no repeats to find: one row per program
+    assert (plain.block_rows, plain.block_cols, plain.num_warps) == (1, 256, tuning.SORTED_NUM_WARPS)
+    assert tuning.sorted_config(160, 1, dedup=False, num_warps=16).num_warps == 16
+    assert c.num_warps == tuning.SORTED_NUM_WARPS
+    big = tuning.sorted_config(17920, 2)
+    assert big.block_rows == tuning.SORTED_MIN_ROWS and big.block_cols * 2 == tuning.SORTED_TILE_BYTES
+    tiny = tuning.sorted_config(16, 4)
+    assert tiny.block_rows == tuning.SORTED_MAX_ROWS and tiny.block_cols == 4
 
 
 def test_sorted_launch_config_takes_warps_by_gap_for_one_tile_rows_only():
     """The launch's shape: one-row programs of rows within a tile take warps by the ids' gap (the window),
     de-duplicating programs and rows of several tiles the default warps, whatever the gap."""
-    from uvaple.kernels.gather import sorted_launch_config
+    from uvaple.kernels.gather_sorted import sorted_launch_config
 
     cpu = torch.device("cpu")
     small = torch.empty(1000, 160, dtype=torch.uint8)
     wide = torch.empty(1000, 8960, dtype=torch.bfloat16)
-    assert sorted_launch_config(small, cpu, 8, 160, 0, False).num_warps == heuristics.sorted_warps(8, 160_000, 132)
+    assert sorted_launch_config(small, cpu, 8, 160, 0, False).num_warps == tuning.sorted_warps(8, 160_000, 132)
     big = torch.empty(150_000_000, 160, dtype=torch.uint8, device="meta")  # 24 GB of rows: shape and strides only
     wide_big = torch.empty(1_500_000, 8960, dtype=torch.bfloat16, device="meta")
-    assert sorted_launch_config(big, cpu, 16384, 160, 0, False).num_warps == heuristics.SORTED_ONE_ROW_WARPS[-1]
-    assert sorted_launch_config(big, cpu, 1 << 20, 160, 0, False).num_warps == heuristics.SORTED_ONE_ROW_WARPS[0]
-    assert sorted_launch_config(big, cpu, 16384, 160, 0, True).num_warps == heuristics.SORTED_NUM_WARPS
-    assert sorted_launch_config(wide_big, cpu, 16384, 8960, 0, False).num_warps == heuristics.SORTED_NUM_WARPS
-    assert sorted_launch_config(wide, cpu, 8, 8960, 0, False).num_warps == heuristics.SORTED_NUM_WARPS
+    assert sorted_launch_config(big, cpu, 16384, 160, 0, False).num_warps == tuning.SORTED_ONE_ROW_WARPS[-1]
+    assert sorted_launch_config(big, cpu, 1 << 20, 160, 0, False).num_warps == tuning.SORTED_ONE_ROW_WARPS[0]
+    assert sorted_launch_config(big, cpu, 16384, 160, 0, True).num_warps == tuning.SORTED_NUM_WARPS
+    assert sorted_launch_config(wide_big, cpu, 16384, 8960, 0, False).num_warps == tuning.SORTED_NUM_WARPS
+    assert sorted_launch_config(wide, cpu, 8, 8960, 0, False).num_warps == tuning.SORTED_NUM_WARPS
     # the span is the window's: rows below row_lo are not read
-    assert sorted_launch_config(big, cpu, 16384, 160, 149_990_000, False).num_warps == heuristics.SORTED_NUM_WARPS
+    assert sorted_launch_config(big, cpu, 16384, 160, 149_990_000, False).num_warps == tuning.SORTED_NUM_WARPS
 
 
 def test_sorted_warps_keep_the_rows_in_flight_within_the_window():
@@ -235,44 +238,43 @@ def test_sorted_warps_keep_the_rows_in_flight_within_the_window():
     window, from the measured cases (24 GiB: 32 warps at 16,384 ids, 8 at 65,536, 4 from 262,144) to the
     bounds (every choice too wide: the most warps; no ids or one: no error)."""
     gib = 1 << 30
-    assert [heuristics.sorted_warps(n, 24 * gib, 132) for n in (16384, 65536, 262144, 1 << 20)] == [32, 8, 4, 4]
-    assert heuristics.sorted_warps(65536, gib, 132) == 4  # dense in a small table: the most rows in flight
-    assert heuristics.sorted_warps(10, 24 * gib, 132) == heuristics.SORTED_ONE_ROW_WARPS[-1]
-    assert heuristics.sorted_warps(0, 24 * gib, 132) == heuristics.SORTED_ONE_ROW_WARPS[-1]
+    assert [tuning.sorted_warps(n, 24 * gib, 132) for n in (16384, 65536, 262144, 1 << 20)] == [32, 8, 4, 4]
+    assert tuning.sorted_warps(65536, gib, 132) == 4  # dense in a small table: the most rows in flight
+    assert tuning.sorted_warps(10, 24 * gib, 132) == tuning.SORTED_ONE_ROW_WARPS[-1]
+    assert tuning.sorted_warps(0, 24 * gib, 132) == tuning.SORTED_ONE_ROW_WARPS[-1]
     for n in (1000, 16384, 65536, 300_000):
-        w = heuristics.sorted_warps(n, 24 * gib, 132)
-        rows_in_flight = 132 * min(heuristics.SM_BLOCKS, heuristics.SM_WARPS // w)
-        fits = rows_in_flight * 24 * gib / n <= heuristics.SORTED_WINDOW_BYTES
-        assert fits or w == heuristics.SORTED_ONE_ROW_WARPS[-1]
-        fewer = [v for v in heuristics.SORTED_ONE_ROW_WARPS if v < w]  # none of the wider choices fits
-        assert all(132 * min(heuristics.SM_BLOCKS, heuristics.SM_WARPS // v) * 24 * gib / n
-                   > heuristics.SORTED_WINDOW_BYTES for v in fewer)
+        w = tuning.sorted_warps(n, 24 * gib, 132)
+        rows_in_flight = 132 * min(tuning.SM_BLOCKS, tuning.SM_WARPS // w)
+        fits = rows_in_flight * 24 * gib / n <= tuning.SORTED_WINDOW_BYTES
+        assert fits or w == tuning.SORTED_ONE_ROW_WARPS[-1]
+        fewer = [v for v in tuning.SORTED_ONE_ROW_WARPS if v < w]  # none of the wider choices fits
+        assert all(132 * min(tuning.SM_BLOCKS, tuning.SM_WARPS // v) * 24 * gib / n
+                   > tuning.SORTED_WINDOW_BYTES for v in fewer)
 
 
 def test_split_needs_a_gpu_and_max_rows(table):
-    with pytest.raises(ValueError, match="split=True needs max_rows"):
-        GatherLookup(table, None, "cpu", split=True, max_rows=10)
-    with GatherLookup(table, None, "cpu") as lk:
-        with pytest.raises(ValueError, match="without split=True"):
-            lk.lookup_split(torch.zeros(3, dtype=torch.int64), torch.empty(3, 80, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="split lookup needs max_rows and a CUDA device"):
+        SplitLookup(table, None, "cpu", max_rows=10)
+    with GatherLookup(table, None, "cpu") as lk:  # host ids are the split lookup's alone
+        assert not hasattr(lk, "lookup_split")
 
 
 def test_split_share_table():
-    first = heuristics.SPLIT_GPU_SHARE[0][0]
-    assert heuristics.split_gpu_share(1, 160, 0) == heuristics.split_gpu_share(first - 1, 160, 0) == 1.0
-    assert heuristics.split_chunk_rows(first - 1) == first - 1  # the GPU's alone: nothing staged in chunks
-    for at, share, chunk in heuristics.SPLIT_PLAN:
-        assert heuristics.split_gpu_share(at, 160, 0) == share and 0 < share < 1
-        assert heuristics.split_chunk_rows(at) == (chunk or at)
-        assert heuristics.split_chunk_rows(at + 1) == (chunk or at + 1)
-    assert heuristics.SPLIT_CPU_PATH in ("torch", "parallel")
+    first = split_plan.SPLIT_GPU_SHARE[0][0]
+    assert split_plan.split_gpu_share(1, 160, 0) == split_plan.split_gpu_share(first - 1, 160, 0) == 1.0
+    assert split_plan.split_chunk_rows(first - 1) == first - 1  # the GPU's alone: nothing staged in chunks
+    for at, share, chunk in split_plan.SPLIT_PLAN:
+        assert split_plan.split_gpu_share(at, 160, 0) == share and 0 < share < 1
+        assert split_plan.split_chunk_rows(at) == (chunk or at)
+        assert split_plan.split_chunk_rows(at + 1) == (chunk or at + 1)
+    assert split_plan.SPLIT_CPU_PATH in ("torch", "parallel")
 
 
 def test_split_graph_ladder():
     """The GPU-share sizes a split lookup captures: from SPLIT_GRAPH_MIN_ROWS, multiples of 256, each step at
     most 2^(1/STEPS) (+ rounding) above the last, below max_rows and within the row and byte caps; a share
     maps to the size at or below it, none below the ladder or past its top by a step."""
-    h = heuristics
+    h = split_plan
     sizes = h.split_graph_sizes(1 << 20, 320)
     assert sizes[0] == h.SPLIT_GRAPH_MIN_ROWS and sizes[-1] == h.SPLIT_GRAPH_MAX_ROWS
     assert all(s % 256 == 0 for s in sizes) and list(sizes) == sorted(set(sizes))
@@ -296,7 +298,7 @@ def test_row_keys_and_ids_as_given_sort_to_the_same_bits(monkeypatch, oob, dedup
     """The sort keys: 4-byte row keys (every table below ``ROW_KEY_MAX`` rows) and, for bigger tables, the
     ids as given (forced here by lowering the bound): the same bits and counters, with a row window, an id
     offset, many out-of-range ids (one run of key 0: one leader under dedup) and runs crossing programs."""
-    from uvaple.kernels import gather as kgather
+    from uvaple.kernels import gather_sorted as kgather
 
     t = rand(300, 24, torch.bfloat16, seed=9)
     with HostTable.from_tensor(t) as h:

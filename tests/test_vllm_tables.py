@@ -225,7 +225,7 @@ def test_a_shard_serves_dedup_and_its_hot_set(tmp_path, start):
     the shard's most frequent rows are held, ids of other shards in the profile count for nothing, and
     lookups (decode-sized and prefill-sized, repeats, out-of-range ids) give the table's bits."""
     from uvaple.integration import TableSpec
-    from uvaple.kernels import heuristics
+    from uvaple.kernels import tuning
 
     g = torch.Generator().manual_seed(7)
     profile = torch.cat([torch.full((50,), start + 3), torch.full((40,), start + 80), torch.full((30,), start + 41),
@@ -252,8 +252,8 @@ def test_a_shard_serves_dedup_and_its_hot_set(tmp_path, start):
             want = torch.where(((ids >= 0) & (ids < 96)).view(-1, 1), s.tensor[ids.clamp(0, 95)],
                                torch.zeros((), dtype=torch.bfloat16))
             assert torch.equal(bits(got), bits(want)), n
-        assert lk.uses_sorted(3000) == (3000 >= heuristics.dedup_min_ids(hot=True)) and not lk.uses_sorted(7)
-        assert lk.uses_sorted(heuristics.dedup_min_ids(hot=True))
+        assert lk.uses_sorted(3000) == (3000 >= tuning.dedup_min_ids(hot=True)) and not lk.uses_sorted(7)
+        assert lk.uses_sorted(tuning.dedup_min_ids(hot=True))
         assert lk.stats()["hot_hits"] > 0
     finally:
         lk.close()
@@ -394,16 +394,16 @@ def test_uva_unusable_is_named_at_once_or_falls_back_to_copy(monkeypatch, error)
 
 def test_node_memory_follows_both_sizing_rules():
     from uvaple.integration.vllm.memory import next_pow2, node_memory
-    from uvaple.uva import _sys, segments
+    from uvaple.uva import segments, system
 
     rows = int(47.7 * (1 << 30)) // 160
     one = node_memory(rows, 160, tp=1, dp=1)
     assert one.vllm_bytes == 64 << 30  # torch's pinned allocator: the next power of two
-    assert one.uvaple_bytes == segments.DATA_OFFSET + _sys.round_up(one.rows_per_rank * 160, _sys.PAGE_SIZE)
+    assert one.uvaple_bytes == segments.DATA_OFFSET + system.round_up(one.rows_per_rank * 160, system.PAGE_SIZE)
     assert one.rows_per_rank % 128 == 0 and one.rows_per_rank - rows < 128
     two = node_memory(rows, 160, tp=2, dp=2)
     assert two.vllm_bytes == 4 * next_pow2(two.rows_per_rank * 160)  # every rank of every replica
-    assert abs(two.uvaple_bytes - one.uvaple_bytes) <= segments.DATA_OFFSET + _sys.PAGE_SIZE  # once a node
+    assert abs(two.uvaple_bytes - one.uvaple_bytes) <= segments.DATA_OFFSET + system.PAGE_SIZE  # once a node
     assert node_memory(rows, 160, tp=2, dp=8).uvaple_bytes == two.uvaple_bytes
     with pytest.raises(ValueError, match="do not split"):
         node_memory(1000, 160, tp=3, dp=1)

@@ -135,7 +135,7 @@ def test_dedup_and_a_hot_set_give_vllms_bits(checkpoints, tmp_path):
     lookups read the most frequent rows from the set and give vLLM's bits, decode- and prefill-sized."""
     import numpy as np
 
-    from uvaple.kernels import heuristics
+    from uvaple.kernels import tuning
 
     assert register()
     d_text, _, _ = checkpoints
@@ -154,7 +154,7 @@ def test_dedup_and_a_hot_set_give_vllms_bits(checkpoints, tmp_path):
         got = ours.model.get_per_layer_input_embeddings(ids)
         assert torch.equal(bits(got), bits(want))
     assert lk.stats()["hot_hits"] > 0
-    assert MAX_TOKENS < heuristics.dedup_min_ids(hot=True)  # these calls are direct; the sorted ones: tests/
+    assert MAX_TOKENS < tuning.dedup_min_ids(hot=True)  # these calls are direct; the sorted ones: tests/
 
 
 def test_the_hot_set_is_refused_outside_the_uva_placement(checkpoints, tmp_path):

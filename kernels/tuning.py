@@ -1,5 +1,7 @@
-"""Launch settings for the gather, chosen by row bytes (one shared heuristic, like Liger's
-``calculate_settings``).
+"""The measured launch tables of the gathers, each with the run it comes from: the tile of the direct gather
+(one shared heuristic, like Liger's ``calculate_settings``), the sorted gather's program shape and warps,
+and when a lookup sorts (and de-duplicates) a call. (The split lookup's plan lives with the split:
+:mod:`uvaple.integration.placements.split`.)
 
 A program copies one tile of one row. The tile is ``TILE_BYTES`` wide (or the whole row when shorter),
 so a 17,920-byte Gemma 3n E4B row is 5 programs and a 128 KiB n-gram row is 32: small batches still put
@@ -28,7 +30,6 @@ tiles of a row side by side instead (``LaunchConfig.row_tiles``, a 1-D grid) was
 
 from __future__ import annotations
 
-import bisect
 import functools
 from dataclasses import dataclass
 
@@ -183,88 +184,3 @@ def use_sorted(n: int, row_bytes: int, span_bytes: int, dedup: bool = False, hot
     if row_bytes > SORT_SPARSE_MAX_ROW_BYTES and n < SORT_MIN_IDS_PER_GIB * span_bytes / (1 << 30):
         return False
     return span_bytes >= 4 << 30 or n >= SORT_MIN_IDS_SMALL_SPAN
-
-
-# lookup_split: the share of a call's rows the GPU gathers while the caller's thread gathers the rest on
-# the CPU, and the rows per copy up of the CPU's share (0: all at once), by ids per call. From three split
-# sweeps on the H200 host with the GPU share replayed as a CUDA graph and the staged rows copied up
-# through cudaMemcpyAsync (perf/results/h200_2026-12-02/run22_*, run23_*, run24_*/ngram/ngram.log: 160-B
-# rows, 24 GiB table, 16 host threads, random ids, shares 0.05-0.45 x chunks of 16,384-65,536 rows or
-# whole; run 22 swept 0.2-0.6), the best share of each run and the median of them: 16,384 ids: 0.35 / 0.35
-# / 0.3 (223 / 226 / 258 us; the GPU alone 372-374); 65,536: 0.2 in all three (543-570 us; chunks of
-# 16,384 and 32,768 within 1%); 262,144: 0.2 / 0.1 / 0.25, 0.15 within 0.5% of the best in runs 23-24;
-# 1M: 0.2 / 0.2 / 0.25 (4,841-5,933 us). Below the first entry the GPU takes every row. Where the CPU
-# gathers 230 M random rows/s on 16 threads (65,536 rows in 284 us, run 22) and the GPU 40-55 M/s at
-# these sizes, a split gains at most the GPU's rate over the CPU's (1.2x at 65,536 ids).
-# Those sweeps read partly cached rows (four id sets reused). The plan below is the best of the first
-# sweep on rows from DRAM (perf/results/h200_2026-12-03/run2_tests_ngram_shape_split, "split_sweep"):
-# 16,384 ids 0.45 whole (309 us; the CPU alone 301); 65,536: 0.25 in chunks of 32,768 (778 us; 0.2 814,
-# the CPU 831); 262,144: 0.25 in chunks of 16,384 (2,038 us; 0.15 2,286, the CPU 2,423); 1M: 0.25 in
-# chunks of 65,536 (5,674 us; 0.2 5,873, the CPU 7,511).
-# The GPU takes the first ids of the call. A split by table rows (the GPU sorts every id and reads those
-# of the rows below the ids' share-quantile, as densely as the whole call's; the CPU stages the others,
-# found by two parallel passes, and their rows are put in place by index_copy_; built and measured in
-# commit 8b914a8) lost at 65,536 and 262,144 ids and was even at 1M in two sweeps
-# (perf/results/h200_2026-12-02/run27_*, run28_*/ngram/ngram.log; run 28 at 65,536 / 262,144 / 1M: best
-# 1,283 / 2,464 / 5,833 us by rows, 613 / 1,743 / 5,509 by ids): it launches the sorted gather of all
-# the ids eagerly (400 us of host time at 1M) and its GPU share ran 1.35x slower than its part of the
-# GPU's whole sorted gather (split_profile.log there), the CPU's copies up then crossing the same link.
-SPLIT_PLAN = ((16384, 0.45, 0), (65536, 0.25, 32768), (262144, 0.25, 16384), (1 << 20, 0.25, 65536))
-SPLIT_GPU_SHARE = tuple((at, share) for at, share, _ in SPLIT_PLAN)
-# The CPU gather of the split's share: torch's index_select (measured above); the copy backend's numba
-# word gather ("parallel", integration/copy/cpu_gather.py) is the alternative the split sweep times too.
-SPLIT_CPU_PATH = "torch"
-
-
-def _split_entry(n: int) -> tuple[float, int]:
-    share, chunk = 1.0, 0
-    for at, s, c in SPLIT_PLAN:
-        if n >= at:
-            share, chunk = s, c
-    return share, chunk
-
-
-def split_gpu_share(n: int, row_bytes: int, span_bytes: int) -> float:
-    """The GPU's share of a split call of ``n`` ids (the entry for the nearest measured ``n`` at or below)."""
-    del row_bytes, span_bytes  # measured for the n-gram shape only (160-B rows, 24 GiB)
-    return _split_entry(n)[0]
-
-
-def split_chunk_rows(n: int) -> int:
-    """Rows per copy up of a split call's CPU share (``n`` ids): the plan's chunk, or all of them (``n``)."""
-    return _split_entry(n)[1] or max(1, n)
-
-
-# lookup_split's GPU share replays a CUDA graph (one launch on the host instead of the ids' checks and the
-# sorted path's several launches) when it is one of these sizes: a ladder of SPLIT_GRAPH_STEPS sizes per
-# octave from SPLIT_GRAPH_MIN_ROWS to SPLIT_GRAPH_MAX_ROWS (multiples of 256), each captured once when the
-# lookup is built. A share between two sizes is rounded down to the lower (at most 16% fewer GPU rows);
-# outside the ladder the share launches eagerly. The top keeps the graphs' output buffer (top rows of the
-# output) within 262,144 rows and SPLIT_GRAPH_MAX_BYTES; above it a call's launches are a small part of
-# its time (1.6 ms of 7 at 1M ids, perf/results/h200_2026-12-02/run20_*/ngram/split_profile.log).
-SPLIT_GRAPH_MIN_ROWS = 4096
-SPLIT_GRAPH_MAX_ROWS = 262144
-SPLIT_GRAPH_MAX_BYTES = 128 << 20
-SPLIT_GRAPH_STEPS = 4
-
-
-def split_graph_sizes(max_rows: int, out_row_bytes: int) -> tuple[int, ...]:
-    """The GPU-share sizes a split lookup of ``max_rows`` ids per call (rows of ``out_row_bytes`` bytes of
-    output) captures as CUDA graphs, ascending."""
-    top = min(max_rows - 1, SPLIT_GRAPH_MAX_ROWS, SPLIT_GRAPH_MAX_BYTES // max(1, out_row_bytes))
-    sizes, i = [], 0
-    while True:
-        s = int(round(SPLIT_GRAPH_MIN_ROWS * 2 ** (i / SPLIT_GRAPH_STEPS) / 256)) * 256
-        if s > top:
-            return tuple(sizes)
-        sizes.append(s)
-        i += 1
-
-
-def split_graph_rows(k: int, sizes: tuple[int, ...]) -> int:
-    """The largest of ``sizes`` (ascending) at or below ``k``, or 0 when ``k`` is below them all or above
-    the largest by more than the ladder's step (that share launches eagerly)."""
-    i = bisect.bisect_right(sizes, k)
-    if i == 0 or (i == len(sizes) and k >= sizes[-1] * 2 ** (1 / SPLIT_GRAPH_STEPS)):
-        return 0
-    return sizes[i - 1]

@@ -31,7 +31,7 @@ import torch
 
 from uvaple.uva import HostTable
 
-from .devices import resolve_device
+from ..devices import resolve_device
 
 __all__ = ["HotSet", "rank_rows", "counts_of_ids", "HOT_OPTIONS", "hot_set_from_options"]
 

@@ -8,7 +8,9 @@ from the same source whose functions are Triton ``InterpretedFunction`` objects.
 functions resolve through the module's globals, so each variant calls its own helpers.
 
 Kernel modules decorate with ``jit = kernel_decorator(__name__)``; launchers take
-``variant(module, interpret)``.
+``variant(module, interpret)``. A kernel module that also registers operators does so only as itself
+(``is_interpreted_copy(__name__)`` is false): its interpreted copy holds the kernels' twins and nothing else
+that counts.
 """
 
 from __future__ import annotations
@@ -65,9 +67,14 @@ def same_variant(module_name: str, module: ModuleType) -> ModuleType:
     return variant(module, module_name.endswith(_SUFFIX))
 
 
+def is_interpreted_copy(module_name: str) -> bool:
+    """Whether ``module_name`` names the interpreted copy of a kernel module."""
+    return module_name.endswith(_SUFFIX)
+
+
 def running_on_cpu(*tensors) -> bool:
     """True when a launch over these tensors must use the interpreter (no CUDA tensor among them)."""
     return not any(t.is_cuda for t in tensors)
 
 
-__all__ = ["kernel_decorator", "variant", "same_variant", "running_on_cpu"]
+__all__ = ["kernel_decorator", "variant", "same_variant", "is_interpreted_copy", "running_on_cpu"]

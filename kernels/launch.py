@@ -1,0 +1,103 @@
+"""One Triton kernel launched with only what varies per call: its compiled form kept by call key.
+
+Triton's ``kernel[grid](*args, **constants)`` binds and specialises every argument on every call: tens of
+microseconds of host time for a gather kernel of ~30 parameters, on every eager call. A
+:class:`KernelLaunch` is made once, by a launcher's plan, with the constants that never change. Each call
+names its *key*: every property of its per-call arguments that Triton specialises on (the ids' dtype,
+whether each per-call pointer is 16-byte aligned, the per-call integers' values, whether a count fits in
+32 bits). The first call of a key, on a device, goes through Triton, which compiles (or finds) the variant
+and launches it; the compiled kernel is kept, and every later call of that key launches it directly
+through its launcher: the grid, the current stream, the arguments, nothing else.
+
+A compiled kernel reads pointers only: a call may pass a tensor of another dtype of the same width where
+the variant was compiled for a view (a plain copy's bf16 ``out``, compiled for int16): ``views`` names the
+arguments that Triton and the interpreter must see as such a view.
+
+Interpreted launches (CPU tensors) always go through Triton: the interpreter has no compiled form. So does
+a launch while Triton's launch hooks are set (a profiler such as proton): they see every launch as Triton
+makes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KernelLaunch"]
+
+
+def _hooks_set() -> bool:
+    """Whether a Triton launch hook is installed (``triton.knobs``; a chain of hooks, or one, or None)."""
+    try:
+        from triton import knobs
+    except ImportError:  # older Triton: no knobs, no hooks to honour here
+        return False
+    rt = knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class _Driver:
+    """Triton's active driver's device and stream getters, looked up once (the first compiled launch)."""
+
+    device = stream = None
+
+    @classmethod
+    def load(cls) -> None:
+        from triton.runtime import driver
+
+        cls.device = driver.active.get_current_device
+        cls.stream = driver.active.get_current_stream
+
+
+class KernelLaunch:
+    """``fn`` (a Triton kernel or its interpreted twin) with fixed ``constants`` (its constexpr parameters,
+    and launch options such as ``num_warps``), launched by :meth:`__call__`.
+
+    The kernel's constexpr parameters must come after all its runtime parameters (the compiled launcher
+    takes every parameter positionally and skips the constexprs).
+    """
+
+    __slots__ = ("fn", "constants", "interpret", "_values", "_views", "_compiled")
+
+    def __init__(self, fn, constants: dict, *, interpret: bool, views: tuple[tuple[int, torch.dtype], ...] = ()):
+        self.fn = fn
+        self.constants = dict(constants)
+        self.interpret = interpret
+        names = [p.name for p in getattr(fn, "params", ()) if p.is_constexpr]
+        self._values = tuple(self.constants[n] for n in names)
+        self._views = views
+        self._compiled: dict = {}
+
+    def _viewed(self, args: tuple) -> tuple:
+        if not self._views:
+            return args
+        args = list(args)
+        for i, dtype in self._views:
+            args[i] = args[i].view(dtype)
+        return tuple(args)
+
+    def __call__(self, grid: tuple, args: tuple, key) -> None:
+        """Launch on ``grid`` (one or two dimensions) with the runtime ``args`` in parameter order; ``key``
+        says what of them Triton specialises on (see the module docstring)."""
+        if self.interpret:
+            self.fn[grid](*self._viewed(args), **self.constants)
+            return
+        if _Driver.device is None:
+            _Driver.load()
+        device = _Driver.device()
+        compiled = self._compiled.get((device, key))
+        if compiled is not None and not _hooks_set():
+            run, function, metadata = compiled
+            run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _Driver.stream(device), function, metadata, None, None,
+                None, *args, *self._values)
+            return
+        kernel = self.fn[grid](*self._viewed(args), **self.constants)
+        kernel = kernel.result() if hasattr(kernel, "result") and not hasattr(kernel, "function") else kernel
+        if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
+            self._compiled[(device, key)] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+    def compiled(self) -> int:
+        """How many call keys have a kept compiled kernel (for tests)."""
+        return len(self._compiled)
