@@ -168,7 +168,7 @@ def exit_code(rows: Sequence[dict[str, Any]]) -> int:
 
 
 def _workload(argv: list[str]) -> tuple[str, list[str]]:
-    """``--workload NAME`` (``ple``, the default, ``ngram`` or ``hotset``) and the other arguments."""
+    """``--workload NAME`` (``ple``, the default, ``ngram``, ``hotset`` or ``host``) and the other arguments."""
     rest, name = [], "ple"
     it = iter(argv)
     for a in it:
@@ -178,10 +178,10 @@ def _workload(argv: list[str]) -> tuple[str, list[str]]:
             name = a.split("=", 1)[1]
         else:
             rest.append(a)
-    if name not in ("ple", "ngram", "hotset"):
+    if name not in ("ple", "ngram", "hotset", "host"):
         raise SystemExit(f"uvaple bench: --workload must be 'ple' (Gemma 3n-shaped rows, the default), 'ngram' "
-                         f"(160-byte n-gram rows at random) or 'hotset' (token-id rows: hot set, dedup, fp8), "
-                         f"got {name!r}")
+                         f"(160-byte n-gram rows at random), 'hotset' (token-id rows: hot set, dedup, fp8) or "
+                         f"'host' (the host's cost of one eager call), got {name!r}")
     return name, rest
 
 
@@ -197,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import hotset
 
         return hotset.main(argv)
+    if workload == "host":
+        from . import host_cost
+
+        return host_cost.main(argv)
     ns = parse_args(argv)
     cfg = config_from_args(ns)
     meta = collect_meta(cfg)

@@ -2,17 +2,18 @@
 # One call on the GPU machine: install, doctor, the whole test suite on CUDA, the tile sweep, table
 # readiness, the benchmarks, the Gemma 3n end-to-end run and the E4B levers run. Logs go to $OUT
 # (default ./gpu-out): run.log (everything) and results.tar.gz (per-step logs, benchmark JSON/CSV/PNG).
-#   usage: bash perf/gpu_check.sh [steps...]
-#   steps: doctor tests soak memcheck memlock lifetime launch tunecopy tiles ready probe ngram rates split costs hotset vllm startup bench
-#   e2e levers
-#   (default: all but soak, memcheck and memlock)
+#   usage: bash perf/gpu_check.sh [steps...], from the repository root (the studies, probes and tuners run as
+#   scripts from perf/studies/, which is not installed; the benchmarks through `uvaple bench`)
+#   steps: doctor tests soak memcheck memlock lifetime host tunecopy tiles ready probe ngram hotset rates prefetch
+#   split costs vllm startup bench e2e levers
+#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split and costs)
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side
 #   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
 mkdir -p "$R" "$R/vllm" "$R/ngram"
-STEPS=${*:-doctor tests lifetime launch tunecopy tiles ready ngram hotset vllm startup bench e2e levers}
+STEPS=${*:-doctor tests lifetime host tunecopy tiles ready ngram hotset vllm startup bench e2e levers}
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
@@ -49,7 +50,7 @@ elif has tests; then
 fi
 if has soak; then
   step "overlapped-schedule soak: ${SOAK_SCHEDULES:-10000} schedules in ${SOAK_WORKERS:-14} processes (depth 1-8, cancels, closes, admission, memory back to baseline)"
-  timeout 570 python3 -m uvaple.perf.soak --schedules ${SOAK_SCHEDULES:-10000} --workers ${SOAK_WORKERS:-14} \
+  timeout 570 python3 perf/studies/soak.py --schedules ${SOAK_SCHEDULES:-10000} --workers ${SOAK_WORKERS:-14} \
     --deadline-s ${SOAK_DEADLINE_S:-420} --timeout-s ${SOAK_TIMEOUT_S:-520} --json "$R/soak.json" 2>&1 | tee "$R/soak.log" | tail -16
 fi
 if has memcheck; then
@@ -63,29 +64,29 @@ if has memcheck; then
 fi
 if has memlock; then
   step "registration under a low ulimit -l (64 KiB; as is, and without CAP_IPC_LOCK), a ${MEMLOCK_GIB:-1} GiB table"
-  timeout 300 python3 -m uvaple.perf.memlock_probe --gib ${MEMLOCK_GIB:-1} --json "$R/memlock.json" 2>&1 | tee "$R/memlock.log"
+  timeout 300 python3 perf/studies/memlock_probe.py --gib ${MEMLOCK_GIB:-1} --json "$R/memlock.json" 2>&1 | tee "$R/memlock.log"
   echo "memlock exit: ${PIPESTATUS[0]}"
 fi
 if has lifetime; then
   step "host-table lifetime at full size (8 GiB finalizer release, fork, 16 GiB shared by 4 processes)"
-  timeout 300 python3 -m uvaple.perf.lifetime_gpu --json "$R/lifetime.json" 2>&1 | tee "$R/lifetime.log"
+  timeout 300 python3 perf/studies/lifetime_gpu.py --json "$R/lifetime.json" 2>&1 | tee "$R/lifetime.log"
   echo "lifetime exit: ${PIPESTATUS[0]}"
 fi
-if has launch; then
-  step "eager launch cost at 1/8/64 rows: lookup vs torch.index_select over the same CUDA view"
-  timeout 120 python3 -m uvaple.perf.launch_cost 2>&1 | tee "$R/launch_cost.log"
+if has host; then
+  step "uvaple bench --workload host ${HOST_ARGS:-} (host us per eager call at 1/64/1024 ids: lookup, operator, torch)"
+  timeout 180 uvaple bench --workload host ${HOST_ARGS:-} --out "$R/host" 2>&1 | tee "$R/host.log"
 fi
 if has tunecopy; then
   step "copy backend: serial/parallel CPU-gather threshold sweep on this host"
-  timeout 240 python3 -m uvaple.perf.tune_copy --out "$R/tune_copy.log" | tail -5
+  timeout 240 python3 perf/studies/tune_copy.py --out "$R/tune_copy.log" | tail -5
 fi
 if has tiles; then
   step "tile sweep"
-  timeout 120 python3 -m uvaple.perf.tune_gather --out "$R/tiles.log" | tail -60
+  timeout 120 python3 perf/studies/tune_gather.py --out "$R/tiles.log" | tail -60
 fi
 if has ready; then
   step "64 GiB table readiness"
-  timeout 120 python3 -m uvaple.perf.table_ready --gib 64 --threads 16 | tee "$R/ready.log"
+  timeout 120 python3 perf/studies/table_ready.py --gib 64 --threads 16 | tee "$R/ready.log"
 fi
 if has probe; then
   step "table readiness by variant: page commit, page size, files, registration, fill-allocates (${PROBE_GIB:-48} GiB)"
@@ -93,7 +94,7 @@ if has probe; then
   if mkdir -p $huge && mount -t tmpfs -o huge=always,size=$(( ${PROBE_GIB:-48} + 4 ))G uvaple-huge $huge; then
     echo "mounted a huge=always tmpfs at $huge"; dirv=",dir:threads:one,dir:fill:one"
   else echo "no huge-page tmpfs here (mount refused)"; dirv=""; fi
-  timeout 420 python3 -m uvaple.perf.ready_probe --gib ${PROBE_GIB:-48} --json "$R/ready_probe.json" --dir $huge \
+  timeout 420 python3 perf/studies/ready_probe.py --gib ${PROBE_GIB:-48} --json "$R/ready_probe.json" --dir $huge \
     --variants ${PROBE_VARIANTS:-private:threads:one,private:fill:one,shm:threads:one,shm:fill:one,shm16:threads:one,shm16:fill:one,shm64:fill:one}$dirv \
     2>&1 | tee "$R/ready_probe.log"
   umount $huge 2>/dev/null
@@ -108,19 +109,23 @@ if has hotset; then
 fi
 if has rates; then
   step "random 160-B rows by reader: CPU threads (torch, numba), GPU (direct, sorted), GPU and CPU at once"
-  timeout 400 python3 -m uvaple.perf.host_rates --table-gib ${NGRAM_TABLE_GIB:-24} ${RATES_ARGS:-} --out "$R/ngram/host_rates.json" \
+  timeout 400 python3 perf/studies/host_rates.py --table-gib ${NGRAM_TABLE_GIB:-24} ${RATES_ARGS:-} --out "$R/ngram/host_rates.json" \
     2>&1 | tee "$R/ngram/host_rates.log"
+fi
+if has prefetch; then
+  step "CPU gather of random 160-B rows: index_select, numba, numba prefetching 4/8/16 rows ahead (${PREFETCH_THREADS:-16} threads)"
+  timeout 300 python3 perf/studies/cpu_prefetch_probe.py ${PREFETCH_THREADS:-16} ${NGRAM_TABLE_GIB:-24} 2>&1 | tee "$R/ngram/cpu_prefetch_probe.log"
 fi
 if has split; then
   step "split lookup by stage (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): GPU share, CPU gather by threads, H2D, whole"
-  timeout 300 python3 -m uvaple.perf.split_profile --table-gib ${NGRAM_TABLE_GIB:-24} 2>&1 | tee "$R/ngram/split_profile.log"
+  timeout 300 python3 perf/studies/split_profile.py --table-gib ${NGRAM_TABLE_GIB:-24} 2>&1 | tee "$R/ngram/split_profile.log"
   if [ -n "${PROFILE_ARGS:-}" ]; then  # a second profile, e.g. "--by rows --share 0.45"
-    timeout 300 python3 -m uvaple.perf.split_profile --table-gib ${NGRAM_TABLE_GIB:-24} $PROFILE_ARGS 2>&1 | tee "$R/ngram/split_profile_2.log"
+    timeout 300 python3 perf/studies/split_profile.py --table-gib ${NGRAM_TABLE_GIB:-24} $PROFILE_ARGS 2>&1 | tee "$R/ngram/split_profile_2.log"
   fi
 fi
 if has costs; then
   step "split lookup's host steps one at a time (160-B fp8 rows, ${NGRAM_TABLE_GIB:-24} GiB): ${COSTS_ARGS:-}"
-  timeout 300 python3 -m uvaple.perf.split_costs --table-gib ${NGRAM_TABLE_GIB:-24} ${COSTS_ARGS:-} 2>&1 | tee "$R/ngram/split_costs.log"
+  timeout 300 python3 perf/studies/split_costs.py --table-gib ${NGRAM_TABLE_GIB:-24} ${COSTS_ARGS:-} 2>&1 | tee "$R/ngram/split_costs.log"
 fi
 if has vllm; then
   step "vLLM shapes in CUDA graphs: ours vs the vLLM-shape peer (${VLLM_TABLE_GIB:-24} GiB n-gram table, Gemma 3n rows)"
@@ -130,11 +135,11 @@ if has startup; then
   shm_gib=$(df --output=avail -B1G /dev/shm | tail -1 | tr -d ' ')
   gib=${VLLM_STARTUP_GIB:-48}; (( shm_gib - 2 < gib )) && gib=$(( shm_gib - 2 ))  # /dev/shm holds the segment
   step "vLLM plugin-path startup: $gib GiB fp8 n-gram table, stage by stage, in /dev/shm (4 KiB pages here)"
-  timeout 280 python3 -m uvaple.perf.vllm_startup --gib $gib --keep --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
+  timeout 280 python3 perf/studies/vllm_startup.py --gib $gib --keep --out "$R/vllm" 2>&1 | tee "$R/vllm/startup.log"
   huge=/mnt/uvaple-huge
   if mkdir -p $huge && mount -t tmpfs -o huge=always,size=$(( gib + 4 ))G uvaple-huge $huge; then
     step "the same in a huge=always tmpfs (segment_dir=$huge)"
-    timeout 280 python3 -m uvaple.perf.vllm_startup --gib $gib --segment-dir $huge --tag _huge_tmpfs --out "$R/vllm" \
+    timeout 280 python3 perf/studies/vllm_startup.py --gib $gib --segment-dir $huge --tag _huge_tmpfs --out "$R/vllm" \
       2>&1 | tee "$R/vllm/startup_huge_tmpfs.log"
     umount $huge
   else echo "no huge-page tmpfs here (mount refused)"; fi
@@ -146,11 +151,11 @@ if has bench; then
 fi
 if has e2e; then
   step "Gemma 3n E2B end to end"
-  timeout 500 python3 -m uvaple.perf.gemma3n_e2e --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
+  timeout 500 python3 perf/studies/gemma3n_e2e.py --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
 fi
 if has levers; then
   step "Gemma 3n E4B levers: hot set, sorted+dedup, fp8 rows vs the table in HBM (graph decode, greedy tokens, logits)"
-  timeout 480 python3 -m uvaple.perf.gemma3n_levers --out "$R/levers" ${LEVERS_ARGS:-} 2>&1 | tail -40
+  timeout 480 python3 perf/studies/gemma3n_levers.py --out "$R/levers" ${LEVERS_ARGS:-} 2>&1 | tail -40
 fi
 step "done"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$R"

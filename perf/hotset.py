@@ -24,7 +24,7 @@ lossless one bit-exact against the uncached lookup first:
 * ``hot_dedup``: the hot set and the sorted/dedup gather (bf16 rows);
 * ``all``: fp8 rows, the hot set and the sorted/dedup gather together; ``all_online`` with the online
   set's rows; ``all_auto`` the same levers with ``order="auto"``, as a server would configure them (a
-  decode batch direct, a prefill chunk of ``heuristics.dedup_min_ids(hot=True, dequant=True)`` ids or more
+  decode batch direct, a prefill chunk of ``tuning.dedup_min_ids(hot=True, dequant=True)`` ids or more
   sorted and de-duplicated);
 * ``fp8_global``: the same fp8 codes with one global scale instead of each row's own (8,960-byte rows, no
   scale to read per program): the cost of a row scale;
@@ -51,8 +51,8 @@ import torch
 
 from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, rank_rows
 from uvaple.integration.quantize import fp8_row_table
-from uvaple.kernels import gather as kgather
-from uvaple.kernels.heuristics import LaunchConfig
+from uvaple.kernels.gather import DirectGather
+from uvaple.kernels.tuning import LaunchConfig
 from uvaple.uva import HostTable
 
 from .peers import vllm_ple_gather
@@ -62,10 +62,10 @@ VOCAB, COLS = 262_144, 35 * 256
 NS = (1, 8, 64, 2048, 4096, 8192, 16384)  # 2,048 and 4,096: where de-duplicated prefill starts to pay
 DECODE_MAX = 512  # calls of at most this many ids are decode batches (see call_ids)
 DECODE_SETS = 64
-# fp8 rows' tile sweep beside the shipped (2,048 B of codes, 4 warps: kernels/heuristics.py): (bytes of codes
+# fp8 rows' tile sweep beside the shipped (2,048 B of codes, 4 warps: kernels/tuning.py): (bytes of codes
 # per program, warps)
 FP8_TILES = ((1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8))
-# ... and launch orders (heuristics.LaunchConfig.row_tiles: the tiles of a row side by side), fp8 and bf16 rows
+# ... and launch orders (tuning.LaunchConfig.row_tiles: the tiles of a row side by side), fp8 and bf16 rows
 ROW_TILE_VARIANTS = {"fp8_t2048_w4_rows": ("fp8", LaunchConfig(2048, 4, True)),
                      "fp8_t1024_w4_rows": ("fp8", LaunchConfig(1024, 4, True)),
                      "uncached_rows": ("uncached", LaunchConfig(2048, 4, True))}
@@ -106,13 +106,17 @@ def _load_ids(path: str) -> np.ndarray:
 def launched_with(lk: GatherLookup, out: torch.Tensor, cfg: LaunchConfig):
     """``ids -> rows`` of the direct lookup ``lk`` launched with ``cfg`` instead of the shipped heuristic's
     settings (the tile in elements per program: bytes of codes for fp8 rows): the fp8 rows' tile sweep
-    (``FP8_TILES``) and the launch-order variants (``ROW_TILE_VARIANTS``)."""
+    (``FP8_TILES``) and the launch-order variants (``ROW_TILE_VARIANTS``). The launcher is the lookup's
+    direct one (its table view, counters and policy) made once with ``cfg``; ``ids`` contiguous."""
     spec = lk.spec
+    launcher = DirectGather(lk._arg, lk.device, spec.output_dtype, counters=lk._counters, dq_scale=lk._dq_scale,
+                            bits=spec.scale_arg, has_scale=spec.has_scale, id_base=spec.id_offset,
+                            row_lo=lk._row_lo, oob_mode=spec.oob_mode, dequant=spec.dequant, config=cfg)
 
     def gather(ids: torch.Tensor) -> torch.Tensor:
-        o = out[: ids.numel()]
-        kgather.launch(lk._arg, ids, o, lk._counters, lk._dq_scale, spec.scale_arg, spec.has_scale, 0,
-                       spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant, config=cfg)
+        n = ids.numel()
+        o = out[:n]
+        launcher(ids, o, 0, n)
         return o
     return gather
 
@@ -217,6 +221,10 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     out = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
     raw = torch.empty(max_n, cols, dtype=torch.bfloat16, device=device)
     try:
+        # the direct gather at other launch settings: launchers made once, over the same out
+        tiles = {f"fp8_t{t}_w{w}": launched_with(lookups["fp8"], out, LaunchConfig(t, w)) for t, w in FP8_TILES}
+        tiles.update({name: launched_with(lookups[base], out, cfg) for name, (base, cfg) in
+                      ROW_TILE_VARIANTS.items()})
         for n in ns:
             sets = call_ids(serve_t, n, seed=n).to(device)
             ids = sets[0]
@@ -231,9 +239,6 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
             f_want = lookups["fp8"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
             for name in ("all", "all_online", "all_auto", "hot_fp8"):
                 exact[name + "_vs_fp8"] = _exact_into(out, ids, lookups[name].lookup, f_want)
-            tiles = {f"fp8_t{t}_w{w}": launched_with(lookups["fp8"], out, LaunchConfig(t, w)) for t, w in FP8_TILES}
-            tiles.update({name: launched_with(lookups[base], out, cfg) for name, (base, cfg) in
-                          ROW_TILE_VARIANTS.items()})
             for name, fn in tiles.items():
                 ref = want if ROW_TILE_VARIANTS.get(name, ("fp8",))[0] == "uncached" else f_want
                 exact[name + ("_vs_fp8" if ref is f_want else "")] = _exact_into(out, ids, lambda i, o, fn=fn: fn(i),

@@ -16,12 +16,12 @@ Providers, all in one run, each output compared bit for bit with a CPU reference
 * ``cpu-gather``: the ids on the host (the scheduler has them), ``torch.index_select`` on every core into
   pinned staging, one host-to-device copy, the dequantisation on the GPU; timed eagerly (it cannot be
   captured), with the CPU seconds it burned per call;
-* ``cpu-gather-chunked``: the split's CPU gather alone (``integration.copy.cpu_gather.gather_up``), the
-  copy up in the split's chunks (``heuristics.split_chunk_rows``), each beside the gather of the next; the
+* ``cpu-gather-chunked``: the split's CPU gather alone (``integration.placements.host_gather.gather_up``), the
+  copy up in the split's chunks (``placements.split.split_chunk_rows``), each beside the gather of the next; the
   better of the two CPU providers is the one every ratio compares with. The split sweep also times it by
   chunk with torch's ``index_select`` and with the copy backend's numba word gather;
-* ``split``: :meth:`~uvaple.integration.GatherLookup.lookup_split`: host ids, the GPU gathers its share
-  (``heuristics.SPLIT_GPU_SHARE``) while the calling thread gathers the rest into pinned staging, copied
+* ``split``: :meth:`~uvaple.integration.SplitLookup.lookup_split`: host ids, the GPU gathers its share
+  (``placements.split.SPLIT_GPU_SHARE``) while the calling thread gathers the rest into pinned staging, copied
   up chunk by chunk, the same kernel's policy; timed eagerly, with its CPU seconds;
 * ``memcpy``: a pinned host-to-device copy of the same row bytes (the wire);
 * ``sequential``: ``ours-direct`` over consecutive ids (the ceiling of the random-row path).
@@ -32,7 +32,7 @@ rows read between two uses of one set exceed the host's last-level cache and the
 (``SET_ROTATE_BYTES``); the host-id providers run in blocks of consecutive calls that take turns. ``--sweep`` also times
 the direct and the sorted gather on raw bytes by row size (32 B - 2 KiB, and 17,920 B), table span and
 ``n``: the data behind
-:func:`uvaple.kernels.heuristics.use_sorted`. ``--smoke`` runs tiny tables on the CPU (interpreted
+:func:`uvaple.kernels.tuning.use_sorted`. ``--smoke`` runs tiny tables on the CPU (interpreted
 kernels, correctness only).
 """
 
@@ -47,9 +47,10 @@ import time
 
 import torch
 
-from uvaple.integration import GatherLookup, TableSpec
-from uvaple.integration.copy.cpu_gather import gather_up
-from uvaple.kernels import heuristics
+from uvaple.integration import GatherLookup, SplitLookup, TableSpec
+from uvaple.integration.placements import split as split_plan
+from uvaple.integration.placements.host_gather import gather_up
+from uvaple.kernels import tuning
 from uvaple.uva import HostTable
 
 from .peers import memcpy_ceiling, vllm_ple_gather
@@ -105,8 +106,8 @@ class Run:
         self.lookups = {o: GatherLookup(table, spec, device, dequant_scale=self.scale, count=False, max_rows=max_n,
                                         order=o) for o in ("auto", "direct", "sorted")}
         if self.cuda:  # the split path needs pinned staging and a GPU
-            self.lookups["split"] = GatherLookup(table, spec, device, dequant_scale=self.scale, count=False,
-                                                 max_rows=max_n, split=True)
+            self.lookups["split"] = SplitLookup(table, spec, device, dequant_scale=self.scale, count=False,
+                                                max_rows=max_n)
         self.view = table.cuda_view() if self.cuda else table.tensor
         self.out = torch.empty(max_n, ROW_BYTES, dtype=torch.bfloat16, device=device)
         self.raw = torch.empty(max_n, ROW_BYTES, dtype=table.dtype, device=device)
@@ -135,11 +136,11 @@ class Run:
         torch.mul(self.raw[:n].to(torch.bfloat16), self.scale.to(torch.bfloat16), out=self.out[:n])
 
     def cpu_gather_chunked(self, ids_cpu: torch.Tensor, chunk_rows: int | None = None,
-                           path: str = heuristics.SPLIT_CPU_PATH) -> None:
+                           path: str = split_plan.SPLIT_CPU_PATH) -> None:
         """As :meth:`cpu_gather`, with the split's CPU gather (``path``: torch, or the numba word gather) and
         the copy up chunk by chunk (the split's chunks for ``n`` by default) beside the gather of the next."""
         n = ids_cpu.numel()
-        chunk_rows = chunk_rows or heuristics.split_chunk_rows(n)
+        chunk_rows = chunk_rows or split_plan.split_chunk_rows(n)
         gather_up(self.table.tensor.view(torch.uint8), ids_cpu.to(torch.int64), self.staging,
                   self.raw.view(torch.uint8), self.copy_stream, ROW_BYTES, chunk_rows, path=path)
         self.uploaded.record(self.copy_stream)
@@ -330,7 +331,7 @@ def sweep(run: Run, replays: int) -> list[dict]:
                 s = graph_replay_us(ordered, ids_buf, refresh, replays)["median"]
                 rec = {"row_bytes": rb, "span_gib": span / GIB, "n": n, "direct_us": d, "sorted_us": s,
                        "sorted_over_direct": d / s, "bit_exact": same,
-                       "heuristic_sorted": heuristics.use_sorted(n, rb, span)}
+                       "heuristic_sorted": tuning.use_sorted(n, rb, span)}
                 print(f"sweep rb {rb:6d} span {span / GIB:6.2f} GiB n {n:7d}: direct {d:9.1f} us sorted {s:9.1f} us "
                       f"speedup {d / s:5.2f} heuristic={'sorted' if rec['heuristic_sorted'] else 'direct'} "
                       f"exact {same}", flush=True)
@@ -358,14 +359,29 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
     """The lookup's own sorted call (fp8 rows dequantised to bf16, row keys, its sort) by program shape
     (``SHAPES``), the direct kernel by warps (``DIRECT_WARPS``) and the vLLM-shape peer, random ids over the
     whole table, cold rows (:func:`_cold_sets`), each output compared bit for bit with the shipped call's."""
-    from uvaple.kernels.gather import launch, launch_sorted
-    from uvaple.kernels.heuristics import LaunchConfig, SortedConfig
+    from uvaple.kernels.gather import DirectGather
+    from uvaple.kernels.gather_sorted import SortedGather
+    from uvaple.kernels.tuning import LaunchConfig, SortedConfig
 
     lk = run.lookups["sorted"]
     spec, recs = lk.spec, []
-    args = (lk._dq_scale,)
     ws = lk._workspace
-    tail = (spec.scale_arg, spec.has_scale, 0, spec.id_offset, lk._row_lo, spec.oob_mode, spec.dequant)
+    # the lookup's table view and policy, no counters; a launcher per program shape, made once
+    policy = dict(dq_scale=lk._dq_scale, bits=spec.scale_arg, has_scale=spec.has_scale, id_base=spec.id_offset,
+                  row_lo=lk._row_lo, oob_mode=spec.oob_mode, dequant=spec.dequant)
+    shaped = {f"sorted r{rows} w{warps}{' dedup' if dedup else ''}":
+              SortedGather(lk._arg, run.device, spec.output_dtype, ws, dedup=dedup,
+                           config=SortedConfig(rows, 256, warps), **policy) for rows, warps, dedup in SHAPES}
+    shaped.update({f"direct w{warps}": DirectGather(lk._arg, run.device, spec.output_dtype,
+                                                    config=LaunchConfig(256, warps), **policy)
+                   for warps in DIRECT_WARPS})
+
+    def launched(launcher):
+        def call(ids):
+            n = ids.numel()
+            launcher(ids, run.out[:n], 0, n)
+        return call
+
     for n in SHAPE_N:
         if n > run.out.shape[0]:
             continue
@@ -375,15 +391,7 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
         lk.lookup(check, out)
         want = out.clone()
         variants = {"shipped-sorted": run.ours("sorted"), "shipped-direct": run.ours("direct"), "vllm-peer": run.peer}
-        for rows, warps, dedup in SHAPES:
-            cfg = SortedConfig(rows, 256, warps)
-            variants[f"sorted r{rows} w{warps}{' dedup' if dedup else ''}"] = (
-                lambda ids, cfg=cfg, dedup=dedup: launch_sorted(lk._arg, ids, run.out[: ids.numel()], None, *args, ws,
-                                                                *tail, dedup, config=cfg))
-        for warps in DIRECT_WARPS:
-            cfg = LaunchConfig(256, warps)
-            variants[f"direct w{warps}"] = (
-                lambda ids, cfg=cfg: launch(lk._arg, ids, run.out[: ids.numel()], None, *args, *tail, config=cfg))
+        variants.update((name, launched(launcher)) for name, launcher in shaped.items())
         recs += _time_variants("shape", n, {k: (v, True) for k, v in variants.items()}, ids_buf, refresh, check,
                                out, want, replays)
     return recs
@@ -409,32 +417,25 @@ SORT_N = (16384, 65536, 262144, 1048576)
 
 def _sort_calls(run: Run, n: int) -> dict:
     """:func:`sort_sweep`'s calls for ``n`` ids: name -> (call, writes the output)."""
-    import triton
+    from uvaple.kernels.gather_sorted import SortedGather, sorted_launch_config
 
-    from uvaple.kernels import _gather_triton, _jit
-    from uvaple.kernels.gather import (
-        ROW_KEY_BLOCK,
-        _hot_args,
-        _kernel_views,
-        _scale_word,
-        sorted_kernel,
-        sorted_launch_config,
-    )
-
-    kern = _jit.variant(_gather_triton, not run.cuda)
     lk = run.lookups["sorted"]
     spec, ws, rows = lk.spec, lk._workspace, lk._arg.shape[0]
+    shipped = lk.plan.sorted  # the lookup's sorted launcher: its sort is the shipped one
     shift = max(0, rows.bit_length() - 15)  # bucket keys below 2**15
-    halves = ws[0].view(torch.int32)
-    unsorted, keys, order = halves[:n], halves[ws.shape[1]: ws.shape[1] + n], ws[1, :n]
+    order = ws[1, :n]
     k16 = torch.empty(n, dtype=torch.int16, device=run.device)
     s16 = torch.empty(n, dtype=torch.int16, device=run.device)
     ids_sorted = torch.empty(n, dtype=torch.int64, device=run.device)
+    # the gather kernel over ids in an order of our own, the ids as given (keys=False), no counters, one row a
+    # program (the shape sorted_launch_config gives the lookup's non-dedup call)
+    on_ids = SortedGather(lk._arg, run.device, spec.output_dtype, ws, dq_scale=lk._dq_scale, bits=spec.scale_arg,
+                          has_scale=spec.has_scale, id_base=spec.id_offset, row_lo=lk._row_lo, oob_mode=spec.oob_mode,
+                          dequant=spec.dequant, keys=False)
+    cfg = sorted_launch_config(lk._arg, run.device, n, ROW_BYTES, 0, False)
 
     def sort32(ids):
-        kern.row_keys_kernel[(triton.cdiv(n, ROW_KEY_BLOCK),)](ids, unsorted, n, 0, 0, rows, BLOCK=ROW_KEY_BLOCK,
-                                                               num_warps=4)
-        torch.sort(unsorted, stable=False, out=(keys, order))
+        shipped.sort(ids, n)  # row_keys_kernel, then torch's sort of the 4-byte keys (into the workspace)
 
     def sort16(ids):
         torch.bitwise_right_shift(ids, shift, out=ids_sorted)
@@ -444,13 +445,7 @@ def _sort_calls(run: Run, n: int) -> dict:
     def bucket16(ids):
         sort16(ids)
         torch.take(ids, order, out=ids_sorted)
-        cfg = sorted_launch_config(lk._arg, ids.device, n, ROW_BYTES, 0, False)
-        o = run.out[:n]
-        hot = _hot_args(ids, o, None, None, None, spec.has_scale, spec.oob_mode, spec.dequant)
-        table, o, convert = _kernel_views(lk._arg, ids, o, spec.has_scale, spec.oob_mode, spec.dequant)
-        sorted_kernel(kern, cfg, table, ids_sorted, order, ids, o, None, lk._dq_scale, hot, ROW_BYTES, spec.scale_arg,
-                      spec.has_scale, convert, 0, 0, 0, spec.oob_mode, spec.dequant, hot=False, count_ids=False,
-                      scale_word=_scale_word(table, None, spec.dequant), dedup=False, use_keys=False)
+        on_ids.gather_ordered(ids_sorted, order, run.out[:n], 0, cfg)
 
     return {"shipped-sorted": (run.ours("sorted"), True), "sort only: row keys int32": (sort32, False),
             f"sort only: buckets int16 (>>{shift})": (sort16, False), "sorted on int16 buckets": (bucket16, True)}
@@ -481,7 +476,7 @@ SPLIT_N = (16384, 65536, 262144, 1048576)
 
 
 def split_sweep(run: Run, reps: int) -> list[dict]:
-    """The split path by GPU share, chunk rows and n (random ids): the data behind ``heuristics.SPLIT_PLAN``."""
+    """The split path by GPU share, chunk rows and n (random ids): the data behind ``placements.split.SPLIT_PLAN``."""
     recs = []
     for n in SPLIT_N:
         if n > run.out.shape[0]:
@@ -578,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "ngram.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "table_gib": a.table_gib,
-                       "row_bytes": ROW_BYTES, "heuristic": {k: getattr(heuristics, k) for k in HEURISTIC_NAMES},
-                       "split_plan": [list(x) for x in heuristics.SPLIT_PLAN],
+                       "row_bytes": ROW_BYTES, "heuristic": {k: getattr(tuning, k) for k in HEURISTIC_NAMES},
+                       "split_plan": [list(x) for x in split_plan.SPLIT_PLAN],
                        "results": recs, "sweep": sweep_recs, "split_sweep": split_recs,
                        "shape_sweep": shape_recs, "sort_sweep": sort_recs}, f, indent=1)
         if cuda:

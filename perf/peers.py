@@ -11,7 +11,7 @@ Three peers, each as good as we can make it (DESIGN.md, "Baselines are built to 
   same number of bytes: what PCIe gives a contiguous transfer, the ceiling every gather is held to.
 
 The Triton peer runs compiled on CUDA tensors and under the interpreter on CPU tensors (the module is
-loaded a second time for that by :mod:`uvaple.kernels._jit`).
+loaded a second time for that by :mod:`uvaple.kernels.jit`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from uvaple.kernels import _gather_triton, _jit
+from uvaple.kernels import jit
+from uvaple.kernels import rows as row_code
 
-jit = _jit.kernel_decorator(__name__)
-safe_row = _jit.same_variant(__name__, _gather_triton).safe_row  # the ids prologue every gather shares
+kernel = jit.kernel_decorator(__name__)
+safe_row = jit.same_variant(__name__, row_code).safe_row  # the ids prologue every gather shares (kernels/rows.py)
 
 __all__ = ["row_gather", "embedding_gather", "memcpy_ceiling", "row_gather_num_warps", "vllm_ple_gather",
            "vllm_ple_dequant"]
@@ -38,7 +39,7 @@ _MIN_WARPS = 4
 _MAX_WARPS = 32
 
 
-@jit
+@kernel
 def _row_gather_kernel(
     table_ptr,  # *Pointer* to row 0 of the table [rows, stride] (host-mapped or device memory)
     ids_ptr,  # *Pointer* to the ids [n] (int32 or int64)
@@ -95,7 +96,7 @@ def row_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> tor
     if n == 0:
         return out
     block = triton.next_power_of_2(cols)
-    kernels = _jit.variant(sys.modules[__name__], _jit.running_on_cpu(ids, out))
+    kernels = jit.variant(sys.modules[__name__], jit.running_on_cpu(ids, out))
     kernels._row_gather_kernel[(n,)](
         table, ids, out, rows, cols, table.stride(0), out.stride(0),
         BLOCK=block, num_warps=row_gather_num_warps(cols),
@@ -103,7 +104,7 @@ def row_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> tor
     return out
 
 
-@jit
+@kernel
 def _vllm_ple_kernel(
     table_ptr,  # *Pointer* uint8 to row 0 of the rank's shard (host-mapped or device memory)
     ids_ptr,  # *Pointer* to the global ids [n]
@@ -141,7 +142,7 @@ def vllm_ple_gather(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, v
     if flat.numel() == 0:
         return out
     end = table.shape[0] + vocab_start if vocab_end is None else vocab_end
-    kernels = _jit.variant(sys.modules[__name__], _jit.running_on_cpu(ids, out))
+    kernels = jit.variant(sys.modules[__name__], jit.running_on_cpu(ids, out))
     kernels._vllm_ple_kernel[(flat.numel(),)](table.view(torch.uint8), flat, out.view(torch.uint8), row_bytes,
                                               vocab_start, end, BLOCK_D=triton.next_power_of_2(row_bytes))
     return out

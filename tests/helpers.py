@@ -1,8 +1,15 @@
-"""Helpers the test modules share: random tables (never zeros) and exact bit views."""
+"""Helpers the test modules share: random tables (never zeros), exact bit views, the studies' scripts."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
+
+STUDIES = Path(__file__).resolve().parents[1] / "perf" / "studies"
 
 
 def rand(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
@@ -30,3 +37,13 @@ def capture(fn, pool=None):
     with torch.cuda.graph(graph, pool=pool):
         result = fn()
     return graph, result
+
+
+def study(name: str) -> ModuleType:
+    """The script ``perf/studies/<name>.py`` (not installed) imported as the module ``name``. Its folder goes
+    on ``sys.path`` as when it runs as a script, so the studies it imports are the same module objects."""
+    if str(STUDIES) not in sys.path:
+        sys.path.insert(0, str(STUDIES))
+    module = importlib.import_module(name)
+    assert Path(module.__file__).resolve().parent == STUDIES, f"{name} imported from {module.__file__}"
+    return module

@@ -215,3 +215,20 @@ def test_time_budget_skips_tables():
     rows = bench.run_bench(cfg)
     assert rows and all(r["check"] == "skipped" and "time budget" in r["error"] for r in rows)
     assert bench.exit_code(rows) == 0
+
+
+def test_host_workload_smoke_is_exact(tmp_path, capsys):
+    """``uvaple bench --workload host --smoke``: every provider (the lookup, the operator given the lookup's
+    plan, the functional gather, torch's index_select and embedding) gives index_select's rows, and the run
+    writes its figures."""
+    import json
+
+    from uvaple.perf import bench
+
+    assert bench.main(["--workload", "host", "--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "host_cost.json").read_text())["rows"]
+    assert set(rows) == {"1", "7"}
+    for row in rows.values():
+        assert set(row) == {"lookup", "operator", "gather_rows", "index_select", "embedding"}
+        assert all(r["exact"] and r["median_us"] > 0 for r in row.values())
+    assert "lookup/is" in capsys.readouterr().out

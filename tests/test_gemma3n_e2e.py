@@ -1,5 +1,5 @@
-"""The Gemma 3n end-to-end harness (``uvaple.perf.gemma3n_e2e``) and its graph-captured decode step
-(``uvaple.perf.graph_decode``): the host-constant folding for CUDA graph capture, the captured step against
+"""The Gemma 3n end-to-end harness (``perf/studies/gemma3n_e2e.py``) and its graph-captured decode step
+(``perf/studies/graph_decode.py``): the host-constant folding for CUDA graph capture, the captured step against
 the eager one, and a whole tiny run on CPU."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'uvaple[hf]')")
+from helpers import study  # noqa: E402
 from test_gemma3n import VOCAB_PLE, build_reference, patched_copy  # noqa: E402
 
-from uvaple.perf import gemma3n_e2e as e2e  # noqa: E402
-from uvaple.perf import graph_decode as gd  # noqa: E402
+e2e = study("gemma3n_e2e")
+gd = study("graph_decode")
 
 
 def test_host_constants_record_then_serve_the_same_tensors():

@@ -1,4 +1,4 @@
-"""The Gemma 3n levers harness (``uvaple.perf.gemma3n_levers``): a whole tiny run (on the CPU: interpreted
+"""The Gemma 3n levers harness (``perf/studies/gemma3n_levers.py``): a whole tiny run (on the CPU: interpreted
 kernels, no graphs; on CUDA with the interleaved graph-captured steps), its helpers, and the interleaved
 capture of several PLE modules of one model."""
 
@@ -11,11 +11,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'uvaple[hf]')")
+from helpers import study  # noqa: E402
 from test_gemma3n import VOCAB_PLE, build_reference, patched_copy, ple_table  # noqa: E402
 
 from uvaple.integration.embedding import HostScaledEmbedding  # noqa: E402
-from uvaple.perf import gemma3n_levers as levers  # noqa: E402
-from uvaple.perf import graph_decode as gd  # noqa: E402
+
+levers = study("gemma3n_levers")
+gd = study("graph_decode")
 
 
 def test_tiny_run(tmp_path, device):

@@ -1,4 +1,5 @@
-"""The tuning scripts run (tiny sizes, CPU): their output has every column and a verdict."""
+"""The tuning scripts and probes of ``perf/studies/`` run (tiny sizes, CPU): their output has every column and a
+verdict; the GPU-only ones say so without a GPU."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers import study
 
-from uvaple.integration.copy import cpu_gather
-from uvaple.perf import tune_copy
+from uvaple.integration.placements import host_gather as cpu_gather
+
+tune_copy = study("tune_copy")
 
 
 def test_tune_copy_runs_and_reports_torch_beside_numba(tmp_path):
@@ -77,8 +80,7 @@ def test_hotset_bench_smoke_is_exact_and_reports_the_held_out_hit_rate(tmp_path)
 
 
 def test_memlock_probe_runs_every_case_in_a_child_with_the_low_limit(tmp_path):
-    from uvaple.perf import memlock_probe
-
+    memlock_probe = study("memlock_probe")
     out = tmp_path / "memlock.json"
     assert memlock_probe.main(["--gib", "0.001", "--limit-kib", "64", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -92,8 +94,7 @@ def test_memlock_probe_runs_every_case_in_a_child_with_the_low_limit(tmp_path):
 
 
 def test_memlock_probe_fails_a_refusal_that_does_not_say_what_to_do(monkeypatch):
-    from uvaple.perf import memlock_probe
-
+    memlock_probe = study("memlock_probe")
     monkeypatch.setattr(memlock_probe, "CHILD", 'print(\'{"outcome": "refused", "error": "no reason given"}\')')
     rep = memlock_probe.run_case([], 0.001, 64 << 10)
     assert rep["outcome"] == "failed" and "ulimit -l" in rep["why_failed"]
@@ -102,13 +103,11 @@ def test_memlock_probe_fails_a_refusal_that_does_not_say_what_to_do(monkeypatch)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU these run their measurement")
-@pytest.mark.parametrize("name", ["host_rates", "launch_cost", "lifetime_gpu", "split_costs", "split_profile",
+@pytest.mark.parametrize("name", ["host_rates", "lifetime_gpu", "split_costs", "split_profile",
                                   "tune_gather"])
 def test_gpu_only_measurements_say_they_need_a_gpu(name, capsys):
     """Each GPU-only measurement, run where no CUDA device is, exits with status 2 and says what it needs,
     before building anything (no table, no lookup)."""
-    import importlib
-
-    mod = importlib.import_module(f"uvaple.perf.{name}")
+    mod = study(name)
     assert mod.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -7,8 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers import study
 
-from uvaple.perf import peers, vllm_shapes, vllm_startup
+from uvaple.perf import peers, vllm_shapes
+
+vllm_startup = study("vllm_startup")
 
 
 def test_vllm_shapes_smoke_is_bit_exact(tmp_path):

@@ -1,0 +1,154 @@
+"""``uvaple bench --workload host``: what one eager call costs the host, next to torch's own ops.
+
+Eager calls are what transformers' ``generate()`` and vLLM's prefill outside CUDA graphs make; at a decode
+step's few rows the device work is a few microseconds, so the host's time is the call's time. Every
+provider gathers the same rows of the same registered host table (``--cols`` bf16 columns) into the same
+``out``:
+
+* ``lookup``: ``make_lookup("uva", table).lookup(ids, out)``: the lookup's per-call checks, then its plan's
+  launch (the compiled kernel kept per call key);
+* ``operator``: ``torch.ops.uvaple.gather_rows(..., plan)``, the call a compiled model makes (the
+  dispatcher, the operator's checks of what the call brings, the same plan's launch);
+* ``gather_rows``: the functional entry point (every check and a launcher made for every call);
+* ``index_select``: ``torch.index_select(view, 0, ids, out=out)`` over ``table.cuda_view()``: the bar;
+* ``embedding``: ``F.embedding(ids, view)`` (allocates its output, as people use it).
+
+Method: the host time of each call is ``time.perf_counter`` around it alone; the device is synchronised
+every ``--sync-every`` calls outside the timed region, so the launch queue never fills (a full queue would
+make a launch wait for the GPU). The providers take turns in blocks of ``--block`` calls, ``--calls`` calls
+each per row count; the figure is the median call, with p20/p80. Outputs are compared bit for bit with
+``index_select``'s first. Without CUDA the same code runs on CPU tensors (interpreted): a correctness run,
+not a host-cost figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .timing import quantiles
+
+PROVIDERS = ("lookup", "operator", "gather_rows", "index_select", "embedding")
+
+
+def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
+    from uvaple.kernels import gather_rows
+
+    plan = lk.plan
+    handle = plan.handle
+    spec = lk.spec
+    table = lk._arg
+    policy = (spec.scale_arg, spec.has_scale, 0, spec.id_offset, 0, spec.oob_mode, spec.dequant)
+    counters = lk._counters
+    return {
+        "lookup": lambda: lk.lookup(ids, out),
+        "operator": lambda: torch.ops.uvaple.gather_rows(table, ids, out, counters, None, *policy, handle),
+        "gather_rows": lambda: gather_rows(view, ids, out),
+        "index_select": lambda: torch.index_select(view, 0, ids, out=out),
+        "embedding": lambda: torch.nn.functional.embedding(ids, view),
+    }
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def measure(fns: dict, calls: int, block: int, sync_every: int, cuda: bool) -> dict[str, list[float]]:
+    """Host microseconds of each call of each provider (taking turns in blocks)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm: compile, first launches, caches
+        for _ in range(20):
+            fn()
+    _sync(cuda)
+    done = 0
+    while done < calls:
+        for name, fn in fns.items():
+            ts = times[name]
+            for i in range(min(block, calls - done)):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+                if (i + 1) % sync_every == 0:
+                    _sync(cuda)
+            _sync(cuda)
+        done += block
+    return times
+
+
+def run(a) -> dict:
+    from uvaple.integration import make_lookup
+    from uvaple.uva import HostTable
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    g = torch.Generator().manual_seed(7)
+    src = (torch.randn(a.table_rows, a.cols, generator=g) * 3).to(torch.bfloat16)
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreted: not a host-cost figure)",
+              "torch": torch.__version__, "cols": a.cols, "table_rows": a.table_rows, "calls": a.calls,
+              "rows": {}}
+    with HostTable.from_tensor(src) as h:
+        view = h.cuda_view() if cuda else h.tensor
+        with make_lookup("uva", h, device=device) as lk:
+            for n in a.rows:
+                ids = torch.randint(0, a.table_rows, (n,), generator=g).to(device)
+                out = torch.empty(n, a.cols, dtype=torch.bfloat16, device=device)
+                fns = _providers(h, lk, view, ids, out)
+                want = torch.index_select(view, 0, ids).view(torch.int16).cpu()
+                exact = {}
+                for name, fn in fns.items():
+                    out.fill_(float("nan"))
+                    got = fn()
+                    got = out if got is None else got
+                    exact[name] = bool(torch.equal(got.view(torch.int16).cpu(), want))
+                times = measure(fns, a.calls, a.block, a.sync_every, cuda)
+                row = {}
+                for name, ts in times.items():
+                    p20, med, p80 = quantiles(ts)
+                    row[name] = {"median_us": round(med, 2), "p20_us": round(p20, 2), "p80_us": round(p80, 2),
+                                 "mean_us": round(statistics.fmean(ts), 2), "exact": exact[name]}
+                bar = row["index_select"]["median_us"]
+                for name in row:
+                    row[name]["x_index_select"] = round(row[name]["median_us"] / bar, 2)
+                result["rows"][str(n)] = row
+                print(_line(n, row), flush=True)
+    return result
+
+
+def _line(n: int, row: dict) -> str:
+    cells = " ".join(f"{row[p]['median_us']:>9.2f}{'' if row[p]['exact'] else '!'}" for p in PROVIDERS)
+    return f"{n:>6} {cells} {row['lookup']['x_index_select']:>10.2f} {row['operator']['x_index_select']:>10.2f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="uvaple bench --workload host", description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 64, 1024], help="ids per call (default 1 64 1024)")
+    p.add_argument("--cols", type=int, default=2048, help="bf16 columns of a row (default 2048)")
+    p.add_argument("--table-rows", type=int, default=65536, help="rows of the host table (default 65536)")
+    p.add_argument("--calls", type=int, default=2000, help="timed calls per provider and row count")
+    p.add_argument("--block", type=int, default=100, help="calls of one provider before the next takes its turn")
+    p.add_argument("--sync-every", type=int, default=8, help="calls between device synchronisations")
+    p.add_argument("--out", default=None, help="folder for host_cost.json (default: print only)")
+    p.add_argument("--smoke", action="store_true", help="a few calls on a small table (a correctness run)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.calls, a.block, a.table_rows, a.cols, a.rows = 40, 10, 512, 64, [1, 7]
+    print(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
+          f"'!' marks a provider whose rows differ from index_select's")
+    print(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10}")
+    result = run(a)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_cost.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / 'host_cost.json'}")
+    bad = [(n, p) for n, row in result["rows"].items() for p, r in row.items() if not r["exact"]]
+    if bad:
+        print(f"MISMATCH: {bad}")
+        return 1
+    return 0
