@@ -297,11 +297,11 @@ class SortedGather:
         self.halves = workspace[0].view(torch.int32)  # 2 x max_rows: the keys as computed, then sorted
         self.half = workspace.shape[1]
         self.device, self.row_lo = device, row_lo
-        stand_in = view
         self.view = view
-        self.mid = (stand_in if counters is None else counters, stand_in if dq_scale is None else dq_scale,
-                    stand_in if hot_view is None else hot_view, stand_in if slot_map is None else slot_map,
-                    0 if hot_view is None else hot_view.shape[0], stand_in if id_counts is None else id_counts)
+        # a buffer the constants say the kernel does not use is passed as None: Triton takes it as a constant
+        # (no pointer for the launcher to look up on every call)
+        self.mid = (counters, dq_scale if dequant in (1, 2) else None, hot_view, slot_map,
+                    0 if hot_view is None else hot_view.shape[0], id_counts)
         self.fixed = (id_base, row_lo, view.shape[0], view.stride(0))
         self.tail = (bits, view.shape[1] - 4 if dequant >= 3 else 0)
         self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,

@@ -25,17 +25,30 @@ import torch
 __all__ = ["KernelLaunch"]
 
 
-def _hooks_set() -> bool:
-    """Whether a Triton launch hook is installed (``triton.knobs``; a chain of hooks, or one, or None)."""
-    try:
-        from triton import knobs
-    except ImportError:  # older Triton: no knobs, no hooks to honour here
+class _Hooks:
+    """Triton's launch-hook knobs (``triton.knobs.runtime``), looked up once; absent in older Triton."""
+
+    runtime = None
+    loaded = False
+
+    @classmethod
+    def set(cls) -> bool:
+        """Whether a Triton launch hook is installed (a chain of hooks, or one, or None)."""
+        if not cls.loaded:
+            try:
+                from triton import knobs
+
+                cls.runtime = knobs.runtime
+            except ImportError:  # older Triton: no knobs, no hooks to honour here
+                cls.runtime = None
+            cls.loaded = True
+        rt = cls.runtime
+        if rt is None:
+            return False
+        for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+            if hook is not None and getattr(hook, "calls", True):
+                return True
         return False
-    rt = knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
 
 
 class _Driver:
@@ -88,7 +101,7 @@ class KernelLaunch:
             _Driver.load()
         device = _Driver.device()
         compiled = self._compiled.get((device, key))
-        if compiled is not None and not _hooks_set():
+        if compiled is not None and not _Hooks.set():
             run, function, metadata = compiled
             run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _Driver.stream(device), function, metadata, None, None,
                 None, *args, *self._values)
