@@ -230,7 +230,7 @@ def test_scale_is_the_modules_own(device):
 def test_the_reference_logits_depend_on_every_ple_row_read(ref32):
     """Otherwise the model-level comparisons below would not test the PLE at all."""
     ids = prompts("cpu", shape=(2, 7), seed=20)
-    model = copy.deepcopy(ref32)
+    model = copy.deepcopy(ref32).cpu()  # an earlier test of the module may have moved the fixture to the GPU
     with torch.no_grad():
         want = model(ids).logits
         model.model.embed_tokens_per_layer.weight[ids[0, 3]].mul_(1.5)
