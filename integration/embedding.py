@@ -54,7 +54,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from uvaple._util import fmt_bytes
+from uvaple.dtypes import fmt_bytes
 
 from .devices import resolve_device
 from .factory import make_lookup

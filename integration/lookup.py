@@ -76,7 +76,6 @@ class Lookup(abc.ABC):
         self.max_rows = max_rows
         self._owns_table = owns_table
         self._closed = False
-        self._region = table._region  # read by every call (fork check): one attribute, not a property chain
         self._whole = spec.columns(None)
         self._out_dtype = spec.output_dtype
 
@@ -106,7 +105,7 @@ class Lookup(abc.ABC):
     @property
     def _forked(self) -> bool:
         """True in a forked child: the lookup's table (and its streams and threads) are the parent's."""
-        return self._region.foreign
+        return self.table.forked
 
     def _check_usable(self) -> None:
         """Refuse a closed lookup, and one inherited through ``fork()``."""
@@ -114,7 +113,7 @@ class Lookup(abc.ABC):
             raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
         if self._forked:
             raise LookupForkedError(
-                f"this {self.kind} lookup was built in process {self.table._region.pid}, and this is a forked "
+                f"this {self.kind} lookup was built in process {self.table.owner_pid}, and this is a forked "
                 f"child (pid {os.getpid()}): its table, streams and threads are the parent's (a private "
                 "table reads zeros here). Build the table and the lookup in the child (HostTable.attach "
                 "for a shared table)")
@@ -122,7 +121,7 @@ class Lookup(abc.ABC):
     def _prepare(self, ids: torch.Tensor, out: torch.Tensor | None, columns) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The per-call checks every placement shares, of what the caller controls (everything else was
         checked when the lookup was built): (contiguous ids, out, first column)."""
-        if self._closed or self._region.foreign:
+        if self._closed or self.table.forked:
             self._check_usable()
         if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
             check_ids(ids)

@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from uvaple._util import FLOAT_DTYPES, TABLE_DTYPES
+from uvaple.dtypes import FLOAT_DTYPES, TABLE_DTYPES
 
 from .encodings import DEQUANT_CODES, FP8_FORMATS, ROW_SCALE_BYTES
 

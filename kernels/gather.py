@@ -63,7 +63,7 @@ from .checks import (
 from .launch import KernelLaunch
 from .tuning import LaunchConfig, launch_config
 
-__all__ = ["gather_rows", "DirectGather", "kernel_views", "scale_word"]
+__all__ = ["gather_rows", "DirectGather", "FixedArgs", "kernel_views", "scale_word"]
 
 kernel = jit.kernel_decorator(__name__)
 _rows = jit.same_variant(__name__, _rows)
@@ -188,9 +188,32 @@ def scale_word(view: torch.Tensor, hot_view: torch.Tensor | None, dequant: int) 
     return all((b.data_ptr() + col) % 4 == 0 and b.stride(0) % 4 == 0 for b in bufs)
 
 
+class FixedArgs:
+    """What either gather kernel takes that a plan fixes: the table as the kernel reads it (and a hot set's rows),
+    the buffers (None where the constants say the kernel does not use them: Triton then takes them as
+    constants, with no pointer for the launcher to look up on every call), the row range, the policy's
+    constants. ``policy``: the keywords of :class:`DirectGather`."""
+
+    def __init__(self, table: torch.Tensor, out_dtype: torch.dtype, *, counters=None, dq_scale=None, bits: int = 0,
+                 has_scale: bool = False, id_base: int = 0, row_lo: int = 0, oob_mode: int = 0, dequant: int = 0,
+                 hot_rows=None, slot_map=None, id_counts=None) -> None:
+        self.view, self.as_int, convert = kernel_views(table, out_dtype, has_scale, oob_mode, dequant)
+        hot_view = None if hot_rows is None else kernel_views(hot_rows, out_dtype, has_scale, oob_mode, dequant)[0]
+        self.source = table  # what a captured graph must keep alive (capture.keep_for_graph)
+        self.host_memory = capture.is_host_memory(table)
+        self.dequant, self.row_lo = dequant, row_lo
+        self.mid = (counters, dq_scale if dequant in (1, 2) else None, hot_view, slot_map,
+                    0 if hot_view is None else hot_view.shape[0], id_counts)
+        self.fixed = (id_base, row_lo, self.view.shape[0], self.view.stride(0))
+        self.tail = (bits, self.view.shape[1] - 4 if dequant >= 3 else 0)
+        self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,
+                              DEQUANT=dequant, COUNT=counters is not None, HOT=hot_view is not None,
+                              COUNT_IDS=id_counts is not None, SCALE_WORD=scale_word(self.view, hot_view, dequant))
+
+
 class DirectGather:
     """``gather_rows_kernel`` over one table with one policy, everything that does not depend on the call made
-    here, once: the views, the constants, the unused pointers' stand-ins; a config and a
+    here, once (:class:`FixedArgs`: the views, the buffers, the constants); a config and a
     :class:`~uvaple.kernels.launch.KernelLaunch` per column count, made at its first call.
 
     ``table``: 2-D, unit column stride (checked by the caller: :func:`~uvaple.kernels.checks.check_fixed`);
@@ -200,48 +223,33 @@ class DirectGather:
     first column, already checked, and launches on the current stream: no check, no allocation, no sync.
     """
 
-    def __init__(self, table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, *, counters=None,
-                 dq_scale=None, bits: int = 0, has_scale: bool = False, id_base: int = 0, row_lo: int = 0,
-                 oob_mode: int = 0, dequant: int = 0, hot_rows=None, slot_map=None, id_counts=None,
-                 config: LaunchConfig | None = None) -> None:
+    def __init__(self, table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, *,
+                 config: LaunchConfig | None = None, **policy) -> None:
         self.interpret = device.type != "cuda"
         self.kernels = jit.variant(sys.modules[__name__], self.interpret)
-        view, as_int, convert = kernel_views(table, out_dtype, has_scale, oob_mode, dequant)
-        hot_view = None if hot_rows is None else kernel_views(hot_rows, out_dtype, has_scale, oob_mode, dequant)[0]
-        self.source = table  # what a captured graph must keep alive (capture.keep_for_graph)
-        self.host_memory = capture.is_host_memory(table)
-        self.views = () if as_int is None else ((2, as_int),)
+        self.args = a = FixedArgs(table, out_dtype, **policy)
+        self.views = () if a.as_int is None else ((2, a.as_int),)
         # the item a program writes sizes its tile: fp8 codes are widened in the kernel (tuning.launch_config)
-        self.item = torch.empty((), dtype=out_dtype).element_size() if dequant else table.element_size()
+        self.item = torch.empty((), dtype=out_dtype).element_size() if a.dequant else table.element_size()
         self.config = config
-        self.head = (view,)
-        # a buffer the constants say the kernel does not use is passed as None: Triton takes it as a constant
-        # (no pointer for the launcher to look up on every call)
-        self.mid = (counters, dq_scale if dequant in (1, 2) else None, hot_view, slot_map,
-                    0 if hot_view is None else hot_view.shape[0], id_counts)
-        self.fixed = (id_base, row_lo, view.shape[0], view.stride(0))
-        self.tail = (bits, view.shape[1] - 4 if dequant >= 3 else 0)
-        self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,
-                              DEQUANT=dequant, COUNT=counters is not None, HOT=hot_view is not None,
-                              COUNT_IDS=id_counts is not None, SCALE_WORD=scale_word(view, hot_view, dequant))
         self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch]] = {}
 
     def _for_cols(self, ncols: int) -> tuple[LaunchConfig, KernelLaunch]:
         cfg = self.config or launch_config(ncols * self.item, self.item, 0)
-        launch = KernelLaunch(self.kernels.gather_rows_kernel,
-                              dict(self.constants, BLOCK=cfg.block, ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps),
-                              interpret=self.interpret, views=self.views)
+        constants = dict(self.args.constants, BLOCK=cfg.block, ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps)
+        launch = KernelLaunch(self.kernels.gather_rows_kernel, constants, interpret=self.interpret, views=self.views)
         self._by_cols[ncols] = cfg, launch
         return cfg, launch
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, col_start: int, n: int) -> None:
         ncols = out.shape[-1]
         cfg, launch = self._by_cols.get(ncols) or self._for_cols(ncols)
-        if self.host_memory and capture.capturing(ids):
-            capture.keep_for_graph(self.source)
+        a = self.args
+        if a.host_memory and capture.capturing(ids):
+            capture.keep_for_graph(a.source)
         tiles = -(-ncols // cfg.block)
         grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
-        launch(grid, (*self.head, ids, out, *self.mid, n, *self.fixed, col_start, ncols, *self.tail),
+        launch(grid, (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
                (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX))
 
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from . import capture, jit, registry
 from . import rows as _rows
 from .checks import check_call, check_fixed, check_workspace
-from .gather import kernel_views, scale_word
+from .gather import FixedArgs
 from .launch import KernelLaunch
 from .tuning import NUM_WARPS, SORTED_TILE_BYTES, TILE_BYTES, SortedConfig, sorted_config, sorted_warps
 
@@ -280,34 +280,19 @@ class SortedGather:
     default by the table's rows (the bench's sweeps set both)."""
 
     def __init__(self, table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, workspace: torch.Tensor, *,
-                 dedup: bool = False, counters=None, dq_scale=None, bits: int = 0, has_scale: bool = False,
-                 id_base: int = 0, row_lo: int = 0, oob_mode: int = 0, dequant: int = 0, hot_rows=None,
-                 slot_map=None, id_counts=None, config: SortedConfig | None = None, keys: bool | None = None) -> None:
+                 dedup: bool = False, config: SortedConfig | None = None, keys: bool | None = None, **policy) -> None:
         self.interpret = device.type != "cuda"
         self.kernels = jit.variant(sys.modules[__name__], self.interpret)
-        view, _, convert = kernel_views(table, out_dtype, has_scale, oob_mode, dequant)
-        hot_view = None if hot_rows is None else kernel_views(hot_rows, out_dtype, has_scale, oob_mode, dequant)[0]
-        self.source = table
-        self.host_memory = capture.is_host_memory(table)
+        self.args = a = FixedArgs(table, out_dtype, **policy)
         self.out_int = _INT_OF_SIZE.get(torch.empty((), dtype=out_dtype).element_size())
         self.dedup = bool(dedup)
         self.config = config
         self.ws = workspace
-        self.use_keys = view.shape[0] - row_lo <= ROW_KEY_MAX if keys is None else bool(keys)
+        self.use_keys = a.view.shape[0] - a.row_lo <= ROW_KEY_MAX if keys is None else bool(keys)
         self.halves = workspace[0].view(torch.int32)  # 2 x max_rows: the keys as computed, then sorted
         self.half = workspace.shape[1]
-        self.device, self.row_lo = device, row_lo
-        self.view = view
-        # a buffer the constants say the kernel does not use is passed as None: Triton takes it as a constant
-        # (no pointer for the launcher to look up on every call)
-        self.mid = (counters, dq_scale if dequant in (1, 2) else None, hot_view, slot_map,
-                    0 if hot_view is None else hot_view.shape[0], id_counts)
-        self.fixed = (id_base, row_lo, view.shape[0], view.stride(0))
-        self.tail = (bits, view.shape[1] - 4 if dequant >= 3 else 0)
-        self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,
-                              DEQUANT=dequant, COUNT=counters is not None, HOT=hot_view is not None,
-                              COUNT_IDS=id_counts is not None, SCALE_WORD=scale_word(view, hot_view, dequant),
-                              DEDUP=self.dedup, KEYS=self.use_keys)
+        self.device = device
+        self.constants = dict(a.constants, DEDUP=self.dedup, KEYS=self.use_keys)
         self.keys_launch = KernelLaunch(self.kernels.row_keys_kernel, dict(BLOCK=ROW_KEY_BLOCK, num_warps=4),
                                         interpret=self.interpret)
         self._launches: dict[tuple, KernelLaunch] = {}
@@ -316,7 +301,7 @@ class SortedGather:
         """The program shape of a call of ``n`` ids of ``ncols`` columns (:func:`sorted_launch_config`)."""
         if self.config is not None:
             return self.config
-        return sorted_launch_config(self.view, self.device, n, ncols, self.row_lo, self.dedup)
+        return sorted_launch_config(self.args.view, self.device, n, ncols, self.args.row_lo, self.dedup)
 
     def _launch(self, what: str, constants: dict, views=()) -> KernelLaunch:
         key = (what, *sorted(constants.items()))
@@ -331,7 +316,7 @@ class SortedGather:
         order = self.ws[1, :n]
         if self.use_keys:
             unsorted, keys = self.halves[:n], self.halves[self.half: self.half + n]
-            self.keys_launch((triton.cdiv(n, ROW_KEY_BLOCK),), (ids, unsorted, n, *self.fixed[:3]),
+            self.keys_launch((triton.cdiv(n, ROW_KEY_BLOCK),), (ids, unsorted, n, *self.args.fixed[:3]),
                              (ids.dtype, ids.data_ptr() % 16 == 0, n <= _I32_MAX))
             torch.sort(unsorted, stable=False, out=(keys, order))
         else:
@@ -349,15 +334,16 @@ class SortedGather:
         launch = self._launch("gather_sorted_kernel", dict(self.constants, BLOCK_R=cfg.block_rows,
                                                            BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps),
                               views=((3, self.out_int),) if not self.constants["CONVERT"] else ())
-        launch(grid, (self.view, keys, order, out, *self.mid, n, *self.fixed, col_start, ncols, *self.tail),
+        a = self.args
+        launch(grid, (a.view, keys, order, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
                (keys.dtype, out.data_ptr() % 16 == 0, col_start, ncols, n <= _I32_MAX))
         return grid
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, col_start: int, n: int) -> None:
         ncols = out.shape[-1]
         cfg = self.launch_config(n, ncols)
-        if self.host_memory and capture.capturing(ids):
-            capture.keep_for_graph(self.source)
+        if self.args.host_memory and capture.capturing(ids):
+            capture.keep_for_graph(self.args.source)
         keys, order = self.sort(ids, n)
         grid = self.gather_ordered(keys, order, out, col_start, cfg)
         if self.dedup and grid[0] > 1:  # the repeats of runs that cross into a program copy their leader's row

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from uvaple._machine import gpu_info
+from uvaple.machine import gpu_info
 
 from .config import CEILING, PRESETS, PROVIDERS, ROW_BYTES, ROW_COUNTS, BenchConfig, fmt_gib, make_config
 from .meta import collect_meta

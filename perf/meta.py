@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from uvaple._machine import gpu_info
+from uvaple.machine import gpu_info
 
 from .config import GIB, BenchConfig
 

@@ -1,6 +1,6 @@
 """The layer rule, read from the imports themselves (module level and inside functions alike).
 
-``uvaple._util`` < ``uvaple.uva`` and ``uvaple.kernels`` (siblings: neither imports the other) <
+``uvaple.dtypes`` < ``uvaple.uva`` and ``uvaple.kernels`` (siblings: neither imports the other) <
 ``uvaple.integration`` < ``uvaple.perf`` and the command line (``uvaple.cli``, ``uvaple.doctor``,
 ``uvaple.shm``). And no import circle anywhere in the package.
 """
@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"uvaple": "uvaple", "uva": "uvaple.uva", "kernels": "uvaple.kernels",
            "integration": "uvaple.integration", "perf": "uvaple.perf"}
 ALLOWED = {
-    "uvaple.uva": ("uvaple.uva", "uvaple._util"),
-    "uvaple.kernels": ("uvaple.kernels", "uvaple._util"),
-    "uvaple.integration": ("uvaple.integration", "uvaple.uva", "uvaple.kernels", "uvaple._util"),
+    "uvaple.uva": ("uvaple.uva", "uvaple.dtypes"),
+    "uvaple.kernels": ("uvaple.kernels", "uvaple.dtypes"),
+    "uvaple.integration": ("uvaple.integration", "uvaple.uva", "uvaple.kernels", "uvaple.dtypes"),
 }
 
 

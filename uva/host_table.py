@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from uvaple._util import fmt_bytes
+from uvaple.dtypes import fmt_bytes
 
 from . import _region, memory, sharing, views
 from .errors import DeviceCapabilityError, SharedSegmentError, TableClosedError, TableForkedError
@@ -295,6 +295,16 @@ class HostTable:
     @property
     def registered(self) -> bool:
         return self._region.registered and not self._region.foreign
+
+    @property
+    def forked(self) -> bool:
+        """True in a forked child of the process that mapped this table: the mapping is the parent's."""
+        return self._region.foreign
+
+    @property
+    def owner_pid(self) -> int:
+        """The process that mapped this table."""
+        return self._region.pid
 
     @property
     def read_only_registered(self) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from uvaple._util import SAFETENSORS_DTYPES, TABLE_DTYPES
+from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES
 
 from .errors import CheckpointError
 from .memory import default_threads

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from uvaple._util import TABLE_DTYPES, dtype_name, fmt_bytes
+from uvaple.dtypes import TABLE_DTYPES, dtype_name, fmt_bytes
 
 from . import _region, cuda_runtime, segments, system
 from .errors import DeviceCapabilityError, HostMemoryError, RegistrationError

@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from uvaple._util import SAFETENSORS_DTYPES, TABLE_DTYPES, fmt_bytes
+from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES, fmt_bytes
 
 from . import _region, memory, segments, system
 from .errors import HostMemoryError, SharedSegmentError

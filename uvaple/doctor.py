@@ -15,8 +15,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from uvaple._machine import gpu_info
-from uvaple._util import fmt_bytes
+from uvaple.dtypes import fmt_bytes
+from uvaple.machine import gpu_info
 from uvaple.uva import cuda_runtime, system
 
 

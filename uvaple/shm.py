@@ -13,7 +13,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from uvaple._util import fmt_bytes
+from uvaple.dtypes import fmt_bytes
 from uvaple.uva import segments
 
 _size = fmt_bytes
