@@ -25,8 +25,14 @@ Before timing, every provider's output for the same ids is compared bit-exactly 
 ``uva``'s with a CPU ``index_select`` of the table): a mismatch is reported loudly and makes the exit
 code 1. A provider that fails reports its error in its row and the run goes on (exit code 2 at the end).
 
-Without CUDA the same code runs tiny sizes under the Triton interpreter (chosen for CPU tensors) on CPU
-tensors: a correctness run whose times are interpreter times, not GPU figures (the banner says so).
+Without CUDA, or with ``--smoke`` on any machine, the same code runs tiny sizes under the Triton interpreter
+(chosen for CPU tensors) on CPU tensors: a correctness run whose times are interpreter times, not GPU figures
+(the banner says so).
+
+The command line (every workload's, :mod:`uvaple.perf.command`): what this machine cannot run (``--full``
+without CUDA, a table bigger than free host memory) is refused before anything is built, exit status 2,
+naming the flag that runs here; ``--out`` is made and checked writable before any work; progress goes to
+stderr, results to stdout and ``--out``, whose path is the last line.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ import torch
 
 from uvaple.machine import gpu_info
 
-from .config import CEILING, PRESETS, PROVIDERS, ROW_BYTES, ROW_COUNTS, BenchConfig, fmt_gib, make_config
+from . import command
+from .config import CEILING, GIB, PRESETS, PROVIDERS, ROW_BYTES, ROW_COUNTS, BenchConfig, fmt_gib, make_config
 from .meta import collect_meta
 from .report import banner, format_headline, format_readiness_table, format_table, write_results
 from .sweep import empty_row, run_bench
@@ -106,32 +113,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="uvaple bench",
         description="Gather latency/bandwidth of the uva, device, copy and peer providers against the pinned "
-                    "memcpy ceiling, plus table readiness. Without CUDA: a small correctness run under the "
-                    "Triton interpreter.")
+                    "memcpy ceiling, plus table readiness (the ple workload). Without CUDA, or with --smoke: a "
+                    "small correctness run on the CPU under the Triton interpreter (about a minute on 2 cores).",
+        epilog="exit status: 0 every provider agreed; 1 an output mismatched; 2 refused before any work (the "
+               "message says why and which flag runs here: --smoke, a smaller --table-gib) or a provider "
+               "failed (its rows say why). Progress goes to stderr, results to stdout and --out.")
+    p.add_argument("--workload", choices=tuple(command.WORKLOADS), default="ple",
+                   help="what to measure: " + "; ".join(f"{k}: {v}" for k, v in command.WORKLOADS.items())
+                        + ". Each takes its own options, and each takes --out, --smoke and --quiet: "
+                          "uvaple bench --workload NAME --help")
+    p.add_argument("--smoke", action="store_true",
+                   help="the small CPU run on any machine: 4 MiB tables of E4B and 128-KiB rows, 1/8/64 ids, "
+                        "readiness at 16 and 64 MiB, interpreted kernels (correctness, not GPU figures); what "
+                        "runs without CUDA anyway")
     p.add_argument("--full", action="store_true",
-                   help="whole sweep: E2B, E4B, 128-KiB rows x 1, 8, 32, 64 GiB tables; readiness to 64 GiB "
-                        "(about 5 min on the H200; --time-budget caps it at 420 s + the last step)")
+                   help="whole sweep on a GPU: E2B, E4B, 128-KiB rows x 1, 8, 32, 64 GiB tables; readiness to "
+                        "64 GiB (about 5 min on the H200; --time-budget caps it at 420 s + the last step)")
     p.add_argument("--row-bytes", type=_parse_row_bytes,
-                   help="row sizes: bytes or e2b, e4b, ngram (comma-separated)")
-    p.add_argument("--rows", type=_parse_ints, help=f"row counts per lookup (default {','.join(map(str, ROW_COUNTS))})")
-    p.add_argument("--providers", type=_parse_providers, help=f"subset of {','.join(PROVIDERS)}")
-    p.add_argument("--table-gib", type=_parse_floats, help="table sizes in GiB (comma-separated; 0.25 = 256 MiB)")
+                   help="row sizes: bytes or e2b, e4b, ngram (comma-separated; default e4b, --full "
+                        "e2b,e4b,ngram, --smoke e4b,ngram)")
+    p.add_argument("--rows", type=_parse_ints,
+                   help=f"row counts per lookup (default {','.join(map(str, ROW_COUNTS))}; --smoke 1,8,64)")
+    p.add_argument("--providers", type=_parse_providers, help=f"subset of {','.join(PROVIDERS)} (default all)")
+    p.add_argument("--table-gib", type=_parse_floats,
+                   help="table sizes in GiB (comma-separated; 0.25 = 256 MiB; default 1,8, --full 1,8,32,64, "
+                        "--smoke 4 MiB); each must fit in free host memory")
     p.add_argument("--readiness-gib", type=_parse_readiness,
-                   help="readiness table sizes in GiB; 0 to skip readiness")
+                   help="readiness table sizes in GiB; 0 to skip readiness (default as --table-gib; --smoke 16 "
+                        "and 64 MiB)")
     p.add_argument("--no-readiness", action="store_true", help="skip the readiness measurements")
-    p.add_argument("--safetensors-max-gib", type=float, help="largest safetensors file readiness writes")
+    p.add_argument("--safetensors-max-gib", type=float,
+                   help="largest safetensors file readiness writes (default 8, --full 32, --smoke 64 MiB)")
     p.add_argument("--host-mem-gib", type=float,
                    help="host memory to trust (ballooned VMs report less at start); also lifts HostTable's "
-                        "MemAvailable check")
-    p.add_argument("--point-time", type=float, dest="point_time_s", help="seconds of timed work per point")
-    p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replays")
+                        "MemAvailable check and the up-front size check")
+    p.add_argument("--point-time", type=float, dest="point_time_s",
+                   help="seconds of timed work per point (default 0.05, --full 0.04; --smoke: 2 calls)")
+    p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replays (none run without CUDA)")
     p.add_argument("--time-budget", type=float, dest="time_budget_s",
-                   help="seconds after which no new table or readiness size is started (quick 110, full 420; "
-                        "0 = no limit)")
-    p.add_argument("--tmp-dir", help="where readiness writes its safetensors file (default /dev/shm or $TMPDIR)")
-    p.add_argument("--out", help="output directory (default perf/results/<timestamp>_<gpu>/)")
+                   help="seconds after which no new table or readiness size is started (default 110, --full "
+                        "420, --smoke none; 0 = no limit)")
+    p.add_argument("--tmp-dir", help="where readiness writes its safetensors file (default /dev/shm, else $TMPDIR "
+                                     "or /tmp)")
+    p.add_argument("--out", help="output directory, made and checked writable before any work (default "
+                                 "./uvaple-results/<UTC time>_ple_<gpu or cpu>/)")
     p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p.parse_args(list(argv) if argv is not None else None)
 
 
@@ -139,8 +166,9 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     readiness = ns.readiness_gib
     if ns.no_readiness or (readiness is not None and not readiness):
         readiness = ()
+    smoke = getattr(ns, "smoke", False)
     return make_config(
-        "full" if ns.full else "quick",
+        "cpu" if smoke else "full" if ns.full else "quick", cuda=False if smoke else None,
         row_bytes=ns.row_bytes, rows=ns.rows, providers=ns.providers, table_gib=ns.table_gib,
         readiness_gib=readiness, safetensors_max_gib=ns.safetensors_max_gib, host_mem_gib=ns.host_mem_gib,
         point_time_s=ns.point_time_s, graphs=False if ns.no_graphs else None, tmp_dir=ns.tmp_dir,
@@ -149,13 +177,29 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     )
 
 
+def check_runnable(ns: argparse.Namespace, cfg: BenchConfig) -> None:
+    """Refuse (:class:`command.Refused`) what this machine cannot run, before anything is built: ``--full``
+    without CUDA or with ``--smoke``, a table or readiness size bigger than free host memory."""
+    if ns.full and ns.smoke:
+        raise command.Refused("--full (the GPU sweep) and --smoke (the small CPU run) exclude each other: "
+                              "give one")
+    if ns.full:
+        command.needs_cuda("--full (the GPU sweep)", "Run without --full (or with --smoke) for the small CPU "
+                                                     "correctness run")
+    smoke = "--smoke" if cfg.cuda else "the default sizes (as --smoke)"
+    for gib in cfg.table_gib:
+        command.check_fits(int(gib * GIB), f"a {fmt_gib(gib)} table (--table-gib)",
+                           f"Pass a smaller --table-gib, or {smoke}", trust_gib=cfg.host_mem_gib)
+    for gib in cfg.readiness_gib:
+        command.check_fits(int(gib * GIB), f"readiness at {fmt_gib(gib)} (--readiness-gib)",
+                           "Pass a smaller --readiness-gib, or --no-readiness", trust_gib=cfg.host_mem_gib)
+
+
 def default_out_dir(meta: dict[str, Any]) -> Path:
-    """``./uvaple-results/<stamp>_<gpu>/`` under the current directory (never inside the package)."""
+    """``./uvaple-results/<stamp>_ple_<gpu or cpu>/`` under the current directory (never inside the package)."""
     stamp = meta["timestamp"].replace("-", "").replace(":", "").replace("T", "_").rstrip("Z")
     gpu = "".join(c if c.isalnum() else "-" for c in str(meta.get("gpu_name", "gpu"))).strip("-")
-    if meta.get("mode") != "gpu":
-        gpu = "cpu-interpreter"
-    return Path.cwd() / "uvaple-results" / f"{stamp}_{gpu[:40]}"
+    return command.default_out_dir("ple", gpu[:40] if meta.get("mode") == "gpu" else "cpu", stamp)
 
 
 def exit_code(rows: Sequence[dict[str, Any]]) -> int:
@@ -178,7 +222,7 @@ def _workload(argv: list[str]) -> tuple[str, list[str]]:
             name = a.split("=", 1)[1]
         else:
             rest.append(a)
-    if name not in ("ple", "ngram", "hotset", "host"):
+    if name not in command.WORKLOADS:
         raise SystemExit(f"uvaple bench: --workload must be 'ple' (Gemma 3n-shaped rows, the default), 'ngram' "
                          f"(160-byte n-gram rows at random), 'hotset' (token-id rows: hot set, dedup, fp8) or "
                          f"'host' (the host's cost of one eager call), got {name!r}")
@@ -186,9 +230,12 @@ def _workload(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``uvaple bench [options]``; returns the exit code (see :func:`exit_code`). ``--workload ngram`` runs
-    :mod:`uvaple.perf.ngram` (its own options) instead."""
-    workload, argv = _workload(list(sys.argv[1:] if argv is None else argv))
+    """``uvaple bench [options]``; returns the exit code (see :func:`exit_code`; 2 also for a run refused up
+    front). ``--workload ngram|hotset|host`` runs that workload's module (its own options) instead."""
+    try:
+        workload, argv = _workload(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:
+        return command.refuse("uvaple bench", command.Refused(str(e).removeprefix("uvaple bench: ")))
     if workload == "ngram":
         from . import ngram
 
@@ -203,16 +250,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return host_cost.main(argv)
     ns = parse_args(argv)
     cfg = config_from_args(ns)
-    meta = collect_meta(cfg)
+    try:
+        check_runnable(ns, cfg)
+        meta = collect_meta(cfg)
+        out_dir = command.prepare_out(cfg.out, default_out_dir(meta))
+    except command.Refused as e:
+        return command.refuse("uvaple bench", e)
     print(banner(meta), flush=True)
-    out_dir = Path(cfg.out) if cfg.out else default_out_dir(meta)
     print(f"results will go to {out_dir}/ (saved after every table)", flush=True)
 
     def checkpoint(rows_so_far: list[dict[str, Any]]) -> None:
         write_results(rows_so_far, out_dir, dict(meta, partial=True), plots=False, config=cfg)
 
     t0 = time.perf_counter()
-    rows = run_bench(cfg, meta=meta, checkpoint=checkpoint)
+    with command.progress(cfg.verbose):
+        try:
+            rows = run_bench(cfg, meta=meta, checkpoint=checkpoint)
+        except BaseException as e:  # say where the tables finished so far are, and fail as before
+            print(f"the run failed ({type(e).__name__}: {str(e)[:200]}); the tables it finished are in "
+                  f"{out_dir}/ (saved after every table; none if it failed in the first)", file=sys.stderr)
+            raise
     elapsed = time.perf_counter() - t0
     meta["elapsed_s"] = round(elapsed, 1)
     if cfg.cuda:  # the link may train down at idle: read it again after the transfers
@@ -245,9 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"!! {len(errs)} row(s) failed with errors (see the 'error' column); first: {errs[0]['error'][:200]}")
     if meta.get("mode") != "gpu":
         print("(CPU / Triton-interpreter times, not GPU figures)")
-    print(f"done in {elapsed:.0f} s; exit code {code}; results in {out_dir}/")
-    for name, path in written.items():
-        print(f"  {name}: {path}")
+    print(f"done in {elapsed:.0f} s; exit code {code}")
+    command.wrote(out_dir, written.values())
     return code
 
 

@@ -17,20 +17,20 @@ Method: the host time of each call is ``time.perf_counter`` around it alone; the
 every ``--sync-every`` calls outside the timed region, so the launch queue never fills (a full queue would
 make a launch wait for the GPU). The providers take turns in blocks of ``--block`` calls, ``--calls`` calls
 each per row count; the figure is the median call, with p20/p80. Outputs are compared bit for bit with
-``index_select``'s first. Without CUDA the same code runs on CPU tensors (interpreted): a correctness run,
-not a host-cost figure.
+``index_select``'s first. ``--smoke`` runs the same code small on CPU tensors (interpreted): a correctness
+run, not a host-cost figure; without CUDA nothing else runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
-from pathlib import Path
 
 import torch
 
+from . import command
 from .timing import quantiles
 
 PROVIDERS = ("lookup", "operator", "gather_rows", "index_select", "embedding")
@@ -81,21 +81,24 @@ def measure(fns: dict, calls: int, block: int, sync_every: int, cuda: bool) -> d
     return times
 
 
-def run(a) -> dict:
+def run(a, result: dict | None = None) -> dict:
+    """Every provider at every row count of ``a.rows``; the figures go into ``result`` (a new dict by default)
+    as they are made, so a caller keeps what a failed run measured."""
     from uvaple.integration import make_lookup
     from uvaple.uva import HostTable
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not a.smoke  # --smoke: the CPU, as every workload's
     device = torch.device("cuda" if cuda else "cpu")
     g = torch.Generator().manual_seed(7)
     src = (torch.randn(a.table_rows, a.cols, generator=g) * 3).to(torch.bfloat16)
-    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreted: not a host-cost figure)",
-              "torch": torch.__version__, "cols": a.cols, "table_rows": a.table_rows, "calls": a.calls,
-              "rows": {}}
+    result = {} if result is None else result
+    result.update({"device": torch.cuda.get_device_name() if cuda else "cpu (interpreted: not a host-cost figure)",
+                   "torch": torch.__version__, "cols": a.cols, "table_rows": a.table_rows, "calls": a.calls,
+                   "rows": {}})
     with HostTable.from_tensor(src) as h:
         view = h.cuda_view() if cuda else h.tensor
         with make_lookup("uva", h, device=device) as lk:
-            for n in a.rows:
+            for n in command.bar(a.rows, desc="ids per call", unit="n"):
                 ids = torch.randint(0, a.table_rows, (n,), generator=g).to(device)
                 out = torch.empty(n, a.cols, dtype=torch.bfloat16, device=device)
                 fns = _providers(h, lk, view, ids, out)
@@ -116,7 +119,7 @@ def run(a) -> dict:
                 for name in row:
                     row[name]["x_index_select"] = round(row[name]["median_us"] / bar, 2)
                 result["rows"][str(n)] = row
-                print(_line(n, row), flush=True)
+                command.say(_line(n, row))
     return result
 
 
@@ -125,30 +128,68 @@ def _line(n: int, row: dict) -> str:
     return f"{n:>6} {cells} {row['lookup']['x_index_select']:>10.2f} {row['operator']['x_index_select']:>10.2f}"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="uvaple bench --workload host", description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, nargs="*", default=[1, 64, 1024], help="ids per call (default 1 64 1024)")
+SMOKE = {"calls": 40, "block": 10, "table_rows": 512, "cols": 64, "rows": [1, 7]}  # --smoke: ~10 s on 2 cores
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="uvaple bench --workload host",
+        description="What one eager call costs the host: the lookup, the operator, the functional gather, torch's "
+                    "index_select and embedding, over the same registered host table. Needs a CUDA GPU; --smoke "
+                    "runs it small on the CPU.",
+        epilog="exit status: 0 every provider gave index_select's rows; 1 one differed; 2 refused before any work "
+               "(the message says why and which flag runs here). Progress goes to stderr, results to stdout and "
+               "--out.")
+    p.add_argument("--rows", type=command.positive_ints, default=[1, 64, 1024],
+                   help="ids per call, comma-separated (default 1,64,1024)")
     p.add_argument("--cols", type=int, default=2048, help="bf16 columns of a row (default 2048)")
     p.add_argument("--table-rows", type=int, default=65536, help="rows of the host table (default 65536)")
-    p.add_argument("--calls", type=int, default=2000, help="timed calls per provider and row count")
-    p.add_argument("--block", type=int, default=100, help="calls of one provider before the next takes its turn")
-    p.add_argument("--sync-every", type=int, default=8, help="calls between device synchronisations")
-    p.add_argument("--out", default=None, help="folder for host_cost.json (default: print only)")
-    p.add_argument("--smoke", action="store_true", help="a few calls on a small table (a correctness run)")
-    a = p.parse_args(argv)
-    if a.smoke:
-        a.calls, a.block, a.table_rows, a.cols, a.rows = 40, 10, 512, 64, [1, 7]
-    print(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
-          f"'!' marks a provider whose rows differ from index_select's")
-    print(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10}")
-    result = run(a)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "host_cost.json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {out / 'host_cost.json'}")
+    p.add_argument("--calls", type=int, default=2000, help="timed calls per provider and row count (default 2000)")
+    p.add_argument("--block", type=int, default=100,
+                   help="calls of one provider before the next takes its turn (default 100)")
+    p.add_argument("--sync-every", type=int, default=8, help="calls between device synchronisations (default 8)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a small run on the CPU on any machine: {SMOKE['calls']} calls at 1 and 7 ids on a "
+                        f"{SMOKE['table_rows']}-row table of {SMOKE['cols']} columns, interpreted kernels, "
+                        "correctness only (about 10 s); the sizes above are then ignored")
+    p.add_argument("--out", help="directory for host_cost.json, made and checked writable before any work "
+                                 "(default ./uvaple-results/<UTC time>_host_<gpu or cpu>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    prog = "uvaple bench --workload host"
+    a = parse_args(argv)
+    try:
+        if a.smoke:
+            vars(a).update(SMOKE)
+        else:
+            command.needs_cuda("the host workload (it times GPU launches)",
+                               "--smoke runs it small on the CPU (correctness only, about 10 s)")
+        if min(a.rows + [a.cols, a.table_rows, a.calls, a.block, a.sync_every]) < 1:
+            raise command.Refused("--rows, --cols, --table-rows, --calls, --block and --sync-every must be positive")
+        # the random source and the host table made from it
+        command.check_fits(2 * a.table_rows * a.cols * 2, f"a {a.table_rows:,} x {a.cols:,} bf16 table (and its "
+                           "source)", "Pass a smaller --table-rows or --cols, or --smoke")
+        out = command.prepare_out(a.out, command.default_out_dir("host", command.device_label(not a.smoke)))
+    except command.Refused as e:
+        return command.refuse(prog, e)
+    command.say(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
+                "'!' marks a provider whose rows differ from index_select's")
+    command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10}")
+    result: dict = {"smoke": a.smoke}
+    with command.progress(not a.quiet):
+        try:
+            run(a, result)
+        except BaseException as e:  # keep what was measured, say where, and fail as before
+            result["error"] = f"{type(e).__name__}: {e}"
+            path = command.write_json(out, "host_cost.json", result)
+            print(f"the run failed ({result['error'][:200]}); what it measured is in {path}", file=sys.stderr)
+            raise
+    path = command.write_json(out, "host_cost.json", result)
     bad = [(n, p) for n, row in result["rows"].items() for p, r in row.items() if not r["exact"]]
     if bad:
-        print(f"MISMATCH: {bad}")
-        return 1
-    return 0
+        print(f"MISMATCH: {bad}", file=sys.stderr)
+    command.wrote(out, [path])
+    return 1 if bad else 0

@@ -53,8 +53,9 @@ from uvaple.integration import GatherLookup, HotSet, TableSpec, counts_of_ids, r
 from uvaple.integration.quantize import fp8_row_table
 from uvaple.kernels.gather import DirectGather
 from uvaple.kernels.tuning import LaunchConfig
-from uvaple.uva import HostTable
+from uvaple.uva import HostTable, row_stride_bytes
 
+from . import command
 from .peers import vllm_ple_gather
 from .timing import graph_replay_us
 
@@ -62,6 +63,7 @@ VOCAB, COLS = 262_144, 35 * 256
 NS = (1, 8, 64, 2048, 4096, 8192, 16384)  # 2,048 and 4,096: where de-duplicated prefill starts to pay
 DECODE_MAX = 512  # calls of at most this many ids are decode batches (see call_ids)
 DECODE_SETS = 64
+SMOKE_ROWS, SMOKE_COLS = 4096, 2 * 256  # the --smoke table: 4 MiB of bf16
 # fp8 rows' tile sweep beside the shipped (2,048 B of codes, 4 warps: kernels/tuning.py): (bytes of codes
 # per program, warps)
 FP8_TILES = ((1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8))
@@ -69,6 +71,11 @@ FP8_TILES = ((1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8))
 ROW_TILE_VARIANTS = {"fp8_t2048_w4_rows": ("fp8", LaunchConfig(2048, 4, True)),
                      "fp8_t1024_w4_rows": ("fp8", LaunchConfig(1024, 4, True)),
                      "uncached_rows": ("uncached", LaunchConfig(2048, 4, True))}
+
+
+# what run() does before the first timed call, each a step of its progress bar
+SETUP_STEPS = ("filling the table", "quantising it to fp8_row", "ranking the profile's rows",
+               "building the lookups", "counting the served text's first half")
 
 
 def zipf_ids(n: int, vocab: int, seed: int, s: float = 1.1) -> np.ndarray:
@@ -140,7 +147,7 @@ def normal_table(rows: int, cols: int, seed: int) -> HostTable:
     g = torch.Generator().manual_seed(seed)
     layer_scale = torch.logspace(-2, 0, -(-cols // 256)).repeat_interleave(256)[:cols]
     step = max(1, (64 << 20) // (cols * 2))
-    for r0 in range(0, rows, step):
+    for r0 in command.bar(range(0, rows, step), desc="filling the table", unit="block"):
         n = min(step, rows - r0)
         t.write_rows((torch.randn(n, cols, generator=g) * layer_scale).to(torch.bfloat16), r0)
     return t
@@ -166,14 +173,28 @@ def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fraction: float, ns, device,
-        replays: int, smoke: bool) -> dict:
+        replays: int, smoke: bool, res: dict | None = None) -> dict:
+    """Every provider at every ``n`` of ``ns`` (module docstring); the records go into ``res`` (a new dict by
+    default) as they are made, so a caller keeps what a failed run measured."""
+    setup = command.bar(total=len(SETUP_STEPS), desc="setting up", unit="step")
+    setup.set_postfix_str(SETUP_STEPS[0], refresh=False)
+
+    def done(step: int) -> None:
+        setup.update(1)
+        if step + 1 < len(SETUP_STEPS):
+            setup.set_postfix_str(SETUP_STEPS[step + 1])
+
     table = normal_table(rows, cols, seed=3)
+    done(0)
     fp8_table, err = fp8_row_table(table.tensor, out_dtype=torch.bfloat16)
-    res: dict = {"rows": rows, "row_bytes": cols * 2, "fp8_row_bytes": cols + 4, "hot_fraction": hot_fraction,
-                 "fp8_error": err.summary(), "results": []}
+    done(1)
+    res = {} if res is None else res
+    res.update({"rows": rows, "row_bytes": cols * 2, "fp8_row_bytes": cols + 4, "hot_fraction": hot_fraction,
+                "fp8_error": err.summary(), "results": []})
     k = HotSet.capacity_for(table, fraction=hot_fraction)
     profile_counts = counts_of_ids(profile, rows)
     ranked = rank_rows(profile_counts, k)
+    done(2)
     serve_t = torch.as_tensor(serve % rows)
     # the online hot set learns from the served text's first half; every provider is timed on the second
     half = len(serve_t) // 2
@@ -204,11 +225,14 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     online = HotSet(table, k, device, rows=ranked.to(device), count_ids=True)
     online.add_counts(profile_counts)
     lookups["hot_online"] = GatherLookup(table, spec, device, hot=online, order="direct")
+    done(3)
     scratch = torch.empty(min(8192, max(1, len(warm_t))), cols, dtype=torch.bfloat16, device=device)
-    for a in range(0, len(warm_t), scratch.shape[0]):
+    for a in command.bar(range(0, len(warm_t), scratch.shape[0]), desc="counting served ids", unit="call"):
         part = warm_t[a: a + scratch.shape[0]].to(device)
         lookups["hot_online"].lookup(part, scratch[: part.numel()])
     online.refresh(decay=0)  # profile + the first half's served ids, ranked on the device
+    done(4)
+    setup.close()
     del scratch
     held_online = _mask(rows, online.held[: online.size].cpu())
     res["online_rows"] = online.size
@@ -225,7 +249,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         tiles = {f"fp8_t{t}_w{w}": launched_with(lookups["fp8"], out, LaunchConfig(t, w)) for t, w in FP8_TILES}
         tiles.update({name: launched_with(lookups[base], out, cfg) for name, (base, cfg) in
                       ROW_TILE_VARIANTS.items()})
-        for n in ns:
+        for n in command.bar(ns, desc="ids per call", unit="n"):
             sets = call_ids(serve_t, n, seed=n).to(device)
             ids = sets[0]
             want = lookups["uncached"].lookup(ids, torch.empty(n, cols, dtype=torch.bfloat16, device=device)).clone()
@@ -276,7 +300,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                 rec["all_online_over_peer"] = us["peer"] / us["all_online"]
                 rec["all_auto_over_peer"] = us["peer"] / us["all_auto"]
                 rec["all_auto_sorted"] = lookups["all_auto"].uses_sorted(n)
-            print(json.dumps(rec), flush=True)
+            command.say(json.dumps(rec))
             res["results"].append(rec)
     finally:
         for lk in lookups.values():
@@ -287,38 +311,90 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
     return res
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="uvaple bench --workload hotset",
+        description="Fewer bytes for token-id PLE rows: a hot set, de-duplication and fp8 rows, alone and together, "
+                    "against the uncached lookup and vLLM's kernel shape (Gemma 3n E4B rows), each checked bit for "
+                    "bit, then timed in CUDA graphs. Needs a CUDA GPU; --smoke runs it small on the CPU.",
+        epilog="exit status: 0 every lossless provider bit-exact; 1 one differed; 2 refused before any work (the "
+               "message says why and which flag runs here). Progress goes to stderr, results to stdout and --out.")
+    p.add_argument("--profile-ids", help="ids ranking the hot set (.npy or a text of whitespace-separated ids); "
+                                         "with --serve-ids (default: two Zipf(1.1) draws, not text)")
+    p.add_argument("--serve-ids", help="ids served and timed (a different text); with --profile-ids")
+    p.add_argument("--hot-fraction", type=float, default=0.05, help="share of the rows the hot set holds (default "
+                                                                    "0.05)")
+    p.add_argument("--rows", type=command.positive_ints, default=list(NS),
+                   help=f"ids per call, comma-separated (default {','.join(map(str, NS))}; --smoke keeps those up "
+                        f"to {DECODE_MAX}, else 64)")
+    p.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per timed point (default 20)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a small run on the CPU on any machine: a {SMOKE_ROWS:,}-row table of {SMOKE_COLS} bf16 "
+                        "columns, interpreted kernels, correctness only, no timing (well under a minute)")
+    p.add_argument("--out", help="directory for hotset.json, made and checked writable before any work (default "
+                                 "./uvaple-results/<UTC time>_hotset_<gpu or cpu>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p.parse_args(argv)
+
+
+def check_runnable(a: argparse.Namespace) -> None:
+    """Refuse (:class:`command.Refused`) what this machine cannot run, before anything is built."""
+    if bool(a.profile_ids) != bool(a.serve_ids):
+        raise command.Refused("--profile-ids and --serve-ids go together (the hot set is ranked on one text and "
+                              "timed on the other): give both, or neither for two Zipf draws")
+    for flag, path in (("--profile-ids", a.profile_ids), ("--serve-ids", a.serve_ids)):
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise command.Refused(f"{flag} {path}: no readable file there (a .npy or a text of token ids)")
+    if not 0 < a.hot_fraction < 1:
+        raise command.Refused(f"--hot-fraction must lie between 0 and 1, got {a.hot_fraction}")
+    if not a.smoke:
+        command.needs_cuda("the hotset workload (it times CUDA graphs)",
+                           "--smoke runs it small on the CPU (correctness only, well under a minute)")
+    rows, cols = (SMOKE_ROWS, SMOKE_COLS) if a.smoke else (VOCAB, COLS)
+    # the bf16 table, its fp8_row copy and the same codes with one global scale
+    need = rows * cols * 2 + rows * row_stride_bytes(cols + 4) + rows * row_stride_bytes(cols)
+    command.check_fits(need, f"the hotset tables ({rows:,} rows of {cols * 2:,} B, their fp8 copies)",
+                       "--smoke runs it small")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="uvaple bench --workload hotset", description=__doc__.splitlines()[0])
-    p.add_argument("--profile-ids", help="ids ranking the hot set (.npy or text of ids)")
-    p.add_argument("--serve-ids", help="ids served and timed (a different text)")
-    p.add_argument("--hot-fraction", type=float, default=0.05)
-    p.add_argument("--rows", default=",".join(map(str, NS)), help="ids per call, comma-separated")
-    p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU: a small table, interpreted kernels, correctness only")
-    p.add_argument("--out", help="directory for hotset.json")
-    a = p.parse_args(argv)
-    rows, cols = (4096, 2 * 256) if a.smoke else (VOCAB, COLS)
-    if a.profile_ids and a.serve_ids:
-        profile, serve, source = _load_ids(a.profile_ids), _load_ids(a.serve_ids), "files"
-    else:
-        profile, serve = zipf_ids(200_000, rows, seed=1), zipf_ids(200_000, rows, seed=2)
-        source = "zipf(1.1) draws, not text: pass --profile-ids/--serve-ids for real text"
-    print(f"traces: {source}", flush=True)
-    ns = [int(x) for x in a.rows.split(",") if x.strip()]
-    if a.smoke:
-        ns = [n for n in ns if n <= 512] or [64]
-    device = torch.device("cuda") if torch.cuda.is_available() and not a.smoke else torch.device("cpu")
-    res = run(rows, cols, profile, serve, a.hot_fraction, ns, device, a.replays, a.smoke)
-    res["traces"] = source
-    print(f"online hot set {res['online_rows']} rows (profile + {res['online_warm_ids']} served ids); held-out hit "
-          f"rate {res['online_held_out_hit_rate']:.3f}", flush=True)
-    print(f"hot set {res['hot_rows']} rows ({a.hot_fraction:.0%}); held-out hit rate {res['held_out_hit_rate']:.3f}; "
-          f"fp8 error {res['fp8_error']}", flush=True)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "hotset.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    prog = "uvaple bench --workload hotset"
+    a = parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    try:
+        check_runnable(a)
+        out = command.prepare_out(a.out, command.default_out_dir("hotset", command.device_label(cuda)))
+    except command.Refused as e:
+        return command.refuse(prog, e)
+    rows, cols = (SMOKE_ROWS, SMOKE_COLS) if a.smoke else (VOCAB, COLS)
+    with command.progress(not a.quiet):
+        if a.profile_ids and a.serve_ids:
+            loading = command.bar([a.profile_ids, a.serve_ids], desc="loading the traces", unit="file")
+            profile, serve = (_load_ids(path) for path in loading)
+            source = "files"
+        else:
+            profile, serve = zipf_ids(200_000, rows, seed=1), zipf_ids(200_000, rows, seed=2)
+            source = "zipf(1.1) draws, not text: pass --profile-ids/--serve-ids for real text"
+        command.say(f"traces: {source}")
+        ns = ([n for n in a.rows if n <= DECODE_MAX] or [64]) if a.smoke else a.rows
+        device = torch.device("cuda") if cuda else torch.device("cpu")
+        res = {"traces": source, "smoke": a.smoke}
+        try:
+            run(rows, cols, profile, serve, a.hot_fraction, ns, device, a.replays, a.smoke, res)
+        except BaseException as e:  # keep what was measured, say where, and fail as before
+            res["error"] = f"{type(e).__name__}: {e}"
+            path = command.write_json(out, "hotset.json", res)
+            print(f"the run failed ({res['error'][:200]}); what it measured is in {path}", file=sys.stderr)
+            raise
+    command.say(f"online hot set {res['online_rows']} rows (profile + {res['online_warm_ids']} served ids); held-out "
+                f"hit rate {res['online_held_out_hit_rate']:.3f}")
+    command.say(f"hot set {res['hot_rows']} rows ({a.hot_fraction:.0%}); held-out hit rate "
+                f"{res['held_out_hit_rate']:.3f}; fp8 error {res['fp8_error']}")
+    path = command.write_json(out, "hotset.json", res)
     ok = all(all(r["bit_exact"].values()) for r in res["results"])
+    if not ok:
+        print("NOT BIT-EXACT: a lossless provider's rows differed (see bit_exact in the results)", file=sys.stderr)
+    command.wrote(out, [path])
     return 0 if ok else 1
 
 

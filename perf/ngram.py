@@ -39,7 +39,6 @@ kernels, correctness only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -51,8 +50,9 @@ from uvaple.integration import GatherLookup, SplitLookup, TableSpec
 from uvaple.integration.placements import split as split_plan
 from uvaple.integration.placements.host_gather import gather_up
 from uvaple.kernels import tuning
-from uvaple.uva import HostTable
+from uvaple.uva import HostTable, system
 
+from . import command
 from .peers import memcpy_ceiling, vllm_ple_gather
 from .timing import graph_replay_us
 from .vllm_shapes import random_table, reference_rows
@@ -70,12 +70,15 @@ GIB = 1 << 30
 # Every timed call reads rows of ids no call read in the last SET_ROTATE_BYTES of rows (more than the
 # host's 300 MB last-level cache and the GPU's 50 MB L2): the rows come from DRAM, as a prefill's do.
 SET_ROTATE_BYTES = 1 << 30
+SMOKE_ROWS = 20_000  # the --smoke table: 3.2 MB
+SMOKE_MAX_N = 1024  # --smoke's largest call (interpreted: 256 and 1,024 ids of both patterns, ~40 s of CPU on 2 cores)
+SWEEP_FLAGS = ("sweep", "split_sweep", "shape_sweep", "sort_sweep")
 HEURISTIC_NAMES = ("SORT_MIN_IDS", "SORT_MIN_IDS_PER_GIB", "SORT_SPARSE_MAX_ROW_BYTES", "SORT_MIN_IDS_SMALL_SPAN",
                    "SORT_MAX_ROW_BYTES", "SORT_MIN_SPAN_BYTES")
 
 
 def make_table(table_gib: float, smoke: bool) -> HostTable:
-    rows = 20_000 if smoke else int(table_gib * GIB) // ROW_BYTES
+    rows = SMOKE_ROWS if smoke else int(table_gib * GIB) // ROW_BYTES
     return random_table(rows, ROW_BYTES, torch.float8_e4m3fn, seed=7)
 
 
@@ -227,7 +230,7 @@ def _time_eager(call, sets: list[torch.Tensor], reps: int, cuda: bool, start: in
 def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
     rows, device = run.table.rows, run.device
     recs = []
-    for n in ns:
+    for n in command.bar(ns, desc=f"{pattern} ids", unit="point"):
         sets_cpu = [ngram_ids(n, rows, seed=n + k) if pattern == "ngram" else
                     torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n + k))
                     for k in range(_sets_for(n) if run.cuda else 1)]
@@ -284,15 +287,14 @@ def bench(run: Run, ns: list[int], pattern: str, replays: int) -> list[dict]:
                 "ours_auto_of_memcpy": us["memcpy"] / us["ours-auto"],
             }
             r = rec["ratios"]
-            print(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']:6s} "
+            command.say(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']:6s} "
                   + " ".join(f"{k} {v:9.1f}us" for k, v in us.items())
                   + f" | auto/peer {r['ours_auto_over_peer']:.2f} best/cpu {r['best_path_over_cpu_gather']:.2f} "
                     f"split/cpu {r['split_over_cpu_gather']:.2f} auto/cpu {r['ours_auto_over_cpu_gather']:.2f} "
-                    f"of-seq {r['ours_auto_of_sequential']:.2f} cpu-gather cpu {cpu['cpu_us']:.0f}us exact {exact}",
-                  flush=True)
+                    f"of-seq {r['ours_auto_of_sequential']:.2f} cpu-gather cpu {cpu['cpu_us']:.0f}us exact {exact}")
         else:
-            print(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']}: exact {exact} "
-                  "(interpreted: not timed)", flush=True)
+            command.say(f"{pattern:6s} n {n:8d} ({distinct:8d} distinct) auto={rec['auto_path']}: exact {exact} "
+                        "(interpreted: not timed)")
         recs.append(rec)
     return recs
 
@@ -302,40 +304,38 @@ def sweep(run: Run, replays: int) -> list[dict]:
     device = run.device
     flat = run.view.view(torch.uint8).reshape(-1)
     recs = []
-    for rb in SWEEP_ROW_BYTES:
-        for span_gib in SWEEP_SPANS_GIB:
-            span = flat.numel() if span_gib is None else min(flat.numel(), int(span_gib * GIB))
-            rows = span // rb
-            table = flat[: rows * rb].view(rows, rb)
-            for n in SWEEP_N:
-                if n * rb > SWEEP_MAX_CALL_BYTES or n > rows:
-                    continue
-                out = torch.empty(n, rb, dtype=torch.uint8, device=device)
-                ws = torch.empty(2, n, dtype=torch.int64, device=device)
-                ids_buf = torch.randint(0, rows, (2, n), device=device)
+    points = [(rb, span, n) for rb in SWEEP_ROW_BYTES
+              for span in [flat.numel() if g is None else min(flat.numel(), int(g * GIB)) for g in SWEEP_SPANS_GIB]
+              for n in SWEEP_N if n * rb <= SWEEP_MAX_CALL_BYTES and n <= span // rb]
+    for rb, span, n in command.bar(points, desc="sweep", unit="point"):
+        rows = span // rb
+        table = flat[: rows * rb].view(rows, rb)
+        out = torch.empty(n, rb, dtype=torch.uint8, device=device)
+        ws = torch.empty(2, n, dtype=torch.int64, device=device)
+        ids_buf = torch.randint(0, rows, (2, n), device=device)
 
-                def direct(ids, table=table, out=out):
-                    torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0)
+        def direct(ids, table=table, out=out):
+            torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0)
 
-                def ordered(ids, table=table, out=out, ws=ws):
-                    torch.ops.uvaple.gather_rows_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, False)
+        def ordered(ids, table=table, out=out, ws=ws):
+            torch.ops.uvaple.gather_rows_sorted(table, ids, out, None, None, ws, 0, False, 0, 0, 0, 0, 0, False)
 
-                ids = ids_buf[0]
-                direct(ids)
-                a = out.clone()
-                out.fill_(0)
-                ordered(ids)
-                same = torch.equal(a, out)
-                refresh = (lambda b, rows=rows: b.random_(0, rows))
-                d = graph_replay_us(direct, ids_buf, refresh, replays)["median"]
-                s = graph_replay_us(ordered, ids_buf, refresh, replays)["median"]
-                rec = {"row_bytes": rb, "span_gib": span / GIB, "n": n, "direct_us": d, "sorted_us": s,
-                       "sorted_over_direct": d / s, "bit_exact": same,
-                       "heuristic_sorted": tuning.use_sorted(n, rb, span)}
-                print(f"sweep rb {rb:6d} span {span / GIB:6.2f} GiB n {n:7d}: direct {d:9.1f} us sorted {s:9.1f} us "
-                      f"speedup {d / s:5.2f} heuristic={'sorted' if rec['heuristic_sorted'] else 'direct'} "
-                      f"exact {same}", flush=True)
-                recs.append(rec)
+        ids = ids_buf[0]
+        direct(ids)
+        a = out.clone()
+        out.fill_(0)
+        ordered(ids)
+        same = torch.equal(a, out)
+        refresh = (lambda b, rows=rows: b.random_(0, rows))
+        d = graph_replay_us(direct, ids_buf, refresh, replays)["median"]
+        s = graph_replay_us(ordered, ids_buf, refresh, replays)["median"]
+        rec = {"row_bytes": rb, "span_gib": span / GIB, "n": n, "direct_us": d, "sorted_us": s,
+               "sorted_over_direct": d / s, "bit_exact": same,
+               "heuristic_sorted": tuning.use_sorted(n, rb, span)}
+        command.say(f"sweep rb {rb:6d} span {span / GIB:6.2f} GiB n {n:7d}: direct {d:9.1f} us sorted "
+                    f"{s:9.1f} us speedup {d / s:5.2f} heuristic="
+                    f"{'sorted' if rec['heuristic_sorted'] else 'direct'} exact {same}")
+        recs.append(rec)
     return recs
 
 
@@ -382,9 +382,7 @@ def shape_sweep(run: Run, replays: int) -> list[dict]:
             launcher(ids, run.out[:n], 0, n)
         return call
 
-    for n in SHAPE_N:
-        if n > run.out.shape[0]:
-            continue
+    for n in command.bar([n for n in SHAPE_N if n <= run.out.shape[0]], desc="shape sweep", unit="n"):
         calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
         ids_buf, refresh = _cold_sets(run, n, calls)
         out, check = run.out[:n], ids_buf[0].clone()  # (the timing rewrites ids_buf)
@@ -407,8 +405,8 @@ def _time_variants(kind: str, n: int, variants: dict, ids_buf, refresh, check, o
         exact = torch.equal(out.view(torch.int16), want.view(torch.int16)) if writes else None
         t = graph_replay_us(call, ids_buf, refresh, replays)
         recs.append({"n": n, "variant": name, "us": t["median"], "p20": t["p20"], "p80": t["p80"], "bit_exact": exact})
-        print(f"{kind} n {n:8d} {name:34s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
-              f"{n / t['median']:7.1f} M rows/s exact {exact}", flush=True)
+        command.say(f"{kind} n {n:8d} {name:34s}: {t['median']:9.1f} us (p20 {t['p20']:9.1f} p80 {t['p80']:9.1f}) "
+                    f"{n / t['median']:7.1f} M rows/s exact {exact}")
     return recs
 
 
@@ -458,9 +456,7 @@ def sort_sweep(run: Run, replays: int) -> list[dict]:
     order (int16 keys, the ids taken in that order, the gather kernel on them as given), compared bit for bit
     with the shipped call's output."""
     lk, recs = run.lookups["sorted"], []
-    for n in SORT_N:
-        if n > run.out.shape[0]:
-            continue
+    for n in command.bar([n for n in SORT_N if n <= run.out.shape[0]], desc="sort sweep", unit="n"):
         calls = max(2, min(16, (256 << 20) // (n * ROW_BYTES * 3)))
         ids_buf, refresh = _cold_sets(run, n, calls)
         out, check = run.out[:n], ids_buf[0].clone()
@@ -478,9 +474,9 @@ SPLIT_N = (16384, 65536, 262144, 1048576)
 def split_sweep(run: Run, reps: int) -> list[dict]:
     """The split path by GPU share, chunk rows and n (random ids): the data behind ``placements.split.SPLIT_PLAN``."""
     recs = []
-    for n in SPLIT_N:
-        if n > run.out.shape[0]:
-            continue
+    ns = [n for n in SPLIT_N if n <= run.out.shape[0]]
+    progress = command.bar(total=len(ns) * len(SPLIT_CHUNKS), desc="split sweep", unit="chunking")
+    for n in ns:
         sets = [torch.randint(0, run.table.rows, (n,), generator=torch.Generator().manual_seed(99 + k))
                 for k in range(_sets_for(n))]
         turn = 0  # the sets in rotation across the whole sweep of this n
@@ -490,16 +486,18 @@ def split_sweep(run: Run, reps: int) -> list[dict]:
                 turn += reps + 2
                 recs.append({"n": n, "gpu_share": share, "chunk_rows": chunk or n, "us": t["median"],
                              "cpu_us": t["cpu_us"]})
-                print(f"split n {n:8d} gpu share {share:.2f} chunk {chunk or n:8d}: {t['median']:9.1f} us "
-                      f"(cpu {t['cpu_us']:.0f} us)", flush=True)
+                command.say(f"split n {n:8d} gpu share {share:.2f} chunk {chunk or n:8d}: {t['median']:9.1f} us "
+                            f"(cpu {t['cpu_us']:.0f} us)")
             for path in ("parallel", "prefetch", "torch"):
                 t = _time_eager(lambda i, c=chunk or n, p=path: run.cpu_gather_chunked(i, c, p), sets, reps, True,
                                 turn)
                 turn += reps + 2
                 recs.append({"n": n, "cpu_gather_chunk_rows": chunk or n, "cpu_path": path, "us": t["median"],
                              "cpu_us": t["cpu_us"]})
-                print(f"cpu-gather-chunked n {n:8d} chunk {chunk or n:8d} {path:8s}: {t['median']:9.1f} us "
-                      f"(cpu {t['cpu_us']:.0f} us)", flush=True)
+                command.say(f"cpu-gather-chunked n {n:8d} chunk {chunk or n:8d} {path:8s}: {t['median']:9.1f} us "
+                            f"(cpu {t['cpu_us']:.0f} us)")
+            progress.update(1)
+    progress.close()
     return recs
 
 
@@ -530,59 +528,119 @@ def _plot(recs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="uvaple bench --workload ngram", description=__doc__.splitlines()[0])
-    p.add_argument("--table-gib", type=float, default=24.0)
-    p.add_argument("--rows", default=",".join(map(str, N_DEFAULT)), help="ids per call, comma-separated")
-    p.add_argument("--patterns", default="random,ngram")
-    p.add_argument("--sweep", action="store_true", help="also the direct/sorted sweep by row size, span and n")
-    p.add_argument("--split-sweep", action="store_true", help="also the split sweep (GPU share x chunk rows) alone")
-    p.add_argument("--shape-sweep", action="store_true", help="also the kernels' program shapes (cold rows) alone")
-    p.add_argument("--sort-sweep", action="store_true", help="also the sorted call's sort alone and coarser keys")
-    p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU: a tiny table, interpreted kernels, correctness only")
-    p.add_argument("--out", help="directory for ngram.json (and ngram_rows.png)")
-    a = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.smoke
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    ns = [int(x) for x in a.rows.split(",") if x.strip()]
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="uvaple bench --workload ngram",
+        description="160-byte fp8 rows at random over a big table, the n-gram PLE shape: our gather (auto, direct, "
+                    "sorted) against vLLM's kernel shape, a CPU gather, the split path and the memcpy ceiling, each "
+                    "checked bit for bit, then timed in CUDA graphs. Needs a CUDA GPU; --smoke runs it small on the "
+                    "CPU.",
+        epilog="exit status: 0 every provider bit-exact; 1 a provider's rows differed; 2 refused before any work "
+               "(the message says why and which flag runs here). Progress goes to stderr, results to stdout and "
+               "--out.")
+    p.add_argument("--table-gib", type=float, default=24.0,
+                   help="table size in GiB (default 24; must fit in free host memory; --smoke: a 20,000-row table)")
+    p.add_argument("--rows", type=command.positive_ints, default=list(N_DEFAULT),
+                   help=f"ids per call, comma-separated (default {','.join(map(str, N_DEFAULT))}; --smoke keeps "
+                        f"those up to {SMOKE_MAX_N:,}, else 256)")
+    p.add_argument("--patterns", default="random,ngram",
+                   help="id streams, comma-separated: random, ngram (default both; empty: the sweeps alone)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also the direct/sorted sweep by row size, span and n, and the split and shape sweeps (GPU)")
+    p.add_argument("--split-sweep", action="store_true", help="also the split sweep (GPU share x chunk rows) (GPU)")
+    p.add_argument("--shape-sweep", action="store_true", help="also the kernels' program shapes, cold rows (GPU)")
+    p.add_argument("--sort-sweep", action="store_true", help="also the sorted call's sort alone and coarser keys (GPU)")
+    p.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per timed point (default 20)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a small run on the CPU on any machine: a {SMOKE_ROWS:,}-row table, interpreted kernels, "
+                        "correctness only, no timing (about a minute on 2 cores)")
+    p.add_argument("--out", help="directory for ngram.json (and ngram_rows.png on a GPU), made and checked "
+                                 "writable before any work (default ./uvaple-results/<UTC time>_ngram_<gpu or "
+                                 "cpu>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p.parse_args(argv)
+
+
+def check_runnable(a: argparse.Namespace) -> None:
+    """Refuse (:class:`command.Refused`) what this machine cannot run, before anything is built."""
+    sweeps = [f"--{f.replace('_', '-')}" for f in SWEEP_FLAGS if getattr(a, f)]
     if a.smoke:
-        ns = [n for n in ns if n <= 4096] or [256]
+        if sweeps:
+            raise command.Refused(f"{', '.join(sweeps)} {'time' if len(sweeps) > 1 else 'times'} CUDA graphs on a "
+                                  f"GPU; --smoke runs on the CPU: drop {' and '.join(sweeps)} or --smoke")
+    else:
+        command.needs_cuda("the ngram workload (it times CUDA graphs)",
+                           "--smoke runs it small on the CPU (correctness only, about a minute)")
+    rows = SMOKE_ROWS if a.smoke else int(a.table_gib * GIB) // ROW_BYTES
+    if rows < 1:
+        raise command.Refused(f"--table-gib {a.table_gib} holds no {ROW_BYTES}-byte row: give a positive size")
+    fits = (system.mem_available_bytes() or 0) * 0.9 / GIB  # leave a tenth for the run's buffers
+    command.check_fits(rows * ROW_BYTES, f"a {a.table_gib:g} GiB table (--table-gib)",
+                       f"Pass a smaller --table-gib (at most about {fits:.0f} GiB here), or --smoke for the small "
+                       "CPU run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "uvaple bench --workload ngram"
+    a = parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    try:
+        check_runnable(a)
+        out = command.prepare_out(a.out, command.default_out_dir("ngram", command.device_label(cuda)))
+    except command.Refused as e:
+        return command.refuse(prog, e)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ns = a.rows
+    if a.smoke:
+        ns = [n for n in ns if n <= SMOKE_MAX_N] or [256]
     if cuda:
         torch.set_num_threads(min(16, os.cpu_count() or 1))
+    with command.progress(not a.quiet):
+        return _run(a, ns, cuda, device, out)
+
+
+def _run(a: argparse.Namespace, ns: list[int], cuda: bool, device: torch.device, out) -> int:
     t0 = time.perf_counter()
     table = make_table(a.table_gib, a.smoke)
-    print(f"# {table.rows:,} rows of {ROW_BYTES} B fp8 ({table.rows * ROW_BYTES / GIB:.2f} GiB), ready and filled in "
-          f"{time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}; "
-          f"{'CUDA graphs' if cuda else 'interpreted, not timed'}", flush=True)
+    command.say(f"# {table.rows:,} rows of {ROW_BYTES} B fp8 ({table.rows * ROW_BYTES / GIB:.2f} GiB), ready and "
+                f"filled in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}; "
+                f"{'CUDA graphs' if cuda else 'interpreted, not timed'}")
+    doc = {"device": torch.cuda.get_device_name() if cuda else "cpu", "table_gib": a.table_gib,
+           "table_rows": table.rows, "smoke": a.smoke, "row_bytes": ROW_BYTES,
+           "heuristic": {k: getattr(tuning, k) for k in HEURISTIC_NAMES},
+           "split_plan": [list(x) for x in split_plan.SPLIT_PLAN],
+           "results": [], "sweep": [], "split_sweep": [], "shape_sweep": [], "sort_sweep": []}
     run = Run(table, max(ns), device)
-    recs = []
     try:
         for pattern in filter(None, (x.strip() for x in a.patterns.split(","))):  # "": the sweeps alone
-            recs += bench(run, ns, pattern, a.replays)
-        sweep_recs = sweep(run, max(5, a.replays // 2)) if a.sweep and cuda else []
-        split_recs = split_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.split_sweep) and cuda else []
-        shape_recs = shape_sweep(run, max(5, a.replays // 2)) if (a.sweep or a.shape_sweep) and cuda else []
-        sort_recs = sort_sweep(run, max(5, a.replays // 2)) if a.sort_sweep and cuda else []
+            doc["results"] += bench(run, ns, pattern, a.replays)
+        reps = max(5, a.replays // 2)
+        if a.sweep and cuda:
+            doc["sweep"] = sweep(run, reps)
+        if (a.sweep or a.split_sweep) and cuda:
+            doc["split_sweep"] = split_sweep(run, reps)
+        if (a.sweep or a.shape_sweep) and cuda:
+            doc["shape_sweep"] = shape_sweep(run, reps)
+        if a.sort_sweep and cuda:
+            doc["sort_sweep"] = sort_sweep(run, reps)
+    except BaseException as e:  # keep what was measured, say where, and fail as before
+        doc["error"] = f"{type(e).__name__}: {e}"
+        path = command.write_json(out, "ngram.json", doc)
+        print(f"the run failed ({doc['error'][:200]}); what it measured is in {path}", file=sys.stderr)
+        raise
     finally:
         run.close()
         table.close()
-    bad = [r for r in recs if not all(r["bit_exact"].values())] + \
-        [r for r in sweep_recs + shape_recs + sort_recs if r["bit_exact"] is False]
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "ngram.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "table_gib": a.table_gib,
-                       "row_bytes": ROW_BYTES, "heuristic": {k: getattr(tuning, k) for k in HEURISTIC_NAMES},
-                       "split_plan": [list(x) for x in split_plan.SPLIT_PLAN],
-                       "results": recs, "sweep": sweep_recs, "split_sweep": split_recs,
-                       "shape_sweep": shape_recs, "sort_sweep": sort_recs}, f, indent=1)
-        if cuda:
-            _plot(recs, os.path.join(a.out, "ngram_rows.png"))
+    bad = [r for r in doc["results"] if not all(r["bit_exact"].values())] + \
+        [r for k in ("sweep", "shape_sweep", "sort_sweep") for r in doc[k] if r["bit_exact"] is False]
+    written = [command.write_json(out, "ngram.json", doc)]
+    if cuda:
+        _plot(doc["results"], os.path.join(out, "ngram_rows.png"))
+        written += [out / "ngram_rows.png"] if (out / "ngram_rows.png").exists() else []
     if bad:
         print(f"NOT BIT-EXACT: {len(bad)} points", file=sys.stderr)
-        return 1
-    return 0
+    command.wrote(out, written)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import command
 from .config import CEILING, COPY_STAGING_BYTES, FILL_CHUNK_BYTES, GIB, GRAPH_PROVIDERS, BenchConfig, fmt_gib
 from .meta import host_mem_total
 from .timing import drain, quantiles
@@ -138,7 +139,7 @@ def _fill_random(table: Any, cfg: BenchConfig, seed: int) -> None:
     if cfg.cuda:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         chunk = max(1, FILL_CHUNK_BYTES // table.row_bytes)
-        for a in range(0, table.rows, chunk):
+        for a in command.bar(range(0, table.rows, chunk), desc="filling the table", unit="chunk"):
             b = min(table.rows, a + chunk)
             g = torch.randn((b - a, table.cols), generator=gen, device="cuda", dtype=torch.float32)
             t[a:b].copy_(g.to(table.dtype))

@@ -110,8 +110,9 @@ def banner(meta: dict[str, Any]) -> str:
     lines = []
     if meta.get("mode") != "gpu":
         lines.append("=" * 100)
-        lines.append("NO GPU: these are CPU / Triton-interpreter times, NOT GPU figures. This run checks that every")
-        lines.append("provider returns the same rows; memcpy-ceiling is a CPU memcpy and no CUDA graphs are timed.")
+        lines.append("CPU RUN (no CUDA GPU here, or --smoke): CPU / Triton-interpreter times, NOT GPU figures. It")
+        lines.append("checks that every provider returns the same rows; memcpy-ceiling is a CPU memcpy and no CUDA")
+        lines.append("graphs are timed.")
         lines.append("=" * 100)
     lines.append(f"uvaple bench  preset={meta.get('preset')}  {meta.get('timestamp')}  git {meta.get('git_commit')}"
                  f"{' (dirty)' if meta.get('git_dirty') else ''}")

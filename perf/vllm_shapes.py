@@ -32,6 +32,7 @@ import torch
 from uvaple.integration import GatherLookup, TableSpec
 from uvaple.uva import HostTable
 
+from . import command
 from .peers import memcpy_ceiling, vllm_ple_dequant, vllm_ple_gather
 from .timing import graph_replay_us
 
@@ -67,7 +68,8 @@ def random_table(rows: int, cols: int, dtype: torch.dtype, seed: int) -> HostTab
     t = HostTable.empty(rows, cols, dtype, register="auto")
     step = max(1, (64 << 20) // row_bytes)
     keep = -0x0101010101010102 if dtype == torch.float8_e4m3fn else -1  # 0xFEFE...: clears each byte's bit 0
-    for a, blk in zip(range(0, rows, step), random_blocks(rows * row_bytes, step * row_bytes, seed, keep), strict=True):
+    blocks = zip(range(0, rows, step), random_blocks(rows * row_bytes, step * row_bytes, seed, keep), strict=True)
+    for a, blk in command.bar(blocks, total=-(-rows // step), desc="filling the table", unit="block"):
         t.write_rows(blk.view(dtype).reshape(-1, cols), a)
     return t
 

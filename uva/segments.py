@@ -589,7 +589,7 @@ class SegmentInfo:
 
     name: str
     path: str
-    size_bytes: int
+    size_bytes: int  # the file: header, rows and page rounding (what the segment maps)
     state: str  # ready / building / failed / stale / foreign
     creator_pid: int | None
     rows: int | None
@@ -598,6 +598,14 @@ class SegmentInfo:
     tag: str | None
     attached: bool  # some process holds the attach lock
     pids: tuple[int, ...]  # processes that have it mapped (from /proc/*/maps; same-user processes)
+    stride_bytes: int | None = None  # bytes between row starts (the header's)
+
+    @property
+    def table_bytes(self) -> int | None:
+        """The table's bytes: rows x row stride, as the table holds them (None without a uvaple header)."""
+        if self.rows is None or self.stride_bytes is None:
+            return None
+        return int(self.rows) * int(self.stride_bytes)
 
     @property
     def in_use(self) -> bool:
@@ -631,7 +639,8 @@ def _info(path: str) -> SegmentInfo | None:
         meta = meta or {}
         attached = kind != "foreign" and _held_by_other(fd, _ATTACH_BYTE)
         return SegmentInfo(name, path, os.fstat(fd).st_size, kind, meta.get("creator_pid"), meta.get("rows"),
-                           meta.get("cols"), meta.get("dtype"), meta.get("tag"), attached, _mapped_by(path))
+                           meta.get("cols"), meta.get("dtype"), meta.get("tag"), attached, _mapped_by(path),
+                           meta.get("stride_bytes"))
     finally:
         os.close(fd)
 

@@ -1,5 +1,5 @@
 """The ``uvaple`` command: ``doctor`` (can this machine run the UVA path?), ``bench`` (benchmarks) and
-``shm`` (shared tables).
+``shm`` (shared tables). ``uvaple COMMAND --help`` gives each command's options and exit statuses.
 """
 
 from __future__ import annotations
@@ -7,19 +7,31 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "doctor": ("uvaple.doctor", "what this machine can run (UVA path, copy path, CPU), with a link measurement"),
-    "bench": ("uvaple.perf.bench", "gather benchmarks: uva vs the copy ceiling and the peers"),
-    "shm": ("uvaple.shm", "list the named shared tables in /dev/shm; remove the ones nobody uses"),
+    "doctor": ("uvaple.doctor", "what this machine can run (UVA path, copy path, CPU) and how fast it reads host "
+                                "memory; exit 0 usable, 3 no usable GPU, 1 the measurement failed"),
+    "bench": ("uvaple.perf.bench", "benchmarks: --workload ple (default), ngram, hotset or host; --smoke runs any "
+                                   "of them small on a CPU; results in --out (default ./uvaple-results/...)"),
+    "shm": ("uvaple.shm", "list the named shared tables in /dev/shm (list); remove the ones nobody uses (clean)"),
 }
+
+USAGE = "usage: uvaple {" + ",".join(COMMANDS) + "} [options]  |  uvaple --version"
+
+
+def usage() -> str:
+    lines = [USAGE, ""]
+    lines += [f"  {name:8s} {helptext}" for name, (_, helptext) in COMMANDS.items()]
+    lines += ["", "uvaple COMMAND --help: that command's options and exit statuses (2: a usage error)."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: uvaple {" + ",".join(COMMANDS) + "} [options]\n")
-        for name, (_, helptext) in COMMANDS.items():
-            print(f"  {name:8s} {helptext}")
-        return 0 if argv else 2
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
     if argv[0] == "--version":
         from . import __version__
 
@@ -27,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"uvaple: unknown command {cmd!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"uvaple: unknown command {cmd!r}; choose one of {', '.join(COMMANDS)} (uvaple --help)", file=sys.stderr)
         return 2
     import importlib
 

@@ -4,8 +4,19 @@ Reports CUDA presence, device name, unified addressing, can-map-host-memory, hos
 memory, read-only registration, the PCIe link (NVML where present), the memlock limit, free host memory,
 and two short measurements: the pinned host-to-device copy ceiling and the zero-copy read rate of the
 gather from a registered table. Without a usable GPU it says what runs instead (host tables, shared
-tables, the copy placement and the kernels on CPU tensors). Exit 0 when the UVA path is usable, 1 with the
-reason otherwise.
+tables, the copy placement and the kernels on CPU tensors), and measures those. Its last line is the
+verdict, with the reason (on stderr with ``--json``, whose stdout is the JSON alone, ``exit_status`` and
+``verdict`` included).
+
+Exit status (:data:`EXIT_STATUS`):
+
+* 0: the UVA path is usable here (and, unless ``--no-measure``, its measurement ran);
+* 1: the GPU has what the UVA path needs, but registering a table or the gather failed in the measurement
+  (the reason names the error: a problem to investigate, not a missing capability);
+* 2: a usage error (an unknown option);
+* 3: the answer is "no usable GPU for the UVA path here": no CUDA GPU visible to torch, the CPU build of
+  torch, no cuda-python, or a GPU without unified addressing / mapped host memory (the report says what
+  runs instead).
 """
 
 from __future__ import annotations
@@ -18,6 +29,14 @@ from dataclasses import asdict, dataclass, field
 from uvaple.dtypes import fmt_bytes
 from uvaple.machine import gpu_info
 from uvaple.uva import cuda_runtime, system
+
+#: exit status -> what it means (the module docstring)
+EXIT_STATUS = {
+    0: "the UVA path is usable here",
+    1: "the GPU has the UVA path's capabilities, but its measurement failed",
+    2: "usage error",
+    3: "no usable GPU for the UVA path here",
+}
 
 
 @dataclass
@@ -223,20 +242,48 @@ def format_report(caps: Capabilities) -> str:
     return "\n".join(lines)
 
 
+def exit_status(caps: Capabilities) -> int:
+    """0, 1 or 3 for ``caps`` (:data:`EXIT_STATUS`; 2 is argparse's, for a usage error)."""
+    if not caps.uva_usable:
+        return 3
+    return 1 if caps.reason else 0
+
+
+def verdict(caps: Capabilities) -> str:
+    """The last line: the exit status, what it means and the reason."""
+    code = exit_status(caps)
+    why = f": {caps.reason}" if caps.reason else ""
+    return f"uvaple doctor: exit {code}: {EXIT_STATUS[code]}{why}"
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import sys
 
-    p = argparse.ArgumentParser(prog="uvaple doctor", description=__doc__.split("\n")[0])
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--no-measure", action="store_true", help="skip the two ~1 s bandwidth measurements")
-    p.add_argument("--seconds", type=float, default=2.0, help="time spent measuring (default 2)")
+    p = argparse.ArgumentParser(
+        prog="uvaple doctor",
+        description="What this machine can run (the UVA path, the copy path, CPU tensors), and how fast it reads "
+                    "host memory.",
+        epilog="exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_STATUS.items()) + ". The last line says "
+               "which, and why (on stderr with --json).")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table (exit_status and verdict "
+                                                       "included)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip the measurements (with a GPU: the pinned copy and the zero-copy gather; without: the "
+                        "copy placement and the interpreted gather)")
+    p.add_argument("--seconds", type=float, default=2.0,
+                   help="time the measurements take together (default 2; a GPU's also builds a 1 GiB table)")
     a = p.parse_args(argv)
     caps = capabilities(measure=not a.no_measure, seconds=a.seconds)
+    code = exit_status(caps)
     if a.json:
-        print(json.dumps(dict(asdict(caps), uva_usable=caps.uva_usable), indent=2))
+        print(json.dumps(dict(asdict(caps), uva_usable=caps.uva_usable, exit_status=code, verdict=verdict(caps)),
+                         indent=2))
+        print(verdict(caps), file=sys.stderr)
     else:
         print(format_report(caps))
-    return 0 if caps.uva_usable and not caps.reason else 1
+        print(verdict(caps))
+    return code
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ Entry point ``vllm.general_plugins: uvaple = uvaple.integration.vllm:register``.
   of vLLM's own class and builds exactly vLLM's model unless the plugin is enabled for that engine.
 * Enabling: ``--additional-config '{"uvaple": {...}}'`` and/or ``UVAPLE_*`` environment variables
   (:mod:`uvaple.integration.vllm.config`); settings are checked when the plugin loads (the environment)
-  and when the model is built (both), and a bad one is a named :class:`PluginConfigError`.
+  and when the model is built (both), and a bad one is a named :class:`PluginConfigError`. A ``"uvaple"``
+  entry for a model the plugin does not serve is never read: :func:`check_model` says so (a warning, once
+  per process).
 * What changes when enabled: :mod:`~uvaple.integration.vllm.qwen4_exp`,
   :mod:`~uvaple.integration.vllm.gemma3n`; sharing and loading: :mod:`~uvaple.integration.vllm.tables`.
 
@@ -26,7 +28,7 @@ import threading
 from .config import ENV_VARS, PluginConfig, PluginConfigError, from_sources
 
 __all__ = ["register", "SUPPORTED_VLLM", "MODELS", "PluginConfig", "PluginConfigError", "ENV_VARS",
-           "UnsupportedVllmVersion", "supported"]
+           "UnsupportedVllmVersion", "supported", "check_model"]
 
 log = logging.getLogger("uvaple.vllm")
 
@@ -43,6 +45,7 @@ MODELS = {
 
 _lock = threading.Lock()
 _registered = False
+_warned_unserved = False
 
 
 class UnsupportedVllmVersion(PluginConfigError):
@@ -80,3 +83,31 @@ def register() -> bool:
             ModelRegistry.register_model(arch, target)
         _registered = True
         return True
+
+
+def check_model(vllm_config) -> bool:
+    """Whether the plugin serves the model of ``vllm_config`` (a ``VllmConfig``: its ``model_config``'s
+    architectures against :data:`MODELS`).
+
+    Where it does not and the engine's ``additional_config`` has a ``"uvaple"`` entry, the entry is never
+    read (vLLM builds its own model class): a warning says so, naming the key, the model and what the plugin
+    serves, once per process. Call it where the engine's config is in hand; it reads attributes only (no
+    vLLM import), so a stand-in config tests it.
+    """
+    global _warned_unserved
+    mc = getattr(vllm_config, "model_config", None)
+    archs = list(getattr(mc, "architectures", None) or getattr(getattr(mc, "hf_config", None), "architectures", None)
+                 or [])
+    if any(a in MODELS for a in archs):
+        return True
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    if "uvaple" not in additional:
+        return False
+    with _lock:
+        if _warned_unserved:
+            return False
+        _warned_unserved = True
+    log.warning('uvaple: --additional-config has a "uvaple" entry, but the model %s (architectures %s) is not one '
+                "the uvaple plugin serves (%s): the entry is ignored and vLLM serves the model as it is",
+                getattr(mc, "model", "?"), archs or "unknown", ", ".join(MODELS))
+    return False
