@@ -382,15 +382,7 @@ class HostScaledEmbedding(nn.Module):
         entry = self._backends.get(key)
         if entry is None:
             options = dict(self.backend_options)
-            fmt = _quantize_format(self.backend_kind, options)
-            options.pop("quantize", None)
-            if fmt is None:
-                table = self._table
-                out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
-                spec = TableSpec.of(table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
-            else:  # the module's scale is in the quantised rows: the lookup only dequantises
-                table = self._quantized(fmt)
-                spec = TableSpec.of(table, encoding="fp8_row", oob=self.oob, out_dtype=self.compute_dtype)
+            table, spec = self._served(options, device)
             hot = hot_set_from_options(table, device, options, self.backend_kind)
             if hot is not None:
                 options["hot"] = hot
@@ -403,6 +395,17 @@ class HostScaledEmbedding(nn.Module):
             entry = self._backends[key] = (lookup, static)
         self._last_device, self._last = device, entry
         return entry
+
+    def _served(self, options: dict, device: torch.device) -> tuple:
+        """(the table a lookup on ``device`` reads, its spec) at the current output dtype; takes from ``options``
+        what it consumes (``quantize``). A subclass serving another table overrides this."""
+        fmt = _quantize_format(self.backend_kind, options)
+        options.pop("quantize", None)
+        if fmt is None:
+            out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
+            return self._table, TableSpec.of(self._table, scale=self.scale_value, oob=self.oob, out_dtype=out_dtype)
+        table = self._quantized(fmt)  # the module's scale is in the quantised rows: the lookup only dequantises
+        return table, TableSpec.of(table, encoding="fp8_row", oob=self.oob, out_dtype=self.compute_dtype)
 
     def _quantized(self, fmt: torch.dtype):
         """The ``fp8_row`` table of this module's rows times its scale, in ``fmt`` (built once, block by block)."""

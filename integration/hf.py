@@ -6,6 +6,11 @@ outside the table read. :func:`apply_uvaple` then either swaps the modules of a 
 owner class so that models built afterwards never hold the table as a parameter. The next PLE model is a
 new entry in :data:`SPECS`.
 
+Gemma 3n's table is a module of its own, replaced by a :class:`HostScaledEmbedding`. Qwen4Exp's sits in a
+module that also hashes the ids: its spec names a ``replacement`` (a subclass of that module), swapped in
+whole on a live model and bound to the module's name in HF's modeling module by the class patch (as Liger
+swaps classes); its ``loader`` fills the tables from the checkpoint before transformers builds the model.
+
 Nothing here imports transformers at import time.
 """
 
@@ -53,6 +58,13 @@ class PleSpec:
         that mark a ``module_class`` construction inside ``owner_class.__init__`` as the PLE table.
     oob : str
         What ids outside the table read (``row0``: transformers maps them to 0).
+    replacement : str, optional
+        Dotted path of a function returning the drop-in subclass of ``module_class`` (``from_module(child,
+        **opts)``, ``free_source`` / ``restore_source(child)``, ``host_embeddings()``, ``close()``).
+    loader : str, optional
+        Dotted path of ``load(path, opts, from_pretrained_kw) -> tables`` (``attach(model)``, ``close()``).
+    checkpoint_keys : tuple of str
+        Regexes of the checkpoint keys transformers' loader must skip (default: ``attr``'s weight).
     """
 
     attr: str
@@ -61,6 +73,9 @@ class PleSpec:
     ctor_args: Callable[[object], dict]
     oob: str = "row0"
     init_std: Callable[[object], float] = field(default=lambda cfg: getattr(cfg, "initializer_range", 0.02))
+    replacement: str | None = None
+    loader: str | None = None
+    checkpoint_keys: tuple[str, ...] = ()
 
 
 def _gemma3n_ctor_args(cfg) -> dict:
@@ -79,10 +94,24 @@ _GEMMA3N = PleSpec(
     oob="row0",
 )
 
-#: ``config.model_type`` -> spec. ``gemma3n`` is the multimodal config, ``gemma3n_text`` the text one.
+_QWEN4_EXP_NGRAM = "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextNGramEmbedding"
+_QWEN4_EXP = PleSpec(
+    attr="ple_embedding",
+    module_class=_QWEN4_EXP_NGRAM,
+    owner_class=_QWEN4_EXP_NGRAM,
+    ctor_args=lambda cfg: {},
+    oob="zero",  # hashed ids are always inside the table; a zero row is the neutral answer
+    replacement="uvaple.integration.qwen4_exp.ngram_embedding_class",
+    loader="uvaple.integration.ngram_tables.load_ngram_tables",
+    checkpoint_keys=(r"(^|\.)ngram_embedding\.weight$", r"(^|\.)ngram_embedding\.weight_scale$"),
+)
+
+#: ``config.model_type`` -> spec. ``gemma3n`` / ``qwen4_exp`` are the multimodal configs, ``*_text`` the text ones.
 SPECS: dict[str, PleSpec] = {
     "gemma3n": _GEMMA3N,
     "gemma3n_text": _GEMMA3N,
+    "qwen4_exp": _QWEN4_EXP,
+    "qwen4_exp_text": _QWEN4_EXP,
 }
 
 
@@ -172,6 +201,8 @@ def apply_uvaple(model: nn.Module | None = None, *, model_type: str | None = Non
 
 # ---------------------------------------------------------------------- live model
 def _swap_live(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
+    if spec.replacement is not None:
+        return _swap_replacement(model, spec, opts)
     module_class = _resolve(spec.module_class)
     patch = UvaplePatch("model")
     targets = [(parent, name, child)
@@ -202,6 +233,34 @@ def _swap_live(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
     return patch
 
 
+def _swap_replacement(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
+    """Replace every ``spec.attr`` module of ``module_class`` by the spec's drop-in (a subclass), built from it."""
+    module_class, drop_in = _resolve(spec.module_class), _resolve(spec.replacement)()
+    patch = UvaplePatch("model")
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if name == spec.attr and isinstance(child, module_class) and not isinstance(child, drop_in)]
+    if not targets and not any(isinstance(m, drop_in) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has no {spec.attr!r} module of type {module_class.__name__}")
+    try:
+        for parent, name, child in targets:
+            new = drop_in.from_module(child, **opts)
+            setattr(parent, name, new)
+            new.free_source(child)  # revert() copies the rows back from the host table
+            patch.modules.extend(new.host_embeddings())
+
+            def undo(parent=parent, name=name, child=child, new=new):
+                if getattr(parent, name) is new:
+                    new.restore_source(child)
+                    setattr(parent, name, child)
+                new.close()
+
+            patch._undo.append(undo)
+    except BaseException:
+        patch.revert()  # the modules swapped so far get their tables back
+        raise
+    return patch
+
+
 # ---------------------------------------------------------------------- class-level patch
 _build = threading.local()
 
@@ -226,6 +285,8 @@ _class_lock = threading.Lock()
 
 
 def _patch_class(spec: PleSpec, opts: dict) -> UvaplePatch:
+    if spec.replacement is not None:
+        return _bind_replacement(spec, opts)
     owner = _resolve(spec.owner_class)
     module_class = _resolve(spec.module_class)
     patch = UvaplePatch("class")
@@ -281,6 +342,32 @@ def _patch_class(spec: PleSpec, opts: dict) -> UvaplePatch:
     return patch
 
 
+def _bind_replacement(spec: PleSpec, opts: dict) -> UvaplePatch:
+    """Bind ``module_class``'s name in its modeling module to a subclass of the drop-in that builds with
+    ``opts`` (read at each construction from the patch's state), until ``revert()``."""
+    where, _, name = spec.module_class.rpartition(".")
+    modeling = importlib.import_module(where)
+    patch = UvaplePatch("class")
+    with _class_lock:
+        if spec.owner_class in _class_patches:
+            raise RuntimeError(f"{name} is already patched by uvaple; revert() that patch first")
+        original = getattr(modeling, name)
+        state = {"opts": opts}
+        drop_in = _resolve(spec.replacement)()
+        bound = type(drop_in.__name__, (drop_in,), {"_uvaple_state": state, "__module__": drop_in.__module__})
+        setattr(modeling, name, bound)
+        _class_patches[spec.owner_class] = state
+
+    def undo():
+        with _class_lock:
+            if getattr(modeling, name) is bound:
+                setattr(modeling, name, original)
+            _class_patches.pop(spec.owner_class, None)
+
+    patch._undo.append(undo)
+    return patch
+
+
 def _ctor_matches(want: dict, args: tuple, kwargs: dict) -> bool:
     names = ("num_embeddings", "embedding_dim", "padding_idx", "embed_scale")
     got = dict(zip(names, args, strict=False))
@@ -321,14 +408,14 @@ def _match_key(wanted: str, keys: list[str], attr: str) -> str:
 class _IgnoreUnexpected:
     """Temporarily tell ``model_class.from_pretrained`` that the PLE key is expected to be skipped."""
 
-    def __init__(self, model_class, attr: str):
-        self.cls, self.pattern = model_class, rf"(^|\.){attr}\.weight$"
+    def __init__(self, model_class, patterns: tuple[str, ...]):
+        self.cls, self.patterns = model_class, set(patterns)
 
     def __enter__(self):
         self.had = "_keys_to_ignore_on_load_unexpected" in self.cls.__dict__
         self.old = self.cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
         cur = getattr(self.cls, "_keys_to_ignore_on_load_unexpected", None) or set()
-        self.cls._keys_to_ignore_on_load_unexpected = set(cur) | {self.pattern}
+        self.cls._keys_to_ignore_on_load_unexpected = set(cur) | self.patterns
 
     def __exit__(self, *exc):
         if self.had:
@@ -360,19 +447,30 @@ def from_pretrained_with_host_tables(model_class, path, *, model_type: str | Non
     spec = _spec_for(None, model_type)
     opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register,
                 max_tokens=max_tokens)
+    # a loader checks the checkpoint and fills the tables first: a bad one fails before the GPU is touched
+    tables = _resolve(spec.loader)(path, opts, from_pretrained_kw) if spec.loader is not None else None
     state = _class_patches.get(spec.owner_class)
     patch = _patch_class(spec, opts) if state is None else None
     saved = None if state is None else state["opts"]
     if state is not None:  # the user's class patch is active: build with this call's options
         state["opts"] = opts
+    ignore = spec.checkpoint_keys or (rf"(^|\.){spec.attr}\.weight$",)
     try:
-        with host_state_dict_excluded(), _IgnoreUnexpected(model_class, spec.attr):
+        with host_state_dict_excluded(), _IgnoreUnexpected(model_class, ignore):
             model = model_class.from_pretrained(path, **from_pretrained_kw)
+        if tables is not None:
+            tables.attach(model)
+    except BaseException:
+        if tables is not None:
+            tables.close()  # tables already handed to modules are theirs: close() releases only the rest
+        raise
     finally:
         if patch is not None:
             patch.revert()
         else:
             state["opts"] = saved
+    if tables is not None:
+        return model
     keys = _checkpoint_keys(path)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     for name, mod in model.named_modules():

@@ -15,9 +15,10 @@ torch reference (stored rows to values), which every kernel path is compared aga
 
 The scale of a quantiser (per row, or global) is ``amax / fmax`` (``fmax``: 448 for e4m3fn, 57344 for
 e5m2) rounded *up* to a bf16 value: then ``scale.to(bfloat16)`` in the formula is exact and ``|x / s| <=
-fmax``, so no code saturates; an all-zero row (table) gets scale 1; a row holding inf or NaN cannot be
-scaled and is an error naming the row. Per element, ``|x - deq| <= |x| * 2^-(m+1) + s * 2^-(m+bias)`` for
-an m-bit mantissa, plus the output dtype's rounding of the product.
+fmax``, so no code saturates (never below the smallest bf16, 2^-133: a row whose largest magnitude is
+under ``fmax * 2^-150`` would otherwise get scale 0); an all-zero row (table) gets scale 1; a row holding
+inf or NaN cannot be scaled and is an error naming the row. Per element, ``|x - deq| <= |x| * 2^-(m+1) +
+s * 2^-(m+bias)`` for an m-bit mantissa, plus the output dtype's rounding of the product.
 
 A new encoding (int8 rows with a per-row scale, say) is one more entry here and one more ``DEQUANT``
 branch in ``rows.convert_rows``; ``TableSpec`` (:mod:`uvaple.integration.spec`) accepts every name here.
@@ -64,8 +65,13 @@ def _check_float_rows(src, fmt: torch.dtype, what: str, row_start: int) -> torch
     return x
 
 
+# The smallest positive bf16 (a subnormal, 2^-133): the least scale. Below amax = 448 * 2^-150 the fp32
+# quotient amax / fmax is 0, and a zero scale would turn the row's zeros into NaN codes (0 / 0).
+_BF16_TINY = 2.0 ** -133
+
+
 def _scale_of(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    scale = _bf16_ceil(amax / FP8_MAX[fmt])
+    scale = _bf16_ceil(amax / FP8_MAX[fmt]).clamp_min(_BF16_TINY)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 

@@ -202,18 +202,27 @@ class HostTable:
         return cls.from_tensor(_as_cpu_tensor(src), dtype=dtype, **kw)
 
     @classmethod
-    def from_safetensors(cls, path: str | os.PathLike, tensor_name: str, *, dtype: torch.dtype | None = None,
-                         threads: int | None = None, **kw) -> HostTable:
-        """Stream one named 2-D tensor of a safetensors file (or checkpoint directory) into a new table.
+    def from_safetensors(cls, path: str | os.PathLike, tensor_name: str | list[str], *,
+                         dtype: torch.dtype | None = None, threads: int | None = None, **kw) -> HostTable:
+        """Stream one named 2-D tensor of a safetensors file (or checkpoint directory) into a new table; or,
+        given a list of names, the tensors stacked on rows (a table saved as shards: same columns and
+        dtype, each read at its row offset, never concatenated in RAM).
 
         Rows are read straight from the file into the table in blocks by several threads: no second
         full copy in RAM and nothing staged through the GPU. See :mod:`uvaple.uva.loading`.
         """
-        from .loading import locate_tensor, safetensors_fill
+        from .loading import check_parts, locate_tensor, locate_tensors, safetensors_fill
 
-        info = locate_tensor(path, tensor_name)
-        return cls._filled(info.shape[0], info.shape[1], dtype or info.dtype,
-                           safetensors_fill(info, threads=threads), dict(kw, threads=threads))
+        if isinstance(tensor_name, str):
+            info = locate_tensor(path, tensor_name)
+            return cls._filled(info.shape[0], info.shape[1], dtype or info.dtype,
+                               safetensors_fill(info, threads=threads), dict(kw, threads=threads))
+        parts = locate_tensors(path, list(tensor_name))
+        first = parts[0].shape if parts else ()
+        rows, cols = sum(p.shape[0] if p.shape else 0 for p in parts), first[1] if len(first) == 2 else 0
+        check_parts(parts, rows, cols)  # every part [*, cols] of one dtype
+        return cls._filled(rows, cols, dtype or parts[0].dtype, safetensors_fill(parts, threads=threads),
+                           dict(kw, threads=threads))
 
     @classmethod
     def _filled(cls, rows: int, cols: int, dtype: torch.dtype, fill, kw: dict) -> HostTable:

@@ -1,13 +1,15 @@
-"""Streaming one tensor of a safetensors checkpoint into a ``HostTable``.
+"""Streaming one tensor of a safetensors checkpoint, or several stacked on rows (a table saved as shards),
+into a ``HostTable``.
 
 The safetensors header is parsed here (8-byte little-endian length, then JSON), every field checked
 against the file, and the rows read with ``os.preadv`` straight into the table's memory by several
-threads in blocks (``pread`` drops the GIL). When the table's row stride equals the file's row size and
-dtypes agree, bytes go from the page cache into the table with no intermediate buffer; otherwise each
-thread reuses one bounded staging block (at most ``_BLOCK_BYTES``) to re-stride or cast. Nothing is ever
-staged through the GPU, and peak extra memory is ``threads x _BLOCK_BYTES`` whatever the table size.
-Each thread commits the pages of its block before reading into it (``HostTable._commit_rows``: a
-shortage is a named error, never a SIGBUS), so a table filled here is not pre-faulted first.
+threads in blocks (``pread`` drops the GIL; the blocks of every shard share one pool of threads). When the
+table's row stride equals the file's row size and dtypes agree, bytes go from the page cache into the
+table with no intermediate buffer; otherwise each thread reuses one bounded staging block (at most
+``_BLOCK_BYTES``) to re-stride or cast. Nothing is ever staged through the GPU, and peak extra memory is
+``threads x _BLOCK_BYTES`` whatever the table size. Each thread commits the pages of its block before
+reading into it (``HostTable._commit_rows``: a shortage is a named error, never a SIGBUS), so a table
+filled here is not pre-faulted first.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ _MAX_HEADER_BYTES = 100 << 20
 # Rows per read: 64 MiB blocks keep 16 threads busy and bound the staging memory.
 _BLOCK_BYTES = 64 << 20
 
-__all__ = ["TensorInfo", "locate_tensor", "read_header", "stream_into", "safetensors_fill"]
+__all__ = ["TensorInfo", "locate_tensor", "locate_tensors", "read_header", "stream_into", "stream_parts_into",
+           "check_parts", "safetensors_fill", "checkpoint_files"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,26 @@ def locate_tensor(path: str | os.PathLike, name: str) -> TensorInfo:
     return info
 
 
+def locate_tensors(path: str | os.PathLike, names: list[str], files: dict[str, Path] | None = None
+                   ) -> list[TensorInfo]:
+    """:func:`locate_tensor` for many names, reading each file's header once (``files``: a
+    :func:`checkpoint_files` result already in hand). Any dimensionality; a missing name is a named error."""
+    files = checkpoint_files(path) if files is None else files
+    headers: dict[Path, tuple[dict, int]] = {}
+    out = []
+    for name in names:
+        if name not in files:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint in {path}.{_suggest(name, files)}")
+        file = files[name]
+        if file not in headers:
+            headers[file] = read_header(file)
+        header, data_start = headers[file]
+        if name not in header:
+            raise CheckpointError(f"tensor {name!r} is not in {file}.{_suggest(name, header)}")
+        out.append(_entry(str(file), name, header, data_start))
+    return out
+
+
 def _read_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     want = sum(v.nbytes for v in views)
     got = 0
@@ -177,56 +200,92 @@ def _read_exact(fd: int, views: list[memoryview], offset: int, path: str) -> Non
 
 def stream_into(table, info: TensorInfo, *, threads: int) -> None:
     """Read ``info``'s rows into ``table`` (same shape; cast when the table's dtype differs)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     rows, cols = info.shape
     if (rows, cols) != (table.rows, table.cols):
         raise CheckpointError(f"tensor {info.name!r} is {rows}x{cols}, the table is {table.rows}x{table.cols}")
-    if info.dtype not in TABLE_DTYPES and info.dtype != table.dtype:
-        raise CheckpointError(f"tensor {info.name!r} has dtype {info.dtype}, which cannot be cast into a table")
-    src_row = info.row_bytes
-    direct = info.dtype == table.dtype and src_row == table.stride_bytes
+    stream_parts_into(table, [info], threads=threads)
+
+
+def check_parts(parts: list[TensorInfo], rows: int, cols: int) -> None:
+    """``parts`` stacked on rows make a ``[rows, cols]`` table: each is 2-D with ``cols`` columns and one dtype,
+    and their rows add up (a named error otherwise)."""
+    if not parts:
+        raise CheckpointError("no tensors to load")
+    for info in parts:
+        if len(info.shape) != 2 or info.shape[1] != cols or info.dtype != parts[0].dtype:
+            raise CheckpointError(
+                f"tensor {info.name!r} in {info.path} is {list(info.shape)} {info.dtype}; every part of this table "
+                f"is [*, {cols}] {parts[0].dtype}")
+    total = sum(info.shape[0] for info in parts)
+    if total != rows:
+        raise CheckpointError(f"the {len(parts)} parts ({parts[0].name!r} ...) hold {total} rows; the table has {rows}")
+
+
+def stream_parts_into(table, parts: list[TensorInfo], *, threads: int) -> None:
+    """Read ``parts`` (2-D tensors of ``table.cols`` columns, :func:`check_parts`) into consecutive rows of
+    ``table``, casting when the table's dtype differs. Every part's blocks go to one pool of ``threads``
+    threads, so many small shards load as fast as one large tensor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    check_parts(parts, table.rows, table.cols)
+    dtype = parts[0].dtype
+    if dtype not in TABLE_DTYPES and dtype != table.dtype:
+        raise CheckpointError(f"tensor {parts[0].name!r} has dtype {dtype}, which cannot be cast into a table")
+    src_row = parts[0].row_bytes
+    direct = dtype == table.dtype and src_row == table.stride_bytes
     block_rows = max(1, _BLOCK_BYTES // max(src_row, table.stride_bytes))
     raw = memoryview(table._raw_buffer()).cast("B")
     dst_bytes = table.bytes_view()
     dst_tensor = table.tensor
-    fd = os.open(info.path, os.O_RDONLY)
+    fds: dict[str, int] = {}
     try:
-        try:
-            os.posix_fadvise(fd, info.begin, info.end - info.begin, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
+        ranges = []  # (fd, part, first row of the part in the table, first row in the part, rows)
+        start = 0
+        for info in parts:
+            if info.path not in fds:
+                fds[info.path] = os.open(info.path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fds[info.path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except (AttributeError, OSError):
+                    pass
+            n = info.shape[0]
+            ranges += [(fds[info.path], info, start, r, min(block_rows, n - r)) for r in range(0, n, block_rows)]
+            start += n
 
-        def load(r0: int, n: int) -> None:
+        def load(fd: int, info: TensorInfo, base: int, r: int, n: int) -> None:
+            r0 = base + r
             table._commit_rows(r0, n)  # this block's pages: a shortage is a named error, never a SIGBUS
-            offset = info.begin + r0 * src_row
+            offset = info.begin + r * src_row
             if direct:
                 _read_exact(fd, [raw[r0 * src_row:(r0 + n) * src_row]], offset, info.path)
                 return
             staging = bytearray(n * src_row)
             _read_exact(fd, [memoryview(staging)], offset, info.path)
-            if info.dtype == table.dtype:
+            if dtype == table.dtype:
                 import numpy as np
 
                 src = np.frombuffer(staging, dtype=np.uint8).reshape(n, src_row)
                 dst_bytes[r0:r0 + n, :src_row] = src
             else:
-                src = torch.frombuffer(staging, dtype=info.dtype).view(n, cols)
+                src = torch.frombuffer(staging, dtype=dtype).view(n, table.cols)
                 dst_tensor[r0:r0 + n].copy_(src)
 
-        ranges = [(r, min(block_rows, rows - r)) for r in range(0, rows, block_rows)]
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="uvaple-load") as pool:
             for f in [pool.submit(load, *r) for r in ranges]:
                 f.result()
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
 
 
-def safetensors_fill(info: TensorInfo, *, threads: int | None = None):
+def safetensors_fill(info: TensorInfo | list[TensorInfo], *, threads: int | None = None):
     """A ``fill`` for :meth:`HostTable.shared` (or ``HostTable._filled``) that streams ``info``
-    (:func:`locate_tensor`) in."""
+    (:func:`locate_tensor`) in, or a list of parts stacked on rows (:func:`stream_parts_into`)."""
 
     def fill(table) -> None:
-        stream_into(table, info, threads=threads or default_threads())
+        if isinstance(info, TensorInfo):
+            stream_into(table, info, threads=threads or default_threads())
+        else:
+            stream_parts_into(table, info, threads=threads or default_threads())
 
     return fill

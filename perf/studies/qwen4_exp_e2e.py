@@ -1,0 +1,533 @@
+"""Does Qwen4Exp with host n-gram tables match transformers, run its decode step in CUDA graphs, and decode faster?
+
+Qwen4Exp end to end on the GPU: a model of transformers' default ``Qwen4ExpTextConfig`` dimensions (hidden
+2,048, 40 layers, vocabulary 248,320) with fewer experts (``--experts``; random weights, transformers' own
+init) and a real-size n-gram table (``--ple-layers`` PLE layers of 16 heads x ``--ngram-base`` rows,
+``--ple-dim`` / 16 values a row: 320 M rows of 160 values by default, 95.4 GiB bf16, 52.5 GiB ``fp8_row``).
+Phases (``--phases``), all in one process, every figure from this run:
+
+``main`` (one table precision a run, ``--table``: a captured graph keeps its host table until exit, so
+bf16 and fp8 at real size do not fit one 128 GiB host together; run it twice for both):
+
+1. Build on the GPU (the tables in HBM for the moment). The reference tokens: transformers' greedy
+   ``generate()`` with its tables in HBM.
+2. ``bf16``: the live model swapped (:func:`apply_uvaple_to_qwen4_exp`: each table copied to host memory,
+   HBM freed; seconds and memory before/after). transformers' own path is its original module whose
+   ``weight`` aliases our host table (the same bytes; its forward copies the ids to the CPU, gathers there,
+   copies back): greedy tokens and the prefill logits against uvaple eager (bit for bit), and uvaple
+   captured (static cache + ``torch.compile(mode="reduce-overhead")``: CUDA graphs; skips and graph breaks
+   counted). Not ``fullgraph``: transformers' QSA indexer calls ``torch.nonzero`` per query in every
+   indexed-attention layer (5.17 - 5.24), a graph break and a host sync of its own; the PLE layers have none.
+   ``fp8``: each table quantised from HBM straight into an ``fp8_row`` host table
+   on every core (GB/s and the error report), rows against the formula on sampled ids, greedy tokens
+   against the reference (agreement reported), eager and captured.
+3. Decode tokens/s at ``--batches`` (two ``generate`` lengths from the same prompts, their difference:
+   prefill excluded) for transformers' path (bf16, eager), uvaple eager and captured; one PLE layer's decode
+   step (µs, static cache): transformers' path, uvaple eager, uvaple compiled ``fullgraph`` and replayed from
+   CUDA graphs; prefill ms of ``--prefill`` tokens at batch 1 (``logits_to_keep=1``).
+
+``ceiling``: a table of ``--ceiling-base`` rows a head (9.5 GiB bf16 by default) in HBM (the ``device``
+placement: the ceiling) and the same table through ``uva``, decode tokens/s eager and captured.
+
+``startup``: a checkpoint of one ``--startup-gib`` table in ``split_ngram_parts`` = 512 shards written to
+``--scratch`` (page cache warm): shard check, load into a host table (fill, page commit, registration),
+quantise a host bf16 table to ``fp8_row``, quantise from the shards; each in GB/s of source bytes, with
+the real table's time at that rate.
+
+Failures are caught, logged and reported in the JSON; none ends the run. Usage (H200, 1 GPU, 128 GiB)::
+
+    python3 perf/studies/qwen4_exp_e2e.py --table fp8 --json perf/results/qwen4_exp_e2e_fp8.json
+    python3 perf/studies/qwen4_exp_e2e.py --table bf16 --phases main --json perf/results/qwen4_exp_e2e_bf16.json
+
+Without CUDA it refuses (exit 2); ``--smoke-cpu`` runs a toy config on the CPU (Triton interpreter) to check
+the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from uvaple.perf.timing import cuda_missing
+
+GiB = float(1 << 30)
+# transformers' Qwen4ExpTextConfig defaults are kept (hidden 2048, 40 layers, vocab 248,320, linear attention
+# with an indexed-attention layer every 4th); what differs is named. The QSA indexer has no default (its
+# fields are None and transformers' default config does not build): a plausible one is set (its head as wide
+# as the attention's rotary dimension, which the config requires).
+REAL = dict(num_experts=16, num_experts_per_tok=10, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=256,
+            indexer_budget=2048, indexer_compress_ratio=4, eos_token_id=248044, pad_token_id=248044)
+TINY = dict(vocab_size=300, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+            num_experts_per_tok=2, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1,
+            indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, eos_token_id=1, pad_token_id=0,
+            max_position_embeddings=4096)
+
+
+def make_config(args, base: int):
+    from transformers import Qwen4ExpTextConfig
+
+    kw = dict(TINY if args.smoke_cpu else REAL)
+    kw.update(ple_layer_ids=list(range(1, 4 * args.ple_layers, 4))[:args.ple_layers], ple_embed_dim=args.ple_dim,
+              ngram_vocab_size_base=base, num_experts=kw["num_experts"] if args.smoke_cpu else args.experts)
+    kw["num_experts_per_tok"] = min(kw["num_experts_per_tok"], kw["num_experts"])
+    return Qwen4ExpTextConfig(**kw)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory(device) -> dict:
+    gc.collect()
+    out = {"host_available_gib": _mem_available() / GiB}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        out["gpu_allocated_gib"] = torch.cuda.memory_allocated(device) / GiB
+    return out
+
+
+def _mem_available() -> int:
+    from uvaple.uva.system import mem_available_bytes
+
+    return mem_available_bytes() or 0
+
+
+def ngram_children(model) -> list:
+    return [layer.ple for layer in model.model.layers if layer.ple is not None]
+
+
+@contextlib.contextmanager
+def hf_path(model, originals):
+    """transformers' own modules in place (their weights alias the host tables), then ours back."""
+    ours = [ple.ple_embedding for ple in ngram_children(model)]
+    for ple, orig in zip(ngram_children(model), originals, strict=True):
+        ple.ple_embedding = orig
+    try:
+        yield
+    finally:
+        for ple, mod in zip(ngram_children(model), ours, strict=True):
+            ple.ple_embedding = mod
+
+
+def alias_tables(originals, model) -> None:
+    """Point each original module's table at the host table of its swapped-in replacement (same bytes)."""
+    for orig, ple in zip(originals, ngram_children(model), strict=True):
+        orig.ngram_embedding.weight.data = ple.ple_embedding.ngram_embedding.table.tensor
+
+
+def prompts(batch, length, vocab, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab - 1, (batch, length), generator=g).to(device)
+
+
+@torch.no_grad()
+def greedy(model, ids, new, **kw):
+    return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=model.config.pad_token_id, **kw)
+
+
+def compiled_kw(device) -> dict:
+    """generate() with a static cache, compiled with CUDA graphs. Not ``fullgraph``: transformers' QSA indexer
+    (every indexed-attention layer) calls ``torch.nonzero`` per query, a graph break and a host sync in any
+    Qwen4Exp decode step (5.17 - 5.24); the graphs hold what lies between (the PLE layers whole)."""
+    if device.type != "cuda":
+        return {}
+    from transformers import CompileConfig
+
+    return {"cache_implementation": "static", "compile_config": CompileConfig(fullgraph=False, mode="reduce-overhead")}
+
+
+@torch.no_grad()
+def ple_step_us(ple, batch, model, device, *, compiled: bool) -> float:
+    """Median µs of one PLE layer's decode step (batch ``batch``, a static cache, after a 16-token prefill);
+    ``compiled``: the layer compiled whole (``fullgraph``) and replayed from CUDA graphs."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    width = model.config.hc_count * model.config.hidden_size
+    vocab = model.config.vocab_size
+    ple(torch.randn(batch, 16, width, device=device, dtype=torch.bfloat16),
+        prompts(batch, 16, vocab, device, 6), cache)
+    call = torch.compile(ple, fullgraph=True, mode="reduce-overhead") if compiled else ple
+    steps = [(torch.randn(batch, 1, width, device=device, dtype=torch.bfloat16), prompts(batch, 1, vocab, device, i))
+             for i in range(30)]
+    times = []
+    for i, (h, ids) in enumerate(steps):
+        sync(device)
+        t = time.perf_counter()
+        call(h, ids, cache)
+        sync(device)
+        if i >= 10:
+            times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def inductor_counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+
+        return {"cudagraph_skips": int(sum(v for k, v in counters["inductor"].items() if "cudagraph_skip" in k)),
+                "graph_breaks": int(sum(counters["graph_break"].values()))}
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return {}
+
+
+def decode_rate(model, batch, args, device, **kw) -> float | None:
+    """Decode tokens/s: two generate lengths from the same prompts, the difference over the time's."""
+    ids = prompts(batch, args.prompt_len, model.config.vocab_size, device, 3)
+    greedy(model, ids, args.short, **kw)  # warm: compiles, captures
+    times = {}
+    for n in (args.short, args.long):
+        runs = []
+        for _ in range(args.repeats):
+            sync(device)
+            t = time.perf_counter()
+            greedy(model, ids, n, **kw)
+            sync(device)
+            runs.append(time.perf_counter() - t)
+        times[n] = statistics.median(runs)
+    dt = times[args.long] - times[args.short]
+    return batch * (args.long - args.short) / dt if dt > 0 else None  # None: lost in the noise
+
+
+@torch.no_grad()
+def prefill_ms(model, tokens, device) -> tuple[float, torch.Tensor]:
+    ids = prompts(1, tokens, model.config.vocab_size, device, 5)
+    out = model(ids, logits_to_keep=1).logits
+    runs = []
+    for _ in range(3):
+        sync(device)
+        t = time.perf_counter()
+        out = model(ids, logits_to_keep=1).logits
+        sync(device)
+        runs.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(runs), out
+
+
+class Run:
+    def __init__(self, args):
+        self.args, self.t0 = args, time.monotonic()
+        self.res = {"errors": []}
+
+    def step(self, name):
+        """A stage: its failure is recorded, never fatal."""
+        run = self
+
+        class _Step(contextlib.AbstractContextManager):
+            def __exit__(self, kind, e, tb):
+                if e is not None:
+                    print(f"[{name}] failed: {kind.__name__}: {e}", file=sys.stderr)
+                    run.res["errors"].append({"where": name, "error": f"{kind.__name__}: {e}",
+                                              "trace": traceback.format_exc(limit=8)})
+                return e is not None and not isinstance(e, KeyboardInterrupt)
+
+        print(f"[{name}] {time.monotonic() - self.t0:.0f} s", file=sys.stderr)
+        return _Step()
+
+
+def build(args, device, base):
+    from transformers import Qwen4ExpForCausalLM
+
+    cfg = make_config(args, base)
+    torch.manual_seed(args.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):  # transformers' init on the GPU (the tables in HBM until swapped)
+            model = Qwen4ExpForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    return model
+
+
+def table_bytes(model) -> int:
+    return sum(p.ple_embedding.ngram_embedding.weight.numel() * 2 for p in ngram_children(model))
+
+
+def phase_fp8(run, model, device, ids, ref_tokens):
+    """Quantise each table from HBM straight into an fp8_row host table, serve it, check it, time it."""
+    from uvaple.integration.encoded_embedding import HostEncodedEmbedding
+    from uvaple.integration.quantize import quantize_fp8_rows_into
+    from uvaple.integration.qwen4_exp import ngram_embedding_class
+    from uvaple.uva import HostTable
+
+    res, args = run.res.setdefault("fp8", {}), run.args
+    t = time.perf_counter()
+    source = 0
+    for ple in ngram_children(model):
+        hf = ple.ple_embedding
+        w = hf.ngram_embedding.weight.detach()
+        table = HostTable.empty(w.shape[0], w.shape[1] + 4, torch.float8_e4m3fn)
+        err = quantize_fp8_rows_into(w, table.bytes_view())  # GPU blocks to the CPU, quantised on every core
+        source += w.numel() * w.element_size()
+        emb = HostEncodedEmbedding(w.shape[0], w.shape[1], table, encoding="fp8_row", out_dtype=torch.bfloat16,
+                                   quant_error=err, max_tokens=run.max_tokens * hf.ngram_heads)
+        ple.ple_embedding = ngram_embedding_class().from_module(hf, ngram_embedding=emb)
+        hf.ngram_embedding.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)  # HBM freed
+        if device.type == "cuda":
+            emb._lookup_for(device)
+    sync(device)
+    dt = time.perf_counter() - t
+    res["quantise_from_hbm"] = {"seconds": dt, "source_gib": source / GiB, "gb_s": source / dt / 1e9,
+                                "error": [p.ple_embedding.ngram_embedding.quant_error.summary()
+                                          for p in ngram_children(model)], "memory": memory(device)}
+    with run.step("fp8 rows against the formula"):
+        emb = ngram_children(model)[0].ple_embedding.ngram_embedding
+        sample = torch.randint(0, emb.num_embeddings, (min(4096, emb.max_tokens or 4096),), device=device)
+        stored = emb.table.tensor[sample.cpu()]
+        codes, scale = stored[:, :-4], stored[:, -4:].contiguous().view(torch.uint8).view(torch.float32)
+        want = codes.to(torch.bfloat16) * scale.to(torch.bfloat16)
+        got = emb(sample).cpu()
+        res["rows_equal_formula"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+    with run.step("fp8 greedy tokens"):
+        got = greedy(model, ids, args.new_tokens)
+        n = ids.shape[1]
+        res["tokens"] = got[:, n:].tolist()
+        res["greedy_agreement_with_bf16"] = float((got[:, n:] == ref_tokens[:, n:]).float().mean())
+        if device.type == "cuda":
+            cap = greedy(model, ids, args.new_tokens, **compiled_kw(device))
+            res["captured_tokens_equal_eager"] = bool(torch.equal(cap, got))
+            res["captured_counters"] = inductor_counters()
+    for b in args.batches:
+        with run.step(f"fp8 decode b={b}"):
+            d = res.setdefault("decode_tok_s", {})
+            d.setdefault("uvaple_eager", {})[b] = decode_rate(model, b, args, device)
+            if device.type == "cuda":
+                d.setdefault("uvaple_captured", {})[b] = decode_rate(model, b, args, device, **compiled_kw(device))
+    for b in args.batches:
+        with run.step(f"fp8 PLE layer step b={b}"):
+            p = res.setdefault("ple_layer_step_us", {})
+            layer = ngram_children(model)[0]
+            p.setdefault("uvaple_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
+            if device.type == "cuda":
+                p.setdefault("uvaple_captured", {})[b] = ple_step_us(layer, b, model, device, compiled=True)
+    for n in args.prefill:
+        with run.step(f"fp8 prefill {n}"):
+            res.setdefault("prefill_ms", {})[n] = prefill_ms(model, n, device)[0]
+
+
+def phase_bf16(run, model, device, ids, ref_tokens):
+    """Swap the live model's tables into host memory; transformers' CPU-table path against uvaple's."""
+    from uvaple.integration.qwen4_exp import apply_uvaple_to_qwen4_exp
+
+    res, args = run.res.setdefault("bf16", {}), run.args
+    originals = [ple.ple_embedding for ple in ngram_children(model)]
+    before = memory(device)
+    t = time.perf_counter()
+    apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens)
+    sync(device)
+    res["swap"] = {"seconds": time.perf_counter() - t, "before": before, "after": memory(device)}
+    alias_tables(originals, model)  # transformers' modules read our host tables' bytes on the CPU
+    with run.step("bf16 correctness"):
+        with hf_path(model, originals), torch.no_grad():
+            ref = greedy(model, ids, args.new_tokens)
+            ref_logits = model(ids).logits
+        got = greedy(model, ids, args.new_tokens)
+        with torch.no_grad():
+            logits = model(ids).logits
+        res["transformers_cpu_path_equals_its_hbm_path"] = bool(torch.equal(ref, ref_tokens))
+        res["tokens_equal_transformers"] = bool(torch.equal(got, ref))
+        res["prefill_logits_bit_identical"] = bool(torch.equal(logits.view(torch.int16), ref_logits.view(torch.int16)))
+        if device.type == "cuda":
+            cap = greedy(model, ids, args.new_tokens, **compiled_kw(device))
+            res["captured_tokens_equal"] = bool(torch.equal(cap, ref))
+            res["captured_counters"] = inductor_counters()
+    for b in args.batches:
+        with run.step(f"bf16 decode b={b}"):
+            d = res.setdefault("decode_tok_s", {})
+            with hf_path(model, originals):
+                d.setdefault("transformers_eager", {})[b] = decode_rate(model, b, args, device)
+            d.setdefault("uvaple_eager", {})[b] = decode_rate(model, b, args, device)
+            if device.type == "cuda":
+                d.setdefault("uvaple_captured", {})[b] = decode_rate(model, b, args, device, **compiled_kw(device))
+    for b in args.batches:
+        with run.step(f"bf16 PLE layer step b={b}"):
+            p = res.setdefault("ple_layer_step_us", {})
+            layer = ngram_children(model)[0]  # its ple_embedding: transformers' inside hf_path, ours outside
+            with hf_path(model, originals):
+                p.setdefault("transformers_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
+            p.setdefault("uvaple_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
+            if device.type == "cuda":
+                p.setdefault("uvaple_captured", {})[b] = ple_step_us(layer, b, model, device, compiled=True)
+    for n in args.prefill:
+        with run.step(f"bf16 prefill {n}"):
+            with hf_path(model, originals):
+                hf_ms, hf_out = prefill_ms(model, n, device)
+            ms, out = prefill_ms(model, n, device)
+            res.setdefault("prefill_ms", {})[n] = {"transformers": hf_ms, "uvaple": ms,
+                                                   "logits_equal": bool(torch.equal(out, hf_out))}
+
+
+def phase_ceiling(run, device):
+    """A table small enough for HBM: the device placement (the ceiling) against uva on the same table."""
+    from uvaple.integration.qwen4_exp import apply_uvaple_to_qwen4_exp
+
+    args = run.args
+    model = build(args, device, args.ceiling_base)
+    res = run.res.setdefault("ceiling", {"table_gib": table_bytes(model) / GiB})
+    apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens)
+    for backend in ("device", "uva"):
+        for ple in ngram_children(model):
+            ple.ple_embedding.ngram_embedding.set_backend(backend)
+        for b in args.batches:
+            with run.step(f"ceiling {backend} b={b}"):
+                r = res.setdefault(backend, {})
+                r.setdefault("eager", {})[b] = decode_rate(model, b, args, device)
+                if device.type == "cuda":
+                    r.setdefault("captured", {})[b] = decode_rate(model, b, args, device, **compiled_kw(device))
+        torch._dynamo.reset()
+    for ple in ngram_children(model):
+        ple.ple_embedding.close()
+
+
+def phase_startup(run):
+    """Startup stage by stage from a sharded checkpoint of ``--startup-gib`` (one table, 512 shards)."""
+    from safetensors.torch import save_file
+
+    from uvaple.integration import ngram_tables
+    from uvaple.integration.quantize import fp8_row_table
+    from uvaple.uva import HostTable
+
+    args = run.args
+    res = run.res.setdefault("startup", {})
+    cols = args.ple_dim // 16
+    rows = int(args.startup_gib * GiB) // (cols * 2)
+    base = max(2, rows // 16)
+    cfg = make_config(argparse.Namespace(**{**vars(args), "ple_layers": 1}), base)
+    lay = ngram_tables.ngram_layout(cfg)[0]
+    path = os.path.join(args.scratch, "qwen4_exp_startup")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    cfg.save_pretrained(path)
+    parts = torch.chunk(torch.arange(lay.rows), cfg.split_ngram_parts)
+    t = time.perf_counter()
+    per_file = -(-len(parts) // 8)
+    g = torch.Generator().manual_seed(1)
+    for f in range(0, len(parts), per_file):
+        tensors = {f"model.layers.{lay.layer_idx}.ple.ple_embedding.ngram_embedding.shard_{k}.weight":
+                   (torch.randn(len(parts[k]), cols, generator=g) * 0.05).to(torch.bfloat16)
+                   for k in range(f, min(f + per_file, len(parts)))}
+        save_file(tensors, os.path.join(path, f"model-{f // per_file:05d}.safetensors"), metadata={"format": "pt"})
+    src_bytes = lay.rows * cols * 2
+    real = run.res.get("real_table_gib", 0.0) * GiB
+    res.update(table_gib=src_bytes / GiB, shards=len(parts), write_s=time.perf_counter() - t)
+
+    def stage(name, seconds, nbytes=src_bytes):
+        res[name] = {"seconds": seconds, "gb_s": nbytes / seconds / 1e9,
+                     "real_table_seconds": real / (nbytes / seconds) if real else None}
+
+    t = time.perf_counter()
+    (src,) = ngram_tables.find_shards(path, [lay])
+    stage("check_shards", time.perf_counter() - t)
+    t = time.perf_counter()
+    table = HostTable.from_safetensors(path, [p.name for p in src.parts])
+    stage("load_bf16", time.perf_counter() - t)
+    res["load_bf16"]["timings"] = dict(table.timings)
+    t = time.perf_counter()
+    q, err = fp8_row_table(table.tensor)
+    stage("quantise_host_table", time.perf_counter() - t)
+    res["quantise_host_table"]["error"] = err.summary()
+    q.close()
+    table.close()
+    t = time.perf_counter()
+    tables = ngram_tables.load_ngram_tables(path, {"backend_options": {"quantize": "fp8_row", "keep_source": False}})
+    stage("quantise_from_shards", time.perf_counter() - t)
+    tables.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True, help="where the results go ('-': stdout)")
+    ap.add_argument("--smoke-cpu", action="store_true", help="a toy config on the CPU, to check the script")
+    ap.add_argument("--table", default="auto", choices=["auto", "bf16", "fp8"],
+                    help="the real-size table's precision (auto: bf16 where host memory holds it, else fp8); one a "
+                         "run: a captured graph keeps its host table until the process exits")
+    ap.add_argument("--phases", default="main,ceiling,startup")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--ple-layers", type=int, default=1)
+    ap.add_argument("--ple-dim", type=int, default=2560, help="values a token's 16 heads give (160 a head)")
+    ap.add_argument("--ngram-base", type=int, default=20_000_000, help="rows a head (transformers' default)")
+    ap.add_argument("--ceiling-base", type=int, default=2_000_000, help="rows a head of the HBM table (0: skip)")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prefill", default="2048,8192")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--short", type=int, default=8, help="generate lengths whose difference is timed")
+    ap.add_argument("--long", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--startup-gib", type=float, default=8.0, help="the startup checkpoint's size (0: skip)")
+    ap.add_argument("--scratch", default="/tmp")
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args(argv)
+    if not args.smoke_cpu and cuda_missing("qwen4_exp_e2e.py (pass --smoke-cpu for a CPU check of the script)"):
+        return 2
+    if args.smoke_cpu:
+        args.ngram_base, args.ceiling_base, args.ple_dim, args.experts = 50, 40, 32, 4
+        args.batches, args.prefill = "1,2", "16"
+        args.new_tokens, args.short, args.long, args.repeats, args.prompt_len = 3, 1, 2, 1, 6
+        args.startup_gib = min(args.startup_gib, 1 / 1024)
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.prefill = [int(n) for n in args.prefill.split(",") if n]
+    device = torch.device("cpu" if args.smoke_cpu else "cuda")
+    run = Run(args)
+    # tokens in one forward at most: a prefill, or a batch of prompts (4 in the correctness checks)
+    run.max_tokens = max(max(args.prefill), max([*args.batches, 4]) * (args.prompt_len + args.long))
+    import transformers
+
+    run.res["env"] = {"torch": torch.__version__, "transformers": transformers.__version__, "python":
+                      platform.python_version(), "host_cpus": os.cpu_count(), "args": vars(args),
+                      "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()}
+    phases = [p for p in args.phases.split(",") if p]
+    if "main" in phases:
+        model = None
+        with run.step("build"):
+            t = time.perf_counter()
+            run.res["memory_empty"] = memory(device)
+            model = build(args, device, args.ngram_base)
+            run.res["real_table_gib"] = table_bytes(model) / GiB
+            run.res["build"] = {"seconds": time.perf_counter() - t, "memory": memory(device)}
+        kind = args.table
+        if kind == "auto":  # bf16 where host memory holds it with room to spare, else fp8
+            kind = "bf16" if _mem_available() > run.res.get("real_table_gib", 0) * GiB + 16 * GiB else "fp8"
+        run.res["table"] = kind
+        if model is not None:
+            ids = prompts(4, args.prompt_len, model.config.vocab_size, device, 1)
+            ref_tokens = greedy(model, ids, args.new_tokens)  # transformers, tables in HBM: the reference tokens
+            with run.step(f"{kind} phase"):
+                (phase_fp8 if kind == "fp8" else phase_bf16)(run, model, device, ids, ref_tokens)
+        del model
+        gc.collect()
+        torch._dynamo.reset()
+    if "ceiling" in phases and args.ceiling_base:
+        with run.step("ceiling phase"):
+            phase_ceiling(run, device)
+    if "startup" in phases and args.startup_gib:
+        with run.step("startup phase"):
+            phase_startup(run)
+    text = json.dumps(run.res, indent=1, default=str)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
