@@ -63,3 +63,25 @@ def test_the_architectures_come_from_the_hf_config_where_the_model_config_has_no
     with caplog.at_level(logging.WARNING, logger="uvaple.vllm"):
         assert plugin.check_model(cfg) is True
     assert not caplog.records
+
+
+@pytest.mark.parametrize("placement", ["uva", "device", "copy"])
+def test_a_shards_lookup_names_its_placement_in_the_startup_log(caplog, placement):
+    """Each shard's lookup says, once, at startup, which placement serves it and from which host table."""
+    import torch
+
+    from uvaple.integration import TableSpec
+    from uvaple.integration.vllm.config import PluginConfig
+    from uvaple.integration.vllm.tables import ShardTable
+
+    s = ShardTable(PluginConfig(shared=False, placement=placement, metrics_interval_s=0), layer="m.layers.3.ple",
+                   rows=16, cols=8, dtype=torch.bfloat16, loaded_rows=16, rank=0, size=1, identity="i",
+                   device=torch.device("cpu"), check_loaded=False)
+    s.finish()
+    with caplog.at_level(logging.INFO, logger="uvaple.vllm"):
+        lk = s.lookup(TableSpec.of(s.table), max_rows=4)
+    lines = [r.getMessage() for r in caplog.records if "served by" in r.getMessage()]
+    assert lines == [f"uvaple: m.layers.3.ple[0/1] served by the {placement} placement from a private host table "
+                     "(unnamed)"]
+    lk.close()
+    s.table.close()

@@ -277,7 +277,10 @@ class ShardTable:
             hot = self._hot_set(id_start) if self.cfg.hot_cache_gb and self.placement == "uva" else None
             lk = GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale,
                               max_rows=max_rows, dedup=self.cfg.dedup and max_rows is not None, hot=hot)
-        export_metrics(f"{self.layer}[{self.rank}/{self.size}]", lk, self.cfg.metrics_interval_s)
+        name = f"{self.layer}[{self.rank}/{self.size}]"
+        log.info("uvaple: %s served by the %s placement from %s (%s)", name, self.placement,
+                 "a shared host table" if self.table.name else "a private host table", self.table.name or "unnamed")
+        export_metrics(name, lk, self.cfg.metrics_interval_s)
         return lk
 
     def _hot_set(self, id_start: int):

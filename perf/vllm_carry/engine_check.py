@@ -1,0 +1,788 @@
+"""Does vLLM's real engine serve Gemma 3n and Qwen4Exp on the H200 with the uvaple plugin, and with the same tokens?
+
+``python3 perf/vllm_carry/engine_check.py --out DIR [--work /tmp/vllm_engine] [--models ...] [--modes eager,graph]
+[--placements none,off,uva,device,copy] [--only tokens,perf,serve] [--deadline-s 480] [--checkpoints-only]``
+
+Runs on the GPU machine with vLLM 0.33.0 carried there (``assemble.py --install``; ``perf/gpu_check.sh
+vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's public API only:
+
+1. ``env``: versions, vLLM's requirements against what is installed, the extensions on the GPU (one
+   ``rms_norm`` of ``vllm._custom_ops`` against torch), whether vLLM discovers the plugin's entry point.
+2. ``checkpoints`` (``checkpoints.py``, which also runs alone on a CPU without vLLM; ``--checkpoints-only``
+   here): small random models saved by transformers 5.17 into ``WORK/ckpt``, each with a word-level
+   tokenizer: ``gemma3n`` (the multimodal ``Gemma3nForConditionalGeneration``, bf16, a 128 MiB per-layer
+   table; vLLM is given no image or audio per prompt, so it builds no tower), ``qwen4exp_bf16``
+   (``Qwen4ExpForCausalLM``, PLE on two linear-attention layers, n-gram tables saved in
+   ``split_ngram_parts`` shards) and ``qwen4exp_fp8`` (the same, the n-gram tables in fp8 with one global
+   scale each).
+3. ``tokens``: per model and mode (``eager``: ``enforce_eager``; ``graph``: vLLM's compilation and CUDA
+   graphs at their defaults, else the highest level that runs, see :data:`GRAPH_LEVELS`), one engine per
+   placement, side by side on the GPU (none frees memory before all have started: vLLM's profiling asserts
+   that; a run that met a release anyway is repeated alone): ``none`` (``VLLM_PLUGINS`` without uvaple:
+   vLLM alone), ``off`` (the plugin loaded, not enabled), ``uva``, ``device``, ``copy``
+   (``additional_config={"uvaple": {"placement": ..., "segment": <one per run>}}``). Each engine
+   generates greedy tokens (``ignore_eos``, top-2 logprobs) for a batch of prompts; each is compared
+   with ``off``'s. Recorded per engine: the weights' and the KV cache's GPU memory vLLM reports and its
+   KV blocks, the plugin's segments while the engine runs (``uvaple shm list --json``: the table once),
+   the segments left after it exits, the log lines that name the placement.
+4. ``perf``: per model, ``off`` and ``uva`` alone on the GPU in graph mode: decode tokens/s at batch 1
+   and 32 (``B * (N - 1) / (T(N) - T(1))`` for N generated tokens), with the KV cache memory measured alone.
+5. ``serve``: ``vllm serve`` (Gemma 3n, ``uva``, eager, ``PROMETHEUS_MULTIPROC_DIR`` set), an OpenAI client
+   completion compared with the offline engine's text, ``/metrics``' ``uvaple_*`` series, the startup log,
+   no segment left after the server stops.
+
+vLLM 0.33 has no ``VLLM_ATTENTION_BACKEND``: the Triton backend is chosen with ``attention_backend=
+"TRITON_ATTN"`` (``--attention-backend`` for ``vllm serve``); FlashAttention is not carried. Qwen4Exp's
+GDN prefill is told ``additional_config["gdn_prefill_backend"] = "triton"`` (FlashInfer is not carried).
+Without ``cutlass``/``quack`` (not carried), Qwen4Exp's bf16 hyper-connection would take a CuTe-DSL kernel
+on SM90 when ``hc_count * hidden_size`` is a multiple of 8: the checkpoint's hidden size is then 258.
+
+A run that fails is a result: its call and the error's last lines are recorded, and the first failure
+that every placement shares (vLLM itself) is recorded as ``blocker``. Runs already done in ``WORK`` are
+not repeated (``--force`` repeats them), so calls of one lease continue where the last one stopped.
+Writes ``DIR/engine_check.json`` and ``DIR/engine_check.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+from checkpoints import MODELS, VOCAB, checkpoints, prompts  # this folder (a script's folder is on sys.path)
+
+HERE = os.path.abspath(__file__)
+GIB = 1 << 30
+
+PLACEMENTS = ("none", "off", "uva", "device", "copy")
+MODES = ("eager", "graph")
+PHASES = ("tokens", "perf", "serve")
+#: graph mode, from vLLM's defaults down: the first level whose ``off`` run starts is used for the model
+GRAPH_LEVELS = (("default", None), ("cudagraph_only", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}))
+MAX_TOKENS = 32
+PERF_TOKENS, PERF_BATCHES = 256, (1, 32)
+MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 32
+
+def now() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+class Log:
+    def __init__(self, path: str | None) -> None:
+        self.f = open(path, "a", buffering=1) if path else None
+
+    def __call__(self, msg: str) -> None:
+        line = f"[engine_check {now()}] {msg}"
+        print(line, flush=True)
+        if self.f:
+            self.f.write(line + "\n")
+
+
+# ============================================================================================== one engine
+def child_env(spec: dict) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CONFIGURE_LOGGING="1",
+               VLLM_LOGGING_CONFIG_PATH=spec["logging_config"], VLLM_CACHE_ROOT=spec["cache_root"],
+               PYTHONUNBUFFERED="1")
+    if spec["placement"] == "none":  # vLLM alone: every general plugin but uvaple
+        env["VLLM_PLUGINS"] = "lora_filesystem_resolver,lora_hf_hub_resolver"
+    else:
+        env.pop("VLLM_PLUGINS", None)
+    for k in [k for k in env if k.startswith("UVAPLE_")]:
+        env.pop(k)
+    return env
+
+
+def engine_kwargs(spec: dict) -> dict:
+    """``vllm.LLM``'s arguments for a run (also what the JSON records as the call)."""
+    kw = dict(model=spec["ckpt"], tokenizer=spec["ckpt"], dtype="bfloat16", seed=0, max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=spec["gpu_util"], attention_backend="TRITON_ATTN",
+              enforce_eager=spec["mode"] == "eager", disable_log_stats=False)
+    additional = {}
+    if spec["model"].startswith("qwen4exp"):
+        additional["gdn_prefill_backend"] = "triton"
+    if spec["placement"] in ("uva", "device", "copy"):
+        additional["uvaple"] = {"placement": spec["placement"], "segment": spec["segment"]}
+    if additional:
+        kw["additional_config"] = additional
+    if spec["model"] == "gemma3n":
+        kw["limit_mm_per_prompt"] = {"image": 0, "audio": 0}
+    if spec["mode"] == "graph" and spec.get("compilation") is not None:
+        kw["compilation_config"] = spec["compilation"]
+    return kw
+
+
+def shm_list(segment: str | None = None) -> list[dict]:
+    """``uvaple shm list --json`` (the segments whose name starts with ``uvaple.<segment>.``)."""
+    r = subprocess.run([sys.executable, "-m", "uvaple.cli", "shm", "list", "--json"], capture_output=True, text=True,
+                       timeout=60)
+    if r.returncode:
+        raise RuntimeError(f"uvaple shm list --json: {r.stderr.strip()[-300:]}")
+    rows = json.loads(r.stdout or "[]")
+    return [x for x in rows if segment is None or str(x.get("name", "")).startswith((f"uvaple.{segment}.",
+                                                                                      f"{segment}."))]
+
+
+def decode_rate(llm, sp_cls, vocab: int, batch: int) -> dict:
+    """Decode tokens/s at ``batch``: ``B * (N - 1) / (T(N) - T(1))``, after one warm-up."""
+    ps = prompts(batch, seed=99 + batch, vocab=vocab)
+    one = sp_cls(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = sp_cls(temperature=0.0, max_tokens=PERF_TOKENS, ignore_eos=True)
+    llm.generate(ps, many, use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(ps, one, use_tqdm=False)
+    t1 = time.perf_counter()
+    outs = llm.generate(ps, many, use_tqdm=False)
+    t2 = time.perf_counter()
+    n = min(len(o.outputs[0].token_ids) for o in outs)
+    return {"batch": batch, "tokens": n, "prefill_s": round(t1 - t0, 4), "total_s": round(t2 - t1, 4),
+            "decode_tokens_per_s": round(batch * (n - 1) / max(1e-9, (t2 - t1) - (t1 - t0)), 1)}
+
+
+def _mark(spec: dict, state: str) -> None:
+    """Say that this engine is past its start (``ready``) or failed it (``failed``), for its group."""
+    if spec.get("group_dir"):
+        open(os.path.join(spec["group_dir"], f"{spec['key']}.{state}"), "w").close()
+
+
+def _wait_group(spec: dict) -> None:
+    """Hold the GPU memory until every engine of the group is past its start: vLLM's profiling asserts that
+    no other process frees GPU memory while it profiles (gpu_worker.determine_available_memory)."""
+    d, n = spec.get("group_dir"), spec.get("group_size", 1)
+    t_end = time.monotonic() + 300
+    while d and n > 1 and time.monotonic() < t_end:
+        if len([f for f in os.listdir(d) if f.endswith((".ready", ".failed"))]) >= n:
+            return
+        time.sleep(0.5)
+
+
+def run_child(spec_path: str) -> int:
+    """One engine (a subprocess of the check): build, generate, measure, write ``spec['result']``."""
+    spec = json.load(open(spec_path))
+    res: dict = {"spec": {k: v for k, v in spec.items() if k != "logging_config"}, "ok": False}
+
+    def save():
+        with open(spec["result"] + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(spec["result"] + ".tmp", spec["result"])
+
+    stage = "import"
+    try:
+        from vllm import LLM, SamplingParams
+
+        kw = engine_kwargs(spec)
+        res["call"] = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
+        stage = "LLM()"
+        t0 = time.monotonic()
+        llm = LLM(**kw)
+        res["init_s"] = round(time.monotonic() - t0, 1)
+        _mark(spec, "ready")
+        cc = llm.llm_engine.vllm_config.cache_config
+        res["num_gpu_blocks"], res["block_size"] = cc.num_gpu_blocks, cc.block_size
+        comp = llm.llm_engine.vllm_config.compilation_config
+        res["compilation"] = {"mode": str(getattr(comp, "mode", None)),
+                              "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None))}
+        if spec["placement"] in ("uva", "device", "copy"):
+            stage = "uvaple shm list"
+            res["segments"] = shm_list(spec["segment"])
+        stage = "generate"
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+        outs = llm.generate(prompts(), sp, use_tqdm=False)
+        res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        res["texts"] = [o.outputs[0].text for o in outs]
+        res["top2"] = [[sorted((round(lp.logprob, 5) for lp in step.values()), reverse=True)[:2]
+                        for step in (o.outputs[0].logprobs or [])] for o in outs]
+        if spec.get("perf"):
+            stage = "perf"
+            res["perf"] = [decode_rate(llm, SamplingParams, VOCAB, b) for b in PERF_BATCHES]
+        stage = "shutdown"
+        _wait_group(spec)
+        t0 = time.monotonic()
+        llm.llm_engine.engine_core.shutdown()  # the engine core exits as it does when a server stops
+        res["shutdown_s"] = round(time.monotonic() - t0, 1)
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - a failed run is a result
+        res["stage"] = stage
+        res["error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["traceback"] = traceback.format_exc()[-6000:]
+        if stage in ("import", "LLM()"):
+            _mark(spec, "failed")
+        _wait_group(spec)
+    save()
+    sys.stdout.flush()
+    os._exit(0)  # whatever is left of the engine goes with our process group; the parent checks the segments
+
+
+# ============================================================================================== the check
+def logging_config(path: str) -> str:
+    """vLLM's logging, with the ``uvaple`` logger at INFO on the same handler, in every vLLM process."""
+    fmt = "%(levelname)s %(asctime)s [%(name)s %(filename)s:%(lineno)d] %(message)s"
+    cfg = {"version": 1, "disable_existing_loggers": False,
+           "formatters": {"plain": {"format": fmt, "datefmt": "%m-%d %H:%M:%S"}},
+           "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain",
+                                    "stream": "ext://sys.stdout", "level": "INFO"}},
+           "loggers": {"vllm": {"handlers": ["console"], "level": "INFO", "propagate": False},
+                       "uvaple": {"handlers": ["console"], "level": "INFO", "propagate": False}}}
+    json.dump(cfg, open(path, "w"))
+    return path
+
+
+_PROFILE_CLASH = "Error in memory profiling"
+_KV_RE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+_LOAD_RE = re.compile(r"Model loading took ([0-9.]+) GiB")
+_CACHE_RE = re.compile(r"GPU KV cache size: ([0-9,]+) tokens")
+
+
+def parse_log(path: str) -> dict:
+    text = open(path, errors="replace").read() if os.path.exists(path) else ""
+    out = {}
+    for key, rx in (("kv_cache_gib", _KV_RE), ("weights_gib", _LOAD_RE)):
+        m = rx.findall(text)
+        if m:
+            out[key] = float(m[-1])
+    m = _CACHE_RE.findall(text)
+    if m:
+        out["kv_cache_tokens"] = int(m[-1].replace(",", ""))
+    out["placement_lines"] = [ln.strip()[:300] for ln in text.splitlines()
+                              if "uvaple" in ln and re.search(r"\b(uva|device|copy)\b|placement", ln)][:8]
+    out["uvaple_lines"] = [ln.strip()[:300] for ln in text.splitlines() if "uvaple" in ln.lower()][:20]
+    return out
+
+
+class Check:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.work = a.work
+        self.runs_dir = os.path.join(self.work, "runs")
+        os.makedirs(self.runs_dir, exist_ok=True)
+        os.makedirs(a.out, exist_ok=True)
+        self.log = Log(os.path.join(a.out, "engine_check.log"))
+        self.t_end = time.monotonic() + a.deadline_s
+        self.logging_config = logging_config(os.path.join(self.work, "logging.json"))
+        self.cache_root = os.path.join(self.work, "vllm_cache")
+        self.result_path = os.path.join(a.out, "engine_check.json")
+        self.state_path = os.path.join(self.work, "engine_check.json")
+        self.res: dict = json.load(open(self.state_path)) if os.path.exists(self.state_path) else {}
+        calls = self.res.setdefault("calls", [])
+        if calls and self.res.get("blocker"):  # an earlier call's blocker stays with that call
+            calls[-1]["blocker"] = self.res["blocker"]
+        calls.append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:]})
+        self.res["blocker"] = None
+        self.res["notes"] = []
+
+    # ------------------------------------------------------------------ bookkeeping
+    def left(self) -> float:
+        return self.t_end - time.monotonic()
+
+    def save(self) -> None:
+        self.res["summary"] = self.summary()
+        text = json.dumps(self.res, indent=1, default=str)
+        for p in (self.state_path, self.result_path):
+            with open(p + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(p + ".tmp", p)
+
+    def note(self, msg: str) -> None:
+        if msg not in self.res["notes"]:
+            self.res["notes"].append(msg)
+        self.log(msg)
+
+    def block(self, where: str, call: str, error: str, log_tail: str | None = None) -> None:
+        """The first failure of this call that the plugin cannot change: where, the call, the error."""
+        if self.res.get("blocker") is None:
+            self.res["blocker"] = {"where": where, "call": call, "error": error, "log_tail": log_tail}
+        last = [ln for ln in (error or "").splitlines() if ln.strip()]
+        self.log(f"BLOCKER at {where}: {last[-1] if last else ''}")
+
+    # ------------------------------------------------------------------ env
+    def env(self) -> None:
+        code = r"""
+import importlib.metadata as md, json, sys, torch
+out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+for m in ("triton", "transformers", "vllm", "uvaple", "openai", "xgrammar", "torchvision", "timm"):
+    try:
+        out[m] = md.version(m)
+    except md.PackageNotFoundError:
+        out[m] = None
+import vllm
+out["vllm_file"] = vllm.__file__
+eps = [e for e in md.entry_points(group="vllm.general_plugins")]
+out["plugins"] = {e.name: e.value for e in eps}
+from packaging.requirements import Requirement
+bad = []
+for r in md.requires("vllm") or []:
+    req = Requirement(r)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        v = md.version(req.name)
+    except md.PackageNotFoundError:
+        bad.append(f"{req.name}: missing"); continue
+    if req.specifier and not req.specifier.contains(v, prereleases=True):
+        bad.append(f"{req.name} {v} (wants {req.specifier})")
+out["requirements_unmet"] = bad
+try:
+    import vllm._C_stable_libtorch, vllm._moe_C_stable_libtorch  # noqa
+    from vllm import _custom_ops as ops
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ops.rms_norm(y, x, w, 1e-6)
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(x.dtype)
+    out["rms_norm_max_err"] = float((y.float() - ref.float()).abs().max())
+except Exception as e:
+    out["extension_error"] = f"{type(e).__name__}: {e}"
+try:
+    import vllm._qutlass_C  # noqa
+    out["qutlass"] = "imported"
+except Exception as e:
+    out["qutlass"] = f"{type(e).__name__}: {str(e)[:200]}"
+print("ENV" + json.dumps(out))
+"""
+        try:
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            r = subprocess.CompletedProcess(e.cmd, 124, str(e.stdout or ""), f"no answer in 300 s: {e}")
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("ENV")), None)
+        if line is None:
+            err = (r.stderr or r.stdout)[-3000:]
+            self.res["env"] = {"error": err}
+            self.block("env: import vllm", f"{sys.executable} -c 'import vllm ...'", err)
+            return
+        env = json.loads(line[3:])
+        self.res["env"] = env
+        self.log(f"env: Python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, "
+                 f"transformers {env['transformers']}, vLLM {env['vllm']} ({env['vllm_file']}), uvaple "
+                 f"{env['uvaple']}, GPU {env['gpu']}")
+        self.log(f"env: plugins {env['plugins']}; rms_norm max error {env.get('rms_norm_max_err')}; "
+                 f"extension error {env.get('extension_error')}; _qutlass_C: {env['qutlass']}")
+        self.log(f"env: vLLM requirements not met as pinned ({len(env['requirements_unmet'])}): "
+                 f"{', '.join(env['requirements_unmet'][:40])}")
+        if "uvaple" not in env["plugins"]:
+            self.block("env: plugin discovery", "importlib.metadata.entry_points(group='vllm.general_plugins')",
+                       "the uvaple entry point is not installed (pip install -e . first)")
+        if env.get("extension_error"):
+            self.block("env: vLLM's extensions on the GPU", "vllm._custom_ops.rms_norm", env["extension_error"])
+
+    # ------------------------------------------------------------------ runs
+    def run_key(self, model: str, mode: str, placement: str, level: str, perf: bool) -> str:
+        return f"{model}.{mode}{'' if mode == 'eager' else '-' + level}.{placement}{'.perf' if perf else ''}"
+
+    def spec(self, model: str, mode: str, placement: str, level: str, compilation, perf: bool,
+             gpu_util: float) -> dict:
+        key = self.run_key(model, mode, placement, level, perf)
+        seg = "ec" + hashlib.sha256(f"{key}{time.time()}".encode()).hexdigest()[:10]
+        return {"key": key, "model": model, "mode": mode, "placement": placement, "level": level,
+                "compilation": compilation, "perf": perf, "gpu_util": gpu_util, "segment": seg,
+                "ckpt": os.path.join(self.work, "ckpt", model), "logging_config": self.logging_config,
+                # one compile cache per model and placement: engines that start side by side never write the
+                # same one, and the perf run finds its placement's graphs compiled
+                "cache_root": os.path.join(self.cache_root, f"{model}-{placement}"),
+                "result": os.path.join(self.runs_dir, key + ".json"),
+                "log": os.path.join(self.runs_dir, key + ".log")}
+
+    def launch(self, specs: list[dict], timeout: float) -> list[dict]:
+        """Start the runs side by side, wait (bounded), collect their results and what they left."""
+        procs = []
+        group = os.path.join(self.runs_dir, "group")
+        os.makedirs(group, exist_ok=True)
+        for f in os.listdir(group):
+            os.remove(os.path.join(group, f))
+        for s in specs:
+            s.update(group_dir=group, group_size=len(specs))
+            path = os.path.join(self.runs_dir, s["key"] + ".spec.json")
+            json.dump(s, open(path, "w"), indent=1)
+            for p in (s["result"], s["log"]):
+                if os.path.exists(p):
+                    os.remove(p)
+            f = open(s["log"], "w")
+            procs.append((s, subprocess.Popen([sys.executable, HERE, "--child", path], stdout=f,
+                                              stderr=subprocess.STDOUT, env=child_env(s), start_new_session=True), f))
+            self.log(f"run {s['key']}: started")
+        deadline = time.monotonic() + timeout
+        results = []
+        for s, p, f in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log(f"run {s['key']}: no result in {timeout:.0f} s: killed")
+            _kill_group(p)
+            f.close()
+            res = json.load(open(s["result"])) if os.path.exists(s["result"]) else {
+                "spec": {k: v for k, v in s.items() if k != "logging_config"}, "ok": False, "stage": "timeout",
+                "error": f"no result within {timeout:.0f} s (killed)", "call": "vllm.LLM(" + ", ".join(
+                    f"{k}={v!r}" for k, v in engine_kwargs(s).items()) + ")"}
+            res.update(parse_log(s["log"]))
+            res["log_tail"] = _tail(s["log"], 40) if not res.get("ok") else None
+            if s["placement"] in ("uva", "device", "copy"):
+                time.sleep(1.0)
+                try:
+                    left = shm_list(s["segment"])
+                except Exception as e:  # noqa: BLE001
+                    left = [{"error": str(e)}]
+                res["segments_left"] = left
+                if left:
+                    subprocess.run([sys.executable, "-m", "uvaple.cli", "shm", "clean"] +
+                                   [x["name"] for x in left if "name" in x], capture_output=True, timeout=60)
+            with open(s["result"], "w") as out:
+                json.dump(res, out, indent=1)
+            self.res.setdefault("runs", {})[s["key"]] = _brief(res)
+            state = "ok" if res.get("ok") else f"FAILED at {res.get('stage')}: {res.get('error', '')[:300]}"
+            self.log(f"run {s['key']}: {state}; weights {res.get('weights_gib')} GiB, KV cache "
+                     f"{res.get('kv_cache_gib')} GiB ({res.get('num_gpu_blocks')} blocks), init {res.get('init_s')} s")
+            results.append(res)
+        self.save()
+        return results
+
+    def done(self, key: str) -> dict | None:
+        """The run's result from an earlier call (a failure is a result too, unless it met another engine's
+        memory release while profiling); None: run it."""
+        path = os.path.join(self.runs_dir, key + ".json")
+        if self.a.force or not os.path.exists(path):
+            return None
+        res = json.load(open(path))
+        clash = _PROFILE_CLASH in str(res.get("error")) + str(res.get("log_tail"))
+        return None if clash else res
+
+    def tokens(self, model: str) -> bool:
+        """The token comparison of ``model``; False where no placement ran in eager mode (vLLM did not)."""
+        placements = [p for p in PLACEMENTS if p in self.a.placements]
+        for mode in [m for m in MODES if m in self.a.modes]:
+            levels = GRAPH_LEVELS if mode == "graph" else (("eager", None),)
+            for level, compilation in levels:
+                todo = [p for p in placements if not self.done(self.run_key(model, mode, p, level, False))]
+                need = 150 if mode == "eager" else 330
+                if todo and self.left() < need:
+                    self.note(f"{model} {mode}: skipped, {self.left():.0f} s left (a group needs ~{need} s); "
+                              "the next call continues")
+                    return
+                if todo:
+                    util = round(min(0.18, 0.85 / len(todo)), 3)
+                    self.log(f"{model} {mode} ({level}): {', '.join(todo)} side by side, "
+                             f"gpu_memory_utilization {util} each")
+                    done = self.launch([self.spec(model, mode, p, level, compilation, False, util) for p in todo],
+                                       timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
+                    again = [r["spec"]["placement"] for r in done if not r.get("ok") and _PROFILE_CLASH in
+                             (str(r.get("error")) + str(r.get("log_tail")))]
+                    for p in again:  # another engine of the group gave memory back while this one profiled
+                        if self.left() < need / 2:
+                            break
+                        self.note(f"{model} {mode} {p}: vLLM's memory profiling met another engine's release; "
+                                  "run again alone")
+                        self.launch([self.spec(model, mode, p, level, compilation, False, util)],
+                                    timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
+                runs = {p: json.load(open(os.path.join(self.runs_dir, self.run_key(model, mode, p, level, False)
+                                                       + ".json")))
+                        for p in placements if os.path.exists(os.path.join(self.runs_dir, self.run_key(
+                            model, mode, p, level, False) + ".json"))}
+                self.compare(model, mode, level, runs)
+                ok = [p for p, r in runs.items() if r.get("ok")]
+                if mode == "graph" and not ok and level != levels[-1][0]:
+                    self.note(f"{model} graph mode at level {level!r} did not start; trying the next level")
+                    continue
+                if not ok and runs:
+                    first = runs.get("off") or next(iter(runs.values()))
+                    self.block(f"{model} {mode} ({level}): every placement failed at {first.get('stage')}",
+                               first.get("call", ""), first.get("error", ""), first.get("log_tail"))
+                    if mode == "eager":
+                        return False
+                break
+        return True
+
+    def compare(self, model: str, mode: str, level: str, runs: dict) -> None:
+        # the reference: vLLM's model with the plugin loaded and not enabled, else vLLM alone
+        ref_name = next((p for p in ("off", "none") if runs.get(p, {}).get("ok")), None)
+        ref = runs.get(ref_name) if ref_name else None
+        table = self.res.setdefault("tokens", {}).setdefault(model, {})
+        entry = {"level": level, "reference": ref_name, "placements": {}}
+        for p, r in runs.items():
+            row = {"ok": bool(r.get("ok")), "weights_gib": r.get("weights_gib"), "kv_cache_gib": r.get("kv_cache_gib"),
+                   "num_gpu_blocks": r.get("num_gpu_blocks"), "segments": [
+                       {k: s.get(k) for k in ("name", "table_bytes", "size_bytes", "state", "pids")}
+                       for s in r.get("segments", []) or []],
+                   "segments_left": [s.get("name", s) for s in r.get("segments_left", []) or []],
+                   "placement_lines": r.get("placement_lines", [])[:3]}
+            if r.get("ok") and p in ("uva", "device", "copy"):  # the table once: one segment per PLE table
+                want = self.res.get("checkpoints", {}).get(model, {})
+                segs = r.get("segments") or []
+                row["table_once"] = (len(segs) == want.get("ple_tables") and
+                                     sum(x.get("table_bytes") or 0 for x in segs) >= want.get("ple_table_bytes", 0))
+            if not r.get("ok"):
+                row["error"] = (r.get("stage"), (r.get("error") or "")[:500])
+            elif ref is not None and p != ref_name:
+                row.update(_diff(ref, r))
+            table_mode = f"{mode}" if mode == "eager" else f"graph-{level}"
+            entry["placements"][p] = row
+            if row.get("identical") is False:
+                self.log(f"{model} {table_mode} {p}: tokens differ from {ref_name}: {row['first_difference']}")
+        table[mode] = entry
+        same = [p for p, r in entry["placements"].items() if r.get("identical")]
+        self.log(f"{model} {mode} ({level}): identical to {ref_name}: {same or 'none'}; "
+                 f"failed: {[p for p, r in entry['placements'].items() if not r['ok']] or 'none'}")
+        self.save()
+
+    def perf(self, model: str) -> None:
+        level = self.res.get("tokens", {}).get(model, {}).get("graph", {}).get("level", "default")
+        compilation = dict(GRAPH_LEVELS).get(level)
+        out = self.res.setdefault("perf", {}).setdefault(model, {})
+        for p in ("off", "uva"):
+            key = self.run_key(model, "graph", p, level, True)
+            res = self.done(key)
+            if res is None:
+                if self.left() < 200:
+                    self.note(f"{model} perf {p}: skipped, {self.left():.0f} s left; the next call continues")
+                    return
+                res = self.launch([self.spec(model, "graph", p, level, compilation, True, 0.5)],
+                                  timeout=min(self.left() - 10, 420))[0]
+            out[p] = {"ok": res.get("ok"), "perf": res.get("perf"), "kv_cache_gib": res.get("kv_cache_gib"),
+                      "weights_gib": res.get("weights_gib"), "num_gpu_blocks": res.get("num_gpu_blocks"),
+                      "error": res.get("error") if not res.get("ok") else None}
+        if out.get("off", {}).get("perf") and out.get("uva", {}).get("perf"):
+            out["uva_over_off"] = [round(u["decode_tokens_per_s"] / o["decode_tokens_per_s"], 3)
+                                   for o, u in zip(out["off"]["perf"], out["uva"]["perf"], strict=True)]
+            self.log(f"{model} perf: decode tokens/s off {[x['decode_tokens_per_s'] for x in out['off']['perf']]}, "
+                     f"uva {[x['decode_tokens_per_s'] for x in out['uva']['perf']]} at batch {PERF_BATCHES} "
+                     f"(uva/off {out['uva_over_off']})")
+        self.save()
+
+    # ------------------------------------------------------------------ serve
+    def serve(self) -> None:
+        if self.res.get("serve", {}).get("ok") and not self.a.force:
+            return
+        if self.left() < 180:
+            self.note(f"serve: skipped, {self.left():.0f} s left; the next call continues")
+            return
+        import socket
+
+        model = "gemma3n"
+        spec = self.spec(model, "eager", "uva", "eager", None, False, 0.3)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        prom = os.path.join(self.work, "prometheus")
+        if os.path.isdir(prom):
+            for f in os.listdir(prom):
+                os.remove(os.path.join(prom, f))
+        os.makedirs(prom, exist_ok=True)
+        add = json.dumps({"uvaple": {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1}})
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", spec["ckpt"], "--port", str(port),
+               "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-seqs", str(MAX_NUM_SEQS), "--gpu-memory-utilization", "0.3", "--enforce-eager",
+               "--attention-backend", "TRITON_ATTN", "--seed", "0", "--served-model-name", model,
+               "--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--additional-config", add]
+        out: dict = {"cmd": " ".join(cmd), "ok": False}
+        self.res["serve"] = out
+        env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=prom)
+        log_path = os.path.join(self.runs_dir, "serve.log")
+        f = open(log_path, "w")
+        self.log(f"serve: {out['cmd']}")
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < min(240, self.left() - 30):
+                if p.poll() is not None:
+                    raise RuntimeError(f"the server exited with {p.returncode} before /health answered")
+                if _http(base + "/health", timeout=2)[0] == 200:
+                    break
+                time.sleep(1)
+            else:
+                raise RuntimeError("no /health 200 within the wait")
+            out["startup_s"] = round(time.monotonic() - t0, 1)
+            out["segments"] = shm_list(spec["segment"])
+            prompt = prompts()[0]
+            out["completion"] = _complete(base, model, prompt)
+            ref = self._offline_text(model)
+            if ref is not None:
+                out["same_text_as_offline_uva_eager"] = out["completion"].get("text") == ref
+            time.sleep(3)  # two metrics pushes
+            code, body = _http(base + "/metrics", timeout=10)
+            lines = [ln for ln in body.splitlines() if ln.startswith("uvaple_")]
+            out["metrics_status"] = code
+            out["uvaple_series"] = sorted({ln.split("{")[0].split(" ")[0] for ln in lines})
+            out["uvaple_metrics_sample"] = lines[:12]
+            out["ok"] = bool(out["completion"].get("text") is not None)
+        except Exception as e:  # noqa: BLE001 - a failed serve is a result
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["log_tail"] = _tail(log_path, 60)
+        finally:
+            if p.poll() is None:  # as Ctrl-C stops a server
+                os.killpg(p.pid, signal.SIGINT)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(p)
+            f.close()
+            time.sleep(1.0)
+            out["segments_left"] = [x.get("name") for x in shm_list(spec["segment"])]
+            out.update({k: v for k, v in parse_log(log_path).items() if k in ("placement_lines", "uvaple_lines",
+                                                                                "kv_cache_gib", "weights_gib")})
+        self.log(f"serve: ok={out['ok']}; completion {str(out.get('completion'))[:200]}; uvaple series "
+                 f"{out.get('uvaple_series')}; segments left {out.get('segments_left')}; error {out.get('error')}")
+        self.save()
+
+    def _offline_text(self, model: str) -> str | None:
+        path = os.path.join(self.runs_dir, self.run_key(model, "eager", "uva", "eager", False) + ".json")
+        if not os.path.exists(path):
+            return None
+        r = json.load(open(path))
+        return r["texts"][0] if r.get("ok") else None
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict:
+        s = {"blocker": self.res.get("blocker")}
+        for model, modes in self.res.get("tokens", {}).items():
+            for mode, entry in modes.items():
+                s[f"{model}.{mode}"] = {p: ("reference" if p == entry.get("reference") else "identical" if
+                                            r.get("identical") else "DIFFERENT" if r.get("ok") else "failed")
+                                        for p, r in entry["placements"].items()}
+        for model, p in self.res.get("perf", {}).items():
+            if "uva_over_off" in p:
+                s[f"{model}.perf_uva_over_off"] = dict(zip([f"batch{b}" for b in PERF_BATCHES], p["uva_over_off"],
+                                                           strict=True))
+        if "serve" in self.res:
+            sv = self.res["serve"]
+            s["serve"] = {"ok": sv.get("ok"), "uvaple_series": sv.get("uvaple_series"),
+                          "segments_left": sv.get("segments_left"), "error": sv.get("error")}
+        return s
+
+    def main(self) -> int:
+        a = self.a
+        self.log(f"engine_check: models {a.models}, modes {a.modes}, placements {a.placements}, phases {a.only}, "
+                 f"{a.deadline_s:.0f} s")
+        try:
+            self.res["checkpoints"] = checkpoints(self.work, a.models, self.log)
+        except Exception as e:  # noqa: BLE001
+            self.block("checkpoints (transformers)", "engine_check.checkpoints", traceback.format_exc()[-3000:])
+            self.log(f"checkpoints failed: {e}")
+            self.save()
+            return 1
+        if a.checkpoints_only:
+            self.save()
+            return 0
+        self.env()
+        self.save()
+        if self.res.get("blocker"):
+            return 1
+        for model in a.models:
+            if "tokens" in a.only and not self.tokens(model):
+                self.note(f"{model}: vLLM's engine did not start in eager mode with any placement: the blocker "
+                          "above; nothing more is run")
+                break
+            if "perf" in a.only and model != "qwen4exp_fp8" and self.left() > 200:
+                self.perf(model)
+            if "serve" in a.only and model == "gemma3n":
+                self.serve()
+        self.save()
+        self.log(f"summary: {json.dumps(self.summary(), default=str)[:3000]}")
+        return 0
+
+
+# ============================================================================================== helpers
+def _kill_group(p: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            time.sleep(0.5)
+
+
+def _tail(path: str, n: int) -> str:
+    if not os.path.exists(path):
+        return ""
+    return "\n".join(open(path, errors="replace").read().splitlines()[-n:])
+
+
+def _diff(ref: dict, r: dict) -> dict:
+    """Tokens of ``r`` against ``ref``: identical, or where they first differ and how close the top two were."""
+    a, b = ref.get("tokens") or [], r.get("tokens") or []
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            j = next((k for k, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+            top = (ref.get("top2") or [[]] * len(a))[i]
+            margin = round(top[j][0] - top[j][1], 5) if j < len(top) and len(top[j]) == 2 else None
+            return {"identical": False, "first_difference": {"prompt": i, "step": j, "reference": x[j:j + 4],
+                                                             "this": y[j:j + 4], "reference_top2_margin": margin}}
+    return {"identical": len(a) == len(b) and len(a) > 0}
+
+
+def _brief(res: dict) -> dict:
+    return {k: res.get(k) for k in ("ok", "stage", "error", "init_s", "weights_gib", "kv_cache_gib", "num_gpu_blocks",
+                                    "compilation", "call")}
+
+
+def _http(url: str, data: bytes | None = None, timeout: float = 10) -> tuple[int, str]:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except Exception as e:  # noqa: BLE001
+        return getattr(e, "code", 0) or 0, str(e)
+
+
+def _complete(base: str, model: str, prompt: str) -> dict:
+    """One greedy completion through the OpenAI client (plain HTTP when the client does not import)."""
+    try:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=base + "/v1", api_key="unused")
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+        return {"via": "openai", "text": r.choices[0].text, "usage": r.usage.model_dump() if r.usage else None}
+    except Exception as e:  # noqa: BLE001
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                           "ignore_eos": True}).encode()
+        code, text = _http(base + "/v1/completions", data=body, timeout=60)
+        try:
+            return {"via": "http", "openai_error": f"{type(e).__name__}: {e}"[:300],
+                    "text": json.loads(text)["choices"][0]["text"], "status": code}
+        except (ValueError, KeyError, IndexError):
+            return {"via": "http", "openai_error": f"{type(e).__name__}: {e}"[:300], "status": code,
+                    "text": None, "body": text[:500]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="engine-check-out", help="engine_check.json and engine_check.log go here")
+    p.add_argument("--work", default="/tmp/vllm_engine", help="checkpoints, run logs and results (kept)")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--only", default=",".join(PHASES), help="phases: tokens, perf, serve")
+    p.add_argument("--deadline-s", type=float, default=480.0, help="stop starting runs after this long")
+    p.add_argument("--checkpoints-only", action="store_true", help="build the checkpoints and stop (CPU)")
+    p.add_argument("--force", action="store_true", help="repeat runs already done")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return run_child(a.child)
+    for name, allowed in (("models", MODELS), ("modes", MODES), ("placements", PLACEMENTS), ("only", PHASES)):
+        vals = [v for v in getattr(a, name).split(",") if v]
+        bad = [v for v in vals if v not in allowed]
+        if bad:
+            p.error(f"--{name}: {bad} not in {list(allowed)}")
+        setattr(a, name, vals)
+    a.out, a.work = os.path.abspath(a.out), os.path.abspath(a.work)
+    os.makedirs(a.work, exist_ok=True)
+    return Check(a).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
