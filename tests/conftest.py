@@ -1,7 +1,13 @@
-"""Test setup: the compute device, GPU-only tests, and deterministic property tests.
+"""Test setup: the compute device, GPU-only tests, the extended set, and deterministic property tests.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors: uvaple chooses the interpreter
 per launch from the tensors' device, so nothing needs to be set here.
+
+The extended set (tests marked ``extended``: more parametrisations, rounds and schedules of checks the
+default set also makes, and the longer smokes) is left out of a run without CUDA that names no marker
+(``-m``) and no test (``file::name``): ``python3 -m pytest`` is the default set, ``python3 -m pytest -m
+extended`` the rest, ``-m "extended or not extended"`` both. With CUDA (compiled kernels) every run
+includes it, as ``perf/gpu_check.sh`` expects. ``tests/README.md`` lists what it holds.
 
 Hypothesis: the default profile (``uvaple``) is derandomised with no example database, so every run of
 the suite (CI's included) draws the same examples; ``--hypothesis-profile=explore`` draws fresh random
@@ -22,6 +28,11 @@ HAS_CUDA = torch.cuda.is_available()
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
+    if not config.option.markexpr and not any("::" in a for a in config.args):
+        extended = [item for item in items if item.get_closest_marker("extended")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
     skip = pytest.mark.skip(reason="needs CUDA: runs on the GPU machine (perf/gpu_check.sh)")
     for item in items:
         if "gpu" in item.keywords:

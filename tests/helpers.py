@@ -1,15 +1,24 @@
-"""Helpers the test modules share: random tables (never zeros), exact bit views, the studies' scripts."""
+"""Helpers the test modules share: random tables (never zeros), exact bit views, the studies' scripts, the
+default set's representatives of a parametrisation (``cover``)."""
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 STUDIES = Path(__file__).resolve().parents[1] / "perf" / "studies"
+
+# the tests `python3 -m pytest` leaves out without CUDA (tests/conftest.py); `-m extended` runs them
+EXTENDED = pytest.mark.extended
+_PARAM = type(pytest.param())
 
 
 def rand(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
@@ -47,3 +56,47 @@ def study(name: str) -> ModuleType:
     module = importlib.import_module(name)
     assert Path(module.__file__).resolve().parent == STUDIES, f"{name} imported from {module.__file__}"
     return module
+
+
+def grid(**axes: Sequence) -> list:
+    """Every combination of ``axes`` (``name=values``, in the order the test's argnames give them) as
+    ``pytest.param`` with the id stacked ``parametrize`` decorators give it (``"out_dtype0-fp81"``), for
+    ``cover`` to pick from."""
+    def ids(name: str, values: Sequence) -> list[str]:
+        got = [str(v) if v is None or isinstance(v, (str, int, float, bool)) else f"{name}{i}"
+               for i, v in enumerate(values)]
+        count, seen = Counter(got), Counter()
+        for i, v in enumerate(got):  # equal ids numbered in turn, as pytest numbers them
+            if count[v] > 1:
+                got[i] = f"{v}{'_' if v[-1].isdigit() else ''}{seen[v]}"
+                seen[v] += 1
+        return got
+
+    named = [list(zip(values, ids(name, values), strict=True)) for name, values in axes.items()]
+    return [pytest.param(*(v for v, _ in c), id="-".join(i for _, i in c)) for c in itertools.product(*named)]
+
+
+def cover(cases: Iterable, *groups: Sequence[int], cost: Callable[[tuple], float] | None = None) -> list:
+    """``cases`` (tuples of parameters, or ``pytest.param``) as ``pytest.param``, all but a few marked
+    ``extended``: the default set keeps cases until every value at each position in ``groups`` (every
+    combination, for a group of several positions) has run; the case bringing the most not yet run comes
+    first, the cheaper by ``cost`` (then the earlier) among equals. GPU-only cases stay as they are (skipped
+    without CUDA, run whole with it). Without ``groups``: the cheapest case alone."""
+    params = [c if isinstance(c, _PARAM) else pytest.param(*(c if isinstance(c, tuple) else (c,)))
+              for c in cases]
+    cpu = [i for i, p in enumerate(params) if not any(m.name == "gpu" for m in p.marks)]
+
+    def brings(i: int) -> set:
+        return {(g, tuple(params[i].values[k] for k in g)) for g in groups}
+
+    def price(i: int) -> float:
+        return cost(params[i].values) if cost else 0.0
+
+    todo = set().union(*(brings(i) for i in cpu)) if cpu else set()
+    keep = {min(cpu, key=price)} if cpu and not groups else set()
+    while todo:
+        best = min((i for i in cpu if i not in keep), key=lambda i: (-len(brings(i) & todo), price(i), i))
+        keep.add(best)
+        todo -= brings(best)
+    return [p if i in keep or i not in cpu else pytest.param(*p.values, marks=[*p.marks, EXTENDED], id=p.id)
+            for i, p in enumerate(params)]

@@ -155,7 +155,7 @@ def test_doctor_json_keeps_stdout_json_and_says_the_verdict_on_stderr(capsys, mo
         assert caps["uva_usable"] is False and caps["cpu_copy_gbps"] == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_doctor_measures_what_runs_here(capsys):
     """Point 2: the measurements themselves (numba's copy gather and the interpreted gather without a GPU; the
     pinned copy and the zero-copy read with one) give figures, and the exit status is the same."""

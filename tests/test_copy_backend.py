@@ -1069,6 +1069,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.extended  # ~20 s on 2 cores (the child compiles every numba gather); exits: tests/test_lifetime.py
 @pytest.mark.timeout(180)
 def test_interpreter_exit_without_close_is_clean():
     """Exit with the worker in a big gather: the table must not be unmapped under it (was a segfault)."""

@@ -46,10 +46,12 @@ backend's device operations are synchronous, so its stream ordering, the write-a
 and the ordering of rewritten CUDA ids are exercised only with CUDA). With CUDA, ids and ``out`` live on the
 GPU, half the schedules run on a non-default stream, and the copy backend gets CPU ids for some passes.
 
-``UVAPLE_EQUIV_SCHEDULES``: the number of schedules (default 60, about 45 s on two idle CPU cores; the GPU
-run passes 10000, split over processes by ``perf/studies/soak.py``). ``UVAPLE_EQUIV_FIRST_SEED``: the first schedule's
-seed (default 0). ``UVAPLE_EQUIV_DEADLINE_S``: no schedule starts after this many seconds (a soak's bound; the
-summary says how many ran). From 40 schedules on, every feature above must have happened at least once (``EXERCISED``).
+``UVAPLE_EQUIV_SCHEDULES``: the number of schedules ``test_random_schedules_agree`` runs (default 15, about 12 s
+on two idle CPU cores; the GPU run passes 1000, the soak 10000 split over processes by ``perf/studies/soak.py``).
+Unset, the extended set (``-m extended``) also runs ``test_random_schedules_agree_in_full``: 60 schedules from seed
+0, about 45 s. ``UVAPLE_EQUIV_FIRST_SEED``: the first schedule's seed (default 0). ``UVAPLE_EQUIV_DEADLINE_S``: no
+schedule starts after this many seconds (a soak's bound; the summary says how many ran). From 40 schedules on,
+every feature above must have happened at least once (``EXERCISED``).
 ``UVAPLE_EQUIV_SUMMARY``: where to write a JSON summary of what ran (schedules, passes, lookups compared,
 depths reached, copy jobs, cancellations, refused and waiting admissions, closes and how their jobs ended,
 ids rewritten, outs reused, hot-set changes, seconds); it is also printed (``pytest -rA`` shows it) and
@@ -80,7 +82,10 @@ from uvaple.uva import HostTable, _region
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
-N_SCHEDULES = int(os.environ.get("UVAPLE_EQUIV_SCHEDULES", "60"))
+# The default set's schedules; the extended set's (test_random_schedules_agree_in_full), enough for every feature
+# to have happened (EXERCISED), unless UVAPLE_EQUIV_SCHEDULES says how many to run
+N_SCHEDULES = int(os.environ.get("UVAPLE_EQUIV_SCHEDULES", "15"))
+FULL_SCHEDULES = 60
 # The first schedule's seed: a soak splits its seeds over processes running side by side (perf/studies/soak.py).
 FIRST_SEED = int(os.environ.get("UVAPLE_EQUIV_FIRST_SEED", "0"))
 # A soak's time bound: no schedule starts after this many seconds (the summary says how many ran); unset: none.
@@ -97,8 +102,12 @@ SLOW_GATHER_S = 0.004  # the longest delay the copy worker is given before a gat
 # An admission or close schedule stalls its backend's first gather this long (one of), so that jobs queue up
 # behind it: a few passes' time (interpreted kernels on CPU take ~0.1 s a lookup, compiled ones microseconds).
 STALLS_S = (0.3, 1.0) if not HAS_CUDA else (0.005, 0.02)
-# backstop of the whole test (pytest-timeout): generous, the bounded waits fail first
-BACKSTOP_S = 600 + int(N_SCHEDULES * (0.5 if HAS_CUDA else 20))
+
+
+def backstop_s(schedules: int) -> int:
+    """The backstop of a whole test (pytest-timeout): generous, the bounded waits fail first."""
+    return 600 + int(schedules * (0.5 if HAS_CUDA else 20))
+
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 POISON = {2: 0x7F0F, 4: 0x7F80F0F0}  # NaN payloads the data never has
@@ -660,8 +669,8 @@ def wait_for(cond, what: str, detail=lambda: "", timeout: float = WAIT_S) -> Non
         time.sleep(0.01)
 
 
-@pytest.mark.timeout(BACKSTOP_S, method="thread")
-def test_random_schedules_agree(record_property):
+def run_schedules(first_seed: int, schedules: int, record_property) -> None:
+    """``schedules`` schedules from ``first_seed``, each checked; then everything back to the baseline."""
     gc.collect()
     before = host_state()
     t_start = time.monotonic()
@@ -671,7 +680,7 @@ def test_random_schedules_agree(record_property):
     table_refs = [weakref.ref(t.table) for t in tables]
     runner = Runner(tables, delays)
     try:
-        for seed in range(FIRST_SEED, FIRST_SEED + N_SCHEDULES):
+        for seed in range(first_seed, first_seed + schedules):
             if time.monotonic() - t_start > DEADLINE_S:
                 break
             plan = make_plan(seed)
@@ -688,8 +697,8 @@ def test_random_schedules_agree(record_property):
             t.close()
         del t, tables, runner
     summary = dict(count, depths={str(k): v for k, v in sorted(depths.items())}, device=str(DEVICE),
-                   seconds=round(time.monotonic() - t_start, 1), requested=N_SCHEDULES,
-                   first_seed=FIRST_SEED)
+                   seconds=round(time.monotonic() - t_start, 1), requested=schedules,
+                   first_seed=first_seed)
     line = json.dumps(summary, sort_keys=True)
     print(f"equivalence summary: {line}")
     record_property("equivalence", line)
@@ -701,10 +710,24 @@ def test_random_schedules_agree(record_property):
     wait_for(lambda: not leftovers(before), "host memory, registrations and workers did not return to the baseline",
              lambda: leftovers(before))
     ran = count["schedules"]
-    assert ran == N_SCHEDULES or (DEADLINE_S < float("inf") and ran > 0), (ran, N_SCHEDULES)
+    assert ran == schedules or (DEADLINE_S < float("inf") and ran > 0), (ran, schedules)
     if ran >= 40:  # enough schedules for every feature to have happened: none may be dead code
         dead = [k for k in EXERCISED if not count[k]] + ([] if depths[MAX_DEPTH] else [f"depth {MAX_DEPTH}"])
         assert not dead, f"never exercised: {dead}"
+
+
+@pytest.mark.timeout(backstop_s(N_SCHEDULES), method="thread")
+def test_random_schedules_agree(record_property):
+    run_schedules(FIRST_SEED, N_SCHEDULES, record_property)
+
+
+@pytest.mark.extended
+@pytest.mark.skipif("UVAPLE_EQUIV_SCHEDULES" in os.environ, reason="test_random_schedules_agree runs the schedules "
+                    "UVAPLE_EQUIV_SCHEDULES asks for")
+@pytest.mark.timeout(backstop_s(FULL_SCHEDULES), method="thread")
+def test_random_schedules_agree_in_full(record_property):
+    """Today's CI count: 60 schedules from seed 0, every feature exercised (the default set runs the first 15)."""
+    run_schedules(0, FULL_SCHEDULES, record_property)
 
 
 @pytest.mark.timeout(300)

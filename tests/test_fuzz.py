@@ -23,10 +23,12 @@ the clamped ids, apply the encoding's formula, then the policy), and the lookup'
 rows, out-of-range ids; hits, misses and the served-id histogram of a hot set) with the ids' own count.
 
 Runs on the CPU under Triton's interpreter (tables and lookups are built once per module and closed at
-its end) and on CUDA through the ``device`` fixture. Examples per property test: ``UVAPLE_FUZZ_EXAMPLES``
-(default 10); on the GPU machine raise it, e.g. ``UVAPLE_FUZZ_EXAMPLES=300 pytest
-tests/test_fuzz.py``. The examples are derandomised (``tests/conftest.py``); ``--hypothesis-profile=explore``
-draws fresh ones.
+its end) and on CUDA through the ``device`` fixture. Examples per case of ``test_fuzz_lookup``:
+``UVAPLE_FUZZ_EXAMPLES`` (default 3); unset, the extended set (``-m extended``) also runs
+``test_fuzz_lookup_in_full``, 10 examples per case. On the GPU machine raise it, e.g.
+``UVAPLE_FUZZ_EXAMPLES=300 pytest tests/test_fuzz.py``. The examples are derandomised (``tests/conftest.py``);
+``--hypothesis-profile=explore`` draws fresh ones. By default ``test_every_id_class`` runs every path and each
+encoding on each geometry, the rest of its cases under ``-m extended``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import bits, rand
+from helpers import bits, cover, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +50,9 @@ from uvaple.integration import HotSet, TableSpec, make_lookup
 from uvaple.integration.placements.host_gather import gather_path
 from uvaple.uva import HostTable
 
-EXAMPLES = int(os.environ.get("UVAPLE_FUZZ_EXAMPLES", "10"))
+# examples per case: the default set's (unless UVAPLE_FUZZ_EXAMPLES says), the extended set's (test_fuzz_lookup_in_full)
+EXAMPLES = int(os.environ.get("UVAPLE_FUZZ_EXAMPLES", "3"))
+FULL_EXAMPLES = 10
 # the most ids one call draws (sorted workspaces are sized from it): runs of repeats beyond one program's
 # ids need more than the 64 a de-duplicating program of short rows holds (tuning.SORTED_MAX_ROWS)
 MAX_IDS = 256
@@ -468,8 +472,10 @@ def calls(draw, path: str, enc_name: str, salt: int) -> Call:
 CASES = [(p, e) for p in PATHS for e in ENCODINGS if supported(p, e)]
 
 
-@pytest.mark.parametrize("path,enc,geom", [pytest.param(p, e, g, marks=marks(p)) for p, e in CASES
-                                           for g in GEOMETRIES_OF[e]])
+# by default every path, each encoding on each geometry (every path with every encoding: test_fuzz_lookup; the
+# rest: -m extended)
+@pytest.mark.parametrize("path,enc,geom", cover([pytest.param(p, e, g, marks=marks(p)) for p, e in CASES
+                                                 for g in GEOMETRIES_OF[e]], (0,), (1, 2)))
 def test_every_id_class(built, device, path, enc, geom):
     """Every id class in one call, one 0-d id, no ids (and, where calls are cheap, runs of five of each id,
     not contiguous): int64 ids under each policy, int32 ids under one (the policy applies once the id's
@@ -493,14 +499,29 @@ def test_every_id_class(built, device, path, enc, geom):
     table.assert_unchanged()
 
 
+def fuzz_one(built, device, path: str, enc: str, data) -> None:
+    c = data.draw(calls(path, enc, CASES.index((path, enc))))
+    lk, table = built.lookup(path, enc, c.geom, c.oob, device)
+    check(lk, table, path, c.oob, c.ids, c.shape, c.id_dtype, columns=c.columns, share=c.share, strided=c.strided)
+
+
 @pytest.mark.parametrize("path,enc", [pytest.param(p, e, marks=marks(p)) for p, e in CASES])
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_lookup(built, device, path, enc, data):
     """Random ids of every class in random shapes, column ranges, policies and geometries."""
-    c = data.draw(calls(path, enc, CASES.index((path, enc))))
-    lk, table = built.lookup(path, enc, c.geom, c.oob, device)
-    check(lk, table, path, c.oob, c.ids, c.shape, c.id_dtype, columns=c.columns, share=c.share, strided=c.strided)
+    fuzz_one(built, device, path, enc, data)
+
+
+@pytest.mark.extended
+@pytest.mark.skipif("UVAPLE_FUZZ_EXAMPLES" in os.environ, reason="test_fuzz_lookup draws the examples "
+                    "UVAPLE_FUZZ_EXAMPLES asks for")
+@pytest.mark.parametrize("path,enc", [pytest.param(p, e, marks=marks(p)) for p, e in CASES])
+@settings(max_examples=FULL_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_lookup_in_full(built, device, path, enc, data):
+    """``test_fuzz_lookup`` with CI's count of examples (10 a case)."""
+    fuzz_one(built, device, path, enc, data)
 
 
 @pytest.mark.parametrize("geom", ["wide", "wide_shard"])

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import cover, grid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -128,8 +129,9 @@ def test_column_ranges(tables, device, columns):
     check(t, h, ids, device, columns=slice(*columns), scale=16.0)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("scale", [16.0, math.sqrt(256), 1.7, -0.3, 1e-3, 3.0e4, 1.0 / 3.0])
+# each dtype and each scale by default (-m extended: every pair)
+@pytest.mark.parametrize("scale,dtype", cover(grid(scale=[16.0, math.sqrt(256), 1.7, -0.3, 1e-3, 3.0e4, 1.0 / 3.0],
+                                                   dtype=FLOATS), (0,), (1,)))
 def test_scale_matches_model_rounding(tables, device, dtype, scale):
     """Bit-identical to HF Gemma 3n: ``emb * embed_scale.to(weight.dtype)``."""
     t, h = tables(128, 96, dtype)
@@ -160,8 +162,8 @@ def edge_rows(dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("oob", ["zero", "row0"])
+# 33 scales a case, 2-5 s interpreted: each dtype and each policy by default (-m extended: every pair)
+@pytest.mark.parametrize("oob,dtype", cover(grid(oob=["zero", "row0"], dtype=FLOATS), (0,), (1,)))
 def test_scale_edges_are_exact(device, dtype, oob):
     """``rows * torch.tensor(scale).to(dtype)`` bit for bit for every edge scale, rows with edge values."""
     t = edge_rows(dtype)
@@ -337,8 +339,10 @@ _PLANNED = [
 ]
 
 
-@pytest.mark.parametrize("table_dtype,out_dtype,scale,dequant,oob", [
-    (*case, oob) for case in _PLANNED for oob in ("zero", "row0", "neg_zero") if not (case[3] and oob == "neg_zero")])
+# by default each planned case under one policy, each policy once (-m extended: every pair)
+@pytest.mark.parametrize("table_dtype,out_dtype,scale,dequant,oob", cover([
+    (*case, oob) for case in _PLANNED for oob in ("zero", "row0", "neg_zero") if not (case[3] and oob == "neg_zero")],
+    (0, 1, 2, 3), (4,)))
 def test_a_plan_launches_what_the_operator_launches(device, table_dtype, out_dtype, scale, dequant, oob):
     """A :class:`GatherPlan` (a lookup's, or a split lookup's policy over its staged rows) writes the bits and
     counts the operator writes for the same ids, out-of-range ones among them, and nothing for no ids; the

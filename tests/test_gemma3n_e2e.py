@@ -133,6 +133,7 @@ def test_graph_decode_refuses_a_position_past_the_sliding_window():
         gd.decode_graph(model, 1, prompt_len=8, steps=1, warm=0, high=VOCAB_PLE, device=torch.device("cpu"))
 
 
+@pytest.mark.extended  # ~19 s on 2 cores; the same checks by default: test_gemma3n.py (logits, greedy generate)
 def test_tiny_run(tmp_path, device):
     """The whole harness on a toy config: on CPU (interpreter), or on CUDA with the graph-captured steps."""
     rc = e2e.main(["--tiny", "--device", str(device), "--out", str(tmp_path), "--prompts", "2", "--prompt-len", "5",

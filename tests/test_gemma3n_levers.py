@@ -20,6 +20,7 @@ levers = study("gemma3n_levers")
 gd = study("graph_decode")
 
 
+@pytest.mark.extended  # ~13 s on 2 cores; by default: test_gemma3n.py, test_gemma3n_fp8.py, test_hotset.py's HF module
 def test_tiny_run(tmp_path, device):
     rc = levers.main(["--tiny", "--device", str(device), "--out", str(tmp_path), "--prompts", "2", "--prompt-len",
                       "5", "--new-tokens", "6", "--lossless-tokens", "3", "--batches", "1,3", "--steps", "2",

@@ -137,11 +137,9 @@ def want_sum() -> int:
 
 
 # ------------------------------------------------------------------ many processes, one table
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["hold", "exit"])
-def test_processes_letting_go_at_the_same_moment_leave_nothing(mode):
-    """The last process out unlinks the name, also when all go at once (close() or exit without it)."""
-    for _ in range(4):
+def let_go_at_once(mode: str, rounds: int) -> None:
+    """``rounds`` times: four processes open one table (one creates it) and let go of it at once."""
+    for _ in range(rounds):
         n = shm_name()
         workers = [Worker(n, mode) for _ in range(4)]
         for w in workers:
@@ -161,6 +159,23 @@ def test_processes_letting_go_at_the_same_moment_leave_nothing(mode):
         assert not left, f"{path_of(n)} was left behind after every process let go ({mode})"
 
 
+# four processes a round, each importing torch: 8-10 s a round on 2 cores
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["hold", "exit"])
+def test_processes_letting_go_at_the_same_moment_leave_nothing(mode):
+    """The last process out unlinks the name, also when all go at once (close() or exit without it)."""
+    let_go_at_once(mode, 1)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["hold", "exit"])
+def test_processes_letting_go_at_the_same_moment_again(mode):
+    """Three more rounds of the race above (four in all)."""
+    let_go_at_once(mode, 3)
+
+
+@pytest.mark.extended  # one creator among processes starting at once: the four above, by default
 @pytest.mark.timeout(300)
 def test_eight_processes_at_once_create_exactly_one(name):
     workers = [Worker(name, "hold", fill_s=0.5) for _ in range(8)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bits, rand
+from helpers import bits, cover, grid, rand
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,9 +42,11 @@ def sorted_lookup(table, spec=None, dedup=True, max_rows=4096, **kw):
                         **kw)
 
 
-@pytest.mark.parametrize("dedup", [True, False])
-@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("n", [1, 2, 17, 300])
+# each size, id dtype and order by default, the cheaper first (300 ids sorted without de-duplication: 4-5 s
+# interpreted); -m extended: every combination
+@pytest.mark.parametrize("n,id_dtype,dedup", cover(grid(n=[1, 2, 17, 300], id_dtype=[torch.int32, torch.int64],
+                                                        dedup=[True, False]), (0,), (1,), (2,),
+                                                   cost=lambda c: c[0] * (1 if c[2] else 4)))
 def test_every_pattern_bit_exact(table, dedup, id_dtype, n):
     with sorted_lookup(table, dedup=dedup) as lk:
         for name, ids in patterns(n, ROWS, seed=n).items():
