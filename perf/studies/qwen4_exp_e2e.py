@@ -224,8 +224,18 @@ class Run:
         self.args, self.t0 = args, time.monotonic()
         self.res = {"errors": []}
 
+    def save(self) -> None:
+        """The results so far, written whole (a run stopped by a time limit keeps every finished stage)."""
+        text = json.dumps(self.res, indent=1, default=str)
+        if self.args.json == "-":
+            return
+        tmp = f"{self.args.json}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.args.json)
+
     def step(self, name):
-        """A stage: its failure is recorded, never fatal."""
+        """A stage: its failure is recorded, never fatal; the results are saved after it."""
         run = self
 
         class _Step(contextlib.AbstractContextManager):
@@ -234,6 +244,8 @@ class Run:
                     print(f"[{name}] failed: {kind.__name__}: {e}", file=sys.stderr)
                     run.res["errors"].append({"where": name, "error": f"{kind.__name__}: {e}",
                                               "trace": traceback.format_exc(limit=8)})
+                run.res["elapsed_s"] = time.monotonic() - run.t0
+                run.save()
                 return e is not None and not isinstance(e, KeyboardInterrupt)
 
         print(f"[{name}] {time.monotonic() - self.t0:.0f} s", file=sys.stderr)
@@ -520,12 +532,11 @@ def main(argv=None) -> int:
     if "startup" in phases and args.startup_gib:
         with run.step("startup phase"):
             phase_startup(run)
-    text = json.dumps(run.res, indent=1, default=str)
+    run.res["elapsed_s"] = time.monotonic() - run.t0
     if args.json == "-":
-        print(text)
+        print(json.dumps(run.res, indent=1, default=str))
     else:
-        with open(args.json, "w") as f:
-            f.write(text)
+        run.save()
     return 0
 
 
