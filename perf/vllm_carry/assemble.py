@@ -8,7 +8,9 @@ missing. A part already in is checked and skipped.
 
 ``--install``: once every part is in, each unpacked wheel is zipped again (stored) and installed with
 ``pip install --no-deps --no-index --no-compile --target TARGET`` (default ``/tmp/vllm_site``); put TARGET
-first on ``PYTHONPATH``. Skipped when TARGET already holds this build. ``--status``: only print what is in.
+first on ``PYTHONPATH``. Skipped when TARGET already holds this build. Then :data:`PATCHES` are applied to
+the installed tree (each once, each found exactly or the install fails): what the trim takes out must not be
+imported where vLLM imports it unconditionally on CUDA. ``--status``: only print what is in.
 
 Exit status: 0 done; 3 parts missing for ``--install``; 4 a part failed its check (carry it again);
 2 a usage error. Standard library only (Python 3.10+).
@@ -145,11 +147,46 @@ def status(stage: str, manifest: dict | None) -> tuple[list[str], list[str]]:
     return have, missing
 
 
+# (file under TARGET, text, replacement, why): vLLM 0.33 imports these on CUDA whatever backend is chosen.
+# Found on the H200 (perf/results/h200_2026-12-03/run18_vllm_engine/), one engine start after another.
+PATCHES = [
+    ("vllm/vllm_flash_attn/__init__.py",
+     "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(",
+     "if False:  # carried without FlashAttention's extensions: reported unavailable, Triton attention used\n"
+     "    raise ImportError(",
+     "v1/attention/backends/fa_utils.py imports vllm.vllm_flash_attn on CUDA; without _vllm_fa2_C/_vllm_fa3_C "
+     "(trimmed) it raised ImportError, so no model whose module imports the attention layer could be inspected"),
+    ("vllm/v1/sample/ops/topk_topp_sampler.py",
+     "    from vllm.v1.attention.backends.flashinfer import FlashInferBackend\n",
+     "    try:  # carried without FlashInfer\n"
+     "        from vllm.v1.attention.backends.flashinfer import FlashInferBackend\n"
+     "    except ImportError:\n"
+     "        return False\n",
+     "flashinfer_sampler_supported() imports the FlashInfer backend (flashinfer is not carried): the model "
+     "runner's Sampler() raised ModuleNotFoundError at load_model"),
+]
+
+
+def patch(target: str) -> None:
+    """Apply :data:`PATCHES` to the tree installed in ``target`` (a patch already applied is skipped)."""
+    for rel, old, new, why in PATCHES:
+        path = os.path.join(target, rel)
+        text = open(path).read()
+        if new in text:
+            continue
+        if text.count(old) != 1:
+            raise SystemExit(f"assemble: {rel}: the text to patch is not there exactly once ({why})")
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+        log(f"patched {rel}: {why}")
+
+
 def install(stage: str, manifest: dict, target: str, python: str) -> None:
     """Zip each unpacked wheel again (stored) and pip-install them all with --no-deps into ``target``."""
     mark = os.path.join(target, ".vllm_carry_build")
     if os.path.exists(mark) and open(mark).read().strip() == manifest["build_id"]:
         log(f"{target} already holds build {manifest['build_id']}")
+        patch(target)
         return
     root = os.path.join(stage, "tree")
     wheels = os.path.join(stage, "wheels")
@@ -174,6 +211,7 @@ def install(stage: str, manifest: dict, target: str, python: str) -> None:
     with open(mark, "w") as f:
         f.write(manifest["build_id"] + "\n")
     shutil.rmtree(wheels, ignore_errors=True)
+    patch(target)
     log(f"installed {len(manifest['trees'])} wheels into {target} in {time.monotonic() - t0:.1f} s "
         f"(PYTHONPATH={target}:$PYTHONPATH)")
 
