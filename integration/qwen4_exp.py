@@ -27,6 +27,17 @@ The cache protocol is transformers': the last ``ngram_size - 1`` tokens live in 
 conv state 2 (``get_conv_state`` in 5.24, ``has_previous_state`` / ``layers[i].conv_states`` in 5.17),
 padded with the end-of-sequence token on a short first call.
 
+Overlap: none, by measurement. Each PLE layer gathers its rows inside its own forward, in stream order;
+nothing is issued ahead on a side branch. On the H200 (transformers 5.17, real-size 95 GiB table, fp8 rows)
+the whole PLE layer's decode step, hash and gather and projection, is 372 / 528 us captured in a CUDA graph at
+batch 1 / 8: 0.19% / 0.28% of the model's decode step; eager 1.2% / 1.1%; the prefill's read is smaller
+still (``perf/results/h200_2026-12-03/run17_qwen4_exp_e2e_fp8_real_table/``). That is under the 2% at which
+gathering every layer's rows at the start of the forward would pay for its events. (The step there runs
+transformers' PyTorch reference of the gated delta rule; a step several times faster would still leave the
+captured layer near 1%: measure again before building the branch.) With no branch, the rows a forward
+gathers are written and read by that forward alone, in one stream, so a later forward cannot overwrite rows
+an earlier one still reads (seed 004).
+
 Loading (:func:`load_qwen4_exp_with_host_ple`, :mod:`uvaple.integration.ngram_tables`): every shard of
 every layer is located and checked first (presence, shape, dtype), then free host memory, then each table is
 filled straight from the shards (``pread`` into its rows, or quantised by the kernel of
