@@ -34,6 +34,13 @@ placement: the ceiling) and the same table through ``uva``, decode tokens/s eage
 quantise a host bf16 table to ``fp8_row``, quantise from the shards; each in GB/s of source bytes, with
 the real table's time at that rate.
 
+Fast paths: transformers takes flash-linear-attention's Triton kernels for the gated delta rule when ``fla``
+imports (``env.fla`` in the JSON says whether it did); without it, and without ``causal_conv1d`` (a CUDA
+extension, not carried), it runs its PyTorch reference. ``fla`` is pure Python and travels in one call: here
+``pip download --no-deps --python-version 3.12 --only-binary=:all: -d .fla-carry flash-linear-attention==0.6.0
+fla-core==0.6.0 einops`` (1.5 MB), carried as ``.fla-carry``; there ``pip install --no-deps --target
+/tmp/fla_site .fla-carry/*.whl`` and ``PYTHONPATH=/tmp/fla_site`` for the study.
+
 Failures are caught, logged and reported in the JSON; none ends the run. Usage (H200, 1 GPU, 128 GiB)::
 
     python3 perf/studies/qwen4_exp_e2e.py --table fp8 --json perf/results/qwen4_exp_e2e_fp8.json
@@ -48,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -504,6 +512,8 @@ def main(argv=None) -> int:
 
     run.res["env"] = {"torch": torch.__version__, "transformers": transformers.__version__, "python":
                       platform.python_version(), "host_cpus": os.cpu_count(), "args": vars(args),
+                      "fla": importlib.util.find_spec("fla") is not None,
+                      "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
                       "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()}
     phases = [p for p in args.phases.split(",") if p]
     if "main" in phases:
