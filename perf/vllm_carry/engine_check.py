@@ -11,7 +11,8 @@ vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's p
 2. ``checkpoints`` (``checkpoints.py``, which also runs alone on a CPU without vLLM; ``--checkpoints-only``
    here): small random models saved by transformers 5.17 into ``WORK/ckpt``, each with a word-level
    tokenizer: ``gemma3n`` (the multimodal ``Gemma3nForConditionalGeneration``, bf16, a 128 MiB per-layer
-   table; vLLM is given no image or audio per prompt, so it builds no tower), ``qwen4exp_bf16``
+   table; no image or audio per prompt, so no tower is loaded or profiled, and ``enable_mm_embeds`` so that
+   vLLM still runs it as multimodal: its runner then computes the per-layer inputs), ``qwen4exp_bf16``
    (``Qwen4ExpForCausalLM``, PLE on two linear-attention layers, n-gram tables saved in
    ``split_ngram_parts`` shards) and ``qwen4exp_fp8`` (the same, the n-gram tables in fp8 with one global
    scale each).
@@ -113,7 +114,12 @@ def engine_kwargs(spec: dict) -> dict:
     if additional:
         kw["additional_config"] = additional
     if spec["model"] == "gemma3n":
+        # No image or audio per prompt (the towers are not profiled); with every limit 0 alone vLLM runs the
+        # model text-only and its runner passes no inputs_embeds, which Gemma 3n's multimodal forward needs
+        # (the H200's first engines stopped there, run18). enable_mm_embeds keeps the multimodal path: the
+        # runner embeds through embed_input_ids, which computes the per-layer inputs.
         kw["limit_mm_per_prompt"] = {"image": 0, "audio": 0}
+        kw["enable_mm_embeds"] = True
     if spec["mode"] == "graph" and spec.get("compilation") is not None:
         kw["compilation_config"] = spec["compilation"]
     return kw
@@ -584,7 +590,8 @@ print("ENV" + json.dumps(out))
                "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", str(MAX_NUM_SEQS), "--gpu-memory-utilization", "0.3", "--enforce-eager",
                "--attention-backend", "TRITON_ATTN", "--seed", "0", "--served-model-name", model,
-               "--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--additional-config", add]
+               "--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--enable-mm-embeds",
+               "--additional-config", add]
         out: dict = {"cmd": " ".join(cmd), "ok": False}
         self.res["serve"] = out
         env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=prom)
