@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
 from uvaple.uva import HostTable
 
 from .embedding import HostScaledEmbedding
@@ -29,8 +30,7 @@ from .spec import TableSpec
 __all__ = ["HostEncodedEmbedding", "ENCODED"]
 
 #: the encodings a :class:`HostEncodedEmbedding` serves, and the columns of its table for ``dim`` values
-ENCODED = {"fp8_global": lambda dim: dim, "fp8_row": lambda dim: dim + 4}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+ENCODED = {"fp8_global": lambda dim: dim, "fp8_row": lambda dim: dim + ROW_SCALE_BYTES}
 
 
 class HostEncodedEmbedding(HostScaledEmbedding):
@@ -79,7 +79,7 @@ class HostEncodedEmbedding(HostScaledEmbedding):
     def attach_table(self, table, *, own: bool = False) -> None:
         """Use ``table`` (fp8 codes in this module's encoding) from now on; ``own``: :meth:`close` releases it."""
         cols = ENCODED[self.encoding](self.embedding_dim)
-        if (table.rows, table.cols) != (self.num_embeddings, cols) or table.dtype not in _FP8:
+        if (table.rows, table.cols) != (self.num_embeddings, cols) or table.dtype not in FP8_FORMATS:
             raise ValueError(f"table is {table.rows}x{table.cols} {table.dtype}; an {self.encoding} table of this "
                              f"module is {self.num_embeddings}x{cols} fp8")
         old, old_own = self._table, self._own_table

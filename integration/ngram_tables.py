@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from uvaple.dtypes import fmt_bytes
+from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
 from uvaple.uva import HostMemoryError, HostTable
 from uvaple.uva.errors import CheckpointError
 from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
@@ -53,7 +54,6 @@ from .encoded_embedding import HostEncodedEmbedding
 __all__ = ["NGramLayout", "NGramTables", "NoPleLayersError", "ShardMissingError", "ShardShapeError",
            "ngram_layout", "find_shards", "load_ngram_tables"]
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # one PLE table's checkpoint tensors: (prefix, decoder layer, shard index or None, "weight" / "weight_scale")
 _KEY = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding\."
                   r"(?:shard_(?P<shard>\d+)\.)?(?P<what>weight|weight_scale)$")
@@ -173,7 +173,7 @@ def find_shards(path: str, layout: list[NGramLayout], files: dict | None = None)
         parts = locate_tensors(path, names, files)
         _check_parts(parts, lay, where, path)
         scale = None
-        if parts[0].dtype in _FP8:
+        if parts[0].dtype in FP8_FORMATS:
             if entry["scale"] is None:
                 raise CheckpointError(f"{where}'s table is stored as {parts[0].dtype} but the checkpoint has no "
                                       "'...ngram_embedding.weight_scale' for it")
@@ -200,7 +200,7 @@ def _check_parts(parts: list[TensorInfo], lay: NGramLayout, where: str, path: st
 
 
 def _table_bytes(rows: int, cols: int, dtype: torch.dtype) -> int:
-    return round_up(rows * row_stride_bytes(cols * torch.empty((), dtype=dtype).element_size()), PAGE_SIZE)
+    return round_up(rows * row_stride_bytes(cols * dtype.itemsize), PAGE_SIZE)
 
 
 def _mapped(info: TensorInfo) -> torch.Tensor:
@@ -268,19 +268,17 @@ def load_ngram_tables(path, opts: dict, from_pretrained_kw: dict | None = None) 
     quantize = options.get("quantize")
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"backend_options['quantize'] must be one of {sorted(QUANTIZE)} or None, got {quantize!r}")
-    if quantize is not None and sources[0].dtype in _FP8:
+    if quantize is not None and sources[0].dtype in FP8_FORMATS:
         raise ValueError(f"this checkpoint's n-gram tables are stored as {sources[0].dtype} already: they are served "
                          "as stored; drop backend_options['quantize']")
     from_shards = quantize is not None and not options.get("keep_source", True)
     need = 0
     for src in sources:
         lay = src.layout
-        if from_shards:
-            need += _table_bytes(lay.rows, lay.cols + 4, QUANTIZE[quantize])
-        else:
+        if not from_shards:  # the table as stored
             need += _table_bytes(lay.rows, lay.cols, src.dtype)
-            if quantize is not None:  # the module's fp8_row table, built beside the source
-                need += _table_bytes(lay.rows, lay.cols + 4, QUANTIZE[quantize])
+        if quantize is not None:  # its fp8_row table (from the shards, or built beside the source)
+            need += _table_bytes(lay.rows, lay.cols + ROW_SCALE_BYTES, QUANTIZE[quantize])
     avail = mem_available_bytes()
     if avail is not None and need > avail:
         raise HostMemoryError(f"the {len(sources)} n-gram tables of {path} need {fmt_bytes(need)} of host memory; "
@@ -290,17 +288,13 @@ def load_ngram_tables(path, opts: dict, from_pretrained_kw: dict | None = None) 
     register = opts.get("register", "auto")
     try:
         for src in sources:
-            names = [p.name for p in src.parts]
             if from_shards:
-                fmt = QUANTIZE[quantize]
-                table, err = _quantized_from_shards(src, fmt, register)
+                table, err = _quantized_from_shards(src, QUANTIZE[quantize], register)
                 tables.tables[src.layout.layer_idx] = ("fp8_row", table, err)
-            elif src.scale is not None:
-                table = HostTable.from_safetensors(path, names, register=register)
-                tables.tables[src.layout.layer_idx] = ("fp8_global", table, _read_scale(src.scale))
             else:
-                table = HostTable.from_safetensors(path, names, register=register)
-                tables.tables[src.layout.layer_idx] = ("raw", table, None)
+                table = HostTable.from_safetensors(path, [p.name for p in src.parts], register=register)
+                tables.tables[src.layout.layer_idx] = (("raw", table, None) if src.scale is None else
+                                                       ("fp8_global", table, _read_scale(src.scale)))
     except BaseException:
         tables.close()
         raise
@@ -311,7 +305,7 @@ def _quantized_from_shards(src: LayerSource, fmt: torch.dtype, register):
     from .quantize import quantize_fp8_rows_into
 
     lay = src.layout
-    table = HostTable.empty(lay.rows, lay.cols + 4, fmt, register=register)
+    table = HostTable.empty(lay.rows, lay.cols + ROW_SCALE_BYTES, fmt, register=register)
     try:
         err = quantize_fp8_rows_into([_mapped(p) for p in src.parts], table.bytes_view(), fmt)
     except BaseException:

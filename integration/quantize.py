@@ -52,9 +52,9 @@ __all__ = ["fp8_row_table", "quantize_fp8_rows_into", "QuantError"]
 # Source bytes per task: 8 MiB keeps 16 threads evenly busy on a 4 GiB table (512 tasks) and the per-call
 # cost of the kernel (a few microseconds) below 0.1%.
 _BLOCK_BYTES = 8 << 20
-# Source dtypes the kernel reads as they are (code 1 bf16 bits, 2 fp16 bits, 0 fp32); others go through fp32.
-_SRC_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
-_OUT_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
+# The kernel's code of a float dtype (1 bf16 bits, 2 fp16 bits, 0 fp32): the sources it reads as they are
+# (others go through fp32), and the dtypes its error report is computed in.
+_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 # (mantissa bits, exponent bias) of each fp8 format
 _FP8_BITS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
 
@@ -253,7 +253,7 @@ def _kernel():
 
 def _as_kernel_source(x: torch.Tensor) -> tuple[np.ndarray, int]:
     """A CPU block as the kernel reads it: (array of bits or fp32, source kind)."""
-    kind = _SRC_KIND[x.dtype]
+    kind = _KIND[x.dtype]
     if kind:
         return x.view(torch.int16).numpy(), kind
     return x.numpy(), 0
@@ -275,7 +275,7 @@ def quantize_fp8_rows_into(src: torch.Tensor | list[torch.Tensor], out: np.ndarr
     dtype, cols = parts[0].dtype, parts[0].shape[1]
     rows = sum(p.shape[0] for p in parts)
     out_dtype = out_dtype or dtype
-    if out_dtype not in _OUT_KIND:
+    if out_dtype not in _KIND:
         raise TypeError(f"the error report is measured in bf16, fp16 or fp32, not {out_dtype}")
     if out.dtype != np.uint8 or out.ndim != 2 or out.shape[0] != rows or out.shape[1] < cols + ROW_SCALE_BYTES:
         raise ValueError(f"out must be uint8 [{rows}, >= {cols + ROW_SCALE_BYTES}], got {out.dtype} {out.shape}")
@@ -283,7 +283,7 @@ def quantize_fp8_rows_into(src: torch.Tensor | list[torch.Tensor], out: np.ndarr
     kernel = _kernel()
     factor_t = None if scale is None else torch.tensor(float(scale), dtype=torch.float32).to(dtype)
     slices = -(-cols // slice_cols)
-    direct = dtype in _SRC_KIND
+    direct = dtype in _KIND
     factor = 0.0 if factor_t is None or not direct else float(factor_t.to(torch.float32))
     block = max(1, _BLOCK_BYTES // (cols * parts[0].element_size()))
     ranges, base = [], 0  # (part, first row of the part in out, first row in the part, rows)
@@ -303,7 +303,7 @@ def quantize_fp8_rows_into(src: torch.Tensor | list[torch.Tensor], out: np.ndarr
         max_rel = np.zeros(slices, dtype=np.float64)
         scratch = np.empty(cols, dtype=np.float32)
         bad = kernel(arr, kind, np.float32(factor), out[base + r:base + r + n], mant, bias, FP8_MAX[fmt],
-                     _OUT_KIND[out_dtype], slice_cols, max_abs, max_rel, scratch)
+                     _KIND[out_dtype], slice_cols, max_abs, max_rel, scratch)
         with lock:
             results.append((max_abs, max_rel, -1 if bad < 0 else base + r + bad))
 

@@ -213,16 +213,14 @@ class _HostNGram:
         ids = input_ids.long()
         ctx = self.context_len
         stored = _cached_context(cache, self.layer_idx)
-        if stored is None:
-            before = ids.new_full((ids.shape[0], ctx), self.eos_token_id)
-        else:
-            before = stored.clone()  # the update below overwrites the cache's tensor in place
+        before = ids.new_full((ids.shape[0], ctx), self.eos_token_id) if stored is None else stored
+        history = torch.cat([before, ids], dim=1)  # a copy: the update below overwrites the cache's tensor
         if cache is not None:
             keep = ids
             if stored is None and ids.shape[1] < ctx:  # the cache would pad with zeros: pad with eos
                 keep = F.pad(ids, (ctx - ids.shape[1], 0), value=self.eos_token_id)
             cache.update_conv_state(keep, self.layer_idx, state_idx=2, conv_kernel_size=ctx)
-        rows = ngram_ids(torch.cat([before, ids], dim=1), eos=self.eos_token_id, multipliers=self.layer_multipliers,
+        rows = ngram_ids(history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
                          sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets,
                          heads_per_ngram=self.heads_per_ngram, last=ids.shape[1])  # [B, S, heads]
         return self.ngram_embedding(rows).flatten(-2)

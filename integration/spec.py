@@ -151,7 +151,7 @@ class TableSpec:
 
     @property
     def row_bytes(self) -> int:
-        return self.cols * torch.empty((), dtype=self.dtype).element_size()
+        return self.cols * self.dtype.itemsize
 
     def columns(self, columns) -> tuple[int, int]:
         """``(start, stop)`` of a request's column range (``None``: the whole row), checked against the spec."""

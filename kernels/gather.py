@@ -230,7 +230,7 @@ class DirectGather:
         self.args = a = FixedArgs(table, out_dtype, **policy)
         self.views = () if a.as_int is None else ((2, a.as_int),)
         # the item a program writes sizes its tile: fp8 codes are widened in the kernel (tuning.launch_config)
-        self.item = torch.empty((), dtype=out_dtype).element_size() if a.dequant else table.element_size()
+        self.item = out_dtype.itemsize if a.dequant else table.element_size()
         self.config = config
         self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch]] = {}
 

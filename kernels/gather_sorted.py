@@ -284,7 +284,7 @@ class SortedGather:
         self.interpret = device.type != "cuda"
         self.kernels = jit.variant(sys.modules[__name__], self.interpret)
         self.args = a = FixedArgs(table, out_dtype, **policy)
-        self.out_int = _INT_OF_SIZE.get(torch.empty((), dtype=out_dtype).element_size())
+        self.out_int = _INT_OF_SIZE.get(out_dtype.itemsize)
         self.dedup = bool(dedup)
         self.config = config
         self.ws = workspace

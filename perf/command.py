@@ -93,6 +93,11 @@ def default_out_dir(workload: str, device: str, stamp: str | None = None) -> Pat
     return Path.cwd() / "uvaple-results" / f"{stamp}_{workload}_{device}"
 
 
+def workload_out(workload: str, out: str | os.PathLike | None, cuda: bool) -> Path:
+    """A workload's results directory: ``out``, else its default for this device, made and checked now."""
+    return prepare_out(out, default_out_dir(workload, device_label(cuda)))
+
+
 def prepare_out(out: str | os.PathLike | None, default: Path) -> Path:
     """The results' directory (``out``, else ``default``), made and checked writable now, before any work.
 
@@ -158,6 +163,19 @@ def write_json(out_dir: Path, name: str, doc: Any) -> Path:
     path = out_dir / name
     path.write_text(json.dumps(doc, indent=1))
     return path
+
+
+@contextlib.contextmanager
+def kept_on_failure(out_dir: Path, name: str, doc: dict) -> Iterator[None]:
+    """A run that fails inside keeps what it measured: ``doc`` (with the error) written to ``out_dir/name``,
+    where it is said on stderr, and the failure raised as before."""
+    try:
+        yield
+    except BaseException as e:
+        doc["error"] = f"{type(e).__name__}: {e}"
+        path = write_json(out_dir, name, doc)
+        print(f"the run failed ({doc['error'][:200]}); what it measured is in {path}", file=sys.stderr)
+        raise
 
 
 def wrote(out_dir: Path, paths: Iterable[Path], note: str = "") -> None:

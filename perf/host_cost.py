@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         # the random source and the host table made from it
         command.check_fits(2 * a.table_rows * a.cols * 2, f"a {a.table_rows:,} x {a.cols:,} bf16 table (and its "
                            "source)", "Pass a smaller --table-rows or --cols, or --smoke")
-        out = command.prepare_out(a.out, command.default_out_dir("host", command.device_label(not a.smoke)))
+        out = command.workload_out("host", a.out, not a.smoke)
     except command.Refused as e:
         return command.refuse(prog, e)
     command.say(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
@@ -180,13 +180,8 @@ def main(argv=None) -> int:
     command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10}")
     result: dict = {"smoke": a.smoke}
     with command.progress(not a.quiet):
-        try:
+        with command.kept_on_failure(out, "host_cost.json", result):
             run(a, result)
-        except BaseException as e:  # keep what was measured, say where, and fail as before
-            result["error"] = f"{type(e).__name__}: {e}"
-            path = command.write_json(out, "host_cost.json", result)
-            print(f"the run failed ({result['error'][:200]}); what it measured is in {path}", file=sys.stderr)
-            raise
     path = command.write_json(out, "host_cost.json", result)
     bad = [(n, p) for n, row in result["rows"].items() for p, r in row.items() if not r["exact"]]
     if bad:

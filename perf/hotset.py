@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not a.smoke
     try:
         check_runnable(a)
-        out = command.prepare_out(a.out, command.default_out_dir("hotset", command.device_label(cuda)))
+        out = command.workload_out("hotset", a.out, cuda)
     except command.Refused as e:
         return command.refuse(prog, e)
     rows, cols = (SMOKE_ROWS, SMOKE_COLS) if a.smoke else (VOCAB, COLS)
@@ -379,13 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         ns = ([n for n in a.rows if n <= DECODE_MAX] or [64]) if a.smoke else a.rows
         device = torch.device("cuda") if cuda else torch.device("cpu")
         res = {"traces": source, "smoke": a.smoke}
-        try:
+        with command.kept_on_failure(out, "hotset.json", res):
             run(rows, cols, profile, serve, a.hot_fraction, ns, device, a.replays, a.smoke, res)
-        except BaseException as e:  # keep what was measured, say where, and fail as before
-            res["error"] = f"{type(e).__name__}: {e}"
-            path = command.write_json(out, "hotset.json", res)
-            print(f"the run failed ({res['error'][:200]}); what it measured is in {path}", file=sys.stderr)
-            raise
     command.say(f"online hot set {res['online_rows']} rows (profile + {res['online_warm_ids']} served ids); held-out "
                 f"hit rate {res['online_held_out_hit_rate']:.3f}")
     command.say(f"hot set {res['hot_rows']} rows ({a.hot_fraction:.0%}); held-out hit rate "

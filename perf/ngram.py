@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not a.smoke
     try:
         check_runnable(a)
-        out = command.prepare_out(a.out, command.default_out_dir("ngram", command.device_label(cuda)))
+        out = command.workload_out("ngram", a.out, cuda)
     except command.Refused as e:
         return command.refuse(prog, e)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -612,22 +612,18 @@ def _run(a: argparse.Namespace, ns: list[int], cuda: bool, device: torch.device,
            "results": [], "sweep": [], "split_sweep": [], "shape_sweep": [], "sort_sweep": []}
     run = Run(table, max(ns), device)
     try:
-        for pattern in filter(None, (x.strip() for x in a.patterns.split(","))):  # "": the sweeps alone
-            doc["results"] += bench(run, ns, pattern, a.replays)
-        reps = max(5, a.replays // 2)
-        if a.sweep and cuda:
-            doc["sweep"] = sweep(run, reps)
-        if (a.sweep or a.split_sweep) and cuda:
-            doc["split_sweep"] = split_sweep(run, reps)
-        if (a.sweep or a.shape_sweep) and cuda:
-            doc["shape_sweep"] = shape_sweep(run, reps)
-        if a.sort_sweep and cuda:
-            doc["sort_sweep"] = sort_sweep(run, reps)
-    except BaseException as e:  # keep what was measured, say where, and fail as before
-        doc["error"] = f"{type(e).__name__}: {e}"
-        path = command.write_json(out, "ngram.json", doc)
-        print(f"the run failed ({doc['error'][:200]}); what it measured is in {path}", file=sys.stderr)
-        raise
+        with command.kept_on_failure(out, "ngram.json", doc):
+            for pattern in filter(None, (x.strip() for x in a.patterns.split(","))):  # "": the sweeps alone
+                doc["results"] += bench(run, ns, pattern, a.replays)
+            reps = max(5, a.replays // 2)
+            if a.sweep and cuda:
+                doc["sweep"] = sweep(run, reps)
+            if (a.sweep or a.split_sweep) and cuda:
+                doc["split_sweep"] = split_sweep(run, reps)
+            if (a.sweep or a.shape_sweep) and cuda:
+                doc["shape_sweep"] = shape_sweep(run, reps)
+            if a.sort_sweep and cuda:
+                doc["sort_sweep"] = sort_sweep(run, reps)
     finally:
         run.close()
         table.close()

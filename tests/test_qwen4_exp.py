@@ -363,10 +363,6 @@ def test_load_from_uneven_shards_bit_identical_and_saves_back(ref, checkpoint, t
 
 
 # ---------------------------------------------------------------------- fp8
-def dequantised(table: torch.Tensor, cols: int, dtype=torch.bfloat16) -> torch.Tensor:
-    return ENCODINGS["fp8_row"].dequantise(table, dtype) if table.shape[1] == cols + 4 else table
-
-
 def test_fp8_rows_quantised_from_the_shards_equal_the_formula(ref, checkpoint, record_property):
     model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16,
                                          backend_options={"quantize": "fp8_row", "keep_source": False})

@@ -25,7 +25,7 @@ import torch
 from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES
 
 from .errors import CheckpointError
-from .memory import default_threads
+from .memory import default_threads, parallel
 
 _DTYPES = SAFETENSORS_DTYPES
 
@@ -51,7 +51,7 @@ class TensorInfo:
 
     @property
     def row_bytes(self) -> int:
-        return self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
+        return self.shape[1] * self.dtype.itemsize
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
@@ -93,7 +93,7 @@ def _entry(path: str, name: str, header: dict, data_start: int) -> TensorInfo:
     if dtype_name not in _DTYPES:
         raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype_name!r}")
     dtype = _DTYPES[dtype_name]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     n = 1
     for s in shape:
         n *= s
@@ -225,8 +225,6 @@ def stream_parts_into(table, parts: list[TensorInfo], *, threads: int) -> None:
     """Read ``parts`` (2-D tensors of ``table.cols`` columns, :func:`check_parts`) into consecutive rows of
     ``table``, casting when the table's dtype differs. Every part's blocks go to one pool of ``threads``
     threads, so many small shards load as fast as one large tensor."""
-    from concurrent.futures import ThreadPoolExecutor
-
     check_parts(parts, table.rows, table.cols)
     dtype = parts[0].dtype
     if dtype not in TABLE_DTYPES and dtype != table.dtype:
@@ -270,9 +268,7 @@ def stream_parts_into(table, parts: list[TensorInfo], *, threads: int) -> None:
                 src = torch.frombuffer(staging, dtype=dtype).view(n, table.cols)
                 dst_tensor[r0:r0 + n].copy_(src)
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="uvaple-load") as pool:
-            for f in [pool.submit(load, *r) for r in ranges]:
-                f.result()
+        parallel(load, ranges, threads, name="uvaple-load")
     finally:
         for fd in fds.values():
             os.close(fd)

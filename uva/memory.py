@@ -114,10 +114,9 @@ def chunks(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
 
 
-def parallel(fn: Callable[[int, int], None], ranges: list[tuple[int, int]], threads: int,
-             name: str = "uvaple-populate") -> None:
-    """Run ``fn(start, length)`` over ``ranges`` on ``threads`` threads; re-raise the first failure (every
-    range started has finished by then)."""
+def parallel(fn: Callable[..., None], ranges: list[tuple], threads: int, name: str = "uvaple-populate") -> None:
+    """Run ``fn(*r)`` (mostly ``fn(start, length)``) for each ``r`` of ``ranges`` on ``threads`` threads;
+    re-raise the first failure (every range started has finished by then)."""
     if threads <= 1 or len(ranges) <= 1:
         for r in ranges:
             fn(*r)
@@ -145,7 +144,7 @@ class Layout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def row_bytes(self) -> int:
@@ -163,7 +162,7 @@ def check_shape(rows: int, cols: int, dtype: torch.dtype) -> Layout:
         raise TypeError(f"HostTable dtype {dtype} is not supported; use one of {names}")
     if not (isinstance(rows, int) and isinstance(cols, int)) or isinstance(rows, bool) or rows <= 0 or cols <= 0:
         raise ValueError(f"HostTable needs a positive integer shape, got rows={rows!r}, cols={cols!r}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return Layout(rows, cols, dtype, row_stride_bytes(cols * itemsize))
 
 

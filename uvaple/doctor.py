@@ -275,14 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="time the measurements take together (default 2; a GPU's also builds a 1 GiB table)")
     a = p.parse_args(argv)
     caps = capabilities(measure=not a.no_measure, seconds=a.seconds)
-    code = exit_status(caps)
+    code, said = exit_status(caps), verdict(caps)
     if a.json:
-        print(json.dumps(dict(asdict(caps), uva_usable=caps.uva_usable, exit_status=code, verdict=verdict(caps)),
-                         indent=2))
-        print(verdict(caps), file=sys.stderr)
+        print(json.dumps(dict(asdict(caps), uva_usable=caps.uva_usable, exit_status=code, verdict=said), indent=2))
+        print(said, file=sys.stderr)
     else:
         print(format_report(caps))
-        print(verdict(caps))
+        print(said)
     return code
 
 

@@ -140,7 +140,7 @@ class GatherLookup(Lookup):
             if kind != "uva":
                 raise ValueError("a hot set serves the uva placement")
             self._hot = hot
-        self._row_bytes = spec.cols * table.itemsize  # once: itemsize builds a tensor, not for the hot path
+        self._row_bytes = spec.cols * table.itemsize
         self.order = order if max_rows is not None else "direct"
         self.dedup = bool(dedup)
         self._span_bytes = (hi - lo) * table.stride_bytes

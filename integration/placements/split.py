@@ -363,7 +363,7 @@ class _SplitState:
         self.ids_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
         self.arange_dev = torch.arange(max_rows, dtype=torch.int64, device=device)  # staged ids, all in range
         self.rows_idx = torch.empty(max_rows, dtype=torch.int64)  # the table rows the CPU stages
-        self.row_bytes = table.row_bytes  # once: HostTable.row_bytes builds a tensor
+        self.row_bytes = table.row_bytes
         self.table_bytes = table.tensor.view(torch.uint8)
         self.device_index = device.index  # (resolve_device: a CUDA device always has its index)
         self.staged_rows = self.rows_dev[:, : self.row_bytes].view(table.dtype)  # the policy kernel's table

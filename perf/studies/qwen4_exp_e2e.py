@@ -282,9 +282,8 @@ def table_bytes(model) -> int:
 def phase_fp8(run, model, device, ids, ref_tokens):
     """Quantise each table from HBM straight into an fp8_row host table, serve it, check it, time it."""
     from uvaple.integration.encoded_embedding import HostEncodedEmbedding
-    from uvaple.integration.quantize import quantize_fp8_rows_into
+    from uvaple.integration.quantize import fp8_row_table
     from uvaple.integration.qwen4_exp import ngram_embedding_class
-    from uvaple.uva import HostTable
 
     res, args = run.res.setdefault("fp8", {}), run.args
     t = time.perf_counter()
@@ -292,15 +291,12 @@ def phase_fp8(run, model, device, ids, ref_tokens):
     for ple in ngram_children(model):
         hf = ple.ple_embedding
         w = hf.ngram_embedding.weight.detach()
-        table = HostTable.empty(w.shape[0], w.shape[1] + 4, torch.float8_e4m3fn)
-        err = quantize_fp8_rows_into(w, table.bytes_view())  # GPU blocks to the CPU, quantised on every core
+        table, err = fp8_row_table(w)  # GPU blocks to the CPU, quantised on every core
         source += w.numel() * w.element_size()
         emb = HostEncodedEmbedding(w.shape[0], w.shape[1], table, encoding="fp8_row", out_dtype=torch.bfloat16,
                                    quant_error=err, max_tokens=run.max_tokens * hf.ngram_heads)
-        ple.ple_embedding = ngram_embedding_class().from_module(hf, ngram_embedding=emb)
-        hf.ngram_embedding.weight.data = torch.empty(0, dtype=w.dtype, device=w.device)  # HBM freed
-        if device.type == "cuda":
-            emb._lookup_for(device)
+        ple.ple_embedding = new = ngram_embedding_class().from_module(hf, ngram_embedding=emb)  # lookup built
+        new.free_source(hf)  # HBM freed
     sync(device)
     dt = time.perf_counter() - t
     res["quantise_from_hbm"] = {"seconds": dt, "source_gib": source / GiB, "gb_s": source / dt / 1e9,
@@ -323,22 +319,35 @@ def phase_fp8(run, model, device, ids, ref_tokens):
             cap = greedy(model, ids, args.new_tokens, **compiled_kw(device))
             res["captured_tokens_equal_eager"] = bool(torch.equal(cap, got))
             res["captured_counters"] = inductor_counters()
-    for b in args.batches:
-        with run.step(f"fp8 decode b={b}"):
-            d = res.setdefault("decode_tok_s", {})
-            d.setdefault("uvaple_eager", {})[b] = decode_rate(model, b, args, device)
-            if device.type == "cuda":
-                d.setdefault("uvaple_captured", {})[b] = decode_rate(model, b, args, device, **compiled_kw(device))
-    for b in args.batches:
-        with run.step(f"fp8 PLE layer step b={b}"):
-            p = res.setdefault("ple_layer_step_us", {})
-            layer = ngram_children(model)[0]
-            p.setdefault("uvaple_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
-            if device.type == "cuda":
-                p.setdefault("uvaple_captured", {})[b] = ple_step_us(layer, b, model, device, compiled=True)
+    decode_and_ple_steps(run, model, device, res, "fp8")
     for n in args.prefill:
         with run.step(f"fp8 prefill {n}"):
             res.setdefault("prefill_ms", {})[n] = prefill_ms(model, n, device)[0]
+
+
+def decode_and_ple_steps(run, model, device, res, tag, originals=None):
+    """Decode tokens/s and one PLE layer's decode step at each batch: uvaple eager and captured, and with
+    ``originals`` transformers' own path (eager) too."""
+    args, cuda = run.args, device.type == "cuda"
+    for b in args.batches:
+        with run.step(f"{tag} decode b={b}"):
+            d = res.setdefault("decode_tok_s", {})
+            if originals is not None:
+                with hf_path(model, originals):
+                    d.setdefault("transformers_eager", {})[b] = decode_rate(model, b, args, device)
+            d.setdefault("uvaple_eager", {})[b] = decode_rate(model, b, args, device)
+            if cuda:
+                d.setdefault("uvaple_captured", {})[b] = decode_rate(model, b, args, device, **compiled_kw(device))
+    for b in args.batches:
+        with run.step(f"{tag} PLE layer step b={b}"):
+            p = res.setdefault("ple_layer_step_us", {})
+            layer = ngram_children(model)[0]  # its ple_embedding: transformers' inside hf_path, ours outside
+            if originals is not None:
+                with hf_path(model, originals):
+                    p.setdefault("transformers_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
+            p.setdefault("uvaple_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
+            if cuda:
+                p.setdefault("uvaple_captured", {})[b] = ple_step_us(layer, b, model, device, compiled=True)
 
 
 def phase_bf16(run, model, device, ids, ref_tokens):
@@ -367,23 +376,7 @@ def phase_bf16(run, model, device, ids, ref_tokens):
             cap = greedy(model, ids, args.new_tokens, **compiled_kw(device))
             res["captured_tokens_equal"] = bool(torch.equal(cap, ref))
             res["captured_counters"] = inductor_counters()
-    for b in args.batches:
-        with run.step(f"bf16 decode b={b}"):
-            d = res.setdefault("decode_tok_s", {})
-            with hf_path(model, originals):
-                d.setdefault("transformers_eager", {})[b] = decode_rate(model, b, args, device)
-            d.setdefault("uvaple_eager", {})[b] = decode_rate(model, b, args, device)
-            if device.type == "cuda":
-                d.setdefault("uvaple_captured", {})[b] = decode_rate(model, b, args, device, **compiled_kw(device))
-    for b in args.batches:
-        with run.step(f"bf16 PLE layer step b={b}"):
-            p = res.setdefault("ple_layer_step_us", {})
-            layer = ngram_children(model)[0]  # its ple_embedding: transformers' inside hf_path, ours outside
-            with hf_path(model, originals):
-                p.setdefault("transformers_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
-            p.setdefault("uvaple_eager", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
-            if device.type == "cuda":
-                p.setdefault("uvaple_captured", {})[b] = ple_step_us(layer, b, model, device, compiled=True)
+    decode_and_ple_steps(run, model, device, res, "bf16", originals)
     for n in args.prefill:
         with run.step(f"bf16 prefill {n}"):
             with hf_path(model, originals):

@@ -125,9 +125,8 @@ def canon(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def pip_base(python: str = sys.executable) -> list[str]:
-    cmd = [python, "-m", "pip"]
-    return cmd
+def pip_base() -> list[str]:
+    return [sys.executable, "-m", "pip"]
 
 
 def platform_args() -> list[str]:
@@ -177,15 +176,14 @@ def resolve(vllm_wheel: str, kinds_md: str, work: str) -> list[str]:
     for r in msg.get_all("Requires-Dist") or []:
         if "extra ==" in r:
             continue
-        name = canon(r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].split("!")[0]
-                     .split("~")[0].strip())
+        base = r.split(";")[0].split("[")[0]
+        for op in "<>=!~":
+            base = base.split(op)[0]
+        name = canon(base.strip())
         if name in skip:
             continue
         if name in have:  # the H200's version serves: keep only the name, for its own requirements
             marker = r.split(";", 1)[1] if ";" in r else ""
-            base = r.split(";")[0].split("[")[0]
-            for op in "<>=!~":
-                base = base.split(op)[0]
             r = base.strip() + (f"; {marker.strip()}" if marker else "")
         reqs.append(r)
     os.makedirs(work, exist_ok=True)
@@ -394,15 +392,14 @@ def exclude_in_git(out: str) -> None:
         log(f"added {line} to .git/info/exclude")
 
 
-def calls_text(parts_rel: list[str], engine_args: str = "") -> str:
+def calls_text(parts_rel: list[str]) -> str:
     n = len(parts_rel)
     lines = ["Device calls, kind nvidia-h200, back to back (a machine stays warm 30 s after a call; a fresh one has",
              "lost every earlier part: assemble.sh then names the missing ones and the sequence starts again):", ""]
     for i, p in enumerate(parts_rel, 1):
         cmd = f"bash perf/vllm_carry/assemble.sh {p}"
         if i == n:
-            env = f"VLLM_ENGINE_ARGS='{engine_args}' " if engine_args else ""
-            cmd += f" && {env}bash perf/gpu_check.sh vllm_engine"
+            cmd += " && bash perf/gpu_check.sh vllm_engine"
         lines.append(f"{i}. run(kind='nvidia-h200', timeout_s={600 if i == n else 240}, carry=['{p}'],")
         lines.append(f"       command=\"{cmd}\")")
     lines += ["",

@@ -245,7 +245,8 @@ def logging_config(path: str) -> str:
 _PROFILE_CLASHES = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
-def _profile_clash(text: str) -> bool:
+def _profile_clash(res: dict) -> bool:
+    text = str(res.get("error")) + str(res.get("log_tail"))
     return any(c in text for c in _PROFILE_CLASHES)
 _KV_RE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
 _LOAD_RE = re.compile(r"Model loading took ([0-9.]+) GiB")
@@ -461,7 +462,7 @@ print("ENV" + json.dumps(out))
         if self.a.force or not os.path.exists(path):
             return None
         res = json.load(open(path))
-        clash = _profile_clash(str(res.get("error")) + str(res.get("log_tail")))
+        clash = _profile_clash(res)
         return None if clash else res
 
     def tokens(self, model: str) -> bool | None:
@@ -483,8 +484,7 @@ print("ENV" + json.dumps(out))
                              f"gpu_memory_utilization {util} each")
                     done = self.launch([self.spec(model, mode, p, level, compilation, False, util) for p in todo],
                                        timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
-                    again = [r["spec"]["placement"] for r in done if not r.get("ok") and
-                             _profile_clash(str(r.get("error")) + str(r.get("log_tail")))]
+                    again = [r["spec"]["placement"] for r in done if not r.get("ok") and _profile_clash(r)]
                     for p in again:  # another engine of the group gave memory back while this one profiled
                         if self.left() < need / 2:
                             break
