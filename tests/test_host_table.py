@@ -383,6 +383,27 @@ def test_write_rows_bounds():
             t.write_rows(torch.randn(3, 9))
 
 
+def test_writable_bytes_commits_and_exposes_exactly_the_rows_asked():
+    """A writer that encodes rows itself (the fp8_row quantiser of a vLLM shard) writes into these bytes: the
+    rows asked, at the table's stride, and nothing outside them; a range outside the table is refused."""
+    name = f"wb{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    t = HostTable.shared(name, 10, 6, torch.bfloat16, defer_ready=True)  # writers commit their own pages
+    try:
+        v = t.writable_bytes(3, 4)
+        assert v.shape == (4, t.stride_bytes) and v.dtype == np.uint8
+        pattern = np.arange(4 * t.stride_bytes, dtype=np.uint64).astype(np.uint8).reshape(4, -1) | 1
+        v[:] = pattern
+        t.mark_ready()
+        b = t.bytes_view()
+        assert np.array_equal(b[3:7], pattern) and not b[:3].any() and not b[7:].any()
+        assert t.writable_bytes(10, 0).shape == (0, t.stride_bytes)
+        for start, n in ((8, 3), (-1, 2), (0, 11), (True, 1)):
+            with pytest.raises(ValueError, match="do not fit a table of 10 rows"):
+                t.writable_bytes(start, n)
+    finally:
+        t.close()
+
+
 # ------------------------------------------------------------------ safetensors
 @pytest.fixture
 def ckpt(tmp_path):

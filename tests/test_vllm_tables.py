@@ -146,6 +146,68 @@ def test_bad_settings_are_named(entry, match):
         from_sources({"uvaple": entry}, {})
 
 
+@pytest.mark.parametrize("entry,match", [
+    ({"placement": "split"}, "placement: 'split' cannot serve vLLM: .*ids on the host.*use 'uva'"),
+    ({"placement": " SPLIT "}, "'split' cannot serve vLLM"),
+    ({"quantize": "fp8"}, "quantize: expected one of \\['none', 'fp8_row'\\]"),
+    ({"quantize": True}, "quantize: expected one of"),
+    ({"quantize": "fp8_row", "placement": "copy"}, "quantize 'fp8_row' with placement 'copy'.*'uva' or 'device'"),
+    ({"quantize": "fp8_row", "fallback": "copy"}, "quantize 'fp8_row' with fallback 'copy'"),
+])
+def test_what_the_plugin_cannot_serve_is_named(entry, match):
+    """A library placement vLLM cannot use (split gathers from host ids) and a quantised table through the copy
+    placement (it serves rows as stored) are refused when the settings are read, naming what to use."""
+    with pytest.raises(PluginConfigError, match=match):
+        from_sources({"uvaple": entry}, {})
+
+
+def test_the_quantize_setting():
+    assert PluginConfig().quantize == "none"
+    assert from_sources({"uvaple": {"quantize": "FP8_ROW"}}, {}) == PluginConfig(quantize="fp8_row")
+    assert from_sources(None, {"UVAPLE_QUANTIZE": "fp8_row"}) == PluginConfig(quantize="fp8_row")
+    assert from_sources({"uvaple": {"quantize": "none", "placement": "copy"}}, {}).placement == "copy"
+    with pytest.raises(PluginConfigError, match="environment variable UVAPLE_QUANTIZE"):
+        from_sources(None, {"UVAPLE_QUANTIZE": "int4"})
+
+
+@pytest.mark.parametrize("placement,graphs,refused", [
+    ("copy", True, True), ("copy", False, False), ("uva", True, False), ("device", True, False)])
+def test_the_copy_placement_is_refused_under_cuda_graphs(placement, graphs, refused):
+    """A copy-placement call waits on the host for its ids: vLLM's graph capture at start-up ended the engine
+    (cudaErrorCapturedEvent). Refused before anything is built, naming enforce_eager and uva; eager is served."""
+    from uvaple.integration.vllm.config import check_engine
+
+    cfg = PluginConfig(placement=placement)
+    if refused:
+        with pytest.raises(PluginConfigError, match="placement 'copy' cannot run inside vLLM's CUDA graphs.*"
+                                                    "enforce_eager=True .--enforce-eager.*placement 'uva'"):
+            check_engine(cfg, cuda_graphs=graphs)
+    else:
+        check_engine(cfg, cuda_graphs=graphs)
+
+
+def test_the_engines_graph_mode_is_read_from_its_config():
+    """``cudagraph_mode`` as vLLM resolves it (an enum: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY,
+    FULL_AND_PIECEWISE); ``enforce_eager`` means no graphs whatever the mode says."""
+    import enum
+    from types import SimpleNamespace
+
+    from uvaple.integration.vllm._build import cuda_graphs
+
+    Mode = enum.Enum("CUDAGraphMode", {"NONE": 0, "PIECEWISE": 1, "FULL": 2, "FULL_DECODE_ONLY": (2, 0),
+                                       "FULL_AND_PIECEWISE": (2, 1)})
+
+    def cfg(mode, eager=False):
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                               compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    assert not cuda_graphs(cfg(Mode.NONE))
+    assert all(cuda_graphs(cfg(m)) for m in Mode if m is not Mode.NONE)
+    assert not cuda_graphs(cfg(Mode.FULL_AND_PIECEWISE, eager=True))
+    assert not cuda_graphs(cfg(None))
+    assert not cuda_graphs(SimpleNamespace())
+
+
 def test_the_token_id_levers_settings(tmp_path):
     """dedup and the hot set (size and profile together, the uva placement only), from either source."""
     ids = tmp_path / "ids.txt"
@@ -288,6 +350,92 @@ def test_the_hot_set_refuses_n_gram_tables_and_names_a_bad_profile(tmp_path):
         s.close()
 
 
+def fp8_shard(cfg: PluginConfig, *, rows=96, loaded=90, cols=40, dtype=torch.bfloat16, **kw) -> ShardTable:
+    return ShardTable(cfg, layer="m.layers.1.ple", rows=rows, cols=cols, dtype=dtype, loaded_rows=loaded, rank=0,
+                      size=1, identity="q" * 64, device=CPU, encoding="fp8_row", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_an_fp8_row_shard_is_quantised_on_load_byte_for_byte(dtype):
+    """quantize fp8_row: vLLM's loader writes [rows, cols] checkpoint rows (in pieces, as the checkpoint's
+    shards arrive); the shard holds the encoding's bytes (codes then a float32 scale per row) exactly as the
+    registry's torch quantiser makes them, and the lookup returns the registry's reference rows, bit for bit."""
+    from uvaple.integration import TableSpec
+    from uvaple.kernels.encodings import ENCODINGS, quantize_fp8_rows
+
+    s = fp8_shard(PluginConfig(shared=False, metrics_interval_s=0), cols=37, dtype=dtype)
+    assert s.tensor.shape == (96, 37) and s.tensor.dtype == torch.float8_e4m3fn  # the parameter vLLM loads
+    assert s.table.shape == (96, 41)
+    w = rand(90, 37, dtype, seed=5)
+    w[3] = 0  # a zero row, a subnormal and a huge value: the quantiser's hard cases
+    w[4, 0], w[5, 1] = 1e-7, 3e4
+    for a, b in ((0, 31), (31, 77), (77, 90)):
+        s.write(w[a:b], a)
+    s.finish()
+    want = quantize_fp8_rows(w)
+    assert torch.equal(bits(s.table.tensor[:90]), bits(want))
+    assert s.quant_error.rows == 90 and s.quant_error.max_rel.max() < 0.07
+    lk = s.lookup(TableSpec.of(s.table, encoding="fp8_row", out_dtype=torch.bfloat16), token_ids=False)
+    ids = torch.tensor([0, 89, 3, 4, 5, 17, 17, 95, 200, -3])
+    out = torch.full((10, 37), float("nan"), dtype=torch.bfloat16)
+    lk.lookup(ids, out)
+    ref = ENCODINGS["fp8_row"].dequantise(want[ids[:7]], torch.bfloat16)
+    assert torch.equal(bits(out[:7]), bits(ref))
+    assert torch.equal(bits(out[7:]), bits(torch.zeros(3, 37, dtype=torch.bfloat16)))
+    s.close()
+
+
+def test_an_fp8_row_shard_refuses_what_it_cannot_quantise():
+    with pytest.raises(PluginConfigError, match="quantize fp8_row takes a bf16/fp16/fp32 table.*float8_e4m3fn"):
+        fp8_shard(PluginConfig(shared=False), dtype=torch.float8_e4m3fn)
+    with pytest.raises(PluginConfigError, match="raw or as fp8_row"):
+        shard(PluginConfig(shared=False), encoding="int4")
+    s = fp8_shard(PluginConfig(shared=False))
+    with pytest.raises(PluginLoadError, match="takes bf16/fp16/fp32 checkpoint rows"):
+        s.write(torch.zeros(4, 40, dtype=torch.float8_e4m3fn), 0)
+    bad = rand(8, 40, torch.bfloat16, seed=6)
+    bad[5, 7] = float("inf")
+    with pytest.raises(PluginLoadError, match="m.layers.1.ple: row 15 holds inf or NaN"):
+        s.write(bad, 10)
+    with pytest.raises(PluginLoadError, match="do not fit the shard of 96 x 40"):
+        s.write(rand(4, 41, torch.bfloat16, seed=7), 0)
+    s.close()
+
+
+def test_an_fp8_row_shard_with_dummy_weights_reads_the_dummy_code():
+    """load_format="dummy": vLLM fills the codes parameter with its dummy_weight_value and never writes the
+    scales; finish gives every row the scale 1, so rows read the dummy code (not zeros, not garbage)."""
+    from uvaple.integration import TableSpec
+    from uvaple.integration.vllm.tables import DUMMY_CODE
+
+    s = fp8_shard(PluginConfig(shared=False, metrics_interval_s=0), check_loaded=False)
+    s.tensor.fill_(DUMMY_CODE)  # what vLLM's dummy loader does with the parameter's dummy_weight_value
+    s.finish()
+    lk = s.lookup(TableSpec.of(s.table, encoding="fp8_row", out_dtype=torch.bfloat16), token_ids=False)
+    out = lk.lookup(torch.tensor([0, 50, 95]))
+    assert torch.equal(out, torch.full((3, 40), DUMMY_CODE, dtype=torch.bfloat16))
+    s.close()
+
+
+def test_a_shared_fp8_row_shard_is_quantised_once_and_attached():
+    cfg = PluginConfig(segment=_name(), timeout_s=5, metrics_interval_s=0)
+    creator, attacher = fp8_shard(cfg), fp8_shard(cfg)
+    try:
+        assert creator.fills and not attacher.fills
+        w = rand(90, 40, torch.bfloat16, seed=8)
+        attacher.write(w, 0)  # checked, not quantised: the creator writes
+        assert attacher.quant_error is None
+        creator.write(w, 0)
+        creator.finish()
+        attacher.finish()
+        from uvaple.kernels.encodings import quantize_fp8_rows
+
+        assert torch.equal(bits(attacher.table.tensor[:90]), bits(quantize_fp8_rows(w)))
+    finally:
+        attacher.close()
+        creator.close()
+
+
 def test_dummy_weights_need_no_rows():
     s = shard(PluginConfig(shared=False), check_loaded=False)
     s.finish()
@@ -391,6 +539,10 @@ def test_uva_unusable_is_named_at_once_or_falls_back_to_copy(monkeypatch, error)
     s = ShardTable(PluginConfig(shared=False, fallback="copy"), **args)
     assert s.placement == "copy" and not s.table.registered
     s.close()
+    # under CUDA graphs the copy fallback could not be captured: named, with what to do, and nothing left open
+    with pytest.raises(UvaUnavailable, match=f"{str(error)[:20]}.*its copy fallback cannot run inside vLLM's CUDA "
+                                             "graphs: start with enforce_eager=True"):
+        ShardTable(PluginConfig(shared=False, fallback="copy"), cuda_graphs=True, **args)
 
 
 def test_node_memory_follows_both_sizing_rules():

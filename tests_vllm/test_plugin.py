@@ -88,6 +88,43 @@ def test_qwen4exp_on_rocm_is_refused_before_anything_is_built(monkeypatch):
     assert built == []
 
 
+@pytest.mark.parametrize("model", ["qwen4exp", "gemma3n"])
+def test_the_copy_placement_under_vllms_cuda_graphs_is_refused_before_anything_is_built(monkeypatch, model):
+    """vLLM's default on a GPU: compilation and CUDA graphs (FULL_AND_PIECEWISE). A copy-placement call waits on
+    the host, so the capture at start-up ended the engine (cudaErrorCapturedEvent, then the copy worker died):
+    now a named error before any table exists. enforce_eager (cudagraph_mode NONE) builds."""
+    from conftest import vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+
+    from uvaple.integration.vllm.gemma3n import UvapleGemma3nForConditionalGeneration
+    from uvaple.integration.vllm.qwen4_exp import UvapleQwen4ExpForCausalLM
+
+    cls = UvapleQwen4ExpForCausalLM if model == "qwen4exp" else UvapleGemma3nForConditionalGeneration
+    cfg = vllm_config(additional_config={"uvaple": {"placement": "copy"}})
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # as vLLM resolves it on CUDA
+    assert _build.cuda_graphs(cfg)
+    built = []
+    monkeypatch.setattr(_build, "building", lambda *a, **k: built.append(a))
+    with pytest.raises(PluginConfigError, match="placement 'copy' cannot run inside vLLM's CUDA graphs.*"
+                                                "enforce_eager=True .--enforce-eager."):
+        cls(vllm_config=cfg)
+    assert built == []
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    assert not _build.cuda_graphs(cfg)
+
+
+def test_gemma3n_refuses_quantize_before_anything_is_built(monkeypatch):
+    from conftest import vllm_config
+
+    from uvaple.integration.vllm.gemma3n import UvapleGemma3nForCausalLM
+
+    built = []
+    monkeypatch.setattr(_build, "building", lambda *a, **k: built.append(a))
+    with pytest.raises(PluginConfigError, match="quantize 'fp8_row': the plugin quantises Qwen4Exp's n-gram tables"):
+        UvapleGemma3nForCausalLM(vllm_config=vllm_config(additional_config={"uvaple": {"quantize": "fp8_row"}}))
+    assert built == []
+
+
 def test_a_plugin_model_without_swaps_is_refused_when_defined():
     with pytest.raises(TypeError, match="must define _uvaple_swaps"):
         type("NoSwaps", (_build.PluginModel,), {})

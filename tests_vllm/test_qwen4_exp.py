@@ -96,6 +96,56 @@ def test_copy_placement_gives_the_same_bits_and_leaves_fp8_to_vllm():
         ours._uvaple_lookup.close()
 
 
+def test_fp8_row_quantises_on_load_and_dequantises_in_the_kernel():
+    """quantize fp8_row on a bf16 checkpoint: vLLM's loader hands the plugin bf16 rows, the shard holds the
+    registry's fp8_row bytes, and the layer returns bf16 rows equal to the encoding's reference (vLLM's
+    unquantised dequantize is then the identity); the device placement holds the same table in HBM."""
+    from uvaple.kernels.encodings import ENCODINGS, quantize_fp8_rows
+
+    _, ours, w = pair("bf16", seed=31, quantize="fp8_row")
+    shard = ours._uvaple_shard
+    assert shard.encoding == "fp8_row" and shard.table.shape == (1024, DIM + 4)
+    assert ours.weight.shape == (1024, DIM) and ours.weight.dtype == torch.float8_e4m3fn  # the codes' view
+    q = quantize_fp8_rows(w)
+    assert torch.equal(bits(shard.table.tensor[:VOCAB]), bits(q))
+    ids = torch.randint(0, VOCAB, (MAX_TOKENS, HEADS), generator=torch.Generator().manual_seed(32))
+    ids[0] = torch.tensor([0, VOCAB - 1, VOCAB, -1])  # the ends, and two ids outside: zero rows
+    out = run(ours, ids)
+    assert out.dtype == torch.bfloat16 and out.shape == (MAX_TOKENS, HEADS, DIM)
+    want = ENCODINGS["fp8_row"].dequantise(q[ids.clamp(0, VOCAB - 1).reshape(-1)], torch.bfloat16).reshape(out.shape)
+    want[0, 2:] = 0
+    assert torch.equal(bits(out), bits(want))
+    _, dev, _ = pair("bf16", seed=31, quantize="fp8_row", placement="device")
+    assert torch.equal(bits(run(dev, ids)), bits(out))
+
+
+def test_fp8_row_on_an_fp8_checkpoint_is_refused():
+    with _build.building(ctx(quantize="fp8_row"), []), pytest.raises(config.PluginConfigError,
+                                                                      match="quantize fp8_row quantises a bf16"):
+        UvaplePLEEmbedding(VOCAB, DIM, params_dtype=torch.bfloat16, padding_size=64, prefix="q",
+                           embedding_method=Qwen4ExpPLEFp8EmbeddingMethod())
+
+
+def test_fp8_row_with_dummy_weights_needs_no_fp16_copy_of_the_table():
+    """load_format="dummy": vLLM's loader fills a parameter with its dummy_weight_value when it has one (an fp8
+    parameter would otherwise go through an fp16 temporary of its size); rows then read that code."""
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    from uvaple.integration.vllm.tables import DUMMY_CODE
+
+    kw = dict(params_dtype=torch.bfloat16, padding_size=64, prefix="m.dummy")
+    c = _build.BuildContext(cfg=config.PluginConfig(shared=False, quantize="fp8_row"), identity="d" * 64,
+                            device=torch.device("cpu"), check_loaded=False, max_tokens=MAX_TOKENS)
+    with _build.building(c, []):
+        ours = UvaplePLEEmbedding(VOCAB, DIM, embedding_method=METHODS["bf16"](), num_ngram_heads=HEADS,
+                                  max_total_tokens=MAX_TOKENS, **kw)
+    assert ours.weight.dummy_weight_value == DUMMY_CODE
+    initialize_single_dummy_weight(ours.weight, name="weight")
+    ours.uvaple_finish_loading()
+    out = run(ours, torch.tensor([[0, 5, VOCAB - 1, 17]]))
+    assert torch.equal(out, torch.full((1, HEADS, DIM), DUMMY_CODE, dtype=torch.bfloat16))
+
+
 def test_the_weight_is_the_host_table_and_nothing_else_holds_the_rows():
     _, ours, w = pair("fp8", seed=8)
     shard = ours._uvaple_shard

@@ -423,6 +423,17 @@ class HostTable:
 
         memory.parallel(copy, memory.chunks(n, block), threads or memory.default_threads())
 
+    def writable_bytes(self, row_start: int, n: int) -> np.ndarray:
+        """numpy ``uint8`` ``[n, stride_bytes]`` over rows ``row_start .. row_start+n``, their pages committed
+        first: where a writer encodes rows itself (a quantiser writing codes and scales) rather than copying
+        them with :meth:`write_rows`. Keeps the table mapped while it lives."""
+        self._live()
+        if isinstance(row_start, bool) or isinstance(n, bool) or not (0 <= row_start and 0 <= n
+                                                                      and row_start + n <= self.rows):
+            raise ValueError(f"rows {row_start}..{row_start + n} do not fit a table of {self.rows} rows")
+        self._commit_rows(row_start, n)
+        return self.bytes_view()[row_start:row_start + n]
+
     def _commit_rows(self, row: int, n: int) -> None:
         """Commit the pages of rows ``row .. row+n`` before a writer copies into them (:mod:`.memory`)."""
         lo = self._data_offset + row * self.stride_bytes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PluginConfig, from_sources
+from .config import PluginConfig, check_engine, from_sources
 from .tables import model_identity
 
 _BUILD_LOCK = threading.RLock()
@@ -33,6 +33,7 @@ class BuildContext:
     device: torch.device
     check_loaded: bool
     max_tokens: int
+    cuda_graphs: bool = False  # the engine captures its forward in CUDA graphs (our calls among it)
 
 
 def plugin_config(vllm_config) -> PluginConfig | None:
@@ -47,6 +48,17 @@ def _device(vllm_config) -> torch.device:
     return dev
 
 
+def cuda_graphs(vllm_config) -> bool:
+    """Whether vLLM captures the model's forward in CUDA graphs: its ``cudagraph_mode`` (final once the engine
+    has resolved ``enforce_eager`` and the platform's limits) is not NONE. Piecewise graphs count: they leave
+    out attention only, and the PLE lookups are captured with the rest."""
+    mc = getattr(vllm_config, "model_config", None)
+    if getattr(mc, "enforce_eager", False):
+        return False
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)).upper() not in ("NONE", "CUDAGRAPHMODE.NONE")
+
+
 def context_for(vllm_config, cfg: PluginConfig) -> BuildContext:
     mc = vllm_config.model_config
     return BuildContext(
@@ -55,6 +67,7 @@ def context_for(vllm_config, cfg: PluginConfig) -> BuildContext:
         device=_device(vllm_config),
         check_loaded=str(getattr(vllm_config.load_config, "load_format", "auto")) != "dummy",
         max_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
+        cuda_graphs=cuda_graphs(vllm_config),
     )
 
 
@@ -89,7 +102,8 @@ class PluginModel:
 
     Construction: vLLM's model exactly when the plugin is not enabled; else the parent is built inside
     :func:`building` with the subclass's ``_uvaple_swaps()`` (a subclass must define it: checked when the
-    class is made), after ``_uvaple_refuse(cfg)`` has had its say. After vLLM's own
+    class is made), after :func:`~uvaple.integration.vllm.config.check_engine` (the settings against the
+    engine's mode) and ``_uvaple_refuse(cfg)`` have had their say. After vLLM's own
     ``process_weights_after_loading`` (if the parent has one), every uvaple shard of the model is
     finished (:func:`finish_all`).
     """
@@ -112,6 +126,7 @@ class PluginModel:
         if cfg is None:  # not enabled: vLLM's model exactly
             super().__init__(vllm_config=vllm_config, **kw)
             return
+        check_engine(cfg, cuda_graphs=cuda_graphs(vllm_config))
         self._uvaple_refuse(cfg)
         with building(context_for(vllm_config, cfg), self._uvaple_swaps()):
             super().__init__(vllm_config=vllm_config, **kw)

@@ -9,10 +9,17 @@ allowed values, raised before anything is allocated.
 key                     environment                    meaning
 ======================  =============================  ============================================================
 ``placement``           ``UVAPLE_PLACEMENT``           ``uva`` (default): rows read from host memory in the model's
-                                                       stream; ``copy``: the copy-based path; ``device``: the
-                                                       table copied into HBM (the reference).
+                                                       stream; ``copy``: the copy-based path (a host wait per
+                                                       call: eager engines only, see below); ``device``: the
+                                                       table copied into HBM (the reference). ``split`` is
+                                                       refused: it gathers from ids on the host, and vLLM hands
+                                                       the PLE layer its ids on the GPU.
 ``fallback``            ``UVAPLE_FALLBACK``            ``none`` (default): UVA unusable is an error at startup;
-                                                       ``copy``: use the copy placement then.
+                                                       ``copy``: use the copy placement then (eager engines).
+``quantize``            ``UVAPLE_QUANTIZE``            ``none`` (default): rows stored as the checkpoint has
+                                                       them; ``fp8_row``: Qwen4Exp's bf16/fp16 n-gram tables
+                                                       quantised on load into fp8 e4m3 codes and a scale per row
+                                                       (about half the host bytes), dequantised in the gather.
 ``shared``              ``UVAPLE_SHARED``              ``true`` (default): one host copy per node, attached by
                                                        every rank and replica (a named segment per vocabulary
                                                        shard); ``false``: a private table per process.
@@ -40,6 +47,12 @@ key                     environment                    meaning
                                                        text like the served one): each rank counts the ids of
                                                        its vocabulary shard and holds the most frequent rows.
 ======================  =============================  ============================================================
+
+What the engine runs is checked too, when the model is built (:func:`check_engine`): a setting that cannot
+serve it stops the engine at start-up with a :class:`PluginConfigError` that names the setting to use
+instead. The ``copy`` placement waits on the host for each call's ids, which a CUDA graph cannot hold: with
+vLLM's CUDA graphs on (its default) it is refused, and ``enforce_eager`` (``--enforce-eager``) or the ``uva``
+placement serve instead; a ``copy`` fallback under CUDA graphs is refused where it would be taken.
 """
 
 from __future__ import annotations
@@ -53,10 +66,16 @@ from dataclasses import dataclass
 
 from uvaple.integration.errors import BackendError
 
-__all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources"]
+__all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources", "check_engine"]
 
 PLACEMENTS = ("uva", "copy", "device")
 FALLBACKS = ("none", "copy")
+QUANTIZE = ("none", "fp8_row")
+#: placements of the library that the plugin cannot serve, and why (named in the error)
+REFUSED_PLACEMENTS = {
+    "split": "the split placement gathers part of each call on the calling thread from ids on the host, and "
+             "vLLM's model runner hands the PLE layer its ids on the GPU (inside its CUDA graphs): use 'uva' "
+             "(the GPU reads the rows it needs from host memory)"}
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 # the test suite's knobs (tests/test_equivalence.py, tests/test_fuzz.py): read there, never by the plugin
 _OTHER_VARS = ("UVAPLE_EQUIV_SCHEDULES", "UVAPLE_EQUIV_FIRST_SEED", "UVAPLE_EQUIV_DEADLINE_S", "UVAPLE_EQUIV_SUMMARY",
@@ -67,7 +86,8 @@ log = logging.getLogger("uvaple.vllm")
 ENV_VARS = {"placement": "UVAPLE_PLACEMENT", "fallback": "UVAPLE_FALLBACK", "shared": "UVAPLE_SHARED",
             "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S", "segment_dir": "UVAPLE_SEGMENT_DIR",
             "metrics_interval_s": "UVAPLE_METRICS_INTERVAL_S", "dedup": "UVAPLE_DEDUP",
-            "hot_cache_gb": "UVAPLE_HOT_CACHE_GB", "hot_profile": "UVAPLE_HOT_PROFILE"}
+            "hot_cache_gb": "UVAPLE_HOT_CACHE_GB", "hot_profile": "UVAPLE_HOT_PROFILE",
+            "quantize": "UVAPLE_QUANTIZE"}
 
 
 class PluginConfigError(BackendError, ValueError):
@@ -88,6 +108,7 @@ class PluginConfig:
     dedup: bool = False
     hot_cache_gb: float = 0.0
     hot_profile: str | None = None
+    quantize: str = "none"
 
 
 def _bool(value, where: str) -> bool:
@@ -109,8 +130,11 @@ def _number(value) -> float:
 
 
 def _check(key: str, value, where: str):
-    if key in ("placement", "fallback"):
-        allowed = PLACEMENTS if key == "placement" else FALLBACKS
+    if key in ("placement", "fallback", "quantize"):
+        allowed = {"placement": PLACEMENTS, "fallback": FALLBACKS, "quantize": QUANTIZE}[key]
+        if key == "placement" and isinstance(value, str) and value.strip().lower() in REFUSED_PLACEMENTS:
+            raise PluginConfigError(f"{where}: {value.strip().lower()!r} cannot serve vLLM: "
+                                    f"{REFUSED_PLACEMENTS[value.strip().lower()]}")
         if not isinstance(value, str) or value.strip().lower() not in allowed:
             raise PluginConfigError(f"{where}: expected one of {list(allowed)}, got {value!r}")
         return value.strip().lower()
@@ -198,4 +222,21 @@ def from_sources(additional: Mapping | None, environ: Mapping[str, str] | None =
     if cfg.hot_cache_gb > 0 and cfg.placement != "uva":
         raise PluginConfigError(f"hot_cache_gb: a hot set serves the 'uva' placement (rows in host memory), not "
                                 f"{cfg.placement!r}")
+    if cfg.quantize != "none" and "copy" in (cfg.placement, cfg.fallback):
+        which = "placement" if cfg.placement == "copy" else "fallback"
+        raise PluginConfigError(f"quantize {cfg.quantize!r} with {which} 'copy': the copy placement serves rows as "
+                                "stored and vLLM's own methods cannot dequantise a scale per row; use the 'uva' or "
+                                "'device' placement (they dequantise in the gather), or quantize 'none'")
     return cfg
+
+
+def check_engine(cfg: PluginConfig, *, cuda_graphs: bool) -> None:
+    """Refuse, at start-up, settings that cannot serve the engine as configured: the ``copy`` placement under
+    CUDA graphs (``cuda_graphs``: vLLM's ``cudagraph_mode`` is not NONE). A copy-placement call waits on the host
+    for its ids and records events on the calling stream, which a graph being captured cannot do: vLLM's
+    capture at start-up would end the engine (``cudaErrorCapturedEvent``)."""
+    if cuda_graphs and cfg.placement == "copy":
+        raise PluginConfigError("placement 'copy' cannot run inside vLLM's CUDA graphs (each call waits on the host "
+                                "for its ids): start the engine with enforce_eager=True (--enforce-eager) to serve "
+                                "through the copy placement, or use placement 'uva', which the graphs capture like "
+                                "any other op")

@@ -138,6 +138,13 @@ def _swaps():
 class _UvapleGemma3nMixin(_build.PluginModel):
     _uvaple_swaps = staticmethod(_swaps)
 
+    @staticmethod
+    def _uvaple_refuse(cfg) -> None:
+        if cfg.quantize != "none":
+            raise PluginConfigError(f"quantize {cfg.quantize!r}: the plugin quantises Qwen4Exp's n-gram tables; Gemma "
+                                    "3n's per-layer table is served as the checkpoint stores it (bf16): set quantize "
+                                    "'none' (its levers are dedup and the hot set)")
+
 
 class UvapleGemma3nForCausalLM(_UvapleGemma3nMixin, Gemma3nForCausalLM):
     """vLLM's ``Gemma3nForCausalLM`` with ``embed_tokens_per_layer`` in uvaple host memory when enabled."""

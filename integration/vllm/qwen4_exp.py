@@ -12,6 +12,10 @@ the storage and the lookup differ.
   first id, ids of other shards give zero rows), then vLLM's data-parallel id gather, ETP all-reduce and
   slot selection, unchanged. No side stream and no prefetch: the call is captured in vLLM's CUDA graphs
   like any other op, so ``eager_break_during_capture`` and its graph break are gone.
+* ``quantize: fp8_row`` (bf16/fp16 checkpoints): the shard is stored as fp8 codes and a scale per row,
+  quantised as vLLM's loader hands the rows over (:class:`~uvaple.integration.vllm.tables.ShardTable`), and
+  the kernel returns ``params_dtype`` rows (codes x their row's scale); vLLM's unquantised method then has
+  nothing left to do. At ETP > 1 the rows of other shards are -0.0, as below.
 * fp8: the kernel dequantises with vLLM's formula ``rows.to(dtype) * weight_scale.to(dtype)`` (the scale
   parameter is read on the device at every call), and ``dequantize()`` returns the rows as they are. At
   ETP > 1 the rows of other shards are -0.0: ``x + (-0.0) == x`` for every ``x``, so the sum over ranks
@@ -56,6 +60,10 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
                                     f"{type(embedding_method).__name__} is not supported yet. Serve this model "
                                     "without the uvaple plugin")
         ctx = _build.current()
+        if ctx.cfg.quantize == "fp8_row" and not isinstance(embedding_method, Qwen4ExpPLEUnquantizedEmbeddingMethod):
+            raise PluginConfigError(f"{prefix}: quantize fp8_row quantises a bf16/fp16 table on load; this checkpoint "
+                                    f"stores it with {type(embedding_method).__name__} already: set quantize 'none' "
+                                    "to serve it as stored")
         super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, padding_size=padding_size,
                          prefix=prefix, embedding_method=embedding_method, num_ngram_heads=num_ngram_heads,
                          max_total_tokens=max_total_tokens, data_parallel_rank=data_parallel_rank,
@@ -65,6 +73,10 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
                                     * self.etp_data_parallel_size)
         self._uvaple_lookup = None
         self._uvaple_dequant = False
+        if self._uvaple_shard.encoding == "fp8_row":  # vLLM's dummy loader: one code, no fp16 temporary
+            from .tables import DUMMY_CODE
+
+            self.weight.dummy_weight_value = DUMMY_CODE
 
     # ------------------------------------------------------------------ storage and loading
     def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +86,8 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
         shard = ShardTable(ctx.cfg, layer=self.prefix, rows=num_embeddings, cols=embedding_dim, dtype=dtype,
                            loaded_rows=si.org_vocab_end_index - si.org_vocab_start_index, rank=self.tp_rank,
                            size=self.tp_size, identity=ctx.identity, device=ctx.device,
-                           check_loaded=ctx.check_loaded)
+                           check_loaded=ctx.check_loaded, cuda_graphs=ctx.cuda_graphs,
+                           encoding="fp8_row" if ctx.cfg.quantize == "fp8_row" else "raw")
         self._uvaple_shard = shard
         return shard.tensor
 
@@ -105,14 +118,15 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
         shard.finish()
         si = self.shard_indices
         start, count = si.org_vocab_start_index, si.org_vocab_end_index - si.org_vocab_start_index
-        fp8 = self.weight.dtype in _FP8
-        dequant = fp8 and shard.placement != "copy"
+        row_scales = shard.encoding == "fp8_row"
+        fp8 = self.weight.dtype in _FP8 and not row_scales
+        dequant = row_scales or (fp8 and shard.placement != "copy")
         spec = TableSpec.of(shard.table, row_window=(0, count), id_offset=start,
-                            encoding="fp8_global" if dequant else "raw",
+                            encoding="fp8_row" if row_scales else "fp8_global" if dequant else "raw",
                             out_dtype=self.params_dtype if dequant else None,
                             oob="neg_zero" if dequant and self.tp_size > 1 else "zero")
         scale = None
-        if dequant:
+        if dequant and not row_scales:
             scale = self.weight_scale.data.reshape(1)
             if scale.device != shard.device or scale.dtype != torch.float32:
                 raise PluginConfigError(f"{self.prefix}: the fp8 scale is a {scale.dtype} on {scale.device}; the "

@@ -27,6 +27,14 @@ creator checks that every row of its shard was written and marks the segment rea
 with the reason; an attacher waits, bounded by ``timeout_s``, for the creator's mark. A creator that dies
 while filling releases its build lock: the waiters get a named error at once rather than a hang.
 
+Quantised on load. With ``quantize: fp8_row`` a shard stores each row as fp8 e4m3 codes followed by its own
+float32 scale (the ``fp8_row`` encoding: ``cols + 4`` bytes a row). The parameter vLLM's loader sees is the
+codes' ``[rows, cols]`` view (so its shape checks hold); :meth:`ShardTable.write` quantises the checkpoint's
+rows straight into the segment (:func:`~uvaple.integration.quantize.quantize_fp8_rows_into`, every core, no
+copy of the block), and the lookup dequantises in the gather. With dummy weights (``load_format="dummy"``)
+vLLM fills the codes with one value (the parameter's ``dummy_weight_value``: the 25 GB fp16 temporary vLLM
+makes for an fp8 parameter is not made) and :meth:`ShardTable.finish` gives every row the scale 1.
+
 Pages and registration. Nothing is pre-faulted at construction: each write commits the pages it writes
 (so the allocation runs inside the fill, which reads the checkpoint anyway), :meth:`ShardTable.finish`
 commits what was left and registers the mapping (an attacher: after the creator's mark). Construction
@@ -57,6 +65,11 @@ from uvaple.uva import HostTable
 from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
 
 from .config import PluginConfig, PluginConfigError
+
+#: the fp8 format of ``quantize: fp8_row`` shards (e4m3: vLLM's, and the finer of the two at these magnitudes)
+FP8_ROW_FORMAT = torch.float8_e4m3fn
+#: what vLLM's dummy loader writes into an ``fp8_row`` shard's codes (any finite code; rows then read 0.5)
+DUMMY_CODE = 0.5
 
 __all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name", "export_metrics"]
 
@@ -162,17 +175,33 @@ class ShardTable:
         Where lookups run (a CUDA device, or the CPU where kernels run interpreted).
     check_loaded : bool
         Require every loaded row to have been written at :meth:`finish` (False for dummy weights).
+    encoding : {"raw", "fp8_row"}
+        ``"fp8_row"``: rows quantised on load (see Quantised on load); ``dtype`` is then the checkpoint's.
+    cuda_graphs : bool
+        The engine captures its forward in CUDA graphs: a ``copy`` fallback is refused (it cannot be captured).
     """
 
     def __init__(self, cfg: PluginConfig, *, layer: str, rows: int, cols: int, dtype: torch.dtype,
                  loaded_rows: int, rank: int, size: int, identity: str, device: torch.device,
-                 check_loaded: bool = True) -> None:
+                 check_loaded: bool = True, encoding: str = "raw", cuda_graphs: bool = False) -> None:
+        if encoding not in ("raw", "fp8_row"):
+            raise PluginConfigError(f"{layer}: a shard is stored raw or as fp8_row, not {encoding!r}")
+        if encoding == "fp8_row" and (not dtype.is_floating_point or dtype.itemsize < 2):
+            raise PluginConfigError(f"{layer}: quantize fp8_row takes a bf16/fp16/fp32 table; this one is {dtype} "
+                                    "(an fp8 checkpoint is served as stored: set quantize 'none')")
         self.cfg = cfg
         self.layer = layer
         self.rank, self.size = rank, size
         self.loaded_rows = loaded_rows
         self.device = device
         self.check_loaded = check_loaded
+        self.encoding = encoding
+        self.cols, self.source_dtype = cols, dtype  # the values a row holds, as the checkpoint gives them
+        self.quant_error = None  # fp8_row: the error report of the rows this process quantised (QuantError)
+        if encoding == "fp8_row":
+            from uvaple.kernels.encodings import ROW_SCALE_BYTES
+
+            cols, dtype = cols + ROW_SCALE_BYTES, FP8_ROW_FORMAT
         self.placement = cfg.placement
         self.name = None
         self._lock = threading.Lock()
@@ -185,6 +214,11 @@ class ShardTable:
         try:
             self.table = self._open(rows, cols, dtype, rank, size, identity, register)
         except (RegistrationError, DeviceCapabilityError) as e:
+            if self.placement == "uva" and cfg.fallback == "copy" and cuda_graphs:
+                raise UvaUnavailable(f"the uva placement cannot run on {device}: {e} (`uvaple doctor` shows the "
+                                     "checks), and its copy fallback cannot run inside vLLM's CUDA graphs: start "
+                                     "with enforce_eager=True (--enforce-eager) to serve through the copy "
+                                     "placement, or fix the cause") from e
             if self.placement != "uva" or cfg.fallback != "copy":
                 raise UvaUnavailable(f"the uva placement cannot run on {device}: {e} (`uvaple doctor` shows "
                                      "the checks). Fix that, or start with --additional-config "
@@ -207,20 +241,43 @@ class ShardTable:
     # ------------------------------------------------------------------ loading
     @property
     def tensor(self) -> torch.Tensor:
-        """The CPU tensor over the shard: the parameter vLLM's loader writes."""
-        return self.table.tensor
+        """The CPU tensor over the shard: the parameter vLLM's loader writes (``[rows, cols]``; for ``fp8_row``
+        the codes of each row, its scale left out)."""
+        t = self.table.tensor
+        return t[:, :self.cols] if self.encoding == "fp8_row" else t
 
     def write(self, rows: torch.Tensor, start: int) -> None:
         """Rows ``start .. start + len(rows)`` of the shard, from a checkpoint tensor (any device, cast to the
         table's dtype as vLLM's ``copy_`` does). An attacher checks the shape only: the creator writes."""
         rows = rows.detach()
-        if rows.dim() != 2 or rows.shape[1] != self.table.cols or not 0 <= start <= self.table.rows - rows.shape[0]:
+        if rows.dim() != 2 or rows.shape[1] != self.cols or not 0 <= start <= self.table.rows - rows.shape[0]:
             raise PluginLoadError(f"{self.layer}: checkpoint rows of shape {tuple(rows.shape)} at row {start} do "
-                                  f"not fit the shard of {self.table.rows} x {self.table.cols}")
-        if self.fills:
+                                  f"not fit the shard of {self.table.rows} x {self.cols}")
+        if self.fills and self.encoding == "fp8_row":
+            self._quantise(rows, start)
+        elif self.fills:
             self.table.write_rows(rows if rows.dtype == self.table.dtype else rows.to(self.table.dtype), start)
         with self._lock:
             self._written.append((start, rows.shape[0]))
+
+    def _quantise(self, rows: torch.Tensor, start: int) -> None:
+        """``rows`` as fp8_row codes and scales into rows ``start ..`` of the shard (see Quantised on load)."""
+        from uvaple.integration.quantize import quantize_fp8_rows_into
+
+        if not rows.dtype.is_floating_point or rows.dtype.itemsize < 2:
+            raise PluginLoadError(f"{self.layer}: quantize fp8_row takes bf16/fp16/fp32 checkpoint rows, got "
+                                  f"{rows.dtype}; an fp8 checkpoint is served as stored (quantize 'none')")
+        try:
+            err = quantize_fp8_rows_into(rows, self.table.writable_bytes(start, rows.shape[0]), FP8_ROW_FORMAT,
+                                         out_dtype=self.source_dtype, slice_cols=self.cols, row_start=start)
+        except ValueError as e:  # a row holding inf or NaN: no fp8 scale represents it
+            raise PluginLoadError(f"{self.layer}: {e}") from None
+        with self._lock:  # one report over every write: the largest errors, the rows summed
+            prev = self.quant_error
+            if prev is not None:
+                err = type(err)(err.slice_cols, torch.maximum(prev.max_abs, err.max_abs),
+                                torch.maximum(prev.max_rel, err.max_rel), prev.rows + err.rows)
+            self.quant_error = err
 
     def missing_rows(self) -> int:
         """Rows of ``[0, loaded_rows)`` no write has covered yet."""
@@ -240,6 +297,8 @@ class ShardTable:
         missing = self.missing_rows() if self.check_loaded else 0
         err = PluginLoadError(f"{self.layer}: the checkpoint left {missing} of {self.loaded_rows} rows of this "
                               "shard unwritten; check that it holds the whole table") if missing else None
+        if self.fills and self.encoding == "fp8_row" and not self.check_loaded and err is None:
+            self._dummy_scales()
         if self.fills and self.name:
             if err is not None:
                 self.table.mark_failed(err)  # processes waiting for this shard get the same error
@@ -249,7 +308,25 @@ class ShardTable:
             raise err
         else:
             self.table.wait_ready(self.cfg.timeout_s)
+        if self.quant_error is not None:
+            q = self.quant_error.summary()
+            log.info("uvaple: %s quantised to fp8_row on load: %d rows, largest error %.4g (%.3g of its slice's "
+                     "largest magnitude)", self.layer, q["rows"], q["max_abs"], q["max_rel"])
         self._finished = True
+
+    def _dummy_scales(self) -> None:
+        """Dummy weights: vLLM wrote the codes (:data:`DUMMY_CODE`), never the scales; every row's scale is 1."""
+        import numpy as np
+
+        from uvaple.uva.memory import chunks, default_threads, parallel
+
+        view = self.table.writable_bytes(0, self.table.rows)
+        one = np.frombuffer(np.float32(1.0).tobytes(), dtype=np.uint8)
+
+        def fill(a: int, n: int) -> None:
+            view[a:a + n, self.cols:self.cols + one.size] = one
+
+        parallel(fill, chunks(self.table.rows, 1 << 20), default_threads(), name="uvaple-dummy-scales")
 
     @property
     def finished(self) -> bool:
