@@ -5,13 +5,15 @@
 #   usage: bash perf/gpu_check.sh [steps...], from the repository root (the studies, probes and tuners run as
 #   scripts from perf/studies/, which is not installed; the benchmarks through `uvaple bench`)
 #   steps: doctor tests soak memcheck memlock lifetime host tunecopy tiles ready probe ngram hotset rates prefetch
-#   split costs vllm startup bench e2e levers vllm_engine
-#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs and vllm_engine)
+#   split costs vllm startup bench e2e levers vllm_engine vllm_decode
+#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, vllm_engine and vllm_decode)
 #   vllm_engine: vLLM 0.33's real engine with the plugin (perf/vllm_carry/engine_check.py), once the parts that
 #   perf/vllm_carry/build.py made were carried and unpacked by perf/vllm_carry/assemble.sh in the same lease:
-#   installs them (pip --no-deps --target /tmp/vllm_site), then Gemma 3n and Qwen4Exp, plugin off/uva/device/copy,
-#   eager and CUDA graphs, vllm serve, decode tokens/s; VLLM_ENGINE_ARGS="--models gemma3n" narrows it; a later
-#   call continues where the last one stopped (results kept in /tmp/vllm_engine)
+#   installs them (pip --no-deps --target /tmp/vllm_site), then Gemma 3n and Qwen4Exp against HBM: vLLM's host
+#   path, the plugin's placements and levers, eager and CUDA graphs, vllm serve; VLLM_ENGINE_ARGS="--models gemma3n"
+#   narrows it; a later call continues where the last one stopped (results kept in /tmp/vllm_engine)
+#   vllm_decode: the same install, then perf/vllm_carry/decode_bench.py (decode tokens/s and TTFT of a Qwen4Exp at
+#   the served dimensions: HBM, vLLM's host path, the plugin; VLLM_DECODE_ARGS="--configs hbm,uva"); continues too
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side
 #   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
 set -u
@@ -137,14 +139,25 @@ if has vllm; then
   timeout 300 python3 -m uvaple.perf.vllm_shapes --table-gib ${VLLM_TABLE_GIB:-24} --out "$R/vllm" 2>&1 | tee "$R/vllm/shapes.log" | tail -30
 fi
 if has vllm_engine; then
-  step "vLLM 0.33's engine with the plugin: Gemma 3n and Qwen4Exp, same tokens off / uva / device / copy (${VLLM_ENGINE_ARGS:-all})"
+  step "vLLM 0.33's engine with the plugin: Gemma 3n and Qwen4Exp, tokens and logprobs against HBM, every configuration (${VLLM_ENGINE_ARGS:-all})"
   mkdir -p "$R/vllm_engine"
   python3 perf/vllm_carry/assemble.py --install 2>&1 | tee "$R/vllm_engine/assemble.log"
   if [ "${PIPESTATUS[0]}" = 0 ]; then
     PYTHONPATH=${VLLM_CARRY_SITE:-/tmp/vllm_site}${PYTHONPATH:+:$PYTHONPATH} timeout ${VLLM_ENGINE_TIMEOUT_S:-540} \
       python3 perf/vllm_carry/engine_check.py --out "$R/vllm_engine" --deadline-s ${VLLM_ENGINE_DEADLINE_S:-470} \
       ${VLLM_ENGINE_ARGS:-} 2>&1 | tail -60
-    cp /tmp/vllm_engine/runs/*.log "$R/vllm_engine/" 2>/dev/null
+    mkdir -p "$R/vllm_engine/runs" && cp /tmp/vllm_engine/runs/*.log /tmp/vllm_engine/runs/*.json "$R/vllm_engine/runs/" 2>/dev/null
+  else echo "vLLM is not assembled here: carry its parts first (python3 perf/vllm_carry/build.py prints the calls)"; fi
+fi
+if has vllm_decode; then
+  step "vLLM 0.33's engine, decode tokens/s and TTFT: Qwen4Exp at the served dimensions, HBM / vLLM's host path / the plugin (${VLLM_DECODE_ARGS:-defaults})"
+  mkdir -p "$R/vllm_decode"
+  python3 perf/vllm_carry/assemble.py --install 2>&1 | tail -3
+  if [ "${PIPESTATUS[0]}" = 0 ]; then
+    PYTHONPATH=${VLLM_CARRY_SITE:-/tmp/vllm_site}${PYTHONPATH:+:$PYTHONPATH} timeout ${VLLM_DECODE_TIMEOUT_S:-570} \
+      python3 perf/vllm_carry/decode_bench.py --out "$R/vllm_decode" --deadline-s ${VLLM_DECODE_DEADLINE_S:-530} \
+      ${VLLM_DECODE_ARGS:-} 2>&1 | tail -40
+    cp /tmp/vllm_decode/results/*.log /tmp/vllm_decode/results/*.json "$R/vllm_decode/" 2>/dev/null
   else echo "vLLM is not assembled here: carry its parts first (python3 perf/vllm_carry/build.py prints the calls)"; fi
 fi
 if has startup; then

@@ -164,6 +164,20 @@ PATCHES = [
      "        return False\n",
      "flashinfer_sampler_supported() imports the FlashInfer backend (flashinfer is not carried): the model "
      "runner's Sampler() raised ModuleNotFoundError at load_model"),
+    ("vllm/models/qwen4_exp/nvidia/hyperconnection.py",
+     "                and current_platform.has_device_capability(90)\n            )",
+     "                and current_platform.has_device_capability(90)\n"
+     "                and __import__(\"importlib.util\").util.find_spec(\"cutlass\") is not None  # no CuTe DSL\n"
+     "            )",
+     "Qwen4Exp's hyper-connection takes a CuTe-DSL down+SiLU GEMM on SM90 when hc_count * hidden_size is a "
+     "multiple of 8 (the real model's 4 x 2,560); nvidia-cutlass-dsl (92 MB) is not carried, so it takes the "
+     "Linear path vLLM itself takes above 48 tokens and on other GPUs"),
+    ("vllm/models/qwen4_exp/nvidia/ops/cute_dsl/hc_down_silu.py",
+     "    if not current_platform.has_device_capability(90) or k % 8 != 0:\n        return",
+     "    if not current_platform.has_device_capability(90) or k % 8 != 0:\n        return\n"
+     "    if __import__(\"importlib.util\").util.find_spec(\"cutlass\") is None:  # carried without CuTe DSL\n"
+     "        return",
+     "the same kernel's warm-up, requested at model construction, compiles it with CuTe DSL"),
 ]
 
 

@@ -7,8 +7,10 @@ strings (:func:`prompts`) and ``vllm serve`` takes them as text:
 
 * ``gemma3n``: the multimodal ``Gemma3nForConditionalGeneration``: transformers builds and saves the text
   model, its tensors are saved under the multimodal names (``model.language_model.*``) beside a
-  ``Gemma3nConfig`` and a ``Gemma3nProcessor`` (the tokenizer carries the image and audio tokens). vLLM is
-  given no image or audio per prompt and builds no tower. bf16; the per-layer table is 65,536 x (4 x 256).
+  ``Gemma3nConfig`` and a ``Gemma3nProcessor`` (the tokenizer carries the image and audio tokens, and "\n" and
+  "\n\n", which vLLM's processing looks up). vLLM is given no image or audio per prompt and builds no tower.
+  bf16; the per-layer table is 65,536 x (4 x 256). ``hot_profile.txt``: the prompts' token ids (a hot set's
+  profile).
 * ``qwen4exp_bf16``: ``Qwen4ExpForCausalLM``, three linear-attention layers and one attention layer, PLE
   on layers 1 and 2, n-gram tables of 8 heads x ~50,000 rows x 160 saved in ``split_ngram_parts`` = 4
   shards (``ngram_embedding.shard_<i>.weight``, as transformers saves them). transformers builds a QSA
@@ -98,8 +100,10 @@ def build_gemma3n(path: str, log: Callable[[str], object]) -> dict:
     )
 
     g = GEMMA
+    # vLLM's Gemma 3n processing looks up "\n" and "\n\n" in the vocabulary (gemma3n_mm.py): a vocabulary
+    # without them stopped every engine at LLM() with KeyError: '\n'
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_image>", "<end_of_image>", "<image_soft_token>",
-                "<start_of_audio>", "<end_of_audio>", "<audio_soft_token>"]
+                "<start_of_audio>", "<end_of_audio>", "<audio_soft_token>", "\n", "\n\n"]
     extra = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
              "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
     tok = save_tokenizer(path, VOCAB, specials, extra)
@@ -129,6 +133,10 @@ def build_gemma3n(path: str, log: Callable[[str], object]) -> dict:
     proc = Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(),
                             image_processor=SiglipImageProcessor(), tokenizer=tok)
     proc.save_pretrained(path)
+    # the hot set's profile (engine_check's uva_hot): the prompts' token ids, as a tokenised text like the served one
+    ids = [i for p in prompts() for i in tok(p, add_special_tokens=False)["input_ids"]]
+    with open(os.path.join(path, "hot_profile.txt"), "w") as f:
+        f.write(" ".join(map(str, ids)))
     table = hf.model.embed_tokens_per_layer.weight
     return {"arch": "Gemma3nForConditionalGeneration", "ple_tables": 1,
             "ple_table_bytes": table.numel() * table.element_size(), "ple_shape": list(table.shape),

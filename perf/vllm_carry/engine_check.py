@@ -1,7 +1,7 @@
-"""Does vLLM's real engine serve Gemma 3n and Qwen4Exp on the H200 with the uvaple plugin, and with the same tokens?
+"""Does vLLM's real engine serve Gemma 3n and Qwen4Exp on the H200 with the uvaple plugin, with HBM's tokens?
 
 ``python3 perf/vllm_carry/engine_check.py --out DIR [--work /tmp/vllm_engine] [--models ...] [--modes eager,graph]
-[--placements none,off,uva,device,copy] [--only tokens,perf,serve] [--deadline-s 480] [--checkpoints-only]``
+[--configs hbm,host,uva,...] [--only tokens,serve] [--deadline-s 480] [--checkpoints-only] [--force]``
 
 Runs on the GPU machine with vLLM 0.33.0 carried there (``assemble.py --install``; ``perf/gpu_check.sh
 vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's public API only:
@@ -9,39 +9,39 @@ vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's p
 1. ``env``: versions, vLLM's requirements against what is installed, the extensions on the GPU (one
    ``rms_norm`` of ``vllm._custom_ops`` against torch), whether vLLM discovers the plugin's entry point.
 2. ``checkpoints`` (``checkpoints.py``, which also runs alone on a CPU without vLLM; ``--checkpoints-only``
-   here): small random models saved by transformers 5.17 into ``WORK/ckpt``, each with a word-level
-   tokenizer: ``gemma3n`` (the multimodal ``Gemma3nForConditionalGeneration``, bf16, a 128 MiB per-layer
-   table; no image or audio per prompt, so no tower is loaded or profiled, and ``enable_mm_embeds`` so that
-   vLLM still runs it as multimodal: its runner then computes the per-layer inputs), ``qwen4exp_bf16``
-   (``Qwen4ExpForCausalLM``, PLE on two linear-attention layers, n-gram tables saved in
-   ``split_ngram_parts`` shards) and ``qwen4exp_fp8`` (the same, the n-gram tables in fp8 with one global
-   scale each).
+   here): small random models saved by transformers into ``WORK/ckpt``: ``gemma3n`` (the multimodal
+   ``Gemma3nForConditionalGeneration``, bf16, a 128 MiB per-layer table, text prompts: no image or audio, so no
+   tower is profiled, and ``enable_mm_embeds`` so that vLLM still runs its multimodal path, which computes the
+   per-layer inputs), ``qwen4exp_bf16`` (PLE on two linear-attention layers, n-gram tables in
+   ``split_ngram_parts`` shards) and ``qwen4exp_fp8`` (the same tables in fp8 with one global scale each).
 3. ``tokens``: per model and mode (``eager``: ``enforce_eager``; ``graph``: vLLM's compilation and CUDA
-   graphs at their defaults, else the highest level that runs, see :data:`GRAPH_LEVELS`), one engine per
-   placement, side by side on the GPU (none frees memory before all have started: vLLM's profiling asserts
-   that; a run that met a release anyway is repeated alone): ``none`` (``VLLM_PLUGINS`` without uvaple:
-   vLLM alone), ``off`` (the plugin loaded, not enabled), ``uva``, ``device``, ``copy``
-   (``additional_config={"uvaple": {"placement": ..., "segment": <one per run>}}``). Each engine
-   generates greedy tokens (``ignore_eos``, top-2 logprobs) for a batch of prompts; each is compared
-   with ``off``'s. Recorded per engine: the weights' and the KV cache's GPU memory vLLM reports and its
-   KV blocks, the plugin's segments while the engine runs (``uvaple shm list --json``: the table once),
-   the segments left after it exits, the log lines that name the placement.
-4. ``perf``: per model, ``off`` and ``uva`` alone on the GPU in graph mode: decode tokens/s at batch 1
-   and 32 (``B * (N - 1) / (T(N) - T(1))`` for N generated tokens), with the KV cache memory measured alone.
-5. ``serve``: ``vllm serve`` (Gemma 3n, ``uva``, eager, ``PROMETHEUS_MULTIPROC_DIR`` set), an OpenAI client
-   completion compared with the offline engine's text, ``/metrics``' ``uvaple_*`` series, the startup log,
-   no segment left after the server stops.
+   graphs at their defaults), one engine per configuration of :data:`CONFIGS` that applies, side by side on the
+   GPU (each with the same fixed ``kv_cache_memory_bytes``: vLLM then skips the memory profiling that engines
+   starting side by side upset). Eager engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Each
+   generates greedy tokens for 8 prompts of 6 to 40 words (``ignore_eos``, :data:`MAX_TOKENS` tokens, top-2
+   logprobs, kept as the floats vLLM returns) and is compared with its reference (``hbm``; the ``fp8_row``
+   configurations with ``device_fp8row``, the same encoding in HBM): tokens identical, and every logprob equal
+   (or how many differ, and by how much). A configuration the plugin must refuse for this engine (``copy`` under
+   CUDA graphs, ``split`` anywhere) passes when the engine stops at start-up with the named error. Recorded per
+   engine: weights' and KV cache's GPU memory, the plugin's segments while it runs (``uvaple shm list --json``:
+   each table once), the segments left after it exits, the log lines naming the placement.
+   The copy question (``copy``'s logprobs differed from the plugin-off engine's in eager mode): ``hbm`` and
+   ``copy`` each run twice (``hbm_again``, ``copy_again``); the JSON's ``repeats`` says whether an engine
+   differs from itself.
+4. ``serve``: ``vllm serve`` (``--serve-model``, ``uva``, eager, ``PROMETHEUS_MULTIPROC_DIR`` set), an OpenAI
+   client completion compared with the offline ``uva`` engine's text, ``/metrics``' ``uvaple_*`` series, a
+   server started with a bad ``uvaple`` setting (it must exit with the named error), no segment left after the
+   server stops.
 
-vLLM 0.33 has no ``VLLM_ATTENTION_BACKEND``: the Triton backend is chosen with ``attention_backend=
-"TRITON_ATTN"`` (``--attention-backend`` for ``vllm serve``); FlashAttention is not carried. Qwen4Exp's
-GDN prefill is told ``additional_config["gdn_prefill_backend"] = "triton"`` (FlashInfer is not carried).
-Without ``cutlass``/``quack`` (not carried), Qwen4Exp's bf16 hyper-connection would take a CuTe-DSL kernel
-on SM90 when ``hc_count * hidden_size`` is a multiple of 8: the checkpoint's hidden size is then 258.
+Decode throughput is measured by ``decode_bench.py`` (a model at the real dimensions; this check's models are
+too small to show a lookup's cost). vLLM 0.33 has no ``VLLM_ATTENTION_BACKEND``: the Triton backend is chosen
+with ``attention_backend="TRITON_ATTN"``; Qwen4Exp's GDN prefill with ``additional_config["gdn_prefill_backend"]
+= "triton"`` (FlashAttention and FlashInfer are not carried).
 
-A run that fails is a result: its call and the error's last lines are recorded, and the first failure
-that every placement shares (vLLM itself) is recorded as ``blocker``. Runs already done in ``WORK`` are
-not repeated (``--force`` repeats them), so calls of one lease continue where the last one stopped.
-Writes ``DIR/engine_check.json`` and ``DIR/engine_check.log``.
+A run that fails is a result: its call and the error's last lines are recorded, and the first failure that
+every configuration shares (vLLM itself) is recorded as ``blocker``. Runs already done in ``WORK`` are not
+repeated (``--force`` repeats them), so calls of one lease continue where the last one stopped. Writes
+``DIR/engine_check.json`` and ``DIR/engine_check.log``.
 """
 
 from __future__ import annotations
@@ -57,19 +57,53 @@ import sys
 import time
 import traceback
 
-from checkpoints import MODELS, VOCAB, checkpoints, prompts  # this folder (a script's folder is on sys.path)
+from checkpoints import MODELS, checkpoints, prompts  # this folder (a script's folder is on sys.path)
 
 HERE = os.path.abspath(__file__)
 GIB = 1 << 30
 
-PLACEMENTS = ("none", "off", "uva", "device", "copy")
+QWEN = ("qwen4exp_bf16", "qwen4exp_fp8")
+#: what each configuration runs: ``plugin`` (the uvaple plugin loaded), ``engram`` (Qwen4Exp's engram_config;
+#: None: vLLM's default, cpu_offload=True, its own pinned host path), ``uvaple`` (the plugin's settings; None: not
+#: enabled), ``models``/``modes`` (where it applies; None: every one), ``expect`` (mode -> the named error the
+#: engine must stop with at start-up), ``ref`` (the configuration it is compared with)
+CONFIGS: dict[str, dict] = {
+    "hbm": dict(plugin=False, engram={"cpu_offload": False}),
+    "hbm_again": dict(plugin=False, engram={"cpu_offload": False}, modes=("eager",)),
+    "host": dict(plugin=False, engram=None, models=QWEN),
+    "off": dict(plugin=True, engram={"cpu_offload": False}),
+    "uva": dict(plugin=True, uvaple={"placement": "uva"}),
+    "device": dict(plugin=True, uvaple={"placement": "device"}),
+    "copy": dict(plugin=True, uvaple={"placement": "copy"},
+                 expect={"graph": "placement 'copy' cannot run inside vLLM's CUDA graphs"}),
+    "copy_again": dict(plugin=True, uvaple={"placement": "copy"}, modes=("eager",)),
+    "split": dict(plugin=True, uvaple={"placement": "split"}, modes=("eager",),
+                  expect={"eager": "'split' cannot serve vLLM"}),
+    "uva_dedup": dict(plugin=True, uvaple={"placement": "uva", "dedup": True}),
+    "uva_hot": dict(plugin=True, uvaple={"placement": "uva", "hot_cache_gb": 0.01}, models=("gemma3n",)),
+    "uva_fp8row": dict(plugin=True, uvaple={"placement": "uva", "quantize": "fp8_row"}, models=("qwen4exp_bf16",),
+                       ref="device_fp8row"),
+    "device_fp8row": dict(plugin=True, uvaple={"placement": "device", "quantize": "fp8_row"},
+                          models=("qwen4exp_bf16",), ref="device_fp8row"),
+}
 MODES = ("eager", "graph")
-PHASES = ("tokens", "perf", "serve")
-#: graph mode, from vLLM's defaults down: the first level whose ``off`` run starts is used for the model
-GRAPH_LEVELS = (("default", None), ("cudagraph_only", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}))
-MAX_TOKENS = 32
-PERF_TOKENS, PERF_BATCHES = 256, (1, 32)
+PHASES = ("tokens", "serve")
+#: graph mode: vLLM's defaults (compilation and CUDA graphs, FULL_AND_PIECEWISE)
+GRAPH_LEVELS = (("default", None),)
+MAX_TOKENS = 256
 MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 32
+KV_CACHE_BYTES = 1 * GIB  # each engine's, fixed: no memory profiling (engines start side by side)
+GPU_UTIL = 0.04  # vLLM's start-up check of free memory only, once kv_cache_memory_bytes is set
+
+
+def applies(config: str, model: str, mode: str) -> bool:
+    c = CONFIGS[config]
+    return model in (c.get("models") or (model,)) and mode in (c.get("modes") or MODES)
+
+
+def reference(config: str) -> str:
+    return CONFIGS[config].get("ref", "hbm")
+
 
 def now() -> str:
     return time.strftime("%H:%M:%S")
@@ -92,10 +126,12 @@ def child_env(spec: dict) -> dict:
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CONFIGURE_LOGGING="1",
                VLLM_LOGGING_CONFIG_PATH=spec["logging_config"], VLLM_CACHE_ROOT=spec["cache_root"],
                PYTHONUNBUFFERED="1")
-    if spec["placement"] == "none":  # vLLM alone: every general plugin but uvaple
-        env["VLLM_PLUGINS"] = "lora_filesystem_resolver,lora_hf_hub_resolver"
-    else:
+    if CONFIGS[spec["config"]]["plugin"]:
         env.pop("VLLM_PLUGINS", None)
+    else:  # vLLM alone: every general plugin but uvaple
+        env["VLLM_PLUGINS"] = "lora_filesystem_resolver,lora_hf_hub_resolver"
+    if spec["mode"] == "eager":  # the engine core in this process (the copy question asks for it)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for k in [k for k in env if k.startswith("UVAPLE_")]:
         env.pop(k)
     return env
@@ -103,14 +139,19 @@ def child_env(spec: dict) -> dict:
 
 def engine_kwargs(spec: dict) -> dict:
     """``vllm.LLM``'s arguments for a run (also what the JSON records as the call)."""
+    c = CONFIGS[spec["config"]]
     kw = dict(model=spec["ckpt"], tokenizer=spec["ckpt"], dtype="bfloat16", seed=0, max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=spec["gpu_util"], attention_backend="TRITON_ATTN",
-              enforce_eager=spec["mode"] == "eager", disable_log_stats=False)
+              max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=GPU_UTIL, kv_cache_memory_bytes=KV_CACHE_BYTES,
+              attention_backend="TRITON_ATTN", enforce_eager=spec["mode"] == "eager", disable_log_stats=False)
     additional = {}
-    if spec["model"].startswith("qwen4exp"):
+    if spec["model"] in QWEN:
         additional["gdn_prefill_backend"] = "triton"
-    if spec["placement"] in ("uva", "device", "copy"):
-        additional["uvaple"] = {"placement": spec["placement"], "segment": spec["segment"]}
+        if c.get("engram") is not None:
+            kw["engram_config"] = dict(c["engram"])
+    if c.get("uvaple") is not None:
+        additional["uvaple"] = dict(c["uvaple"], segment=spec["segment"])
+        if "hot_cache_gb" in c["uvaple"]:
+            additional["uvaple"]["hot_profile"] = spec["hot_profile"]
     if additional:
         kw["additional_config"] = additional
     if spec["model"] == "gemma3n":
@@ -134,22 +175,6 @@ def shm_list(segment: str | None = None) -> list[dict]:
     rows = json.loads(r.stdout or "[]")
     return [x for x in rows if segment is None or str(x.get("name", "")).startswith((f"uvaple.{segment}.",
                                                                                       f"{segment}."))]
-
-
-def decode_rate(llm, sp_cls, vocab: int, batch: int) -> dict:
-    """Decode tokens/s at ``batch``: ``B * (N - 1) / (T(N) - T(1))``, after one warm-up."""
-    ps = prompts(batch, seed=99 + batch, vocab=vocab)
-    one = sp_cls(temperature=0.0, max_tokens=1, ignore_eos=True)
-    many = sp_cls(temperature=0.0, max_tokens=PERF_TOKENS, ignore_eos=True)
-    llm.generate(ps, many, use_tqdm=False)
-    t0 = time.perf_counter()
-    llm.generate(ps, one, use_tqdm=False)
-    t1 = time.perf_counter()
-    outs = llm.generate(ps, many, use_tqdm=False)
-    t2 = time.perf_counter()
-    n = min(len(o.outputs[0].token_ids) for o in outs)
-    return {"batch": batch, "tokens": n, "prefill_s": round(t1 - t0, 4), "total_s": round(t2 - t1, 4),
-            "decode_tokens_per_s": round(batch * (n - 1) / max(1e-9, (t2 - t1) - (t1 - t0)), 1)}
 
 
 def _mark(spec: dict, state: str) -> None:
@@ -190,12 +215,14 @@ def run_child(spec_path: str) -> int:
         llm = LLM(**kw)
         res["init_s"] = round(time.monotonic() - t0, 1)
         _mark(spec, "ready")
+        if spec.get("expect"):
+            res["started_though_refusal_expected"] = spec["expect"]
         cc = llm.llm_engine.vllm_config.cache_config
         res["num_gpu_blocks"], res["block_size"] = cc.num_gpu_blocks, cc.block_size
         comp = llm.llm_engine.vllm_config.compilation_config
         res["compilation"] = {"mode": str(getattr(comp, "mode", None)),
                               "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None))}
-        if spec["placement"] in ("uva", "device", "copy"):
+        if CONFIGS[spec["config"]].get("uvaple") is not None:
             stage = "uvaple shm list"
             res["segments"] = shm_list(spec["segment"])
         stage = "generate"
@@ -203,11 +230,9 @@ def run_child(spec_path: str) -> int:
         outs = llm.generate(prompts(), sp, use_tqdm=False)
         res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         res["texts"] = [o.outputs[0].text for o in outs]
-        res["top2"] = [[sorted((round(lp.logprob, 5) for lp in step.values()), reverse=True)[:2]
+        # every step's two most likely tokens' logprobs, as vLLM returns them (float32 values: compared exactly)
+        res["top2"] = [[sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
                         for step in (o.outputs[0].logprobs or [])] for o in outs]
-        if spec.get("perf"):
-            stage = "perf"
-            res["perf"] = [decode_rate(llm, SamplingParams, VOCAB, b) for b in PERF_BATCHES]
         stage = "shutdown"
         _wait_group(spec)
         t0 = time.monotonic()
@@ -386,19 +411,19 @@ print("ENV" + json.dumps(out))
             self.block("env: vLLM's extensions on the GPU", "vllm._custom_ops.rms_norm", env["extension_error"])
 
     # ------------------------------------------------------------------ runs
-    def run_key(self, model: str, mode: str, placement: str, level: str, perf: bool) -> str:
-        return f"{model}.{mode}{'' if mode == 'eager' else '-' + level}.{placement}{'.perf' if perf else ''}"
+    def run_key(self, model: str, mode: str, config: str, level: str) -> str:
+        return f"{model}.{mode}{'' if mode == 'eager' else '-' + level}.{config}"
 
-    def spec(self, model: str, mode: str, placement: str, level: str, compilation, perf: bool,
-             gpu_util: float) -> dict:
-        key = self.run_key(model, mode, placement, level, perf)
+    def spec(self, model: str, mode: str, config: str, level: str, compilation) -> dict:
+        key = self.run_key(model, mode, config, level)
         seg = "ec" + hashlib.sha256(f"{key}{time.time()}".encode()).hexdigest()[:10]
-        return {"key": key, "model": model, "mode": mode, "placement": placement, "level": level,
-                "compilation": compilation, "perf": perf, "gpu_util": gpu_util, "segment": seg,
+        return {"key": key, "model": model, "mode": mode, "config": config, "level": level,
+                "compilation": compilation, "segment": seg, "expect": CONFIGS[config].get("expect", {}).get(mode),
                 "ckpt": os.path.join(self.work, "ckpt", model), "logging_config": self.logging_config,
-                # one compile cache per model and placement: engines that start side by side never write the
-                # same one, and the perf run finds its placement's graphs compiled
-                "cache_root": os.path.join(self.cache_root, f"{model}-{placement}"),
+                "hot_profile": os.path.join(self.work, "ckpt", model, "hot_profile.txt"),
+                # one compile cache per model and configuration: engines that start side by side never write the
+                # same one
+                "cache_root": os.path.join(self.cache_root, f"{model}-{config}"),
                 "result": os.path.join(self.runs_dir, key + ".json"),
                 "log": os.path.join(self.runs_dir, key + ".log")}
 
@@ -435,7 +460,7 @@ print("ENV" + json.dumps(out))
                     f"{k}={v!r}" for k, v in engine_kwargs(s).items()) + ")"}
             res.update(parse_log(s["log"]))
             res["log_tail"] = _tail(s["log"], 40) if not res.get("ok") else None
-            if s["placement"] in ("uva", "device", "copy"):
+            if CONFIGS[s["config"]].get("uvaple") is not None:
                 time.sleep(1.0)
                 try:
                     left = shm_list(s["segment"])
@@ -466,104 +491,81 @@ print("ENV" + json.dumps(out))
         return None if clash else res
 
     def tokens(self, model: str) -> bool | None:
-        """The token comparison of ``model``; False where no placement ran in eager mode (vLLM did not), None
+        """The token comparison of ``model``; False where nothing ran in eager mode (vLLM did not start), None
         where the time left could not hold the next group (the next call continues)."""
-        placements = [p for p in PLACEMENTS if p in self.a.placements]
         for mode in [m for m in MODES if m in self.a.modes]:
+            configs = [c for c in CONFIGS if c in self.a.configs and applies(c, model, mode)]
             levels = GRAPH_LEVELS if mode == "graph" else (("eager", None),)
             for level, compilation in levels:
-                todo = [p for p in placements if not self.done(self.run_key(model, mode, p, level, False))]
+                todo = [c for c in configs if not self.done(self.run_key(model, mode, c, level))]
                 need = 150 if mode == "eager" else 330
                 if todo and self.left() < need:
                     self.note(f"{model} {mode}: skipped, {self.left():.0f} s left (a group needs ~{need} s); "
                               "the next call continues")
                     return None
                 if todo:
-                    util = round(min(0.18, 0.85 / len(todo)), 3)
-                    self.log(f"{model} {mode} ({level}): {', '.join(todo)} side by side, "
-                             f"gpu_memory_utilization {util} each")
-                    done = self.launch([self.spec(model, mode, p, level, compilation, False, util) for p in todo],
-                                       timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
-                    again = [r["spec"]["placement"] for r in done if not r.get("ok") and _profile_clash(r)]
-                    for p in again:  # another engine of the group gave memory back while this one profiled
-                        if self.left() < need / 2:
-                            break
-                        self.note(f"{model} {mode} {p}: vLLM's memory profiling met another engine's release; "
-                                  "run again alone")
-                        self.launch([self.spec(model, mode, p, level, compilation, False, util)],
-                                    timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
-                runs = {p: json.load(open(os.path.join(self.runs_dir, self.run_key(model, mode, p, level, False)
-                                                       + ".json")))
-                        for p in placements if os.path.exists(os.path.join(self.runs_dir, self.run_key(
-                            model, mode, p, level, False) + ".json"))}
+                    self.log(f"{model} {mode} ({level}): {', '.join(todo)} side by side, kv_cache_memory_bytes "
+                             f"{KV_CACHE_BYTES / GIB:g} GiB each")
+                    self.launch([self.spec(model, mode, c, level, compilation) for c in todo],
+                                timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
+                runs = {}
+                for c in configs:
+                    path = os.path.join(self.runs_dir, self.run_key(model, mode, c, level) + ".json")
+                    if os.path.exists(path):
+                        runs[c] = json.load(open(path))
                 self.compare(model, mode, level, runs)
-                ok = [p for p, r in runs.items() if r.get("ok")]
-                if mode == "graph" and not ok and level != levels[-1][0]:
-                    self.note(f"{model} graph mode at level {level!r} did not start; trying the next level")
-                    continue
+                ok = [c for c, r in runs.items() if r.get("ok")]
                 if not ok and runs:
-                    first = runs.get("off") or next(iter(runs.values()))
-                    self.block(f"{model} {mode} ({level}): every placement failed at {first.get('stage')}",
+                    first = runs.get("hbm") or next(iter(runs.values()))
+                    self.block(f"{model} {mode} ({level}): every configuration failed at {first.get('stage')}",
                                first.get("call", ""), first.get("error", ""), first.get("log_tail"))
                     if mode == "eager":
                         return False
-                break
         return True
 
     def compare(self, model: str, mode: str, level: str, runs: dict) -> None:
-        # the reference: vLLM's model with the plugin loaded and not enabled, else vLLM alone
-        ref_name = next((p for p in ("off", "none") if runs.get(p, {}).get("ok")), None)
-        ref = runs.get(ref_name) if ref_name else None
         table = self.res.setdefault("tokens", {}).setdefault(model, {})
-        entry = {"level": level, "reference": ref_name, "placements": {}}
-        for p, r in runs.items():
-            row = {"ok": bool(r.get("ok")), "weights_gib": r.get("weights_gib"), "kv_cache_gib": r.get("kv_cache_gib"),
-                   "num_gpu_blocks": r.get("num_gpu_blocks"), "segments": [
-                       {k: s.get(k) for k in ("name", "table_bytes", "size_bytes", "state", "pids")}
-                       for s in r.get("segments", []) or []],
+        entry = {"level": level, "configs": {}}
+        for c, r in runs.items():
+            row = {"ok": bool(r.get("ok")), "weights_gib": r.get("weights_gib"), "init_s": r.get("init_s"),
+                   "segments": [{k: s.get(k) for k in ("name", "table_bytes", "size_bytes", "state", "pids")}
+                                for s in r.get("segments", []) or []],
                    "segments_left": [s.get("name", s) for s in r.get("segments_left", []) or []],
                    "placement_lines": r.get("placement_lines", [])[:3]}
-            if r.get("ok") and p in ("uva", "device", "copy"):  # the table once: one segment per PLE table
+            expect = CONFIGS[c].get("expect", {}).get(mode)
+            if expect is not None:  # the engine must stop at start-up with the named error
+                text = f"{r.get('error')}\n{r.get('log_tail')}\n{r.get('error_lines')}"
+                row["refused_as_expected"] = not r.get("ok") and expect in text
+                row["expected_error"] = expect
+                entry["configs"][c] = row
+                if not row["refused_as_expected"]:
+                    self.log(f"{model} {mode} {c}: expected the named error {expect!r}; got "
+                             f"{'a running engine' if r.get('ok') else str(r.get('error'))[:300]}")
+                continue
+            if r.get("ok") and CONFIGS[c].get("uvaple") is not None:  # the table once: one segment per PLE table
                 want = self.res.get("checkpoints", {}).get(model, {})
                 segs = r.get("segments") or []
-                row["table_once"] = (len(segs) == want.get("ple_tables") and
-                                     sum(x.get("table_bytes") or 0 for x in segs) >= want.get("ple_table_bytes", 0))
+                row["table_once"] = len(segs) == want.get("ple_tables")
+            ref_name = reference(c)
+            ref = runs.get(ref_name)
             if not r.get("ok"):
                 row["error"] = (r.get("stage"), (r.get("error") or "")[:500])
-            elif ref is not None and p != ref_name:
+            elif c != ref_name and ref is not None and ref.get("ok"):
+                row["reference"] = ref_name
                 row.update(_diff(ref, r))
-            table_mode = f"{mode}" if mode == "eager" else f"graph-{level}"
-            entry["placements"][p] = row
+            entry["configs"][c] = row
             if row.get("identical") is False:
-                self.log(f"{model} {table_mode} {p}: tokens differ from {ref_name}: {row['first_difference']}")
+                self.log(f"{model} {mode} {c}: tokens differ from {ref_name}: {row['first_difference']}")
+        entry["repeats"] = {f"{c} vs {c}_again": _diff(runs[c], runs[c + "_again"]) for c in ("hbm", "copy")
+                            if runs.get(c, {}).get("ok") and runs.get(c + "_again", {}).get("ok")}
+        if runs.get("hbm", {}).get("ok") and runs.get("copy_again", {}).get("ok"):
+            entry["repeats"]["hbm vs copy_again"] = _diff(runs["hbm"], runs["copy_again"])
         table[mode] = entry
-        same = [p for p, r in entry["placements"].items() if r.get("identical")]
-        self.log(f"{model} {mode} ({level}): identical to {ref_name}: {same or 'none'}; "
-                 f"failed: {[p for p, r in entry['placements'].items() if not r['ok']] or 'none'}")
-        self.save()
-
-    def perf(self, model: str) -> None:
-        level = self.res.get("tokens", {}).get(model, {}).get("graph", {}).get("level", "default")
-        compilation = dict(GRAPH_LEVELS).get(level)
-        out = self.res.setdefault("perf", {}).setdefault(model, {})
-        for p in ("off", "uva"):
-            key = self.run_key(model, "graph", p, level, True)
-            res = self.done(key)
-            if res is None:
-                if self.left() < 200:
-                    self.note(f"{model} perf {p}: skipped, {self.left():.0f} s left; the next call continues")
-                    return
-                res = self.launch([self.spec(model, "graph", p, level, compilation, True, 0.5)],
-                                  timeout=min(self.left() - 10, 420))[0]
-            out[p] = {"ok": res.get("ok"), "perf": res.get("perf"), "kv_cache_gib": res.get("kv_cache_gib"),
-                      "weights_gib": res.get("weights_gib"), "num_gpu_blocks": res.get("num_gpu_blocks"),
-                      "error": res.get("error") if not res.get("ok") else None}
-        if out.get("off", {}).get("perf") and out.get("uva", {}).get("perf"):
-            out["uva_over_off"] = [round(u["decode_tokens_per_s"] / o["decode_tokens_per_s"], 3)
-                                   for o, u in zip(out["off"]["perf"], out["uva"]["perf"], strict=True)]
-            self.log(f"{model} perf: decode tokens/s off {[x['decode_tokens_per_s'] for x in out['off']['perf']]}, "
-                     f"uva {[x['decode_tokens_per_s'] for x in out['uva']['perf']]} at batch {PERF_BATCHES} "
-                     f"(uva/off {out['uva_over_off']})")
+        same = [c for c, r in entry["configs"].items() if r.get("identical")]
+        self.log(f"{model} {mode} ({level}): identical to their reference (tokens and logprobs): {same or 'none'}; "
+                 f"refused as expected: {[c for c, r in entry['configs'].items() if r.get('refused_as_expected')]}; "
+                 f"failed: {[c for c, r in entry['configs'].items() if not r['ok'] and 'expected_error' not in r]}; "
+                 f"repeats: {json.dumps(entry['repeats'], default=str)[:600]}")
         self.save()
 
     # ------------------------------------------------------------------ serve
@@ -575,8 +577,8 @@ print("ENV" + json.dumps(out))
             return
         import socket
 
-        model = "gemma3n"
-        spec = self.spec(model, "eager", "uva", "eager", None, False, 0.3)
+        model = self.a.serve_model
+        spec = self.spec(model, "eager", "uva", "eager", None)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -585,16 +587,14 @@ print("ENV" + json.dumps(out))
             for f in os.listdir(prom):
                 os.remove(os.path.join(prom, f))
         os.makedirs(prom, exist_ok=True)
-        add = json.dumps({"uvaple": {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1}})
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", spec["ckpt"], "--port", str(port),
-               "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", str(MAX_NUM_SEQS), "--gpu-memory-utilization", "0.3", "--enforce-eager",
-               "--attention-backend", "TRITON_ATTN", "--seed", "0", "--served-model-name", model,
-               "--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--enable-mm-embeds",
-               "--additional-config", add]
-        out: dict = {"cmd": " ".join(cmd), "ok": False}
+        out: dict = {"model": model, "ok": False}
         self.res["serve"] = out
+        cmd = serve_cmd(spec, port, {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1})
+        out["cmd"] = " ".join(cmd)
+        # vLLM's own process layout (the API server, then the engine core): its engine pushes into the directory
         env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=prom)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        out["bad_setting"] = self._serve_refuses(spec, env)
         log_path = os.path.join(self.runs_dir, "serve.log")
         f = open(log_path, "w")
         self.log(f"serve: {out['cmd']}")
@@ -624,6 +624,7 @@ print("ENV" + json.dumps(out))
             out["uvaple_series"] = sorted({ln.split("{")[0].split(" ")[0] for ln in lines})
             out["uvaple_metrics_sample"] = lines[:12]
             out["ok"] = bool(out["completion"].get("text") is not None)
+            out["bad_setting_refused"] = self.res.get("serve_bad_setting_refused")
         except Exception as e:  # noqa: BLE001 - a failed serve is a result
             out["error"] = f"{type(e).__name__}: {e}"
             out["log_tail"] = _tail(log_path, 60)
@@ -644,8 +645,29 @@ print("ENV" + json.dumps(out))
                  f"{out.get('uvaple_series')}; segments left {out.get('segments_left')}; error {out.get('error')}")
         self.save()
 
+    def _serve_refuses(self, spec: dict, env: dict) -> dict:
+        """``vllm serve`` with a bad ``uvaple`` setting: it must exit, bounded, with the named error."""
+        cmd = serve_cmd(spec, 0, {"placement": "gpu", "segment": spec["segment"]})
+        log_path = os.path.join(self.runs_dir, "serve_bad_setting.log")
+        t0 = time.monotonic()
+        with open(log_path, "w") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                code = p.wait(timeout=min(240, max(30, self.left() - 150)))
+            except subprocess.TimeoutExpired:
+                code = None
+            _kill_group(p)
+        text = open(log_path, errors="replace").read()
+        named = "PluginConfigError" in text and "placement: expected one of" in text
+        res = {"cmd": " ".join(cmd), "exit_status": code, "seconds": round(time.monotonic() - t0, 1),
+               "named_error": named, "error_lines": [ln.strip()[:300] for ln in text.splitlines()
+                                                     if "PluginConfigError" in ln][:3]}
+        self.res["serve_bad_setting_refused"] = bool(code not in (None, 0) and named)
+        self.log(f"serve with a bad setting: exit {code} after {res['seconds']} s, named error: {named}")
+        return res
+
     def _offline_text(self, model: str) -> str | None:
-        path = os.path.join(self.runs_dir, self.run_key(model, "eager", "uva", "eager", False) + ".json")
+        path = os.path.join(self.runs_dir, self.run_key(model, "eager", "uva", "eager") + ".json")
         if not os.path.exists(path):
             return None
         r = json.load(open(path))
@@ -656,22 +678,22 @@ print("ENV" + json.dumps(out))
         s = {"blocker": self.res.get("blocker")}
         for model, modes in self.res.get("tokens", {}).items():
             for mode, entry in modes.items():
-                s[f"{model}.{mode}"] = {p: ("reference" if p == entry.get("reference") else "identical" if
-                                            r.get("identical") else "DIFFERENT" if r.get("ok") else "failed")
-                                        for p, r in entry["placements"].items()}
-        for model, p in self.res.get("perf", {}).items():
-            if "uva_over_off" in p:
-                s[f"{model}.perf_uva_over_off"] = dict(zip([f"batch{b}" for b in PERF_BATCHES], p["uva_over_off"],
-                                                           strict=True))
+                s[f"{model}.{mode}"] = {c: _verdict(c, r) for c, r in entry["configs"].items()}
+                if entry.get("repeats"):
+                    s[f"{model}.{mode}.repeats"] = {k: ("identical" if v.get("identical") else
+                                                        f"{v.get('logprobs_differing')} of {v.get('logprobs_compared')}"
+                                                        f" logprobs differ (max {v.get('max_logprob_difference'):.3g})"
+                                                        f"{'' if v.get('tokens_identical') else ', tokens differ'}")
+                                                    for k, v in entry["repeats"].items()}
         if "serve" in self.res:
             sv = self.res["serve"]
-            s["serve"] = {"ok": sv.get("ok"), "uvaple_series": sv.get("uvaple_series"),
-                          "segments_left": sv.get("segments_left"), "error": sv.get("error")}
+            s["serve"] = {k: sv.get(k) for k in ("ok", "same_text_as_offline_uva_eager", "uvaple_series",
+                                                 "bad_setting_refused", "segments_left", "error")}
         return s
 
     def main(self) -> int:
         a = self.a
-        self.log(f"engine_check: models {a.models}, modes {a.modes}, placements {a.placements}, phases {a.only}, "
+        self.log(f"engine_check: models {a.models}, modes {a.modes}, configs {a.configs}, phases {a.only}, "
                  f"{a.deadline_s:.0f} s")
         try:
             self.res["checkpoints"] = checkpoints(self.work, a.models, self.log)
@@ -695,9 +717,7 @@ print("ENV" + json.dumps(out))
                 self.note(f"{model}: vLLM's engine did not start in eager mode with any placement (the failure "
                           "above); nothing more is run for it")
                 continue
-            if "perf" in a.only and model != "qwen4exp_fp8" and self.left() > 200:
-                self.perf(model)
-            if "serve" in a.only and model == "gemma3n":
+            if "serve" in a.only and model == a.serve_model:
                 self.serve()
         self.save()
         self.log(f"summary: {json.dumps(self.summary(), default=str)[:3000]}")
@@ -705,6 +725,21 @@ print("ENV" + json.dumps(out))
 
 
 # ============================================================================================== helpers
+def serve_cmd(spec: dict, port: int, uvaple: dict) -> list[str]:
+    """``vllm serve`` for ``spec``'s model, eager, with the plugin's ``uvaple`` settings."""
+    add = {"uvaple": uvaple}
+    if spec["model"] in QWEN:
+        add["gdn_prefill_backend"] = "triton"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", spec["ckpt"], "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+           "--max-num-seqs", str(MAX_NUM_SEQS), "--gpu-memory-utilization", str(GPU_UTIL),
+           "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager", "--attention-backend", "TRITON_ATTN",
+           "--seed", "0", "--served-model-name", spec["model"], "--additional-config", json.dumps(add)]
+    if spec["model"] == "gemma3n":
+        cmd += ["--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--enable-mm-embeds"]
+    return cmd
+
+
 def _kill_group(p: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -726,16 +761,44 @@ def _tail(path: str, n: int) -> str:
 
 
 def _diff(ref: dict, r: dict) -> dict:
-    """Tokens of ``r`` against ``ref``: identical, or where they first differ and how close the top two were."""
+    """``r`` against ``ref``: ``identical`` (the same tokens and every top-2 logprob equal), where the tokens first
+    differ and how close the reference's top two were there, and the logprobs compared (up to each prompt's first
+    differing token): how many, how many differ, the largest difference."""
     a, b = ref.get("tokens") or [], r.get("tokens") or []
+    la, lb = ref.get("top2") or [[]] * len(a), r.get("top2") or [[]] * len(b)
+    out: dict = {"tokens_identical": len(a) == len(b) and len(a) > 0 and a == b}
+    compared = differ = 0
+    worst = 0.0
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            j = next((k for k, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
-            top = (ref.get("top2") or [[]] * len(a))[i]
-            margin = round(top[j][0] - top[j][1], 5) if j < len(top) and len(top[j]) == 2 else None
-            return {"identical": False, "first_difference": {"prompt": i, "step": j, "reference": x[j:j + 4],
-                                                             "this": y[j:j + 4], "reference_top2_margin": margin}}
-    return {"identical": len(a) == len(b) and len(a) > 0}
+        j = next((k for k, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+        if j < min(len(x), len(y)) and "first_difference" not in out:
+            top = la[i] if i < len(la) else []
+            margin = round(top[j][0] - top[j][1], 6) if j < len(top) and len(top[j]) == 2 else None
+            out["first_difference"] = {"prompt": i, "step": j, "reference": x[j:j + 4], "this": y[j:j + 4],
+                                       "reference_top2_margin": margin}
+        for p, q in zip(la[i][:j + 1] if i < len(la) else [], lb[i][:j + 1] if i < len(lb) else [], strict=False):
+            for u, v in zip(p, q, strict=False):
+                compared += 1
+                if u != v:
+                    differ += 1
+                    worst = max(worst, abs(u - v))
+    out.update(logprobs_compared=compared, logprobs_differing=differ, max_logprob_difference=worst)
+    out["identical"] = out["tokens_identical"] and compared > 0 and differ == 0
+    return out
+
+
+def _verdict(config: str, row: dict) -> str:
+    if "expected_error" in row:
+        return "refused as expected" if row.get("refused_as_expected") else "NOT REFUSED AS EXPECTED"
+    if not row.get("ok"):
+        return "failed"
+    if "reference" not in row:
+        return "reference"
+    if row.get("identical"):
+        return "identical"
+    if row.get("tokens_identical"):
+        return f"same tokens, {row.get('logprobs_differing')} of {row.get('logprobs_compared')} logprobs differ"
+    return "DIFFERENT tokens"
 
 
 def _brief(res: dict) -> dict:
@@ -781,8 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/vllm_engine", help="checkpoints, run logs and results (kept)")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--placements", default=",".join(PLACEMENTS))
-    p.add_argument("--only", default=",".join(PHASES), help="phases: tokens, perf, serve")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
+    p.add_argument("--only", default=",".join(PHASES), help="phases: tokens, serve")
+    p.add_argument("--serve-model", default="qwen4exp_bf16", help="the model vllm serve runs (phase serve)")
     p.add_argument("--deadline-s", type=float, default=480.0, help="stop starting runs after this long")
     p.add_argument("--checkpoints-only", action="store_true", help="build the checkpoints and stop (CPU)")
     p.add_argument("--force", action="store_true", help="repeat runs already done")
@@ -790,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.child:
         return run_child(a.child)
-    for name, allowed in (("models", MODELS), ("modes", MODES), ("placements", PLACEMENTS), ("only", PHASES)):
+    for name, allowed in (("models", MODELS), ("modes", MODES), ("configs", CONFIGS), ("only", PHASES)):
         vals = [v for v in getattr(a, name).split(",") if v]
         bad = [v for v in vals if v not in allowed]
         if bad:

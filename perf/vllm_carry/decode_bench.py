@@ -1,0 +1,525 @@
+"""What does the plugin cost per decode token in vLLM's engine, against HBM and against vLLM's own host path?
+
+``python3 perf/vllm_carry/decode_bench.py --out DIR [--configs hbm,uva,host,uva_fp8row,device]
+[--batches 1,8,32,64] [--prompt 512] [--decode 256] [--reps 5] [--table-gib 24] [--layers fit] [--experts 512]
+[--work /tmp/vllm_decode] [--deadline-s 540] [--plan]``
+
+Runs on a GPU machine with vLLM 0.33 (on the lent H200: carried, ``perf/gpu_check.sh vllm_decode``); ``--plan``
+prints the model, the sizes and the engine calls and exits (any machine). Refuses to start without CUDA.
+
+The model: Qwen4Exp (``Qwen4ExpForCausalLM``) at the deployed model's dimensions, random weights
+(``load_format="dummy"``: only its ``config.json`` is written; no tokenizer, the prompts are token ids).
+transformers' ``Qwen4ExpTextConfig`` defaults, with what vLLM's own tuned GEMM plans for "Qwen3.8-Flash-Next"
+show of the served model (``vllm/models/qwen4_exp/nvidia/low_latency_gemm.py``, ``ops/cute_dsl/hc_down_silu.py``):
+hidden 2,560 (the HC down projection's K = 4 x 2,560 = 10,240, N = 320 + 4), 512 experts (the router 512 x
+2,560), shared expert 640, gated delta net of 16 key and 48 value heads of 128 (QKVZ 16,384 and output 6,144 at
+TP = 1), attention of 24 query and 2 KV heads of 256 (the fused QKV/gate 6,656 at TP = 2); top-10 experts of
+512 and the vocabulary of 248,320 as transformers' defaults. One PLE layer (the model's layer 1) of 16 n-gram
+heads x 160 values (``ple_embed_dim`` 2,560: the 160-B fp8 rows of the field's reports), each head's rows set by
+``--table-gib`` of bf16 (24 GiB: 5.03 M a head; the real model's 20 M a head make 95.4 GiB, for which vLLM's own
+host path pins the next power of two, 128 GiB, more than the H200 host has). Layers: ``--layers fit`` takes the
+most, in whole periods of three gated-delta-net layers and one attention layer, for which the HBM baseline (the
+table in HBM) fits on the GPU with the KV cache; experts, widths and the table stay real. The QSA indexer is left
+out (its fields unset: vLLM then builds plain attention for those layers, as ``checkpoints.py`` does).
+
+Configurations (``--configs``), one engine each, alone on the GPU, in this order:
+
+* ``hbm``: vLLM without the plugin, ``engram_config={"cpu_offload": False}``: vLLM's device table, the ceiling.
+* ``uva``: the plugin, ``{"placement": "uva"}``: rows read from host memory by the gather in the model's stream.
+* ``host``: vLLM without the plugin, its default ``engram_config`` (``cpu_offload=True``): the table pinned in
+  host memory, read on a side stream started a layer early, eager breaks in the CUDA graphs.
+* ``uva_fp8row``: the plugin, ``{"placement": "uva", "quantize": "fp8_row"}``: half the host bytes.
+* ``device``: the plugin, ``{"placement": "device"}``: the plugin's kernel over an HBM copy (kernel vs placement).
+* ``uva_dedup``: the plugin, uva with ``dedup`` (prefill calls read each distinct n-gram id once).
+
+Engine: vLLM's defaults (``torch.compile`` and CUDA graphs, FULL_AND_PIECEWISE) with
+``cudagraph_capture_sizes`` = the batches, ``max_num_seqs`` = the largest batch, ``max_num_batched_tokens`` =
+largest batch x prompt (each batch's prefill is one step: every request then decodes in the same steps),
+the same ``kv_cache_memory_bytes`` for every configuration, no prefix caching (a repetition must not find the
+last one's KV cache), Triton attention and GDN prefill (FlashAttention and FlashInfer are not carried), and
+vLLM's JIT monitor verbose: every Triton or CuTe compile after its warm-up is logged. The compile caches
+(``VLLM_CACHE_ROOT``, ``TRITON_CACHE_DIR``) are shared under ``--work``: a later configuration reuses the
+kernels an earlier one compiled.
+
+Timing, per batch ``B`` (``--batches``): ``B`` prompts of ``--prompt`` random token ids, greedy, ``ignore_eos``.
+A warm-up run of the whole shape (prefill and ``--decode`` tokens) first; then ``--reps`` times: ``T1`` =
+``generate(max_tokens=1)`` (time to first token of the batch: its prefill step and one sample, wall clock),
+then ``generate(max_tokens=N)``, whose requests' engine-core timestamps give the decode step: (last token -
+first token) / (N - 1), the median over the batch's requests (they decode in the same steps). Decode tokens/s
+= B / step. Reported per batch: median, min and max over the repetitions; ratios to ``hbm`` and ``host``
+from the medians of this run; the GPU's utilisation while it decoded (NVML, sampled every 20 ms: near 100%
+means the step is GPU-bound); lines of vLLM's JIT monitor logged between the timed runs' markers (any is a
+flaw of that configuration's figures, flagged in the table). Per configuration: the engine's start (``LLM()``
+wall time), host memory taken (``MemAvailable`` before and after), GPU memory for weights.
+
+Results: ``DIR/decode_bench.json`` (every repetition), ``DIR/decode_bench.md`` (the table),
+``DIR/decode_bench.log`` and each engine's log; saved after every configuration, and a later call continues
+where the last one stopped (results kept in ``--work``; ``--force`` repeats them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+from engine_check import Log, _kill_group, _tail, logging_config  # noqa: E402 - this folder's helpers
+
+GIB = 1 << 30
+
+#: what the served model's dimensions are (see the module docstring for the evidence of each)
+REAL = dict(hidden_size=2560, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+            shared_expert_intermediate_size=640, linear_num_key_heads=16, linear_num_value_heads=48,
+            linear_key_head_dim=128, linear_value_head_dim=128, num_attention_heads=24, num_key_value_heads=2,
+            head_dim=256, hc_count=4, hc_lowrank=320, vocab_size=248320, ngram_size=3, heads_per_ngram=8,
+            ple_embed_dim=2560, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=512)
+PERIOD = 4  # three gated-delta-net layers, then one attention layer (transformers' layer_types)
+PLE_LAYER = 1  # the model's 1-based index of its PLE layer (vLLM reads ``ple_layer_ids`` 1-based)
+
+#: configuration -> (the plugin loaded, engram_config or None for vLLM's default, the plugin's settings or None)
+CONFIGS = {
+    "hbm": (False, {"cpu_offload": False}, None),
+    "uva": (True, None, {"placement": "uva"}),
+    "host": (False, None, None),
+    "uva_fp8row": (True, None, {"placement": "uva", "quantize": "fp8_row"}),
+    "device": (True, None, {"placement": "device"}),
+    "uva_dedup": (True, None, {"placement": "uva", "dedup": True}),
+}
+DEFAULT_CONFIGS = ("hbm", "uva", "host", "uva_fp8row", "device")
+KV_CACHE_BYTES = 8 * GIB  # the same for every configuration: the largest batch's KV and GDN state, with room
+GPU_GIB = 139.8  # an H200's memory as CUDA reports it (143,771 MiB)
+RESERVE_GIB = 14.0  # CUDA context, activations of a prefill step, CUDA graphs, the allocator's slack
+
+
+def heads() -> int:
+    return (REAL["ngram_size"] - 1) * REAL["heads_per_ngram"]
+
+
+def table_base(table_gib: float) -> int:
+    """Rows a head for a bf16 table of at least ``table_gib`` GiB (16 heads x 160 values of 2 bytes)."""
+    row_bytes = REAL["ple_embed_dim"] // heads() * 2
+    return math.ceil(table_gib * GIB / (heads() * row_bytes))
+
+
+def layer_bytes(experts: int) -> int:
+    """Weight bytes of one decoder layer (bf16), from its widths: experts, shared expert, attention or GDN."""
+    h, e, f = REAL["hidden_size"], experts, REAL["moe_intermediate_size"]
+    moe = e * 3 * h * f + e * h + 3 * h * REAL["shared_expert_intermediate_size"]
+    gdn = h * (2 * REAL["linear_num_key_heads"] * REAL["linear_key_head_dim"] +
+               2 * REAL["linear_num_value_heads"] * REAL["linear_value_head_dim"]) + \
+        REAL["linear_num_value_heads"] * REAL["linear_value_head_dim"] * h
+    c, r = REAL["hc_count"], REAL["hc_lowrank"]
+    hc = 2 * (c * h * (r + c) + r * c * h)
+    return 2 * (moe + gdn + hc)
+
+
+def plan_model(table_gib: float, layers: str | int, experts: int) -> dict:
+    """The model's sizes; ``layers="fit"``: the most whole periods whose HBM baseline fits on one GPU."""
+    base = table_base(table_gib)
+    table = base * heads() * (REAL["ple_embed_dim"] // heads()) * 2  # about: the primes above base differ a little
+    fixed = 2 * 2 * REAL["vocab_size"] * REAL["hidden_size"]  # embedding and LM head
+    per_layer = layer_bytes(experts)
+    room = (GPU_GIB - RESERVE_GIB) * GIB - table - fixed - KV_CACHE_BYTES
+    fit = max(PERIOD, int(room // per_layer) // PERIOD * PERIOD)
+    n = fit if layers == "fit" else int(layers)
+    if n < PLE_LAYER + 1 or n % PERIOD:
+        raise ValueError(f"--layers must be a multiple of {PERIOD} (three gated-delta-net layers, one attention "
+                         f"layer), got {n}")
+    weights = fixed + n * per_layer
+    return {"layers": n, "layers_that_fit": fit, "experts": experts, "ngram_vocab_size_base": base,
+            "table_bytes_about": table, "weights_bytes_about": weights,
+            "hbm_total_gib_about": round((weights + table + KV_CACHE_BYTES) / GIB, 1)}
+
+
+def model_config(plan: dict, attention: str = "indexed_attention") -> dict:
+    """``Qwen4ExpTextConfig`` keyword arguments for the planned model (``attention``: the attention layers'
+    type name, which transformers 5.18 changed from ``qwen_sparse_attention``)."""
+    n = plan["layers"]
+    kw = dict(REAL, num_experts=plan["experts"], num_hidden_layers=n, ple_layer_ids=[PLE_LAYER],
+              ngram_vocab_size_base=plan["ngram_vocab_size_base"],
+              layer_types=[("linear_attention" if (i + 1) % PERIOD else attention) for i in range(n)],
+              max_position_embeddings=4096, eos_token_id=248044, bos_token_id=248044, pad_token_id=248044,
+              tie_word_embeddings=False, output_gate_type="silu")  # vLLM's GDN asserts the gate type is named
+    return kw
+
+
+def write_model(path: str, plan: dict) -> dict:
+    """``path/config.json`` of the planned model (transformers writes it: its version's field names)."""
+    from transformers import Qwen4ExpTextConfig
+
+    attention = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")  # this version's name
+    cfg = Qwen4ExpTextConfig(**model_config(plan, attention))
+    cfg.architectures = ["Qwen4ExpForCausalLM"]
+    cfg.dtype = "bfloat16"
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    return {"path": path, "layer_types": sorted(set(cfg.layer_types))}
+
+
+# ============================================================================================== one engine
+def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: bool) -> tuple[dict, bool]:
+    """``vllm.LLM``'s arguments for ``config``, and whether the plugin is loaded."""
+    plugin, engram, uvaple = CONFIGS[config]
+    top = max(a.batches)
+    additional = {"gdn_prefill_backend": "triton"}
+    if uvaple is not None:
+        additional["uvaple"] = dict(uvaple, shared=shared, metrics_interval_s=0,
+                                    segment=f"bench-{config}-{os.getpid()}")
+    kw = dict(model=model_path, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", seed=0,
+              max_model_len=a.prompt + a.decode + 16, max_num_seqs=top,
+              max_num_batched_tokens=max(top * a.prompt, a.prompt + a.decode + 16),
+              cudagraph_capture_sizes=sorted(set(a.batches)), kv_cache_memory_bytes=KV_CACHE_BYTES,
+              gpu_memory_utilization=0.92, enable_prefix_caching=False, attention_backend="TRITON_ATTN",
+              disable_log_stats=False, jit_monitor_verbose=True, additional_config=additional)
+    if engram is not None:
+        kw["engram_config"] = engram
+    return kw, plugin
+
+
+def child_env(plugin: bool, work: str) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", VLLM_CONFIGURE_LOGGING="1", PYTHONUNBUFFERED="1",
+               VLLM_LOGGING_CONFIG_PATH=logging_config(os.path.join(work, "logging.json")),
+               VLLM_CACHE_ROOT=os.path.join(work, "vllm_cache"), TRITON_CACHE_DIR=os.path.join(work, "triton_cache"))
+    if plugin:
+        env.pop("VLLM_PLUGINS", None)
+    else:  # vLLM alone: every general plugin but uvaple
+        env["VLLM_PLUGINS"] = "lora_filesystem_resolver,lora_hf_hub_resolver"
+    for k in [k for k in env if k.startswith("UVAPLE_")]:
+        env.pop(k)
+    return env
+
+
+def mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class GpuUtil:
+    """The GPU's utilisation (NVML, every ``period`` s) while a block runs: its mean, or None without NVML."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period, self.samples = period, []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # noqa: BLE001 - no NVML: no utilisation figure
+            self.nvml = None
+
+    def __enter__(self):
+        import threading
+
+        self.samples, self._stop = [], threading.Event()
+        if self.nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.nvml is not None:
+            self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return round(statistics.fmean(self.samples), 1) if self.samples else None
+
+
+def decode_step_ms(outs, n: int) -> float | None:
+    """The decode step from the requests' engine-core timestamps: median of (last - first token) / (n - 1)."""
+    steps = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        if not first or not last or len(o.outputs[0].token_ids) != n:
+            return None
+        steps.append((last - first) / (n - 1) * 1e3)
+    return statistics.median(steps)
+
+
+def run_child(spec_path: str) -> int:
+    """One configuration's engine: start it, time every batch, write ``spec['result']`` after each."""
+    spec = json.load(open(spec_path))
+    res: dict = {"config": spec["config"], "call": spec["call"], "ok": False, "batches": {}}
+
+    def save() -> None:
+        with open(spec["result"] + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(spec["result"] + ".tmp", spec["result"])
+
+    stage = "import"
+    try:
+        import random
+
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stage = "LLM()"
+        before = mem_available()
+        t0 = time.monotonic()
+        llm = LLM(**spec["kwargs"])
+        res["init_s"] = round(time.monotonic() - t0, 1)
+        res["host_bytes_taken"] = before - mem_available()
+        comp = llm.llm_engine.vllm_config.compilation_config
+        res["compilation"] = {"mode": str(getattr(comp, "mode", None)),
+                              "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None))}
+        save()
+        rng = random.Random(1234)
+        vocab, n = spec["vocab"], spec["decode"]
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        many = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        util = GpuUtil()
+        for b in spec["batches"]:
+            stage = f"batch {b}"
+            ps = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(spec["prompt"])])
+                  for _ in range(b)]
+            llm.generate(ps, many, use_tqdm=False)  # warm-up of this shape: every step it will time
+            entry = {"ttft_s": [], "step_ms": [], "decode_wall_s": [], "gpu_util": []}
+            print(f"=== uvaple-bench timed start batch {b}", flush=True)
+            for _ in range(spec["reps"]):
+                t0 = time.perf_counter()
+                llm.generate(ps, one, use_tqdm=False)
+                t1 = time.perf_counter()
+                with util:
+                    outs = llm.generate(ps, many, use_tqdm=False)
+                t2 = time.perf_counter()
+                step = decode_step_ms(outs, n)
+                entry["ttft_s"].append(round(t1 - t0, 5))
+                entry["decode_wall_s"].append(round(t2 - t1, 5))
+                entry["step_ms"].append(round(step if step is not None else (t2 - t1 - (t1 - t0)) / (n - 1) * 1e3,
+                                              5))
+                entry["step_from"] = "engine timestamps" if step is not None else "wall clock, T(N) - T(1)"
+                entry["gpu_util"].append(util.mean)
+            print(f"=== uvaple-bench timed end batch {b}", flush=True)
+            res["batches"][str(b)] = entry
+            save()
+        stage = "shutdown"
+        llm.llm_engine.engine_core.shutdown()
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - a failed run is a result
+        res["stage"], res["error"] = stage, f"{type(e).__name__}: {e}"[:2000]
+        res["traceback"] = traceback.format_exc()[-6000:]
+    save()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# ============================================================================================== the bench
+def summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4), "n": len(values)}
+
+
+def jit_lines(log_path: str) -> dict[str, list[str]]:
+    """vLLM's JIT-monitor lines logged between each batch's timed markers."""
+    out: dict[str, list[str]] = {}
+    batch = None
+    if not os.path.exists(log_path):
+        return out
+    for line in open(log_path, errors="replace"):
+        if "=== uvaple-bench timed start batch" in line:
+            batch = line.rsplit(" ", 1)[1].strip()
+            out.setdefault(batch, [])
+        elif "=== uvaple-bench timed end batch" in line:
+            batch = None
+        elif batch is not None and "during inference" in line:
+            out[batch].append(line.strip()[:300])
+    return out
+
+
+def figures(results: dict[str, dict]) -> dict[str, dict]:
+    """Per configuration and batch: tokens/s, step ms, TTFT ms (median, min, max), GPU utilisation, JIT lines,
+    and the ratios of the medians to ``hbm`` and ``host``."""
+    table: dict[str, dict] = {}
+    for name, r in results.items():
+        for b, e in (r.get("batches") or {}).items():
+            tps = [int(b) * 1e3 / s for s in e["step_ms"]]
+            row = {"tokens_per_s": summary(tps), "step_ms": summary(e["step_ms"]),
+                   "ttft_ms": summary([t * 1e3 for t in e["ttft_s"]]),
+                   "gpu_util_pct": summary([u for u in e["gpu_util"] if u is not None]) if any(
+                       u is not None for u in e["gpu_util"]) else None,
+                   "jit_lines": len((r.get("jit") or {}).get(b, []))}
+            table.setdefault(name, {})[b] = row
+    for name, rows in table.items():
+        for b, row in rows.items():
+            for ref in ("hbm", "host"):
+                other = table.get(ref, {}).get(b)
+                if other is not None and ref != name:
+                    row[f"x_{ref}_tokens_per_s"] = round(row["tokens_per_s"]["median"] /
+                                                         other["tokens_per_s"]["median"], 4)
+                    row[f"x_{ref}_ttft"] = round(row["ttft_ms"]["median"] / other["ttft_ms"]["median"], 4)
+    return table
+
+
+def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> str:
+    lines = [f"Qwen4Exp, {plan['layers']} layers x {plan['experts']} experts (hidden 2,560), one PLE layer of "
+             f"16 heads x {plan['ngram_vocab_size_base']:,} rows x 160 (bf16 {plan['table_bytes_about'] / GIB:.1f} "
+             f"GiB); prompts {a.prompt} tokens, {a.decode} decoded, {a.reps} repetitions: median [min-max]", "",
+             "| config | batch | decode tok/s | x hbm | x host | step ms | TTFT ms | TTFT x hbm | GPU util % | JIT |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in [c for c in CONFIGS if c in table]:
+        for b in sorted(table[name], key=int):
+            r = table[name][b]
+            t, s, f = r["tokens_per_s"], r["step_ms"], r["ttft_ms"]
+            util = r["gpu_util_pct"]["median"] if r["gpu_util_pct"] else "-"
+            lines.append(f"| {name} | {b} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] | "
+                         f"{r.get('x_hbm_tokens_per_s', '-')} | {r.get('x_host_tokens_per_s', '-')} | "
+                         f"{s['median']:.3f} | {f['median']:.1f} [{f['min']:.1f}-{f['max']:.1f}] | "
+                         f"{r.get('x_hbm_ttft', '-')} | {util} | {r['jit_lines'] or 'none'} |")
+    lines += ["", "| config | engine start s | host GiB taken | GPU weights GiB | ok |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        host = r.get("host_bytes_taken")
+        ok = "yes" if r.get("ok") else f"no: {str(r.get('error'))[:120]}"
+        lines.append(f"| {name} | {r.get('init_s', '-')} | {'-' if host is None else round(host / GIB, 1)} | "
+                     f"{r.get('weights_gib', '-')} | {ok} |")
+    return "\n".join(lines) + "\n"
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="decode-bench-out", help="decode_bench.json/.md/.log go here")
+    p.add_argument("--work", default="/tmp/vllm_decode", help="the model's config, compile caches, results (kept)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {list(CONFIGS)}")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    p.add_argument("--decode", type=int, default=256, help="tokens decoded")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--table-gib", type=float, default=24.0, help="the n-gram table's bf16 size")
+    p.add_argument("--layers", default="fit", help="'fit' or a multiple of 4")
+    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--deadline-s", type=float, default=540.0, help="start no configuration after this long")
+    p.add_argument("--force", action="store_true", help="repeat configurations already measured in --work")
+    p.add_argument("--plan", action="store_true", help="print the model, sizes and engine calls; run nothing")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return run_child(a.child)
+    try:
+        a.configs = [c for c in a.configs.split(",") if c]
+        a.batches = [int(b) for b in a.batches.split(",") if b]
+    except ValueError:
+        p.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
+    bad = [c for c in a.configs if c not in CONFIGS]
+    if bad or not a.configs:
+        p.error(f"--configs: {bad or 'none given'}; choose from {list(CONFIGS)}")
+    for name in ("prompt", "decode", "reps"):
+        if getattr(a, name) < (2 if name == "decode" else 1):
+            p.error(f"--{name} must be at least {2 if name == 'decode' else 1}, got {getattr(a, name)}")
+    if not a.batches or min(a.batches) < 1:
+        p.error(f"--batches: positive batch sizes, got {a.batches}")
+    if not (0 < a.table_gib < 1024) or a.experts < REAL["num_experts_per_tok"]:
+        p.error("--table-gib must be in (0, 1024) and --experts at least the 10 experts a token takes")
+    try:
+        plan = plan_model(a.table_gib, a.layers if a.layers == "fit" else int(a.layers), a.experts)
+    except ValueError as e:
+        p.error(f"--layers {a.layers!r}: {e}")
+    a.out, a.work = os.path.abspath(a.out), os.path.abspath(a.work)
+    if a.plan:
+        print(json.dumps({"plan": plan, "config": model_config(plan),
+                          "engines": {c: engine_kwargs(a, c, os.path.join(a.work, "model"), True)[0]
+                                      for c in a.configs}}, indent=1, default=str))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("decode_bench: no CUDA GPU here; this benchmark runs vLLM's engine on a GPU (--plan shows what it "
+              "would run)", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(os.path.join(a.work, "results"), exist_ok=True)
+    log = Log(os.path.join(a.out, "decode_bench.log"))
+    t_end = time.monotonic() + a.deadline_s
+    model_path = os.path.join(a.work, "model")
+    info = write_model(model_path, plan)
+    shared = shm_free_bytes() > plan["table_bytes_about"] * 1.1
+    log(f"model: {json.dumps(plan)}; {info}; plugin tables in {'/dev/shm segments' if shared else 'private memory'}"
+        f" (/dev/shm has {shm_free_bytes() / GIB:.0f} GiB free)")
+    results: dict[str, dict] = {}
+    state = {"plan": plan, "args": {k: v for k, v in vars(a).items() if k != "child"}, "notes": []}
+
+    def save() -> None:
+        state["results"] = results
+        state["figures"] = figures(results)
+        for path, text in ((os.path.join(a.out, "decode_bench.json"), json.dumps(state, indent=1, default=str)),
+                           (os.path.join(a.out, "decode_bench.md"), markdown(state["figures"], results, plan, a))):
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+
+    for config in a.configs:
+        result_path = os.path.join(a.work, "results", f"{config}.json")
+        log_path = os.path.join(a.work, "results", f"{config}.log")
+        if os.path.exists(result_path) and not a.force:
+            r = json.load(open(result_path))
+            if r.get("ok"):
+                results[config] = r
+                log(f"{config}: measured in an earlier call (kept)")
+                continue
+        left = t_end - time.monotonic()
+        if left < 150:
+            state["notes"].append(f"{config}: not started, {left:.0f} s left; the next call continues")
+            log(state["notes"][-1])
+            continue
+        kw, plugin = engine_kwargs(a, config, model_path, shared)
+        call = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
+        spec = {"config": config, "kwargs": kw, "call": call, "batches": a.batches, "prompt": a.prompt,
+                "decode": a.decode, "reps": a.reps, "vocab": REAL["vocab_size"], "result": result_path}
+        spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
+        json.dump(spec, open(spec_path, "w"), indent=1)
+        if os.path.exists(result_path):
+            os.remove(result_path)
+        log(f"{config}: {call}")
+        with open(log_path, "w") as f:
+            proc = subprocess.Popen([sys.executable, HERE, "--child", spec_path], stdout=f, stderr=subprocess.STDOUT,
+                                    env=child_env(plugin, a.work), start_new_session=True)
+            try:
+                proc.wait(timeout=max(30.0, left - 10))
+            except subprocess.TimeoutExpired:
+                log(f"{config}: no result within {left - 10:.0f} s: stopped (what it measured is kept)")
+            _kill_group(proc)
+        r = json.load(open(result_path)) if os.path.exists(result_path) else {
+            "config": config, "call": call, "ok": False, "stage": "timeout", "error": "no result (killed)"}
+        r["jit"] = jit_lines(log_path)
+        text = open(log_path, errors="replace").read()
+        import re
+
+        m = re.findall(r"Model loading took ([0-9.]+) GiB", text)
+        r["weights_gib"] = float(m[-1]) if m else None
+        r["uvaple_lines"] = [ln.strip()[:300] for ln in text.splitlines() if "uvaple" in ln][:12]
+        if not r.get("ok"):
+            r["log_tail"] = _tail(log_path, 40)
+        with open(result_path, "w") as f:
+            json.dump(r, f, indent=1)
+        results[config] = r
+        state_line = "ok" if r.get("ok") else f"FAILED at {r.get('stage')}: {str(r.get('error'))[:300]}"
+        log(f"{config}: {state_line}; start {r.get('init_s')} s, weights {r.get('weights_gib')} GiB, batches "
+            f"{sorted(r.get('batches', {}), key=int)}")
+        save()
+    save()
+    log("table:\n" + markdown(state["figures"], results, plan, a))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
