@@ -402,19 +402,33 @@ def test_an_fp8_row_shard_refuses_what_it_cannot_quantise():
     s.close()
 
 
-def test_an_fp8_row_shard_with_dummy_weights_reads_the_dummy_code():
-    """load_format="dummy": vLLM fills the codes parameter with its dummy_weight_value and never writes the
-    scales; finish gives every row the scale 1, so rows read the dummy code (not zeros, not garbage)."""
+def test_an_fp8_row_shard_with_dummy_weights_holds_rows_drawn_like_vllms_dummy_bf16_rows():
+    """load_format="dummy": vLLM fills the codes parameter with its dummy_weight_value and never writes the scales;
+    finish writes every row as the encoding of values uniform in +-1e-3 (vLLM's dummy range for bf16): rows of one
+    value made a dummy model compute differently from the bf16 table (fewer experts routed), seeded, the same
+    bytes every time."""
     from uvaple.integration import TableSpec
-    from uvaple.integration.vllm.tables import DUMMY_CODE
+    from uvaple.integration.vllm.tables import DUMMY_CODE, DUMMY_RANGE
+    from uvaple.kernels.encodings import ENCODINGS
 
-    s = fp8_shard(PluginConfig(shared=False, metrics_interval_s=0), check_loaded=False)
-    s.tensor.fill_(DUMMY_CODE)  # what vLLM's dummy loader does with the parameter's dummy_weight_value
-    s.finish()
-    lk = s.lookup(TableSpec.of(s.table, encoding="fp8_row", out_dtype=torch.bfloat16), token_ids=False)
-    out = lk.lookup(torch.tensor([0, 50, 95]))
-    assert torch.equal(out, torch.full((3, 40), DUMMY_CODE, dtype=torch.bfloat16))
-    s.close()
+    made = []
+    for _ in range(2):
+        s = fp8_shard(PluginConfig(shared=False, metrics_interval_s=0), rows=70_000, loaded=70_000,
+                      check_loaded=False)
+        s.tensor.fill_(DUMMY_CODE)  # what vLLM's dummy loader does with the parameter's dummy_weight_value
+        s.finish()
+        made.append(s)
+    a, b = made
+    assert torch.equal(bits(a.table.tensor), bits(b.table.tensor))  # seeded: the same table every time
+    lk = a.lookup(TableSpec.of(a.table, encoding="fp8_row", out_dtype=torch.bfloat16), token_ids=False)
+    ids = torch.tensor([0, 1, 65_535, 65_536, 69_999])  # both sides of a block of rows
+    out = lk.lookup(ids)
+    assert torch.equal(bits(out), bits(ENCODINGS["fp8_row"].dequantise(a.table.tensor[ids], torch.bfloat16)))
+    vals = out.float()
+    assert vals.abs().max() <= DUMMY_RANGE * 1.01 and vals.abs().max() > 0.9 * DUMMY_RANGE
+    assert len(torch.unique(vals)) > 100 and not torch.equal(out[2], out[3])  # not one value, blocks differ
+    for s in made:
+        s.close()
 
 
 def test_a_shared_fp8_row_shard_is_quantised_once_and_attached():

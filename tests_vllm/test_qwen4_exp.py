@@ -128,7 +128,8 @@ def test_fp8_row_on_an_fp8_checkpoint_is_refused():
 
 def test_fp8_row_with_dummy_weights_needs_no_fp16_copy_of_the_table():
     """load_format="dummy": vLLM's loader fills a parameter with its dummy_weight_value when it has one (an fp8
-    parameter would otherwise go through an fp16 temporary of its size); rows then read that code."""
+    parameter would otherwise go through an fp16 temporary of its size); the rows are then drawn as vLLM draws a
+    bf16 dummy table's."""
     from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
 
     from uvaple.integration.vllm.tables import DUMMY_CODE
@@ -141,9 +142,10 @@ def test_fp8_row_with_dummy_weights_needs_no_fp16_copy_of_the_table():
                                   max_total_tokens=MAX_TOKENS, **kw)
     assert ours.weight.dummy_weight_value == DUMMY_CODE
     initialize_single_dummy_weight(ours.weight, name="weight")
+    assert torch.equal(ours.weight.float(), torch.full(ours.weight.shape, DUMMY_CODE))  # no fp16 copy was made
     ours.uvaple_finish_loading()
     out = run(ours, torch.tensor([[0, 5, VOCAB - 1, 17]]))
-    assert torch.equal(out, torch.full((1, HEADS, DIM), DUMMY_CODE, dtype=torch.bfloat16))
+    assert out.abs().max() <= 1.01e-3 and len(torch.unique(out)) > 50  # rows drawn as vLLM's dummy bf16 rows
 
 
 def test_the_weight_is_the_host_table_and_nothing_else_holds_the_rows():

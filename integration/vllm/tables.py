@@ -32,8 +32,11 @@ float32 scale (the ``fp8_row`` encoding: ``cols + 4`` bytes a row). The paramete
 codes' ``[rows, cols]`` view (so its shape checks hold); :meth:`ShardTable.write` quantises the checkpoint's
 rows straight into the segment (:func:`~uvaple.integration.quantize.quantize_fp8_rows_into`, every core, no
 copy of the block), and the lookup dequantises in the gather. With dummy weights (``load_format="dummy"``)
-vLLM fills the codes with one value (the parameter's ``dummy_weight_value``: the 25 GB fp16 temporary vLLM
-makes for an fp8 parameter is not made) and :meth:`ShardTable.finish` gives every row the scale 1.
+vLLM fills the codes with one value (the parameter's ``dummy_weight_value``: the fp16 temporary of the table's
+size that vLLM makes for an fp8 parameter is not made), then :meth:`ShardTable.finish` writes every row as the
+encoding of values drawn as vLLM draws a bf16 dummy table's (uniform in +-1e-3, seeded): a model of dummy
+weights then computes on rows like the bf16 table's. (Rows of one value made the H200's dummy Qwen4Exp route
+its tokens to fewer experts and decode 2x faster than with the bf16 table: not a figure of the encoding.)
 
 Pages and registration. Nothing is pre-faulted at construction: each write commits the pages it writes
 (so the allocation runs inside the fill, which reads the checkpoint anyway), :meth:`ShardTable.finish`
@@ -68,8 +71,11 @@ from .config import PluginConfig, PluginConfigError
 
 #: the fp8 format of ``quantize: fp8_row`` shards (e4m3: vLLM's, and the finer of the two at these magnitudes)
 FP8_ROW_FORMAT = torch.float8_e4m3fn
-#: what vLLM's dummy loader writes into an ``fp8_row`` shard's codes (any finite code; rows then read 0.5)
+#: what vLLM's dummy loader writes into an ``fp8_row`` shard's codes before :meth:`ShardTable.finish` rewrites
+#: the rows (any finite code: it is never read)
 DUMMY_CODE = 0.5
+#: vLLM's dummy range for 16-bit weights (``initialize_single_dummy_weight``: uniform in +-1e-3)
+DUMMY_RANGE = 1e-3
 
 __all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name", "export_metrics"]
 
@@ -298,7 +304,7 @@ class ShardTable:
         err = PluginLoadError(f"{self.layer}: the checkpoint left {missing} of {self.loaded_rows} rows of this "
                               "shard unwritten; check that it holds the whole table") if missing else None
         if self.fills and self.encoding == "fp8_row" and not self.check_loaded and err is None:
-            self._dummy_scales()
+            self._dummy_rows()
         if self.fills and self.name:
             if err is not None:
                 self.table.mark_failed(err)  # processes waiting for this shard get the same error
@@ -314,19 +320,19 @@ class ShardTable:
                      "largest magnitude)", self.layer, q["rows"], q["max_abs"], q["max_rel"])
         self._finished = True
 
-    def _dummy_scales(self) -> None:
-        """Dummy weights: vLLM wrote the codes (:data:`DUMMY_CODE`), never the scales; every row's scale is 1."""
-        import numpy as np
-
+    def _dummy_rows(self, seed: int = 1234) -> None:
+        """Dummy weights: every row the fp8_row encoding of values uniform in +-:data:`DUMMY_RANGE` (see Quantised
+        on load), drawn in blocks of rows, each block from its own seeded generator, on every core."""
+        from uvaple.integration.quantize import quantize_fp8_rows_into
         from uvaple.uva.memory import chunks, default_threads, parallel
 
-        view = self.table.writable_bytes(0, self.table.rows)
-        one = np.frombuffer(np.float32(1.0).tobytes(), dtype=np.uint8)
-
         def fill(a: int, n: int) -> None:
-            view[a:a + n, self.cols:self.cols + one.size] = one
+            g = torch.Generator().manual_seed(seed + a)
+            x = torch.empty(n, self.cols, dtype=self.source_dtype).uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=g)
+            quantize_fp8_rows_into(x, self.table.writable_bytes(a, n), FP8_ROW_FORMAT, out_dtype=self.source_dtype,
+                                   slice_cols=self.cols, row_start=a, threads=1)
 
-        parallel(fill, chunks(self.table.rows, 1 << 20), default_threads(), name="uvaple-dummy-scales")
+        parallel(fill, chunks(self.table.rows, 1 << 16), default_threads(), name="uvaple-dummy-rows")
 
     @property
     def finished(self) -> bool:

@@ -408,8 +408,11 @@ def calls_text(parts_rel: list[str]) -> str:
               f"{n + 1}. run(kind='nvidia-h200', timeout_s=600, carry=[],",
               "       command=\"bash perf/gpu_check.sh vllm_engine\")",
               f"{n + 2}. the same, while engine_check.log says runs were skipped for time",
+              "The decode benchmark runs the same way (`bash perf/gpu_check.sh vllm_decode`, ~9 min for three",
+              "configurations a call: run it again until decode_bench.log names none left).",
               "A call that failed in transfer is repeated as it was; a part that arrives twice is checked again and",
-              "skipped. Results: $OUT/results.tar.gz (r/vllm_engine/engine_check.json, engine_check.log, run logs)."]
+              "skipped. Results: $OUT/results.tar.gz (r/vllm_engine/engine_check.json, engine_check.log, run logs;",
+              "r/vllm_decode/decode_bench.md, .json, .log)."]
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """What does the plugin cost per decode token in vLLM's engine, against HBM and against vLLM's own host path?
 
 ``python3 perf/vllm_carry/decode_bench.py --out DIR [--configs hbm,uva,host,uva_fp8row,device]
-[--batches 1,8,32,64] [--prompt 512] [--decode 256] [--reps 5] [--table-gib 24] [--layers fit] [--experts 512]
+[--batches 1,8,32,64] [--prompt 512] [--decode 256] [--reps 5] [--reps-batch1 15] [--table-gib 24] [--layers fit]
+[--experts 512]
 [--work /tmp/vllm_decode] [--deadline-s 540] [--plan]``
 
 Runs on a GPU machine with vLLM 0.33 (on the lent H200: carried, ``perf/gpu_check.sh vllm_decode``); ``--plan``
@@ -42,7 +43,8 @@ vLLM's JIT monitor verbose: every Triton or CuTe compile after its warm-up is lo
 kernels an earlier one compiled.
 
 Timing, per batch ``B`` (``--batches``): ``B`` prompts of ``--prompt`` random token ids, greedy, ``ignore_eos``.
-A warm-up run of the whole shape (prefill and ``--decode`` tokens) first; then ``--reps`` times: ``T1`` =
+A warm-up of the shape first (both calls below, once); then ``--reps`` times (``--reps-batch1`` at batch 1,
+default 15: its steps are partly host-bound and spread most): ``T1`` =
 ``generate(max_tokens=1)`` (time to first token of the batch: its prefill step and one sample, wall clock),
 then ``generate(max_tokens=N)``, whose requests' engine-core timestamps give the decode step: (last token -
 first token) / (N - 1), the median over the batch's requests (they decode in the same steps). Decode tokens/s
@@ -289,10 +291,13 @@ def run_child(spec_path: str) -> int:
             stage = f"batch {b}"
             ps = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(spec["prompt"])])
                   for _ in range(b)]
-            llm.generate(ps, many, use_tqdm=False)  # warm-up of this shape: every step it will time
+            # warm-up of this shape, both calls as they are timed (on the H200 a warm-up of the long call alone left
+            # fused-MoE kernels to compile in the first timed one-token call, at batch 8)
+            llm.generate(ps, one, use_tqdm=False)
+            llm.generate(ps, many, use_tqdm=False)
             entry = {"ttft_s": [], "step_ms": [], "decode_wall_s": [], "gpu_util": []}
             print(f"=== uvaple-bench timed start batch {b}", flush=True)
-            for _ in range(spec["reps"]):
+            for _ in range(max(spec["reps"], spec["reps_batch1"]) if b == 1 else spec["reps"]):
                 t0 = time.perf_counter()
                 llm.generate(ps, one, use_tqdm=False)
                 t1 = time.perf_counter()
@@ -370,7 +375,8 @@ def figures(results: dict[str, dict]) -> dict[str, dict]:
 def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> str:
     lines = [f"Qwen4Exp, {plan['layers']} layers x {plan['experts']} experts (hidden 2,560), one PLE layer of "
              f"16 heads x {plan['ngram_vocab_size_base']:,} rows x 160 (bf16 {plan['table_bytes_about'] / GIB:.1f} "
-             f"GiB); prompts {a.prompt} tokens, {a.decode} decoded, {a.reps} repetitions: median [min-max]", "",
+             f"GiB); prompts {a.prompt} tokens, {a.decode} decoded, {a.reps} repetitions "
+             f"({max(a.reps, getattr(a, 'reps_batch1', a.reps))} at batch 1): median [min-max]", "",
              "| config | batch | decode tok/s | x hbm | x host | step ms | TTFT ms | TTFT x hbm | GPU util % | JIT |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in [c for c in CONFIGS if c in table]:
@@ -405,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--decode", type=int, default=256, help="tokens decoded")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps-batch1", type=int, default=15, help="repetitions at batch 1 (its runs are short, and "
+                   "noisy: the H200's spread there was +-13%%)")
     p.add_argument("--table-gib", type=float, default=24.0, help="the n-gram table's bf16 size")
     p.add_argument("--layers", default="fit", help="'fit' or a multiple of 4")
     p.add_argument("--experts", type=int, default=512)
@@ -423,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in a.configs if c not in CONFIGS]
     if bad or not a.configs:
         p.error(f"--configs: {bad or 'none given'}; choose from {list(CONFIGS)}")
-    for name in ("prompt", "decode", "reps"):
+    for name in ("prompt", "decode", "reps", "reps_batch1"):
         if getattr(a, name) < (2 if name == "decode" else 1):
             p.error(f"--{name} must be at least {2 if name == 'decode' else 1}, got {getattr(a, name)}")
     if not a.batches or min(a.batches) < 1:
@@ -484,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         kw, plugin = engine_kwargs(a, config, model_path, shared)
         call = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
         spec = {"config": config, "kwargs": kw, "call": call, "batches": a.batches, "prompt": a.prompt,
-                "decode": a.decode, "reps": a.reps, "vocab": REAL["vocab_size"], "result": result_path}
+                "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1, "vocab": REAL["vocab_size"],
+                "result": result_path}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
         json.dump(spec, open(spec_path, "w"), indent=1)
         if os.path.exists(result_path):

@@ -1,7 +1,7 @@
 """Does vLLM's real engine serve Gemma 3n and Qwen4Exp on the H200 with the uvaple plugin, with HBM's tokens?
 
 ``python3 perf/vllm_carry/engine_check.py --out DIR [--work /tmp/vllm_engine] [--models ...] [--modes eager,graph]
-[--configs hbm,host,uva,...] [--only tokens,serve] [--deadline-s 480] [--checkpoints-only] [--force]``
+[--configs hbm,host,uva,...] [--only tokens,serve] [--parallel 4] [--deadline-s 480] [--checkpoints-only] [--force]``
 
 Runs on the GPU machine with vLLM 0.33.0 carried there (``assemble.py --install``; ``perf/gpu_check.sh
 vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's public API only:
@@ -15,9 +15,10 @@ vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's p
    per-layer inputs), ``qwen4exp_bf16`` (PLE on two linear-attention layers, n-gram tables in
    ``split_ngram_parts`` shards) and ``qwen4exp_fp8`` (the same tables in fp8 with one global scale each).
 3. ``tokens``: per model and mode (``eager``: ``enforce_eager``; ``graph``: vLLM's compilation and CUDA
-   graphs at their defaults), one engine per configuration of :data:`CONFIGS` that applies, side by side on the
-   GPU (each with the same fixed ``kv_cache_memory_bytes``: vLLM then skips the memory profiling that engines
-   starting side by side upset). Eager engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Each
+   graphs at their defaults), one engine per configuration of :data:`CONFIGS` that applies, ``--parallel`` (4)
+   side by side on the GPU (each with the same fixed ``kv_cache_memory_bytes``: vLLM then skips the memory
+   profiling that engines starting side by side upset; twelve side by side, with the GPU tests running, did not
+   start within 240 s on the H200's 16 cores). Eager engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Each
    generates greedy tokens for 8 prompts of 6 to 40 words (``ignore_eos``, :data:`MAX_TOKENS` tokens, top-2
    logprobs, kept as the floats vLLM returns) and is compared with its reference (``hbm``; the ``fp8_row``
    configurations with ``device_fp8row``, the same encoding in HBM): tokens identical, and every logprob equal
@@ -503,11 +504,17 @@ print("ENV" + json.dumps(out))
                     self.note(f"{model} {mode}: skipped, {self.left():.0f} s left (a group needs ~{need} s); "
                               "the next call continues")
                     return None
-                if todo:
-                    self.log(f"{model} {mode} ({level}): {', '.join(todo)} side by side, kv_cache_memory_bytes "
+                # a few at a time: twelve side by side on 16 cores did not start within 240 s on the H200
+                for i in range(0, len(todo), self.a.parallel):
+                    group = todo[i:i + self.a.parallel]
+                    if self.left() < need:
+                        self.note(f"{model} {mode}: {', '.join(todo[i:])} skipped, {self.left():.0f} s left; the next "
+                                  "call continues")
+                        return None
+                    self.log(f"{model} {mode} ({level}): {', '.join(group)} side by side, kv_cache_memory_bytes "
                              f"{KV_CACHE_BYTES / GIB:g} GiB each")
-                    self.launch([self.spec(model, mode, c, level, compilation) for c in todo],
-                                timeout=min(self.left() - 10, 420 if mode == "graph" else 240))
+                    self.launch([self.spec(model, mode, c, level, compilation) for c in group],
+                                timeout=min(self.left() - 10, 420 if mode == "graph" else 300))
                 runs = {}
                 for c in configs:
                     path = os.path.join(self.runs_dir, self.run_key(model, mode, c, level) + ".json")
@@ -847,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
     p.add_argument("--only", default=",".join(PHASES), help="phases: tokens, serve")
     p.add_argument("--serve-model", default="qwen4exp_bf16", help="the model vllm serve runs (phase serve)")
+    p.add_argument("--parallel", type=int, default=4, help="engines started side by side")
     p.add_argument("--deadline-s", type=float, default=480.0, help="stop starting runs after this long")
     p.add_argument("--checkpoints-only", action="store_true", help="build the checkpoints and stop (CPU)")
     p.add_argument("--force", action="store_true", help="repeat runs already done")
@@ -860,6 +868,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             p.error(f"--{name}: {bad} not in {list(allowed)}")
         setattr(a, name, vals)
+    if a.parallel < 1:
+        p.error(f"--parallel: at least 1 engine at a time, got {a.parallel}")
     a.out, a.work = os.path.abspath(a.out), os.path.abspath(a.work)
     os.makedirs(a.work, exist_ok=True)
     return Check(a).main()
