@@ -68,6 +68,11 @@ class QuantError:
     max_rel: torch.Tensor  # float64 [slices]: max |error| / max |source| of the slice, over rows
     rows: int = 0
 
+    def combined(self, other: QuantError) -> QuantError:
+        """One report over this one's rows and ``other``'s (the same slices): the larger errors, the rows summed."""
+        return QuantError(self.slice_cols, torch.maximum(self.max_abs, other.max_abs),
+                          torch.maximum(self.max_rel, other.max_rel), self.rows + other.rows)
+
     def summary(self) -> dict:
         return {"rows": self.rows, "slice_cols": self.slice_cols, "max_abs": float(self.max_abs.max()),
                 "max_rel": float(self.max_rel.max()), "worst_slice": int(self.max_rel.argmax())}

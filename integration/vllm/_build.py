@@ -56,10 +56,10 @@ def cuda_graphs(vllm_config) -> bool:
     if getattr(mc, "enforce_eager", False):
         return False
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    return mode is not None and getattr(mode, "name", str(mode)).upper() not in ("NONE", "CUDAGRAPHMODE.NONE")
+    return mode is not None and getattr(mode, "name", mode) != "NONE"
 
 
-def context_for(vllm_config, cfg: PluginConfig) -> BuildContext:
+def context_for(vllm_config, cfg: PluginConfig, graphs: bool) -> BuildContext:
     mc = vllm_config.model_config
     return BuildContext(
         cfg=cfg,
@@ -67,7 +67,7 @@ def context_for(vllm_config, cfg: PluginConfig) -> BuildContext:
         device=_device(vllm_config),
         check_loaded=str(getattr(vllm_config.load_config, "load_format", "auto")) != "dummy",
         max_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
-        cuda_graphs=cuda_graphs(vllm_config),
+        cuda_graphs=graphs,
     )
 
 
@@ -126,9 +126,10 @@ class PluginModel:
         if cfg is None:  # not enabled: vLLM's model exactly
             super().__init__(vllm_config=vllm_config, **kw)
             return
-        check_engine(cfg, cuda_graphs=cuda_graphs(vllm_config))
+        graphs = cuda_graphs(vllm_config)
+        check_engine(cfg, cuda_graphs=graphs)
         self._uvaple_refuse(cfg)
-        with building(context_for(vllm_config, cfg), self._uvaple_swaps()):
+        with building(context_for(vllm_config, cfg, graphs), self._uvaple_swaps()):
             super().__init__(vllm_config=vllm_config, **kw)
 
     def process_weights_after_loading(self) -> None:

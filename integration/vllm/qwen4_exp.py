@@ -118,15 +118,20 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
         shard.finish()
         si = self.shard_indices
         start, count = si.org_vocab_start_index, si.org_vocab_end_index - si.org_vocab_start_index
-        row_scales = shard.encoding == "fp8_row"
-        fp8 = self.weight.dtype in _FP8 and not row_scales
-        dequant = row_scales or (fp8 and shard.placement != "copy")
-        spec = TableSpec.of(shard.table, row_window=(0, count), id_offset=start,
-                            encoding="fp8_row" if row_scales else "fp8_global" if dequant else "raw",
+        # how the kernel reads the rows: quantised on load (each row's scale), an fp8 checkpoint (the global scale
+        # parameter; the copy placement leaves it to vLLM's method), or as stored
+        if shard.encoding == "fp8_row":
+            encoding = "fp8_row"
+        elif self.weight.dtype in _FP8 and shard.placement != "copy":
+            encoding = "fp8_global"
+        else:
+            encoding = "raw"
+        dequant = encoding != "raw"
+        spec = TableSpec.of(shard.table, row_window=(0, count), id_offset=start, encoding=encoding,
                             out_dtype=self.params_dtype if dequant else None,
                             oob="neg_zero" if dequant and self.tp_size > 1 else "zero")
         scale = None
-        if dequant and not row_scales:
+        if encoding == "fp8_global":
             scale = self.weight_scale.data.reshape(1)
             if scale.device != shard.device or scale.dtype != torch.float32:
                 raise PluginConfigError(f"{self.prefix}: the fp8 scale is a {scale.dtype} on {scale.device}; the "

@@ -278,12 +278,8 @@ class ShardTable:
                                          out_dtype=self.source_dtype, slice_cols=self.cols, row_start=start)
         except ValueError as e:  # a row holding inf or NaN: no fp8 scale represents it
             raise PluginLoadError(f"{self.layer}: {e}") from None
-        with self._lock:  # one report over every write: the largest errors, the rows summed
-            prev = self.quant_error
-            if prev is not None:
-                err = type(err)(err.slice_cols, torch.maximum(prev.max_abs, err.max_abs),
-                                torch.maximum(prev.max_rel, err.max_rel), prev.rows + err.rows)
-            self.quant_error = err
+        with self._lock:  # one report over every write
+            self.quant_error = err if self.quant_error is None else self.quant_error.combined(err)
 
     def missing_rows(self) -> int:
         """Rows of ``[0, loaded_rows)`` no write has covered yet."""

@@ -65,6 +65,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -73,7 +74,7 @@ import traceback
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
-from engine_check import Log, _kill_group, _tail, logging_config  # noqa: E402 - this folder's helpers
+from engine_check import Log, _kill_group, _tail, logging_config, vllm_env  # noqa: E402 - this folder's
 
 GIB = 1 << 30
 
@@ -187,24 +188,9 @@ def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: b
 
 
 def child_env(plugin: bool, work: str) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_CONFIGURE_LOGGING="1", PYTHONUNBUFFERED="1",
-               VLLM_LOGGING_CONFIG_PATH=logging_config(os.path.join(work, "logging.json")),
-               VLLM_CACHE_ROOT=os.path.join(work, "vllm_cache"), TRITON_CACHE_DIR=os.path.join(work, "triton_cache"))
-    if plugin:
-        env.pop("VLLM_PLUGINS", None)
-    else:  # vLLM alone: every general plugin but uvaple
-        env["VLLM_PLUGINS"] = "lora_filesystem_resolver,lora_hf_hub_resolver"
-    for k in [k for k in env if k.startswith("UVAPLE_")]:
-        env.pop(k)
-    return env
-
-
-def mem_available() -> int:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """engine_check's engine environment, the compile caches shared under ``work`` (see the module docstring)."""
+    return vllm_env(plugin, logging_config(os.path.join(work, "logging.json")), os.path.join(work, "vllm_cache"),
+                    TRITON_CACHE_DIR=os.path.join(work, "triton_cache"))
 
 
 class GpuUtil:
@@ -273,11 +259,13 @@ def run_child(spec_path: str) -> int:
         from vllm.inputs import TokensPrompt
 
         stage = "LLM()"
-        before = mem_available()
+        from uvaple.uva.system import mem_available_bytes
+
+        before = mem_available_bytes() or 0
         t0 = time.monotonic()
         llm = LLM(**spec["kwargs"])
         res["init_s"] = round(time.monotonic() - t0, 1)
-        res["host_bytes_taken"] = before - mem_available()
+        res["host_bytes_taken"] = before - (mem_available_bytes() or 0)
         comp = llm.llm_engine.vllm_config.compilation_config
         res["compilation"] = {"mode": str(getattr(comp, "mode", None)),
                               "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None))}
@@ -511,8 +499,6 @@ def main(argv: list[str] | None = None) -> int:
             "config": config, "call": call, "ok": False, "stage": "timeout", "error": "no result (killed)"}
         r["jit"] = jit_lines(log_path)
         text = open(log_path, errors="replace").read()
-        import re
-
         m = re.findall(r"Model loading took ([0-9.]+) GiB", text)
         r["weights_gib"] = float(m[-1]) if m else None
         r["uvaple_lines"] = [ln.strip()[:300] for ln in text.splitlines() if "uvaple" in ln][:12]

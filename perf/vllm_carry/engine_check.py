@@ -122,20 +122,27 @@ class Log:
 
 
 # ============================================================================================== one engine
-def child_env(spec: dict) -> dict:
+def vllm_env(plugin: bool, logging_config_path: str, cache_root: str, **extra: str) -> dict:
+    """The environment of one engine: offline, vLLM's logging with the ``uvaple`` logger, its own compile cache,
+    no ``UVAPLE_*`` variable of the caller's, and the plugin loaded (``plugin``) or left out (vLLM alone: every
+    general plugin but uvaple)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CONFIGURE_LOGGING="1",
-               VLLM_LOGGING_CONFIG_PATH=spec["logging_config"], VLLM_CACHE_ROOT=spec["cache_root"],
-               PYTHONUNBUFFERED="1")
-    if CONFIGS[spec["config"]]["plugin"]:
+               VLLM_LOGGING_CONFIG_PATH=logging_config_path, VLLM_CACHE_ROOT=cache_root, PYTHONUNBUFFERED="1",
+               **extra)
+    if plugin:
         env.pop("VLLM_PLUGINS", None)
-    else:  # vLLM alone: every general plugin but uvaple
+    else:
         env["VLLM_PLUGINS"] = "lora_filesystem_resolver,lora_hf_hub_resolver"
-    if spec["mode"] == "eager":  # the engine core in this process (the copy question asks for it)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for k in [k for k in env if k.startswith("UVAPLE_")]:
         env.pop(k)
     return env
+
+
+def child_env(spec: dict) -> dict:
+    # eager engines run in this process (the copy question asks for it)
+    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if spec["mode"] == "eager" else {}
+    return vllm_env(CONFIGS[spec["config"]]["plugin"], spec["logging_config"], spec["cache_root"], **extra)
 
 
 def engine_kwargs(spec: dict) -> dict:
@@ -178,23 +185,6 @@ def shm_list(segment: str | None = None) -> list[dict]:
                                                                                       f"{segment}."))]
 
 
-def _mark(spec: dict, state: str) -> None:
-    """Say that this engine is past its start (``ready``) or failed it (``failed``), for its group."""
-    if spec.get("group_dir"):
-        open(os.path.join(spec["group_dir"], f"{spec['key']}.{state}"), "w").close()
-
-
-def _wait_group(spec: dict) -> None:
-    """Hold the GPU memory until every engine of the group is past its start: vLLM's profiling asserts that
-    no other process frees GPU memory while it profiles (gpu_worker.determine_available_memory)."""
-    d, n = spec.get("group_dir"), spec.get("group_size", 1)
-    t_end = time.monotonic() + 300
-    while d and n > 1 and time.monotonic() < t_end:
-        if len([f for f in os.listdir(d) if f.endswith((".ready", ".failed"))]) >= n:
-            return
-        time.sleep(0.5)
-
-
 def run_child(spec_path: str) -> int:
     """One engine (a subprocess of the check): build, generate, measure, write ``spec['result']``."""
     spec = json.load(open(spec_path))
@@ -215,7 +205,6 @@ def run_child(spec_path: str) -> int:
         t0 = time.monotonic()
         llm = LLM(**kw)
         res["init_s"] = round(time.monotonic() - t0, 1)
-        _mark(spec, "ready")
         if spec.get("expect"):
             res["started_though_refusal_expected"] = spec["expect"]
         cc = llm.llm_engine.vllm_config.cache_config
@@ -235,7 +224,6 @@ def run_child(spec_path: str) -> int:
         res["top2"] = [[sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
                         for step in (o.outputs[0].logprobs or [])] for o in outs]
         stage = "shutdown"
-        _wait_group(spec)
         t0 = time.monotonic()
         llm.llm_engine.engine_core.shutdown()  # the engine core exits as it does when a server stops
         res["shutdown_s"] = round(time.monotonic() - t0, 1)
@@ -244,9 +232,6 @@ def run_child(spec_path: str) -> int:
         res["stage"] = stage
         res["error"] = f"{type(e).__name__}: {e}"[:2000]
         res["traceback"] = traceback.format_exc()[-6000:]
-        if stage in ("import", "LLM()"):
-            _mark(spec, "failed")
-        _wait_group(spec)
     save()
     sys.stdout.flush()
     os._exit(0)  # whatever is left of the engine goes with our process group; the parent checks the segments
@@ -266,14 +251,6 @@ def logging_config(path: str) -> str:
     return path
 
 
-# vLLM's memory profiling met another engine of the group starting or releasing memory: run again alone (on the
-# H200 the second form ended three of five Qwen4Exp engines started side by side; alone each started)
-_PROFILE_CLASHES = ("Error in memory profiling", "No available memory for the cache blocks")
-
-
-def _profile_clash(res: dict) -> bool:
-    text = str(res.get("error")) + str(res.get("log_tail"))
-    return any(c in text for c in _PROFILE_CLASHES)
 _KV_RE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
 _LOAD_RE = re.compile(r"Model loading took ([0-9.]+) GiB")
 _CACHE_RE = re.compile(r"GPU KV cache size: ([0-9,]+) tokens")
@@ -431,12 +408,7 @@ print("ENV" + json.dumps(out))
     def launch(self, specs: list[dict], timeout: float) -> list[dict]:
         """Start the runs side by side, wait (bounded), collect their results and what they left."""
         procs = []
-        group = os.path.join(self.runs_dir, "group")
-        os.makedirs(group, exist_ok=True)
-        for f in os.listdir(group):
-            os.remove(os.path.join(group, f))
         for s in specs:
-            s.update(group_dir=group, group_size=len(specs))
             path = os.path.join(self.runs_dir, s["key"] + ".spec.json")
             json.dump(s, open(path, "w"), indent=1)
             for p in (s["result"], s["log"]):
@@ -482,14 +454,11 @@ print("ENV" + json.dumps(out))
         return results
 
     def done(self, key: str) -> dict | None:
-        """The run's result from an earlier call (a failure is a result too, unless it met another engine's
-        memory release while profiling); None: run it."""
+        """The run's result from an earlier call (a failure is a result too); None: run it."""
         path = os.path.join(self.runs_dir, key + ".json")
         if self.a.force or not os.path.exists(path):
             return None
-        res = json.load(open(path))
-        clash = _profile_clash(res)
-        return None if clash else res
+        return json.load(open(path))
 
     def tokens(self, model: str) -> bool | None:
         """The token comparison of ``model``; False where nothing ran in eager mode (vLLM did not start), None
