@@ -454,11 +454,13 @@ print("ENV" + json.dumps(out))
         return results
 
     def done(self, key: str) -> dict | None:
-        """The run's result from an earlier call (a failure is a result too); None: run it."""
+        """The run's result from an earlier call (a failure is a result too, but for one stopped at its time
+        limit: it had no fair chance); None: run it."""
         path = os.path.join(self.runs_dir, key + ".json")
         if self.a.force or not os.path.exists(path):
             return None
-        return json.load(open(path))
+        res = json.load(open(path))
+        return None if res.get("stage") == "timeout" else res
 
     def tokens(self, model: str) -> bool | None:
         """The token comparison of ``model``; False where nothing ran in eager mode (vLLM did not start), None
