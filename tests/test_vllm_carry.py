@@ -17,6 +17,7 @@ if str(CARRY) not in sys.path:
 
 import decode_bench as db  # noqa: E402
 import engine_check as ec  # noqa: E402
+import trace_summary as ts  # noqa: E402
 
 GIB = 1 << 30
 
@@ -57,8 +58,8 @@ def test_the_model_config_is_written_by_transformers():
     assert saved.get("indexer_n_heads") is None  # vLLM builds plain attention without the QSA indexer
 
 
-def test_each_configuration_is_the_engine_it_names():
-    a = SimpleNamespace(batches=[1, 8, 32, 64], prompt=512, decode=256)
+def test_each_configuration_is_the_engine_it_names(tmp_path):
+    a = SimpleNamespace(batches=[1, 8, 32, 64], engine_batches=[], prompt=512, decode=256, profile=0, work="/w")
     kw, plugin = db.engine_kwargs(a, "hbm", "/m", True)
     assert not plugin and kw["engram_config"] == {"cpu_offload": False} and "uvaple" not in kw["additional_config"]
     kw, plugin = db.engine_kwargs(a, "host", "/m", True)
@@ -71,16 +72,28 @@ def test_each_configuration_is_the_engine_it_names():
         assert kw["cudagraph_capture_sizes"] == [1, 8, 32, 64] and kw["max_num_batched_tokens"] == 64 * 512
         assert kw["kv_cache_memory_bytes"] == db.KV_CACHE_BYTES and kw["enable_prefix_caching"] is False
         assert kw["load_format"] == "dummy" and "enforce_eager" not in kw  # vLLM's default graph mode
+        assert "profiler_config" not in kw
+    # batch 1 timed alone in the engine of the table, profiled: the same engine, the worker's profiler configured
+    one = SimpleNamespace(batches=[1], engine_batches=[1, 8, 32, 64], prompt=512, decode=256, profile=1, work="/w")
+    kw, _ = db.engine_kwargs(one, "uva", "/m", True)
+    assert kw["cudagraph_capture_sizes"] == [1, 8, 32, 64] and kw["max_num_seqs"] == 64
+    assert kw["profiler_config"]["profiler"] == "torch" and kw["profiler_config"]["torch_profiler_dir"] == \
+        db.profile_dir("/w", "uva")
+    assert db.child_env(True, str(tmp_path), profile=True)["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
+    assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING" not in db.child_env(True, str(tmp_path))
 
 
 @pytest.mark.parametrize("argv,match", [
     (["--configs", "hbm,gpu"], "--configs: \\['gpu'\\]"),
-    (["--batches", "1,x"], "--batches: expected comma-separated integers"),
+    (["--batches", "1,x"], "--batches, --engine-batches: expected comma-separated integers, got .1,x."),
     (["--batches", "0"], "--batches: positive"),
     (["--reps", "0"], "--reps must be at least 1"),
     (["--decode", "1"], "--decode must be at least 2"),
     (["--layers", "6"], "--layers '6': --layers must be a multiple of 4"),
     (["--table-gib", "-1"], "--table-gib must be in"),
+    (["--batches", "64", "--engine-batches", "1,8"], "--engine-batches \\[1, 8\\]: the engine must hold"),
+    (["--batches", "1,8", "--profile", "9"], "--profile 9: a batch from 1 to 8"),
+    (["--profile", "1", "--profile-tokens", "4"], "--profile-tokens at least 8"),
 ])
 def test_bad_arguments_are_named(argv, match):
     r = subprocess.run([sys.executable, str(CARRY / "decode_bench.py"), "--plan", *argv], capture_output=True,
@@ -152,6 +165,101 @@ def test_jit_lines_are_counted_inside_the_timed_runs_only(tmp_path):
     assert list(got) == ["8", "64"] and len(got["8"]) == 1 and got["64"] == []
 
 
+# ------------------------------------------------------------------ trace_summary: where a step's time goes
+def _x(name, cat, ts, dur, **kw):
+    return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, **kw)
+
+
+def _trace(steps: int = 6, period: float = 100.0) -> list[dict]:
+    """``steps`` decode steps of ``period`` us: kernel A (40 us) and B (20 us) 5 us apart, a copy on another stream
+    inside A, one graph launch and a sample scope each; the GPU's side annotation carries the step's name too."""
+    ev = [_x("PyTorch Profiler (0)", "Trace", 0, steps * period)]
+    for i in range(steps):
+        s = i * period
+        ev += [_x(ts.STEP_MARK, "user_annotation", s, 30), _x(ts.STEP_MARK, "gpu_user_annotation", s + 5, 65),
+               _x("gpu_model_runner: sample", "user_annotation", s + 40, 7),
+               _x("cudaGraphLaunch", "cuda_runtime", s + 2, 10),
+               _x("kernel_A", "kernel", s + 5, 40), _x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", s + 10, 15),
+               _x("kernel_B", "kernel", s + 50, 20)]
+    return ev
+
+
+def test_trace_summary_cuts_the_decode_steps_and_finds_the_gpus_idle_gaps():
+    s = ts.summarize(_trace())
+    # six marks: the first (prefill) and last (profiler stop) are dropped, four starts make three whole steps
+    assert s["steps"] == 3 and s["step_us"] == {"median": 100.0, "min": 100.0, "max": 100.0, "n": 3}
+    assert s["gpu_busy_us_per_step"] == 60.0  # A and B; the copy inside A counts once
+    assert s["gpu_idle_us_per_step"] == 40.0 and s["gpu_busy_share"] == 0.6
+    assert s["longest_idle"][0] == {"us": 35.0, "after": "kernel_B", "before": "kernel_A"}
+    assert s["longest_idle"][-1]["us"] == 5.0 and s["longest_idle"][-1]["after"] == "kernel_A"
+    assert s["host_us_per_step"]["gpu_model_runner: sample"]["median"] == 7.0
+    assert s["runtime_per_step"]["cudaGraphLaunch"] == {"calls": 1.0, "us": 10.0}
+    assert [k["name"] for k in s["kernels"]] == ["kernel_A", "kernel_B", "Memcpy HtoD (Pinned -> Device)"]
+    assert s["kernels"][0] == {"name": "kernel_A", "us_per_step": 40.0, "per_step": 1.0}
+    assert s["kernel_count_per_step"] == 3.0
+    slow = [dict(e, dur=e["dur"] * 2) if e["name"] == "kernel_B" else e for e in _trace()]
+    table = ts.markdown({"fast": s, "slow": ts.summarize(slow)})
+    assert "| GPU busy us / step | 60.0 | 80.0 |" in table and "| GPU idle us / step | 40.0 | 20.0 |" in table
+    assert "| cudaGraphLaunch: calls / us per step | 1.0 / 10.0 | 1.0 / 10.0 |" in table
+
+
+def test_trace_summary_reads_a_torch_profiler_trace_and_refuses_what_it_cannot_summarise(tmp_path):
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(6):
+            with record_function(ts.STEP_MARK):
+                torch.randn(64, 64) @ torch.randn(64, 64)
+    path = tmp_path / "worker.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    gz = tmp_path / "worker.pt.trace.json.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    s = ts.summarize(ts.load(str(gz)))
+    assert s["steps"] == 3 and s["gpu_busy_us_per_step"] == 0 and s["kernels"] == []  # a CPU trace: no kernels
+    with pytest.raises(ts.TraceError, match="at least 4 steps.*VLLM_CUSTOM_SCOPES_FOR_PROFILING"):
+        ts.summarize(_trace(steps=3))
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(ts.TraceError, match="not a readable Chrome trace"):
+        ts.load(str(bad))
+    r = subprocess.run([sys.executable, str(CARRY / "trace_summary.py"), f"cpu={gz}", f"bad={bad}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "bad: " in r.stderr and "not a readable Chrome trace" in r.stderr
+    r = subprocess.run([sys.executable, str(CARRY / "trace_summary.py"), str(gz)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "expected NAME=PATH" in r.stderr
+    r = subprocess.run([sys.executable, str(CARRY / "trace_summary.py"), f"cpu={gz}", "--json",
+                        str(tmp_path / "s.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "| decode steps profiled | 3 |" in r.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["cpu"]["steps"] == 3
+
+
+def test_the_bench_summarises_the_newest_trace_and_keeps_small_ones(tmp_path):
+    import gzip
+
+    trace_dir, out = tmp_path / "profile" / "uva", tmp_path / "out"
+    trace_dir.mkdir(parents=True)
+    out.mkdir()
+    assert "no trace in" in db.profile_summary(str(trace_dir), str(out), "uva")["error"]
+    old = trace_dir / "w.1.pt.trace.json.gz"
+    old.write_bytes(gzip.compress(json.dumps({"traceEvents": _trace(steps=5)}).encode()))
+    new = trace_dir / "w.2.pt.trace.json.gz"
+    new.write_bytes(gzip.compress(json.dumps({"traceEvents": _trace(steps=8)}).encode()))
+    import os
+
+    os.utime(old, (1, 1))
+    (trace_dir / "w.profiler_out.txt").write_text("table")
+    s = db.profile_summary(str(trace_dir), str(out), "uva")
+    assert s["steps"] == 5 and s["trace"] == str(new)  # eight marks: six starts, five steps
+    assert (out / "profile_uva.json.gz").read_bytes() == new.read_bytes()
+    assert (out / "profile_uva_table.txt").read_text() == "table"
+    text = db.profiles_markdown({"uva": {"profiled": {"batch": 1}, "profile": s}, "hbm": {"ok": True}})
+    assert "Profiled decode steps at batch 1" in text and "| | uva |" in text
+
+
 # ------------------------------------------------------------------ engine_check: comparing engines
 def _run(tokens, top2):
     return {"ok": True, "tokens": tokens, "top2": top2}
@@ -184,3 +292,43 @@ def test_every_configuration_has_a_reference_that_runs_where_it_runs():
     assert not ec.applies("host", "gemma3n", "eager")  # vLLM has no host path for Gemma 3n
     assert not ec.applies("copy_again", "qwen4exp_bf16", "graph")
     assert ec.CONFIGS["copy"]["expect"]["graph"] in "placement 'copy' cannot run inside vLLM's CUDA graphs (each"
+
+
+def test_runs_of_an_earlier_lease_count_only_for_the_same_checkpoint_bytes(tmp_path):
+    import checkpoints as ck
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"\x01\x02" * 1000)
+    (ckpt / "config.json").write_text("{}")
+    first = ck.digest(str(ckpt))
+    (ckpt / ".done").write_text("{}")  # the build's record is not the checkpoint
+    assert ck.digest(str(ckpt)) == first
+    (ckpt / "model.safetensors").write_bytes(b"\x01\x03" * 1000)
+    assert ck.digest(str(ckpt)) != first
+    src = tmp_path / "runs"
+    src.mkdir()
+
+    def result(key, dig, **kw):
+        model = key.split(".")[0]
+        (src / f"{key}.json").write_text(json.dumps(dict(
+            {"spec": {"key": key, "model": model, "ckpt_digest": dig}, "ok": True, "tokens": [[1]]}, **kw)))
+
+    result("qwen4exp_bf16.eager.hbm", "same")
+    result("qwen4exp_bf16.eager.uva", "other")  # another checkpoint: run again
+    result("qwen4exp_bf16.eager.copy", "same", ok=False, stage="timeout")  # stopped at its limit: run again
+    result("qwen4exp_bf16.eager.device", "same", ok=False, stage="LLM()", error="E")  # a failure is a result
+    (src / "qwen4exp_bf16.eager.hbm.spec.json").write_text(json.dumps({"key": "qwen4exp_bf16.eager.hbm"}))
+    (src / "engine_check.json").write_text(json.dumps({"runs": {}}))
+    a = SimpleNamespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline_s=60.0, force=False)
+    check = ec.Check(a)
+    check.res["checkpoints"] = {"qwen4exp_bf16": {"digest": "same"}}
+    check.resume(str(src))
+    assert check.done("qwen4exp_bf16.eager.hbm")["tokens"] == [[1]]
+    assert check.done("qwen4exp_bf16.eager.device")["error"] == "E"
+    assert check.done("qwen4exp_bf16.eager.uva") is None and check.done("qwen4exp_bf16.eager.copy") is None
+    assert sorted(check.res["runs"]) == ["qwen4exp_bf16.eager.device", "qwen4exp_bf16.eager.hbm"]
+    assert "resumed 2 runs" in check.res["notes"][-1] and "qwen4exp_bf16.eager.uva" in check.res["notes"][-1]
+    r = subprocess.run([sys.executable, str(CARRY / "engine_check.py"), "--resume", str(tmp_path / "nope"),
+                        "--work", str(tmp_path / "w2")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--resume" in r.stderr and "not a folder" in r.stderr

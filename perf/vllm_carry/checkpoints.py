@@ -271,6 +271,20 @@ def to_fp8(src: str, dst: str) -> dict:
     return {"ple_dtype": "float8_e4m3fn", "scales": scales, "ple_table_bytes": fp8_bytes}
 
 
+def digest(path: str) -> str:
+    """SHA-256 over a checkpoint's files (names and bytes, in name order; the ``.done`` record left out): engine
+    runs of another call are compared with this call's only when they served the same bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(path) if f != ".done" and os.path.isfile(os.path.join(path, f))):
+        h.update(name.encode() + b"\0")
+        with open(os.path.join(path, name), "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
 def checkpoints(work: str, models: list[str], log: Callable[[str], object]) -> dict:
     """Build the checkpoints that are missing (a ``.done`` file says one is whole)."""
     out = {}
@@ -297,7 +311,7 @@ def checkpoints(work: str, models: list[str], log: Callable[[str], object]) -> d
         else:
             raise ValueError(name)
         info.update(path=path, seconds=round(time.monotonic() - t0, 1),
-                    bytes=sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
+                    bytes=sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)), digest=digest(path))
         json.dump(info, open(done, "w"), indent=1)
         log(f"checkpoint {name}: {info['arch']}, {info['params'] / 1e6:.1f} M parameters, PLE "
             f"{info['ple_table_bytes'] / (1 << 20):.0f} MiB in {info['ple_tables']} table(s), {info['seconds']} s")

@@ -1,8 +1,8 @@
 """What does the plugin cost per decode token in vLLM's engine, against HBM and against vLLM's own host path?
 
 ``python3 perf/vllm_carry/decode_bench.py --out DIR [--configs hbm,uva,host,uva_fp8row,device]
-[--batches 1,8,32,64] [--prompt 512] [--decode 256] [--reps 5] [--reps-batch1 15] [--table-gib 24] [--layers fit]
-[--experts 512]
+[--batches 1,8,32,64] [--engine-batches ...] [--prompt 512] [--decode 256] [--reps 5] [--reps-batch1 15]
+[--table-gib 24] [--layers fit] [--experts 512] [--profile BATCH] [--profile-tokens 48]
 [--work /tmp/vllm_decode] [--deadline-s 540] [--plan]``
 
 Runs on a GPU machine with vLLM 0.33 (on the lent H200: carried, ``perf/gpu_check.sh vllm_decode``); ``--plan``
@@ -54,6 +54,15 @@ means the step is GPU-bound); lines of vLLM's JIT monitor logged between the tim
 flaw of that configuration's figures, flagged in the table). Per configuration: the engine's start (``LLM()``
 wall time), host memory taken (``MemAvailable`` before and after), GPU memory for weights.
 
+Profile (``--profile B``): after the timings, the engine's worker runs the torch profiler (vLLM's
+``profiler_config``, no stacks; the model runner's scopes on, ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, in this
+engine's timed runs too) over one more ``generate`` of ``--profile-tokens`` tokens at batch ``B``;
+``trace_summary.py`` cuts the trace into decode steps and says where each step's time goes (GPU busy and idle,
+the longest idle gaps and the kernels either side, the host's scopes, CUDA runtime calls, kernels by time), side
+by side for the configurations in ``decode_bench.md``. ``--engine-batches`` builds every engine for the
+table's batches while timing fewer (``--batches 1 --engine-batches 1,8,32,64 --profile 1``: batch 1 alone, in
+the engines of the table).
+
 Results: ``DIR/decode_bench.json`` (every repetition), ``DIR/decode_bench.md`` (the table),
 ``DIR/decode_bench.log`` and each engine's log; saved after every configuration, and a later call continues
 where the last one stopped (results kept in ``--work``; ``--force`` repeats them).
@@ -75,6 +84,8 @@ import traceback
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 from engine_check import Log, _kill_group, _tail, logging_config, vllm_env  # noqa: E402 - this folder's
+from trace_summary import TraceError, load, summarize  # noqa: E402
+from trace_summary import markdown as trace_markdown  # noqa: E402
 
 GIB = 1 << 30
 
@@ -97,6 +108,7 @@ CONFIGS = {
     "uva_dedup": (True, None, {"placement": "uva", "dedup": True}),
 }
 DEFAULT_CONFIGS = ("hbm", "uva", "host", "uva_fp8row", "device")
+TRACE_KEEP_BYTES = 4 << 20  # a profile's trace larger than this stays on the GPU machine (results come back small)
 KV_CACHE_BYTES = 8 * GIB  # the same for every configuration: the largest batch's KV and GDN state, with room
 GPU_GIB = 139.8  # an H200's memory as CUDA reports it (143,771 MiB)
 RESERVE_GIB = 14.0  # CUDA context, activations of a prefill step, CUDA graphs, the allocator's slack
@@ -171,7 +183,8 @@ def write_model(path: str, plan: dict) -> dict:
 def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: bool) -> tuple[dict, bool]:
     """``vllm.LLM``'s arguments for ``config``, and whether the plugin is loaded."""
     plugin, engram, uvaple = CONFIGS[config]
-    top = max(a.batches)
+    shapes = a.engine_batches or a.batches
+    top = max(shapes)
     additional = {"gdn_prefill_backend": "triton"}
     if uvaple is not None:
         additional["uvaple"] = dict(uvaple, shared=shared, metrics_interval_s=0,
@@ -179,18 +192,27 @@ def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: b
     kw = dict(model=model_path, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", seed=0,
               max_model_len=a.prompt + a.decode + 16, max_num_seqs=top,
               max_num_batched_tokens=max(top * a.prompt, a.prompt + a.decode + 16),
-              cudagraph_capture_sizes=sorted(set(a.batches)), kv_cache_memory_bytes=KV_CACHE_BYTES,
+              cudagraph_capture_sizes=sorted(set(shapes)), kv_cache_memory_bytes=KV_CACHE_BYTES,
               gpu_memory_utilization=0.92, enable_prefix_caching=False, attention_backend="TRITON_ATTN",
               disable_log_stats=False, jit_monitor_verbose=True, additional_config=additional)
     if engram is not None:
         kw["engram_config"] = engram
+    if a.profile:  # the workers' torch profiler, started and stopped around the profiled call only
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir(a.work, config),
+                                 "torch_profiler_with_stack": False, "ignore_frontend": True}
     return kw, plugin
 
 
-def child_env(plugin: bool, work: str) -> dict:
-    """engine_check's engine environment, the compile caches shared under ``work`` (see the module docstring)."""
+def profile_dir(work: str, config: str) -> str:
+    return os.path.join(work, "profile", config)
+
+
+def child_env(plugin: bool, work: str, profile: bool = False) -> dict:
+    """engine_check's engine environment, the compile caches shared under ``work`` (see the module docstring);
+    ``profile``: the model runner's profiler scopes on (``trace_summary`` cuts the trace into steps at them)."""
+    extra = {"VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"} if profile else {}
     return vllm_env(plugin, logging_config(os.path.join(work, "logging.json")), os.path.join(work, "vllm_cache"),
-                    TRITON_CACHE_DIR=os.path.join(work, "triton_cache"))
+                    TRITON_CACHE_DIR=os.path.join(work, "triton_cache"), **extra)
 
 
 class GpuUtil:
@@ -302,6 +324,21 @@ def run_child(spec_path: str) -> int:
             print(f"=== uvaple-bench timed end batch {b}", flush=True)
             res["batches"][str(b)] = entry
             save()
+        if spec.get("profile"):
+            b = spec["profile"]
+            stage = f"profile batch {b}"
+            ps = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(spec["prompt"])])
+                  for _ in range(b)]
+            tokens = SamplingParams(temperature=0.0, max_tokens=spec["profile_tokens"], ignore_eos=True,
+                                    detokenize=False)
+            if str(b) not in res["batches"]:  # a shape not timed above: warm it first
+                llm.generate(ps, one, use_tqdm=False)
+                llm.generate(ps, tokens, use_tqdm=False)
+            llm.start_profile(profile_prefix=spec["config"])
+            llm.generate(ps, tokens, use_tqdm=False)
+            llm.stop_profile()
+            res["profiled"] = {"batch": b, "tokens": spec["profile_tokens"], "prompt": spec["prompt"]}
+            save()
         stage = "shutdown"
         llm.llm_engine.engine_core.shutdown()
         res["ok"] = True
@@ -385,6 +422,36 @@ def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> s
     return "\n".join(lines) + "\n"
 
 
+def profile_summary(trace_dir: str, out: str, config: str) -> dict:
+    """The newest worker trace in ``trace_dir``, summarised (:mod:`trace_summary`); the trace itself is copied to
+    ``out`` when small enough to bring back, with vLLM's own table of the profile (``*.profiler_out.txt``)."""
+    import glob
+    import shutil
+
+    traces = sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json*")), key=os.path.getmtime)
+    if not traces:
+        return {"error": f"no trace in {trace_dir}"}
+    try:
+        summary = summarize(load(traces[-1]))
+    except TraceError as e:
+        return {"error": str(e), "trace": traces[-1]}
+    summary["trace"] = traces[-1]
+    if os.path.getsize(traces[-1]) <= TRACE_KEEP_BYTES:
+        shutil.copy(traces[-1], os.path.join(out, f"profile_{config}.json.gz"))
+    for table in glob.glob(os.path.join(trace_dir, "*profiler_out*.txt"))[:1]:
+        shutil.copy(table, os.path.join(out, f"profile_{config}_table.txt"))
+    return summary
+
+
+def profiles_markdown(results: dict) -> str:
+    summaries = {name: r["profile"] for name, r in results.items() if r.get("profile") and "steps" in r["profile"]}
+    if not summaries:
+        return ""
+    batch = next(r["profiled"]["batch"] for r in results.values() if r.get("profiled"))
+    return f"\nProfiled decode steps at batch {batch} (torch profiler in the engine's worker):\n\n" + \
+        trace_markdown(summaries)
+
+
 def shm_free_bytes() -> int:
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
@@ -395,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="decode-bench-out", help="decode_bench.json/.md/.log go here")
     p.add_argument("--work", default="/tmp/vllm_decode", help="the model's config, compile caches, results (kept)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {list(CONFIGS)}")
-    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--batches", default="1,8,32,64", help="the batches timed")
+    p.add_argument("--engine-batches", default="", help="the batches the engine is built for (CUDA graph sizes, "
+                   "max_num_seqs; default: --batches): time batch 1 alone in the engine of the whole table")
+    p.add_argument("--profile", type=int, default=0, metavar="BATCH", help="after the timings, profile "
+                   "--profile-tokens decode steps at this batch (torch profiler in vLLM's worker) and summarise them")
+    p.add_argument("--profile-tokens", type=int, default=48)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--decode", type=int, default=256, help="tokens decoded")
     p.add_argument("--reps", type=int, default=5)
@@ -414,16 +486,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a.configs = [c for c in a.configs.split(",") if c]
         a.batches = [int(b) for b in a.batches.split(",") if b]
+        a.engine_batches = [int(b) for b in a.engine_batches.split(",") if b]
     except ValueError:
-        p.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
+        p.error(f"--batches, --engine-batches: expected comma-separated integers, got {a.batches!r}, "
+                f"{a.engine_batches!r}")
     bad = [c for c in a.configs if c not in CONFIGS]
     if bad or not a.configs:
         p.error(f"--configs: {bad or 'none given'}; choose from {list(CONFIGS)}")
     for name in ("prompt", "decode", "reps", "reps_batch1"):
         if getattr(a, name) < (2 if name == "decode" else 1):
             p.error(f"--{name} must be at least {2 if name == 'decode' else 1}, got {getattr(a, name)}")
-    if not a.batches or min(a.batches) < 1:
+    if not a.batches or min(a.batches + a.engine_batches) < 1:
         p.error(f"--batches: positive batch sizes, got {a.batches}")
+    shapes = a.engine_batches or a.batches
+    if max(a.batches) > max(shapes):
+        p.error(f"--engine-batches {shapes}: the engine must hold the largest batch timed ({max(a.batches)})")
+    if a.profile < 0 or a.profile > max(shapes) or a.profile_tokens < 8:
+        p.error(f"--profile {a.profile}: a batch from 1 to {max(shapes)} (0: no profile), and --profile-tokens at "
+                f"least 8 (got {a.profile_tokens})")
     if not (0 < a.table_gib < 1024) or a.experts < REAL["num_experts_per_tok"]:
         p.error("--table-gib must be in (0, 1024) and --experts at least the 10 experts a token takes")
     try:
@@ -458,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         state["results"] = results
         state["figures"] = figures(results)
         for path, text in ((os.path.join(a.out, "decode_bench.json"), json.dumps(state, indent=1, default=str)),
-                           (os.path.join(a.out, "decode_bench.md"), markdown(state["figures"], results, plan, a))):
+                           (os.path.join(a.out, "decode_bench.md"),
+                            markdown(state["figures"], results, plan, a) + profiles_markdown(results))):
             with open(path + ".tmp", "w") as f:
                 f.write(text)
             os.replace(path + ".tmp", path)
@@ -481,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         call = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
         spec = {"config": config, "kwargs": kw, "call": call, "batches": a.batches, "prompt": a.prompt,
                 "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1, "vocab": REAL["vocab_size"],
-                "result": result_path}
+                "profile": a.profile, "profile_tokens": a.profile_tokens, "result": result_path}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
         json.dump(spec, open(spec_path, "w"), indent=1)
         if os.path.exists(result_path):
@@ -489,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{config}: {call}")
         with open(log_path, "w") as f:
             proc = subprocess.Popen([sys.executable, HERE, "--child", spec_path], stdout=f, stderr=subprocess.STDOUT,
-                                    env=child_env(plugin, a.work), start_new_session=True)
+                                    env=child_env(plugin, a.work, bool(a.profile)), start_new_session=True)
             try:
                 proc.wait(timeout=max(30.0, left - 10))
             except subprocess.TimeoutExpired:
@@ -504,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         r["uvaple_lines"] = [ln.strip()[:300] for ln in text.splitlines() if "uvaple" in ln][:12]
         if not r.get("ok"):
             r["log_tail"] = _tail(log_path, 40)
+        if r.get("profiled"):
+            r["profile"] = profile_summary(profile_dir(a.work, config), a.out, config)
         with open(result_path, "w") as f:
             json.dump(r, f, indent=1)
         results[config] = r
@@ -512,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sorted(r.get('batches', {}), key=int)}")
         save()
     save()
-    log("table:\n" + markdown(state["figures"], results, plan, a))
+    log("table:\n" + markdown(state["figures"], results, plan, a) + profiles_markdown(results))
     return 0
 
 

@@ -42,7 +42,9 @@ with ``attention_backend="TRITON_ATTN"``; Qwen4Exp's GDN prefill with ``addition
 A run that fails is a result: its call and the error's last lines are recorded, and the first failure that
 every configuration shares (vLLM itself) is recorded as ``blocker``. Runs already done in ``WORK`` are not
 repeated (``--force`` repeats them), so calls of one lease continue where the last one stopped. Writes
-``DIR/engine_check.json`` and ``DIR/engine_check.log``.
+``DIR/engine_check.json`` and ``DIR/engine_check.log``. ``--resume RUNS`` takes an earlier lease's run results
+(its ``runs/`` folder, brought back and committed under ``perf/results/``) as done where they served the same
+checkpoint bytes (each run records its checkpoint's SHA-256), so the matrix can be finished over several leases.
 """
 
 from __future__ import annotations
@@ -317,6 +319,33 @@ class Check:
         last = [ln for ln in (error or "").splitlines() if ln.strip()]
         self.log(f"BLOCKER at {where}: {last[-1] if last else ''}")
 
+    # ------------------------------------------------------------------ runs of an earlier lease
+    def resume(self, src: str) -> None:
+        """Take the run results in ``src`` (an earlier call's ``runs/``, brought back and committed) as done, where
+        they served this call's checkpoint (the same digest) and were not stopped at their time limit."""
+        taken, other = [], []
+        names = sorted(f for f in os.listdir(src) if f.endswith(".json") and not f.endswith(".spec.json"))
+        for name in names:
+            dst = os.path.join(self.runs_dir, name)
+            try:
+                res = json.load(open(os.path.join(src, name)))
+            except ValueError:
+                continue
+            spec = res.get("spec") or {}
+            if f"{spec.get('key')}.json" != name:
+                continue  # not a run's result
+            want = self.res.get("checkpoints", {}).get(spec.get("model"), {}).get("digest")
+            if want is None or spec.get("ckpt_digest") != want or res.get("stage") == "timeout":
+                other.append(spec["key"])
+                continue
+            if not os.path.exists(dst) or self.a.force:
+                with open(dst, "w") as f:
+                    json.dump(res, f, indent=1)
+                self.res.setdefault("runs", {})[spec["key"]] = dict(_brief(res), resumed_from=src)
+                taken.append(spec["key"])
+        left = f"; left {len(other)} of another checkpoint or stopped at their time limit: {', '.join(other)}"
+        self.note(f"resumed {len(taken)} runs from {src}" + (left if other else ""))
+
     # ------------------------------------------------------------------ env
     def env(self) -> None:
         code = r"""
@@ -396,6 +425,7 @@ print("ENV" + json.dumps(out))
         key = self.run_key(model, mode, config, level)
         seg = "ec" + hashlib.sha256(f"{key}{time.time()}".encode()).hexdigest()[:10]
         return {"key": key, "model": model, "mode": mode, "config": config, "level": level,
+                "ckpt_digest": self.res.get("checkpoints", {}).get(model, {}).get("digest"),
                 "compilation": compilation, "segment": seg, "expect": CONFIGS[config].get("expect", {}).get(mode),
                 "ckpt": os.path.join(self.work, "ckpt", model), "logging_config": self.logging_config,
                 "hot_profile": os.path.join(self.work, "ckpt", model, "hot_profile.txt"),
@@ -683,6 +713,8 @@ print("ENV" + json.dumps(out))
         if a.checkpoints_only:
             self.save()
             return 0
+        if a.resume:
+            self.resume(a.resume)
         self.env()
         self.save()
         if self.res.get("blocker"):
@@ -829,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=480.0, help="stop starting runs after this long")
     p.add_argument("--checkpoints-only", action="store_true", help="build the checkpoints and stop (CPU)")
     p.add_argument("--force", action="store_true", help="repeat runs already done")
+    p.add_argument("--resume", help="a folder of an earlier call's run results (runs/*.json, e.g. committed under "
+                   "perf/results/): those of the same checkpoints count as done")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -842,6 +876,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.parallel < 1:
         p.error(f"--parallel: at least 1 engine at a time, got {a.parallel}")
     a.out, a.work = os.path.abspath(a.out), os.path.abspath(a.work)
+    if a.resume is not None and not os.path.isdir(a.resume):
+        p.error(f"--resume {a.resume}: not a folder (give the runs/ folder of an earlier call's results)")
     os.makedirs(a.work, exist_ok=True)
     return Check(a).main()
 

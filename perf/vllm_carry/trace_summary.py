@@ -1,0 +1,181 @@
+"""Where a decode step's time goes, from a torch-profiler trace of vLLM's engine (``decode_bench.py --profile``).
+
+``python3 perf/vllm_carry/trace_summary.py NAME=TRACE.json.gz [NAME=TRACE ...] [--json OUT]`` prints one
+summary per trace and, for two or more, the table that sets them side by side. Runs anywhere (no vLLM, no GPU).
+
+A trace (Chrome format, as ``torch.profiler`` writes it) is cut into steps at the model runner's annotations
+(``gpu_model_runner: forward``, which vLLM records with ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``; the first and last
+steps are dropped: the prefill and the profiler's stop). Over the decode steps left:
+
+* the step: median and spread of the time between two steps' starts (the host's period, which is the GPU's when
+  the GPU is never idle);
+* the GPU: time busy per step (the union of kernel and memcpy intervals in the window, so overlapping streams count
+  once) and idle per step, and the longest idle gaps with the kernels either side (where the GPU waited for the
+  host, or for a copy);
+* the host: the median duration of each model-runner annotation per step, and the CUDA runtime calls per step
+  (graph launches, kernel launches, copies, synchronisations) with their time;
+* the kernels: time and launches per step of each (by name), the largest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+STEP_MARK = "gpu_model_runner: forward"
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                 "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaEventSynchronize",
+                 "cudaDeviceSynchronize", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery")
+
+
+class TraceError(ValueError):
+    """The trace cannot be summarised (not a torch-profiler trace, or too few steps)."""
+
+
+def load(path: str) -> list[dict]:
+    """The complete (``ph == "X"``) events of a Chrome trace, ``.json`` or ``.json.gz``."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{path}: not a readable Chrome trace ({type(e).__name__}: {e})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise TraceError(f"{path}: no traceEvents list")
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "dur" in e]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2), "n": len(values)}
+
+
+def summarize(events: list[dict], top: int = 25, gaps: int = 8) -> dict:
+    """The decode steps of ``events`` (times in microseconds; see the module docstring)."""
+    marks = sorted(float(e["ts"]) for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation")
+    if len(marks) < 4:
+        raise TraceError(f"{len(marks)} '{STEP_MARK}' annotations: a decode profile needs at least 4 steps (set "
+                         "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 in the engine's environment)")
+    starts = marks[1:-1]  # the prefill's step and the last (the profiler stops in it) are left out
+    lo, hi = starts[0], starts[-1]
+    steps = len(starts) - 1
+    periods = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                 if e.get("cat") in GPU_CATS and lo <= float(e["ts"]) < hi)
+    busy = _union([(s, min(t, hi)) for s, t, _ in gpu])
+    busy_us = sum(t - s for s, t in busy)
+    idle = []  # (length, where it starts)
+    for (_s0, e0), (s1, _e1) in zip(busy, busy[1:], strict=False):
+        if s1 > e0:
+            idle.append((s1 - e0, e0))
+    idle.sort(reverse=True)
+
+    def around(t: float) -> tuple[str, str]:
+        before = max((x for x in gpu if x[1] <= t + 1e-3), key=lambda x: x[1], default=None)
+        after = min((x for x in gpu if x[0] >= t), key=lambda x: x[0], default=None)
+        return (before[2].get("name", "?")[:90] if before else "-", after[2].get("name", "?")[:90] if after else "-")
+
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for _s, _t, e in gpu:
+        kernels[e.get("name", "?")].append(float(e["dur"]))
+    kernel_rows = sorted(((sum(d), len(d), name) for name, d in kernels.items()), reverse=True)
+    annotations: dict[str, list[float]] = defaultdict(list)
+    runtime: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        ts = float(e["ts"])
+        if not lo <= ts < hi:
+            continue
+        name = e.get("name", "")
+        if e.get("cat") == "user_annotation" and name.startswith("gpu_model_runner:"):
+            annotations[name].append(float(e["dur"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and name in RUNTIME_CALLS:
+            runtime[name].append(float(e["dur"]))
+    return {
+        "steps": steps,
+        "step_us": _spread(periods),
+        "gpu_busy_us_per_step": round(busy_us / steps, 2),
+        "gpu_idle_us_per_step": round((hi - lo - busy_us) / steps, 2),
+        "gpu_busy_share": round(busy_us / (hi - lo), 4),
+        "longest_idle": [{"us": round(g, 2), "after": around(t)[0], "before": around(t)[1]} for g, t in idle[:gaps]],
+        "host_us_per_step": {k: _spread(v) for k, v in sorted(annotations.items())},
+        "runtime_per_step": {k: {"calls": round(len(v) / steps, 2), "us": round(sum(v) / steps, 2)}
+                             for k, v in sorted(runtime.items())},
+        "kernels": [{"name": name[:120], "us_per_step": round(total / steps, 2), "per_step": round(n / steps, 2)}
+                    for total, n, name in kernel_rows[:top]],
+        "kernel_count_per_step": round(sum(len(d) for d in kernels.values()) / steps, 2),
+    }
+
+
+def markdown(summaries: dict[str, dict]) -> str:
+    """The summaries side by side (steps, GPU busy and idle, host annotations, runtime calls), then each one's
+    kernels and idle gaps."""
+    names = list(summaries)
+    head = "| | " + " | ".join(names) + " |"
+    rule = "|---|" + "---|" * len(names)
+    rows = [head, rule]
+
+    def row(label: str, get) -> None:
+        rows.append(f"| {label} | " + " | ".join(str(get(summaries[n])) for n in names) + " |")
+
+    row("decode steps profiled", lambda s: s["steps"])
+    row("step us, median [min-max]", lambda s: f"{s['step_us']['median']} [{s['step_us']['min']}-"
+                                                f"{s['step_us']['max']}]")
+    row("GPU busy us / step", lambda s: s["gpu_busy_us_per_step"])
+    row("GPU idle us / step", lambda s: s["gpu_idle_us_per_step"])
+    row("kernels / step", lambda s: s["kernel_count_per_step"])
+    for key in sorted({k for s in summaries.values() for k in s["host_us_per_step"]}):
+        row(f"host: {key} (median us)", lambda s, k=key: s["host_us_per_step"].get(k, {}).get("median", "-"))
+    for key in sorted({k for s in summaries.values() for k in s["runtime_per_step"]}):
+        row(f"{key}: calls / us per step", lambda s, k=key: (lambda r: f"{r['calls']} / {r['us']}" if r else "-")(
+            s["runtime_per_step"].get(k)))
+    out = ["\n".join(rows)]
+    for n in names:
+        s = summaries[n]
+        lines = [f"\n{n}: kernels by time per step (us, launches per step)"]
+        lines += [f"  {k['us_per_step']:9.2f}  {k['per_step']:6.2f}  {k['name']}" for k in s["kernels"]]
+        lines.append(f"{n}: longest GPU idle gaps (us; the kernel before, the kernel after)")
+        lines += [f"  {g['us']:9.2f}  {g['after']}  ->  {g['before']}" for g in s["longest_idle"]]
+        out.append("\n".join(lines))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("traces", nargs="+", help="NAME=PATH of a Chrome trace (.json or .json.gz)")
+    p.add_argument("--json", help="write the summaries here as JSON")
+    a = p.parse_args(argv)
+    summaries = {}
+    for item in a.traces:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"{item!r}: expected NAME=PATH (e.g. uva=/tmp/vllm_decode/profile/uva/trace.json.gz)")
+        try:
+            summaries[name] = summarize(load(path))
+        except TraceError as e:
+            print(f"trace_summary: {name}: {e}", file=sys.stderr)
+            return 1
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summaries, f, indent=1)
+    print(markdown(summaries), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
