@@ -439,7 +439,8 @@ def from_pretrained_with_host_tables(model_class, path, *, model_type: str | Non
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path!r} is not a local checkpoint; download it first (e.g. "
-                                "`huggingface-cli download <repo> --local-dir DIR`)")
+                                "`hf download <repo> --local-dir DIR`; huggingface_hub before 1.0 names it "
+                                "`huggingface-cli`)")
     if model_type is None:
         cfg_path = os.path.join(path, "config.json")
         with open(cfg_path) as f:

@@ -23,7 +23,7 @@ Graph timings replay ``GRAPH_CALLS`` captured calls per replay over fresh random
 
 Before timing, every provider's output for the same ids is compared bit-exactly with ``uva``'s (and
 ``uva``'s with a CPU ``index_select`` of the table): a mismatch is reported loudly and makes the exit
-code 1. A provider that fails reports its error in its row and the run goes on (exit code 2 at the end).
+code 1. A provider that fails reports its error in its row and the run goes on (exit code 3 at the end).
 
 Without CUDA, or with ``--smoke`` on any machine, the same code runs tiny sizes under the Triton interpreter
 (chosen for CPU tensors) on CPU tensors: a correctness run whose times are interpreter times, not GPU figures
@@ -69,35 +69,46 @@ def _parse_row_bytes(text: str) -> tuple[int, ...]:
         part = part.strip().lower()
         if not part:
             continue
-        if part in ROW_BYTES:
-            out.append(ROW_BYTES[part])
-        elif part.endswith("k") or part.endswith("kib"):
-            out.append(int(float(part.rstrip("kib")) * 1024))
-        else:
-            out.append(int(part))
-    if not out:
-        raise argparse.ArgumentTypeError("no row sizes given")
+        try:
+            if part in ROW_BYTES:
+                out.append(ROW_BYTES[part])
+            elif part.endswith("k") or part.endswith("kib"):
+                out.append(int(float(part.removesuffix("kib").removesuffix("k")) * 1024))
+            else:
+                out.append(int(part))
+        except ValueError:
+            out = []
+            break
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected row sizes in bytes (17920, 128k) or {', '.join(ROW_BYTES)}, "
+                                         f"comma-separated, got {text!r}")
     return tuple(out)
 
 
 def _parse_ints(text: str) -> tuple[int, ...]:
-    vals = tuple(int(p) for p in text.split(",") if p.strip())
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError("row counts must be positive integers")
-    return vals
+    return tuple(command.positive_ints(text))
+
+
+def _floats(text: str) -> tuple[float, ...] | None:
+    try:
+        vals = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        return None
+    return vals if vals and all(v == v for v in vals) else None
 
 
 def _parse_floats(text: str) -> tuple[float, ...]:
-    vals = tuple(float(p) for p in text.split(",") if p.strip())
-    if any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError("sizes must be positive")
+    vals = _floats(text)
+    if vals is None or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected sizes in GiB above 0, comma-separated (0.25 = 256 MiB), got "
+                                         f"{text!r}")
     return vals
 
 
 def _parse_readiness(text: str) -> tuple[float, ...]:
-    vals = tuple(float(p) for p in text.split(",") if p.strip())
-    if any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError("sizes must be positive (0 skips readiness)")
+    vals = _floats(text)
+    if vals is None or min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"expected sizes in GiB, comma-separated (0 skips readiness), got {text!r}")
     return tuple(v for v in vals if v > 0)
 
 
@@ -115,9 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Gather latency/bandwidth of the uva, device, copy and peer providers against the pinned "
                     "memcpy ceiling, plus table readiness (the ple workload). Without CUDA, or with --smoke: a "
                     "small correctness run on the CPU under the Triton interpreter (about a minute on 2 cores).",
-        epilog="exit status: 0 every provider agreed; 1 an output mismatched; 2 refused before any work (the "
-               "message says why and which flag runs here: --smoke, a smaller --table-gib) or a provider "
-               "failed (its rows say why). Progress goes to stderr, results to stdout and --out.")
+        epilog=command.EXIT_STATUSES + " Progress goes to stderr, results to stdout and --out.")
     p.add_argument("--workload", choices=tuple(command.WORKLOADS), default="ple",
                    help="what to measure: " + "; ".join(f"{k}: {v}" for k, v in command.WORKLOADS.items())
                         + ". Each takes its own options, and each takes --out, --smoke and --quiet: "
@@ -142,15 +151,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="readiness table sizes in GiB; 0 to skip readiness (default as --table-gib; --smoke 16 "
                         "and 64 MiB)")
     p.add_argument("--no-readiness", action="store_true", help="skip the readiness measurements")
-    p.add_argument("--safetensors-max-gib", type=float,
+    p.add_argument("--safetensors-max-gib", type=command.number(meaning="GiB"),
                    help="largest safetensors file readiness writes (default 8, --full 32, --smoke 64 MiB)")
-    p.add_argument("--host-mem-gib", type=float,
+    p.add_argument("--host-mem-gib", type=command.number(meaning="GiB"),
                    help="host memory to trust (ballooned VMs report less at start); also lifts HostTable's "
                         "MemAvailable check and the up-front size check")
-    p.add_argument("--point-time", type=float, dest="point_time_s",
+    p.add_argument("--point-time", type=command.number(meaning="seconds"), dest="point_time_s",
                    help="seconds of timed work per point (default 0.05, --full 0.04; --smoke: 2 calls)")
     p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replays (none run without CUDA)")
-    p.add_argument("--time-budget", type=float, dest="time_budget_s",
+    p.add_argument("--time-budget", type=command.number(inclusive=True, meaning="seconds; 0: no limit"),
+                   dest="time_budget_s",
                    help="seconds after which no new table or readiness size is started (default 110, --full "
                         "420, --smoke none; 0 = no limit)")
     p.add_argument("--tmp-dir", help="where readiness writes its safetensors file (default /dev/shm, else $TMPDIR "
@@ -203,11 +213,12 @@ def default_out_dir(meta: dict[str, Any]) -> Path:
 
 
 def exit_code(rows: Sequence[dict[str, Any]]) -> int:
-    """1 if any output mismatched, 2 if a provider failed (error rows), else 0."""
+    """:data:`~command.EXIT_MISMATCH` if any output mismatched, :data:`~command.EXIT_FAILED` if a provider failed
+    (error rows), else 0."""
     if any(r.get("check") == "MISMATCH" for r in rows):
-        return 1
+        return command.EXIT_MISMATCH
     if any(r.get("check") == "error" for r in rows):
-        return 2
+        return command.EXIT_FAILED
     return 0
 
 

@@ -31,11 +31,20 @@ from tqdm import tqdm
 from uvaple.dtypes import fmt_bytes
 from uvaple.uva import system
 
-__all__ = ["EXIT_REFUSED", "WORKLOADS", "Refused", "refuse", "default_out_dir", "prepare_out", "check_fits",
-           "needs_cuda", "positive_ints", "progress", "bar", "say", "write_json", "wrote", "device_label"]
+__all__ = ["EXIT_FAILED", "EXIT_MISMATCH", "EXIT_REFUSED", "WORKLOADS", "Refused", "refuse", "default_out_dir",
+           "prepare_out", "check_fits", "needs_cuda", "positive_ints", "number", "progress", "bar", "say",
+           "write_json", "wrote", "device_label", "EXIT_STATUSES"]
 
+#: exit status of a run in which an output differed from its reference
+EXIT_MISMATCH = 1
 #: exit status of a run refused before any work (argparse's status for a usage error too)
 EXIT_REFUSED = 2
+#: exit status of a run that ran, in which a provider or a point failed (its rows say why)
+EXIT_FAILED = 3
+#: what every workload's ``--help`` says of its exit statuses
+EXIT_STATUSES = (f"exit status: 0 every output agreed; {EXIT_MISMATCH} an output differed from its reference; "
+                 f"{EXIT_REFUSED} refused before any work (a bad option, or what this machine cannot run: the message "
+                 f"names the flag that runs here); {EXIT_FAILED} a provider or a point failed (its rows say why).")
 
 #: ``--workload`` name -> what it measures
 WORKLOADS = {
@@ -67,6 +76,25 @@ def positive_ints(text: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return vals
+
+
+def number(kind: type = float, *, low: float = 0.0, inclusive: bool = False, meaning: str = ""):
+    """An argparse type: one ``kind`` number above ``low`` (at or above, ``inclusive``); a bad value's message
+    says what was typed and what is accepted (``meaning``: what the value counts, e.g. "seconds")."""
+    bound = f"{'at least' if inclusive else 'above'} {low:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value != value or (value < low if inclusive else value <= low):
+            raise argparse.ArgumentTypeError(f"expected a number {bound}{' (' + meaning + ')' if meaning else ''}, "
+                                             f"got {text!r}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {bound}"
+    return parse
 
 
 def refuse(prog: str, error: Refused) -> int:

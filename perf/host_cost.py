@@ -129,6 +129,7 @@ def _line(n: int, row: dict) -> str:
 
 
 SMOKE = {"calls": 40, "block": 10, "table_rows": 512, "cols": 64, "rows": [1, 7]}  # --smoke: ~10 s on 2 cores
+DEFAULTS = {"calls": 2000, "block": 100, "table_rows": 65536, "cols": 2048, "rows": [1, 64, 1024]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,21 +138,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="What one eager call costs the host: the lookup, the operator, the functional gather, torch's "
                     "index_select and embedding, over the same registered host table. Needs a CUDA GPU; --smoke "
                     "runs it small on the CPU.",
-        epilog="exit status: 0 every provider gave index_select's rows; 1 one differed; 2 refused before any work "
-               "(the message says why and which flag runs here). Progress goes to stderr, results to stdout and "
-               "--out.")
-    p.add_argument("--rows", type=command.positive_ints, default=[1, 64, 1024],
-                   help="ids per call, comma-separated (default 1,64,1024)")
-    p.add_argument("--cols", type=int, default=2048, help="bf16 columns of a row (default 2048)")
-    p.add_argument("--table-rows", type=int, default=65536, help="rows of the host table (default 65536)")
-    p.add_argument("--calls", type=int, default=2000, help="timed calls per provider and row count (default 2000)")
-    p.add_argument("--block", type=int, default=100,
-                   help="calls of one provider before the next takes its turn (default 100)")
-    p.add_argument("--sync-every", type=int, default=8, help="calls between device synchronisations (default 8)")
+        epilog=command.EXIT_STATUSES.replace("every output agreed", "every provider gave index_select's rows")
+        + " Progress goes to stderr, results to stdout and --out.")
+    count = command.number(int, meaning="a count")
+    p.add_argument("--rows", type=command.positive_ints, help="ids per call, comma-separated (default 1,64,1024)")
+    p.add_argument("--cols", type=count, help="bf16 columns of a row (default 2048)")
+    p.add_argument("--table-rows", type=count, help="rows of the host table (default 65536)")
+    p.add_argument("--calls", type=count, help="timed calls per provider and row count (default 2000)")
+    p.add_argument("--block", type=count, help="calls of one provider before the next takes its turn (default 100)")
+    p.add_argument("--sync-every", type=count, default=8, help="calls between device synchronisations (default 8)")
     p.add_argument("--smoke", action="store_true",
                    help=f"a small run on the CPU on any machine: {SMOKE['calls']} calls at 1 and 7 ids on a "
                         f"{SMOKE['table_rows']}-row table of {SMOKE['cols']} columns, interpreted kernels, "
-                        "correctness only (about 10 s); the sizes above are then ignored")
+                        "correctness only (about 10 s); it sets the sizes above itself")
     p.add_argument("--out", help="directory for host_cost.json, made and checked writable before any work "
                                  "(default ./uvaple-results/<UTC time>_host_<gpu or cpu>/)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -162,13 +161,14 @@ def main(argv=None) -> int:
     prog = "uvaple bench --workload host"
     a = parse_args(argv)
     try:
-        if a.smoke:
-            vars(a).update(SMOKE)
-        else:
+        given = [f"--{k.replace('_', '-')}" for k in SMOKE if getattr(a, k) is not None]
+        if a.smoke and given:
+            raise command.Refused(f"--smoke sets its own sizes; {', '.join(given)} would be ignored: drop "
+                                  f"{'them' if len(given) > 1 else 'it'}, or drop --smoke to run the sizes given")
+        vars(a).update({k: v for k, v in (SMOKE if a.smoke else DEFAULTS).items() if getattr(a, k) is None})
+        if not a.smoke:
             command.needs_cuda("the host workload (it times GPU launches)",
                                "--smoke runs it small on the CPU (correctness only, about 10 s)")
-        if min(a.rows + [a.cols, a.table_rows, a.calls, a.block, a.sync_every]) < 1:
-            raise command.Refused("--rows, --cols, --table-rows, --calls, --block and --sync-every must be positive")
         # the random source and the host table made from it
         command.check_fits(2 * a.table_rows * a.cols * 2, f"a {a.table_rows:,} x {a.cols:,} bf16 table (and its "
                            "source)", "Pass a smaller --table-rows or --cols, or --smoke")

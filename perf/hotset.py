@@ -317,8 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Fewer bytes for token-id PLE rows: a hot set, de-duplication and fp8 rows, alone and together, "
                     "against the uncached lookup and vLLM's kernel shape (Gemma 3n E4B rows), each checked bit for "
                     "bit, then timed in CUDA graphs. Needs a CUDA GPU; --smoke runs it small on the CPU.",
-        epilog="exit status: 0 every lossless provider bit-exact; 1 one differed; 2 refused before any work (the "
-               "message says why and which flag runs here). Progress goes to stderr, results to stdout and --out.")
+        epilog=command.EXIT_STATUSES.replace("every output agreed", "every lossless provider bit-exact")
+        + " Progress goes to stderr, results to stdout and --out.")
     p.add_argument("--profile-ids", help="ids ranking the hot set (.npy or a text of whitespace-separated ids); "
                                          "with --serve-ids (default: two Zipf(1.1) draws, not text)")
     p.add_argument("--serve-ids", help="ids served and timed (a different text); with --profile-ids")
@@ -327,7 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=command.positive_ints, default=list(NS),
                    help=f"ids per call, comma-separated (default {','.join(map(str, NS))}; --smoke keeps those up "
                         f"to {DECODE_MAX}, else 64)")
-    p.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per timed point (default 20)")
+    p.add_argument("--replays", type=command.number(int, meaning="a count"), default=20,
+                   help="CUDA-graph replays per timed point (default 20)")
     p.add_argument("--smoke", action="store_true",
                    help=f"a small run on the CPU on any machine: a {SMOKE_ROWS:,}-row table of {SMOKE_COLS} bf16 "
                         "columns, interpreted kernels, correctness only, no timing (well under a minute)")

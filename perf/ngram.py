@@ -70,6 +70,7 @@ GIB = 1 << 30
 # Every timed call reads rows of ids no call read in the last SET_ROTATE_BYTES of rows (more than the
 # host's 300 MB last-level cache and the GPU's 50 MB L2): the rows come from DRAM, as a prefill's do.
 SET_ROTATE_BYTES = 1 << 30
+TABLE_GIB = 24.0  # the default table: the size the field reports its n-gram tables at
 SMOKE_ROWS = 20_000  # the --smoke table: 3.2 MB
 SMOKE_MAX_N = 1024  # --smoke's largest call (interpreted: 256 and 1,024 ids of both patterns, ~40 s of CPU on 2 cores)
 SWEEP_FLAGS = ("sweep", "split_sweep", "shape_sweep", "sort_sweep")
@@ -535,11 +536,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "sorted) against vLLM's kernel shape, a CPU gather, the split path and the memcpy ceiling, each "
                     "checked bit for bit, then timed in CUDA graphs. Needs a CUDA GPU; --smoke runs it small on the "
                     "CPU.",
-        epilog="exit status: 0 every provider bit-exact; 1 a provider's rows differed; 2 refused before any work "
-               "(the message says why and which flag runs here). Progress goes to stderr, results to stdout and "
-               "--out.")
-    p.add_argument("--table-gib", type=float, default=24.0,
-                   help="table size in GiB (default 24; must fit in free host memory; --smoke: a 20,000-row table)")
+        epilog=command.EXIT_STATUSES.replace("every output agreed", "every provider bit-exact")
+        + " Progress goes to stderr, results to stdout and --out.")
+    p.add_argument("--table-gib", type=command.number(meaning="GiB"),
+                   help=f"table size in GiB (default {TABLE_GIB:g}; must fit in free host memory; --smoke sets its "
+                        f"own, a {SMOKE_ROWS:,}-row table)")
     p.add_argument("--rows", type=command.positive_ints, default=list(N_DEFAULT),
                    help=f"ids per call, comma-separated (default {','.join(map(str, N_DEFAULT))}; --smoke keeps "
                         f"those up to {SMOKE_MAX_N:,}, else 256)")
@@ -550,7 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-sweep", action="store_true", help="also the split sweep (GPU share x chunk rows) (GPU)")
     p.add_argument("--shape-sweep", action="store_true", help="also the kernels' program shapes, cold rows (GPU)")
     p.add_argument("--sort-sweep", action="store_true", help="also the sorted call's sort alone and coarser keys (GPU)")
-    p.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per timed point (default 20)")
+    p.add_argument("--replays", type=command.number(int, meaning="a count"), default=20,
+                   help="CUDA-graph replays per timed point (default 20)")
     p.add_argument("--smoke", action="store_true",
                    help=f"a small run on the CPU on any machine: a {SMOKE_ROWS:,}-row table, interpreted kernels, "
                         "correctness only, no timing (about a minute on 2 cores)")
@@ -564,6 +566,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_runnable(a: argparse.Namespace) -> None:
     """Refuse (:class:`command.Refused`) what this machine cannot run, before anything is built."""
     sweeps = [f"--{f.replace('_', '-')}" for f in SWEEP_FLAGS if getattr(a, f)]
+    if a.smoke and a.table_gib is not None:
+        raise command.Refused(f"--smoke sets its own table ({SMOKE_ROWS:,} rows); --table-gib {a.table_gib:g} would be "
+                              "ignored: drop it, or drop --smoke to time that table on a GPU")
+    if a.table_gib is None:
+        a.table_gib = TABLE_GIB
     if a.smoke:
         if sweeps:
             raise command.Refused(f"{', '.join(sweeps)} {'time' if len(sweeps) > 1 else 'times'} CUDA graphs on a "

@@ -141,7 +141,7 @@ def test_format_table_lines():
 
 def test_exit_code():
     assert bench.exit_code([_row()]) == 0
-    assert bench.exit_code([_row(), _row(check="error")]) == 2
+    assert bench.exit_code([_row(), _row(check="error")]) == 3  # its own status: 2 is a refusal before any work
     assert bench.exit_code([_row(check="error"), _row(check="MISMATCH")]) == 1
 
 

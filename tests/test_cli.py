@@ -222,6 +222,10 @@ def test_a_table_bigger_than_free_host_memory_is_refused_naming_the_flag(capsys,
      ["--profile-ids /nonexistent/p.npy: no readable file"]),
     (["--smoke", "--full"], ["--full (the GPU sweep) and --smoke (the small CPU run) exclude each other"]),
     (["--workload=zipf"], ["--workload must be 'ple'"]),
+    (["--workload", "ngram", "--smoke", "--table-gib", "500"], ["--smoke sets its own table", "--table-gib 500 would "
+                                                                "be ignored"]),
+    (["--workload", "host", "--smoke", "--cols", "64", "--calls", "9"], ["--smoke sets its own sizes; --calls, "
+                                                                         "--cols would be ignored"]),
 ])
 def test_what_cannot_run_is_refused_before_any_work(capsys, nothing_built, tmp_path, argv, names):
     """Point 3: GPU-only flags with --smoke (ngram's sweeps used to be skipped without a word), a half-given
@@ -400,3 +404,57 @@ def test_shm_list_shows_the_tables_bytes_and_the_mapped_size(capsys):
         [info] = [i for i in json.loads(capsys.readouterr().out) if i["name"] == name]
         assert info["table_bytes"] == 3 * 1024 and info["stride_bytes"] == 1024
         assert info["size_bytes"] == (2 << 20) + 4096
+
+
+# -------------------------------------------------------------------------------------------- bad values, named
+@pytest.mark.parametrize("argv,said", [
+    (["bench", "--row-bytes", "x"], "argument --row-bytes: expected row sizes in bytes (17920, 128k) or e2b"),
+    (["bench", "--rows", "1,x"], "argument --rows: expected comma-separated positive integers, got '1,x'"),
+    (["bench", "--table-gib", "a"], "argument --table-gib: expected sizes in GiB above 0"),
+    (["bench", "--point-time", "-1"], "argument --point-time: expected a number above 0 (seconds), got '-1'"),
+    (["bench", "--time-budget", "-5"], "argument --time-budget: expected a number at least 0 (seconds; 0: no limit)"),
+    (["bench", "--host-mem-gib", "-3"], "argument --host-mem-gib: expected a number above 0 (GiB), got '-3'"),
+    (["bench", "--workload", "ngram", "--table-gib", "nan"], "argument --table-gib: expected a number above 0 (GiB)"),
+    (["bench", "--workload", "host", "--cols", "0"], "argument --cols: expected a number above 0 (a count), got '0'"),
+    (["bench", "--workload", "hotset", "--replays", "0"], "argument --replays: expected a number above 0"),
+    (["doctor", "--seconds", "-1"], "argument --seconds: expected a number of seconds above 0, got '-1'"),
+    (["shm"], "say what to do: 'uvaple shm list' shows the shared tables"),
+])
+def test_a_bad_value_is_named_with_what_was_typed_and_what_is_accepted(capsys, argv, said):
+    """argparse's internals never reach the user (``invalid _parse_row_bytes value``, ``the following arguments
+    are required: cmd``), and a value the command cannot honour is refused, not run or ignored."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err, err
+    assert "invalid" not in err and "_parse" not in err and "required: cmd" not in err
+
+
+def test_every_workloads_help_gives_the_exit_status_of_a_failed_provider(capsys):
+    for argv in (["bench"], ["bench", "--workload", "ngram"], ["bench", "--workload", "hotset"],
+                 ["bench", "--workload", "host"]):
+        out = " ".join(_help(capsys, [*argv, "--help"]).split())
+        assert "2 refused before any work" in out and "3 a provider or a point failed" in out, argv
+
+
+def test_doctor_says_what_it_checks_before_it_waits(capsys):
+    from uvaple import doctor
+
+    said = []
+    doctor.capabilities(measure=False, say=said.append)
+    assert said and "checking torch and CUDA" in said[0]
+    if not torch.cuda.is_available():
+        said.clear()
+        doctor.capabilities(measure=True, seconds=0.2, say=said.append)
+        assert any("timing the copy placement and the interpreted gather" in m for m in said)
+
+
+def test_a_shared_table_directory_that_is_not_a_tmpfs_is_refused_without_hiding_it(tmp_path):
+    from uvaple.uva import segments
+
+    if system.filesystem_type(str(tmp_path)) == segments.TMPFS_MAGIC:
+        pytest.skip("this machine's temporary directory is a tmpfs")
+    with pytest.raises(segments.SharedSegmentError) as e:
+        segments.segment_dir(tmp_path)
+    msg = str(e.value)
+    assert "a mount hides what" in msg and "new empty directory" in msg and f"none {tmp_path}" not in msg

@@ -96,14 +96,16 @@ def segment_dir(directory: str | os.PathLike | None = None) -> str:
     except TypeError:
         raise SharedSegmentError(f"a shared-table directory is a path, got {directory!r}") from None
     if not isinstance(d, str) or not os.path.isdir(d):
-        raise SharedSegmentError(f"shared-table directory {d!r} is not an existing directory; create it (a "
-                                 f"tmpfs mount: mount -t tmpfs -o huge=always,size=<table>G none {d})")
+        raise SharedSegmentError(f"shared-table directory {d!r} is not an existing directory; create it and mount a "
+                                 f"tmpfs on it (mkdir -p {d} && mount -t tmpfs -o huge=always,size=<table>G uvaple "
+                                 f"{d}), or use the default {SHM_DIR}")
     fstype = system.filesystem_type(d)
     if fstype is not None and fstype != TMPFS_MAGIC:
         raise SharedSegmentError(
             f"shared-table directory {d!r} is not on a tmpfs (filesystem type {fstype:#x}): a table there "
-            f"would be backed by a disk. Mount a tmpfs on it (mount -t tmpfs -o huge=always,size=<table>G "
-            f"none {d}) or use the default {SHM_DIR}")
+            f"would be backed by a disk. Use the default {SHM_DIR}, or mount a tmpfs on a new empty directory (a "
+            f"mount hides what {d!r} holds: mkdir /mnt/uvaple && mount -t tmpfs -o huge=always,size=<table>G uvaple "
+            f"/mnt/uvaple) and give that")
     return os.path.abspath(d)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from uvaple.dtypes import fmt_bytes
@@ -120,13 +121,17 @@ def _measure_cpu(seconds: float) -> tuple[float, float]:
     return rates[0] * row_bytes / 1e9, rates[1]
 
 
-def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None = None) -> Capabilities:
-    """Probe this machine for the UVA path (``measure``: also time the two ~``seconds`` benchmarks)."""
+def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None = None,
+                 say: Callable[[str], object] | None = None) -> Capabilities:
+    """Probe this machine for the UVA path (``measure``: also time the two ~``seconds`` benchmarks; ``say``: told
+    what is being checked, before each step that takes a while)."""
+    say = say or (lambda _msg: None)
     caps = Capabilities()
     soft, _ = system.memlock_limit()
     caps.memlock_soft_bytes = soft
     caps.mem_available_bytes = system.mem_available_bytes()
     caps.shm_huge_pages = system.huge_pages_in("/dev/shm")
+    say("checking torch and CUDA (importing torch takes a few seconds)")
     try:
         import torch
     except ImportError:
@@ -137,6 +142,8 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
         caps.reason = ("no CUDA GPU is visible to torch (torch.cuda.is_available() is False)"
                        + ("; this torch is the CPU build" if not torch.version.cuda else ""))
         if measure:
+            say(f"no GPU: timing the copy placement and the interpreted gather on the CPU (about {seconds:g} s, and "
+                "the Triton interpreter's start; --no-measure skips this)")
             caps.cpu_copy_gbps, caps.cpu_interpreter_rows_per_s = _measure_cpu(seconds)
         return caps
     if cuda_runtime.runtime() is None:
@@ -173,6 +180,8 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
         caps.reason = "the GPU lacks " + ", ".join(missing) + "; use the 'copy' backend"
         return caps
     if measure:
+        say(f"{caps.device_name}: building a 1 GiB registered table, then timing the pinned copy and the zero-copy "
+            f"gather (about {seconds:g} s; --no-measure skips this)")
         try:
             caps.h2d_ceiling_gbps, caps.zero_copy_read_gbps = _measure(dev, seconds)
         except Exception as e:  # noqa: BLE001 - report, do not hide, a failing measurement
@@ -271,10 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-measure", action="store_true",
                    help="skip the measurements (with a GPU: the pinned copy and the zero-copy gather; without: the "
                         "copy placement and the interpreted gather)")
-    p.add_argument("--seconds", type=float, default=2.0,
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r} (--no-measure "
+                                             "skips the measurements)")
+        return value
+
+    p.add_argument("--seconds", type=seconds, default=2.0,
                    help="time the measurements take together (default 2; a GPU's also builds a 1 GiB table)")
     a = p.parse_args(argv)
-    caps = capabilities(measure=not a.no_measure, seconds=a.seconds)
+    caps = capabilities(measure=not a.no_measure, seconds=a.seconds,
+                        say=lambda msg: print(f"uvaple doctor: {msg}", file=sys.stderr, flush=True))
     code, said = exit_status(caps), verdict(caps)
     if a.json:
         print(json.dumps(dict(asdict(caps), uva_usable=caps.uva_usable, exit_status=code, verdict=said), indent=2))

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "nobody uses.",
                                 epilog="exit status: 0 done; 2 a usage error or a --dir that is not a tmpfs "
                                        "directory")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="{list,clean}")
     lst = sub.add_parser("list", help="show the segments: the table's bytes (rows x row stride), the file's "
                                       "(mapped), state, creator, shape, dtype, who has it open, tag")
     lst.add_argument("--json", action="store_true", help="print JSON (table_bytes and size_bytes, the file's, in "
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     cl.add_argument("--dir", help=f"the segments' directory (default {segments.SHM_DIR})")
     a = p.parse_args(argv)
+    if a.cmd is None:
+        p.error("say what to do: 'uvaple shm list' shows the shared tables, 'uvaple shm clean' removes those no "
+                "process has open (uvaple shm --help)")
     try:
         directory = segments.segment_dir(a.dir)
     except segments.SharedSegmentError as e:
