@@ -49,9 +49,10 @@ table (:class:`~uvaple.integration.encoded_embedding.HostEncodedEmbedding`) and 
 ``codes.to(dtype) * scale.to(dtype)``.
 
 Options, as for Gemma 3n: ``backend`` (placement), ``oob`` (default ``"zero"``: hashed ids never leave the
-table), ``backend_options`` (hot set, ``order`` / ``dedup``, ``quantize``; for the loader also
-``keep_source=False``: quantise straight from the shards and keep no bf16 table), ``max_tokens`` (tokens per
-forward; the lookup's static output holds ``max_tokens * ngram_heads`` rows).
+table), ``backend_options`` (hot set, ``order`` / ``dedup``, ``quantize``; with ``keep_source=False`` the
+``fp8_row`` table is made straight from the source, the loader's shards or a live model's table, block by block,
+and no table of the source's dtype is kept: a live model's ``revert()`` then gives back the rows as served),
+``max_tokens`` (tokens per forward; the lookup's static output holds ``max_tokens * ngram_heads`` rows).
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .embedding import HostScaledEmbedding
+from uvaple.kernels.encodings import ENCODINGS
+
+from .embedding import QUANTIZE, HostScaledEmbedding
+from .encoded_embedding import HostEncodedEmbedding
 from .hf import apply_uvaple, from_pretrained_with_host_tables
 from .ngram_tables import NoPleLayersError
+from .quantize import fp8_row_table
 
 __all__ = ["apply_uvaple_to_qwen4_exp", "revert_uvaple_to_qwen4_exp", "load_qwen4_exp_with_host_ple",
            "ngram_embedding_class", "ngram_ids", "layer_multipliers", "NoPleLayersError"]
@@ -138,6 +143,38 @@ def _embedding_options(opts: dict, heads: int) -> dict:
                 register=opts.get("register", "auto"), max_tokens=None if max_tokens is None else max_tokens * heads)
 
 
+def _quantize_from_source(backend_options: dict | None) -> bool:
+    """``backend_options`` ask for an ``fp8_row`` table made from the source with none of the source's dtype kept
+    (``quantize`` with ``keep_source=False``)."""
+    options = backend_options or {}
+    return options.get("quantize") is not None and not options.get("keep_source", True)
+
+
+def _quantized_embedding(emb: nn.Embedding, options: dict) -> HostEncodedEmbedding:
+    """``emb``'s table (any device) quantised block by block straight into a new ``fp8_row`` host table (no host
+    copy in its own dtype), served as :class:`HostEncodedEmbedding`; ``options`` are :func:`_embedding_options`'."""
+    backend_options = dict(options["backend_options"])
+    fmt = QUANTIZE.get(backend_options.pop("quantize"))
+    if fmt is None:
+        raise ValueError(f"backend_options['quantize'] must be one of {sorted(QUANTIZE)} or None, got "
+                         f"{options['backend_options']['quantize']!r}")
+    if options["backend"] not in ("uva", "device"):
+        raise ValueError(f"backend_options['quantize'] serves the 'uva' and 'device' placements, not "
+                         f"{options['backend']!r}")
+    weight = emb.weight.detach()
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"backend_options['quantize'] needs a bf16, fp16 or fp32 table, this one is {weight.dtype}")
+    table, err = fp8_row_table(weight, fmt, register=options["register"])
+    try:
+        return HostEncodedEmbedding(emb.num_embeddings, emb.embedding_dim, table, encoding="fp8_row",
+                                    out_dtype=weight.dtype, quant_error=err, backend=options["backend"],
+                                    oob=options["oob"], backend_options=backend_options,
+                                    register=options["register"], max_tokens=options["max_tokens"])
+    except BaseException:
+        table.close()
+        raise
+
+
 class _HostNGram:
     """The n-gram embedding with its table in host memory (see the module docstring). Mixed into transformers'
     ``Qwen4ExpTextNGramEmbedding`` by :func:`ngram_embedding_class`."""
@@ -185,8 +222,11 @@ class _HostNGram:
         opts = dict(backend=backend, oob=oob, backend_options=backend_options, register=register, max_tokens=max_tokens)
         source = child.ngram_embedding.weight
         new._source_place = (source.device, source.dtype)
+        options = _embedding_options(opts, child.ngram_heads)
+        if ngram_embedding is None and _quantize_from_source(backend_options):
+            ngram_embedding = _quantized_embedding(child.ngram_embedding, options)
         new.ngram_embedding = ngram_embedding if ngram_embedding is not None else HostScaledEmbedding.from_embedding(
-            child.ngram_embedding, **_embedding_options(opts, child.ngram_heads))
+            child.ngram_embedding, **options)
         if source.device.type == "cuda":
             new.ngram_embedding._lookup_for(source.device)  # built now, not inside a compiled or captured forward
         return new
@@ -197,9 +237,15 @@ class _HostNGram:
         child.ngram_embedding.weight.data = torch.empty(0, dtype=dtype, device=device)
 
     def restore_source(self, child: nn.Module) -> None:
-        """Give ``child`` its table back, copied from the host table."""
+        """Give ``child`` its table back, copied from the host table (an ``fp8_row`` table made from the source
+        with ``keep_source=False`` gives its rows as served: the source's rows rounded to fp8, times their scale)."""
         device, dtype = self._source_place
-        child.ngram_embedding.weight.data = self.ngram_embedding.weight.to(device=device, dtype=dtype, copy=True)
+        emb = self.ngram_embedding
+        if getattr(emb, "encoding", None) == "fp8_row":
+            rows = ENCODINGS["fp8_row"].dequantise(emb.weight, dtype)
+        else:
+            rows = emb.weight
+        child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=True)
 
     def host_embeddings(self) -> list[HostScaledEmbedding]:
         return [self.ngram_embedding]

@@ -506,6 +506,34 @@ def test_static_cache_compiled_generate_gpu(options):
     patch.revert()
 
 
+@pytest.mark.gpu
+def test_static_cache_compiled_generate_gives_the_eager_tokens_gpu():
+    """The user's path: generate with a static cache on CUDA compiles the decode forward (transformers' default
+    CompileConfig: inductor, mode="reduce-overhead") after an eager prefill. Its tokens are eager generate's
+    (disable_compile=True) and transformers' own eager tokens; its logits eager's to inductor's rounding. In
+    fp32: in bf16 inductor's fusion moves this model's logits by up to 0.8 and flips a near tie (0.002 apart) on
+    the H200, transformers' own model as much (compiled, it gives our tokens: the test above)."""
+    ref = build_reference(torch.float32, device="cuda")
+    model, patch = patched_copy(ref, "uva")
+    ids = prompts("cuda", shape=(2, 6), seed=15)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static",
+              suppress_tokens=[ref.config.eos_token_id, *range(VOCAB_PLE, VOCAB)],  # eight tokens a row, all read
+              return_dict_in_generate=True, output_logits=True)
+    want = ref.generate(ids, disable_compile=True, **kw)
+    eager = model.generate(ids, disable_compile=True, **kw)
+    assert torch.equal(eager.sequences, want.sequences)
+    torch._dynamo.reset()
+    config = transformers.CompileConfig(fullgraph=False, mode="reduce-overhead")
+    for run in range(2):  # compile and capture, then again (the graphs replayed)
+        got = model.generate(ids, compile_config=config, **kw)
+        assert hasattr(model, "_compiled_call")  # transformers took the compiled path for the decode steps
+        assert torch.equal(got.sequences, eager.sequences), f"run {run}"
+        for lg, le in zip(got.logits, eager.logits, strict=True):
+            torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
+    patch.revert()
+    torch._dynamo.reset()
+
+
 def test_deepcopy_gives_an_independent_table(device, ref32):
     model, patch = patched_copy(ref32.to(device))
     twin = copy.deepcopy(model)

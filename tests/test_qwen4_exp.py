@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("transformers.models.qwen4_exp", reason="this transformers has no Qwen4Exp (5.17 or later)")
 from helpers import bits  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
+from transformers import CompileConfig, DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: E402
 
 from uvaple.integration import ngram_tables  # noqa: E402
@@ -396,6 +396,52 @@ def test_fp8_rows_quantised_from_the_shards_equal_the_formula(ref, checkpoint, r
     assert fp8.shape == bf16.shape
 
 
+def test_a_live_model_is_quantised_once_from_its_own_table_when_the_source_is_not_kept(ref):
+    """``apply_uvaple_to_qwen4_exp(model, backend_options={"quantize": "fp8_row", "keep_source": False})``: each
+    table is quantised straight from the live module's rows into an fp8_row host table (no host copy in bf16),
+    the source is freed, the rows served are the formula's, and revert() gives back the rows as served."""
+    model = copy.deepcopy(ref)
+    sources = [m.ngram_embedding.weight.detach().clone() for m in ngram_modules(model)]
+    patch = apply_uvaple_to_qwen4_exp(model, backend_options={"quantize": "fp8_row", "keep_source": False})
+    try:
+        for mod, src in zip(ngram_modules(model), sources, strict=True):
+            emb = mod.ngram_embedding
+            assert isinstance(emb, HostEncodedEmbedding) and emb.encoding == "fp8_row"
+            assert not any(type(m) is HostScaledEmbedding for m in mod.modules())  # no bf16 host table
+            stored = emb.table.tensor
+            assert torch.equal(stored.view(torch.uint8), quantize_fp8_rows(src).view(torch.uint8))
+            assert emb.quant_error.rows == src.shape[0] and emb.compute_dtype == torch.bfloat16
+        # the tables are nowhere else: no parameter or buffer of the model holds n-gram rows
+        assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                    if "ngram_embedding" in n and t.numel() >= sources[0].shape[0]]
+        prompt = prompts((2, 5), seed=8)
+        kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+        want = copy.deepcopy(ref)
+        for mod, src in zip(ngram_modules(want), sources, strict=True):  # transformers' path over the served rows
+            mod.ngram_embedding.weight.data = ENCODINGS["fp8_row"].dequantise(quantize_fp8_rows(src), torch.bfloat16)
+        assert torch.equal(model.generate(prompt, **kw), want.generate(prompt, **kw))
+    finally:
+        patch.revert()
+    for mod, src in zip(ngram_modules(model), sources, strict=True):
+        assert type(mod).__name__ == "Qwen4ExpTextNGramEmbedding"
+        back = mod.ngram_embedding.weight
+        assert back.shape == src.shape and back.dtype == src.dtype
+        assert torch.equal(bits(back), bits(ENCODINGS["fp8_row"].dequantise(quantize_fp8_rows(src), torch.bfloat16)))
+
+
+@pytest.mark.parametrize("options,error,match", [
+    ({"quantize": "fp8", "keep_source": False}, ValueError, "must be one of \\['fp8_row', 'fp8_row_e5m2'\\]"),
+])
+def test_a_bad_quantize_setting_on_a_live_model_is_named_and_leaves_it_whole(ref, options, error, match):
+    model = copy.deepcopy(ref)
+    before = [m.ngram_embedding.weight.detach().clone() for m in ngram_modules(model)]
+    with pytest.raises(error, match=match):
+        apply_uvaple_to_qwen4_exp(model, backend_options=options)
+    for mod, src in zip(ngram_modules(model), before, strict=True):
+        assert type(mod).__name__ == "Qwen4ExpTextNGramEmbedding" and torch.equal(bits(mod.ngram_embedding.weight),
+                                                                                   bits(src))
+
+
 def fp8_checkpoint(src: Path, dst: Path, quantization_config: bool) -> list[torch.Tensor]:
     """``src`` with its n-gram shards in transformers' FP8Embedding layout (fp8 codes, one weight_scale)."""
     shutil.copytree(src, dst)
@@ -629,28 +675,79 @@ def test_gpu_decode_step_has_no_host_synchronisation_and_is_captured(ref):
     # through the `cudagraphs` backend (the eager kernels, captured). The layer through inductor only to
     # rounding: it fuses the layer's elementwise ops and keeps fp32 between them where eager rounds each to
     # bf16 (one or two bf16 ulps in a few values).
+    # The prefill runs eagerly, as generate runs it: a linear-attention cache layer allocates its conv states on
+    # its first update (transformers' LinearAttentionLayer.lazy_initialization, 5.17 to 5.24) and marks them
+    # static only outside dynamo; allocated inside a compiled prefill they would live in the CUDA-graph pool and
+    # a later replay would overwrite them (transformers' own states 0 and 1 as much as the n-gram context, 2).
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
     counters.clear()
     ours, theirs = model.model.layers[1].ple, want.model.layers[1].ple
     rows_ours, rows_hf = ngram_modules(model)[1], copy.deepcopy(ngram_modules(ref)[1]).cuda()
-    rows_captured = torch.compile(rows_ours, fullgraph=True, mode="reduce-overhead")
-    layer_exact = torch.compile(ours, fullgraph=True, backend="cudagraphs")
-    layer_fused = torch.compile(ours, fullgraph=True, mode="reduce-overhead")
-    calls = {"theirs": theirs, "exact": layer_exact, "fused": layer_fused, "rows_hf": rows_hf, "rows": rows_captured}
-    caches = {name: transformers.StaticCache(config=model.config, max_cache_len=32) for name in calls}
+    eager = {"theirs": theirs, "exact": ours, "fused": ours, "rows_hf": rows_hf, "rows": rows_ours}
+    compiled = {"theirs": theirs, "rows_hf": rows_hf,
+                "exact": torch.compile(ours, fullgraph=True, backend="cudagraphs"),
+                "fused": torch.compile(ours, fullgraph=True, mode="reduce-overhead"),
+                "rows": torch.compile(rows_ours, fullgraph=True, mode="reduce-overhead")}
+    caches = {name: transformers.StaticCache(config=model.config, max_cache_len=32) for name in eager}
+    layer = {name: (rows_ours if name.startswith("rows") else ours.ple_embedding).layer_idx for name in eager}
     width = model.config.hc_count * model.config.hidden_size
     step = prompts((2, 6), seed=12).cuda()
+    states = None
     with torch.no_grad():
-        for i in range(6):  # a prefill, then decode steps: the first calls compile and capture, the rest replay
+        for i in range(7):  # an eager prefill, then decode steps: the first compile, the next capture, the rest replay
             hidden = torch.randn(2, step.shape[1], width, device="cuda", dtype=torch.bfloat16)
-            args = {name: (step,) if name.startswith("rows") else (hidden, step) for name in calls}
+            args = {name: (step,) if name.startswith("rows") else (hidden, step) for name in eager}
+            calls = eager if i == 0 else compiled
             got = {name: call(*args[name], caches[name]).clone() for name, call in calls.items()}
             assert torch.equal(bits(got["rows"]), bits(got["rows_hf"]))
             assert torch.equal(bits(got["exact"]), bits(got["theirs"]))
             torch.testing.assert_close(got["fused"], got["theirs"], rtol=1.6e-2, atol=2**-10)
-            step = torch.randint(2, VOCAB, (2, 1), device="cuda") if i != 2 else torch.full((2, 1), EOS, device="cuda")
+            now = {(name, s): caches[name].layers[layer[name]].conv_states[s] for name in eager
+                   for s in ((2,) if name.startswith("rows") else (1, 2))}  # 1: the PLE's short conv, 2: n-grams
+            assert all(torch.equal(t, now["theirs", 2]) for (_, s), t in now.items() if s == 2)  # the same context
+            if states is None:  # allocated by the eager prefill: fixed addresses the graphs update in place
+                states = {key: t.data_ptr() for key, t in now.items()}
+            assert {key: t.data_ptr() for key, t in now.items()} == states
+            step = torch.randint(2, VOCAB, (2, 1), device="cuda") if i != 3 else torch.full((2, 1), EOS, device="cuda")
     assert not any("cudagraph_skip" in k for k in counters["inductor"]) and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 3  # one decode graph each, never recompiled
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_gpu_generate_compiled_by_transformers_with_a_static_cache_gives_the_eager_tokens(ref):
+    """The user's path: generate with a static cache on CUDA compiles the decode forward (transformers' default
+    CompileConfig: inductor, mode="reduce-overhead", fullgraph=False, the QSA indexer's torch.nonzero breaking
+    the graph) after an eager prefill, the n-gram modules inside the compiled steps. Its tokens are eager
+    generate's and transformers' own (table on the CPU, eager); its logits eager's to inductor's rounding. Read
+    n-gram context overwritten by a replay would give other rows, and other logits."""
+    from torch._dynamo.utils import counters
+
+    model = copy.deepcopy(ref).cuda()
+    theirs = copy.deepcopy(ref).cuda()
+    for mod in ngram_modules(theirs):
+        mod.ngram_embedding.to("cpu")
+    patch = apply_uvaple_to_qwen4_exp(model, max_tokens=64)
+    prompt = prompts((2, 6), seed=11).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    reference = theirs.generate(prompt, disable_compile=True, **kw)
+    eager = model.generate(prompt, disable_compile=True, **kw)
+    assert torch.equal(eager.sequences, reference.sequences)
+    torch._dynamo.reset()
+    counters.clear()
+    config = CompileConfig(fullgraph=False, mode="reduce-overhead")
+    for run in range(2):  # compile and capture, then again (the cache reused or rebuilt, the graphs replayed)
+        got = model.generate(prompt, compile_config=config, **kw)
+        assert hasattr(model, "_compiled_call")  # transformers took the compiled path for the decode steps
+        assert torch.equal(got.sequences, eager.sequences), f"run {run}"
+        for lg, le in zip(got.logits, eager.logits, strict=True):
+            torch.testing.assert_close(lg, le, rtol=2e-2, atol=2e-2)
+    assert counters["stats"]["unique_graphs"] > 0
+    patch.revert()
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------- the GPU study
