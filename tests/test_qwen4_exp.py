@@ -722,11 +722,12 @@ def test_gpu_generate_compiled_by_transformers_with_a_static_cache_gives_the_eag
     CompileConfig: inductor, mode="reduce-overhead", fullgraph=False, the QSA indexer's torch.nonzero breaking
     the graph) after an eager prefill, the n-gram modules inside the compiled steps. Its tokens are eager
     generate's and transformers' own (table on the CPU, eager); its logits eager's to inductor's rounding. Read
-    n-gram context overwritten by a replay would give other rows, and other logits."""
+    n-gram context overwritten by a replay would give other rows, and other logits. In fp32: in bf16 inductor
+    moves the logits by 1e-3 where two lead by 1.5e-3 (H200, torch 2.11), a tie another version could flip."""
     from torch._dynamo.utils import counters
 
-    model = copy.deepcopy(ref).cuda()
-    theirs = copy.deepcopy(ref).cuda()
+    model = copy.deepcopy(ref).float().cuda()
+    theirs = copy.deepcopy(ref).float().cuda()
     for mod in ngram_modules(theirs):
         mod.ngram_embedding.to("cpu")
     patch = apply_uvaple_to_qwen4_exp(model, max_tokens=64)
@@ -744,7 +745,7 @@ def test_gpu_generate_compiled_by_transformers_with_a_static_cache_gives_the_eag
         assert hasattr(model, "_compiled_call")  # transformers took the compiled path for the decode steps
         assert torch.equal(got.sequences, eager.sequences), f"run {run}"
         for lg, le in zip(got.logits, eager.logits, strict=True):
-            torch.testing.assert_close(lg, le, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] > 0
     patch.revert()
     torch._dynamo.reset()
