@@ -79,8 +79,8 @@ class TableSpec:
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < self.cols:
             raise ValueError(f"TableSpec.stride must be an int >= cols ({self.cols}), got {self.stride!r}")
         object.__setattr__(self, "stride", stride)
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"TableSpec.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+        if self.encoding not in _REGISTRY:
+            raise ValueError(f"TableSpec.encoding must be one of {tuple(_REGISTRY)}, got {self.encoding!r}")
         enc = _REGISTRY[self.encoding]
         out = check_policy(self.dtype, scale=self.scale, oob=self.oob, out_dtype=self.out_dtype,
                            dequant=enc.scale != "none")
@@ -131,8 +131,7 @@ class TableSpec:
 
     @property
     def dequant(self) -> int:
-        """The kernel's ``dequant``: 0 (rows as stored), 1/2 (e4m3fn/e5m2 codes x the global scale), 3/4
-        (e4m3fn/e5m2 codes x the row's own scale)."""
+        """The operators' ``dequant`` code of this table's encoding and dtype (the registry's entry lists it)."""
         return _REGISTRY[self.encoding].kernel_code(self.dtype)
 
     @property

@@ -14,7 +14,7 @@ import torch
 
 from uvaple.dtypes import FLOAT_DTYPES, TABLE_DTYPES
 
-from .encodings import DEQUANT_CODES, FP8_FORMATS, ROW_SCALE_BYTES
+from .encodings import FP8_FORMATS, encoding_of_code
 
 __all__ = ["OOB_POLICIES", "OOB_MODES", "ID_BASE_LIMIT", "OUT_DTYPES", "ID_DTYPES", "column_range", "check_policy",
            "check_ids", "check_out", "check_table", "scale_bits", "check_fixed", "check_call", "check_hot",
@@ -149,17 +149,21 @@ def check_fixed(table: torch.Tensor, dq_scale, id_base: int, row_lo: int, oob_mo
     """What a plan fixes: the table's layout, the row range, the policy codes, the fp8 scale."""
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.stride(1) != 1:
         raise ValueError(f"uvaple::{what}: the table must be a 2-D tensor with unit column stride")
-    if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2) \
-            or dequant not in DEQUANT_CODES:
-        raise ValueError(f"uvaple::{what}: row_lo {row_lo}, id_base {id_base}, oob_mode {oob_mode} or dequant "
-                         f"{dequant} is out of range (table of {table.shape[0]} rows, id_base < 2**62)")
-    if dequant in (1, 2) and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32
-                              or table.element_size() != 1):
-        raise ValueError(f"uvaple::{what}: fp8 dequantisation needs a 1-byte table and a float32 scale of one "
-                         "element")
-    if dequant in (3, 4) and (table.element_size() != 1 or table.shape[1] <= ROW_SCALE_BYTES):
-        raise ValueError(f"uvaple::{what}: fp8 rows with a row scale need a 1-byte table whose last "
-                         f"{ROW_SCALE_BYTES} columns are the scale")
+    if not 0 <= row_lo < table.shape[0] or not 0 <= id_base < ID_BASE_LIMIT or oob_mode not in (0, 1, 2):
+        raise ValueError(f"uvaple::{what}: row_lo {row_lo}, id_base {id_base} or oob_mode {oob_mode} is out of "
+                         f"range (table of {table.shape[0]} rows, id_base < 2**62)")
+    try:
+        enc, fmt = encoding_of_code(dequant)
+    except ValueError as e:
+        raise ValueError(f"uvaple::{what}: {e}") from None
+    if fmt is not None and table.element_size() != fmt.itemsize:
+        raise ValueError(f"uvaple::{what}: {enc.name} rows of {fmt} need a table of {fmt.itemsize}-byte elements, "
+                         f"got {table.dtype}")
+    if enc.scale == "global" and (dq_scale is None or dq_scale.numel() != 1 or dq_scale.dtype != torch.float32):
+        raise ValueError(f"uvaple::{what}: {enc.name} dequantisation needs a float32 scale of one element")
+    if enc.trailer_bytes and table.shape[1] <= enc.trailer_bytes:
+        raise ValueError(f"uvaple::{what}: {enc.name} rows end in {enc.trailer_bytes} bytes of scale: the table "
+                         f"needs more than {enc.trailer_bytes} columns, it has {table.shape[1]}")
 
 
 def check_call(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, col_start: int, dequant: int, what: str,
@@ -176,10 +180,10 @@ def check_call(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, col_st
     if col_start < 0 or col_start + ncols > table.shape[1]:
         raise ValueError(f"uvaple::{what}: columns {col_start}..{col_start + ncols} are not inside the table's "
                          f"{table.shape[1]}")
-    if dequant >= 3 and col_start + ncols > table.shape[1] - ROW_SCALE_BYTES:
-        raise ValueError(f"uvaple::{what}: fp8 rows with a row scale need a 1-byte table whose last "
-                         f"{ROW_SCALE_BYTES} columns are the scale; columns {col_start}..{col_start + ncols} reach "
-                         f"into them (table of {table.shape[1]} columns)")
+    trailer = encoding_of_code(dequant)[0].trailer_bytes
+    if trailer and col_start + ncols > table.shape[1] - trailer:
+        raise ValueError(f"uvaple::{what}: the last {trailer} columns of these rows are their scale; columns "
+                         f"{col_start}..{col_start + ncols} reach into them (table of {table.shape[1]} columns)")
     if out.device != ids.device or (dq_scale is not None and dq_scale.device != ids.device):
         raise ValueError(f"uvaple::{what}: out (and an fp8 scale) must be on the ids' device {ids.device}")
     return ncols

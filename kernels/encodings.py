@@ -1,8 +1,8 @@
 """Row encodings: how a table's rows are stored and turned into the values a lookup returns.
 
 An encoding is one entry of :data:`ENCODINGS` (an :class:`Encoding`): the table dtypes it stores rows in,
-its row layout (values, then any bytes of scale that trail them), the constant that selects its branch in
-the kernels (``DEQUANT``, :mod:`uvaple.kernels.rows`), its quantiser (float rows to stored rows) and its
+its row layout (values, then any bytes of scale that trail them), its operators' codes and the kernels'
+constants (``FP8``, ``SCALE``: :mod:`uvaple.kernels.rows`), its quantiser (float rows to stored rows) and its
 torch reference (stored rows to values), which every kernel path is compared against bit for bit.
 
 * ``raw``: rows as stored, any supported dtype (the model's scale and output dtype are the lookup's
@@ -20,8 +20,20 @@ under ``fmax * 2^-150`` would otherwise get scale 0); an all-zero row (table) ge
 inf or NaN cannot be scaled and is an error naming the row. Per element, ``|x - deq| <= |x| * 2^-(m+1) +
 s * 2^-(m+bias)`` for an m-bit mantissa, plus the output dtype's rounding of the product.
 
-A new encoding (int8 rows with a per-row scale, say) is one more entry here and one more ``DEQUANT``
-branch in ``rows.convert_rows``; ``TableSpec`` (:mod:`uvaple.integration.spec`) accepts every name here.
+What the kernels are told. An operator call names its table's encoding and format by one integer, the
+``dequant`` code: each entry lists its codes (one per table dtype it stores rows in), and
+:func:`encoding_of_code` is the only reading of them; a code no entry lists is refused when a plan is made
+(:func:`uvaple.kernels.checks.check_fixed`). The kernels' branches are chosen by two constants the entry
+gives (:meth:`Encoding.kernel_constants`): ``FP8`` (the code format, :data:`FP8_FORMATS`, or 0) and ``SCALE``
+(:data:`SCALE_KINDS`: none, one global scale, or the row's own float32 scale, read ``trailer`` bytes before
+the row's end). The operators' checks read the entry too: the bytes a row's values may not reach
+(``trailer``), the element size of its formats, whether it needs a global scale.
+
+A new encoding is one entry here (:func:`register`): its codes, its scale kind and trailer, its quantiser and
+torch reference. A layout the kernels already read (fp8 codes with a global or a trailing row scale, any
+trailer of whole 4-byte words) needs nothing else; a new way of decoding values (int8 codes, say) is one more
+branch of ``rows.convert_rows`` and one more ``FP8``-like constant. ``TableSpec``
+(:mod:`uvaple.integration.spec`) accepts every name here.
 """
 
 from __future__ import annotations
@@ -31,17 +43,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Encoding", "ENCODINGS", "FP8_FORMATS", "FP8_MAX", "ROW_SCALE_BYTES", "DEQUANT_CODES",
-           "quantize_fp8_rows", "quantize_fp8_global", "encoding_of_code"]
+__all__ = ["Encoding", "ENCODINGS", "FP8_FORMATS", "FP8_MAX", "ROW_SCALE_BYTES", "SCALE_KINDS", "register",
+           "unregister", "quantize_fp8_rows", "quantize_fp8_global", "encoding_of_code"]
 
-#: fp8 dtype -> the kernels' ``DEQUANT`` code for codes times a global scale (+ 2: times the row's own scale)
+#: fp8 dtype -> the kernels' ``FP8`` constant (how a code byte widens to fp32)
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 #: the largest finite value of each fp8 format
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-#: bytes of the float32 scale an ``fp8_row`` row carries after its codes
+#: bytes of the float32 scale a row-scaled row carries (the first bytes of its trailer)
 ROW_SCALE_BYTES = 4
-#: every ``DEQUANT`` code the kernels know: 0 rows as stored, 1/2 fp8 x global scale, 3/4 fp8 x row scale
-DEQUANT_CODES = (0, 1, 2, 3, 4)
+#: ``Encoding.scale`` -> the kernels' ``SCALE`` constant
+SCALE_KINDS = {"none": 0, "global": 1, "row": 2}
 
 
 def _bf16_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -125,21 +137,46 @@ class Encoding:
     quantise: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None
     #: the torch reference: (stored rows [n, cols], out dtype or None, global scale or None) -> values
     dequantise: Callable[..., torch.Tensor]
+    #: the operators' ``dequant`` code of each table dtype it stores rows in ((None, code) where ``dtypes`` is None)
+    codes: tuple[tuple[torch.dtype | None, int], ...] = ((None, 0),)
+    #: bytes after a row's values: the row's float32 scale first (``scale == "row"``), then any padding; whole
+    #: 4-byte words (the kernels read the scale as one word where the row stride allows)
+    trailer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale not in SCALE_KINDS:
+            raise ValueError(f"encoding {self.name!r}: scale must be one of {sorted(SCALE_KINDS)}, got {self.scale!r}")
+        if (self.scale == "row") != (self.trailer > 0) or self.trailer % ROW_SCALE_BYTES:
+            raise ValueError(f"encoding {self.name!r}: a row scale is a trailer of whole {ROW_SCALE_BYTES}-byte words "
+                             f"(and only a row scale has one), got scale {self.scale!r} and trailer {self.trailer}")
+        dtypes = [d for d, _ in self.codes]
+        if (self.dtypes is None and dtypes != [None]) or (self.dtypes is not None and sorted(map(str, dtypes)) !=
+                                                          sorted(map(str, self.dtypes))):
+            raise ValueError(f"encoding {self.name!r}: one code per table dtype it stores rows in, got {self.codes}")
+        if self.scale != "none" and any(d not in FP8_FORMATS for d in dtypes):
+            raise ValueError(f"encoding {self.name!r}: the kernels dequantise fp8 codes only ({list(FP8_FORMATS)})")
 
     @property
     def trailer_bytes(self) -> int:
-        """Bytes after a row's values (its own scale)."""
-        return ROW_SCALE_BYTES if self.scale == "row" else 0
+        """Bytes after a row's values (its own scale, then any padding)."""
+        return self.trailer
 
     def value_cols(self, cols: int) -> int:
         """Values a whole stored row of ``cols`` columns gives."""
         return cols - self.trailer_bytes
 
     def kernel_code(self, dtype: torch.dtype) -> int:
-        """The kernels' ``DEQUANT`` constant for a table of ``dtype`` in this encoding."""
-        if self.scale == "none":
-            return 0
-        return FP8_FORMATS[dtype] + (2 if self.scale == "row" else 0)
+        """The operators' ``dequant`` code for a table of ``dtype`` in this encoding."""
+        key = None if self.dtypes is None else dtype
+        for d, code in self.codes:
+            if d == key:
+                return code
+        raise TypeError(f"the {self.name} encoding stores rows as {[str(d) for d in self.dtypes]}, not {dtype}")
+
+    def kernel_constants(self, dtype: torch.dtype | None) -> dict[str, int]:
+        """The kernels' ``FP8`` and ``SCALE`` constants for a table of ``dtype`` in this encoding."""
+        fp8 = FP8_FORMATS[dtype] if self.scale != "none" else 0
+        return {"FP8": fp8, "SCALE": SCALE_KINDS[self.scale]}
 
     def check(self, dtype: torch.dtype, cols: int) -> None:
         """A ``[*, cols]`` table of ``dtype`` can hold rows of this encoding (a named error if not)."""
@@ -150,15 +187,51 @@ class Encoding:
                              f"needs more than {self.trailer_bytes} columns, this table has {cols}")
 
 
-ENCODINGS: dict[str, Encoding] = {
-    "raw": Encoding("raw", "none", None, None, _dequant_raw),
-    "fp8_global": Encoding("fp8_global", "global", tuple(FP8_FORMATS), quantize_fp8_global, _dequant_global),
-    "fp8_row": Encoding("fp8_row", "row", tuple(FP8_FORMATS),
-                        lambda src, fmt=torch.float8_e4m3fn, **kw: (quantize_fp8_rows(src, fmt, **kw), None),
-                        _dequant_row),
-}
+ENCODINGS: dict[str, Encoding] = {}
 
 
-def encoding_of_code(dequant: int) -> Encoding:
-    """The encoding a kernels' ``DEQUANT`` code reads."""
-    return ENCODINGS["raw" if dequant == 0 else "fp8_global" if dequant in (1, 2) else "fp8_row"]
+def register(encoding: Encoding) -> Encoding:
+    """Add ``encoding`` to :data:`ENCODINGS` (its name and its codes new to the registry)."""
+    if not isinstance(encoding, Encoding):
+        raise TypeError(f"register takes an Encoding, got {type(encoding).__name__}")
+    taken = {code: e.name for e in ENCODINGS.values() for _, code in e.codes}
+    clash = [code for _, code in encoding.codes if code in taken]
+    if encoding.name in ENCODINGS or clash:
+        raise ValueError(f"encoding {encoding.name!r}: the name or the codes {clash} are taken "
+                         f"({sorted(ENCODINGS)}; codes {taken})")
+    ENCODINGS[encoding.name] = encoding
+    _index()
+    return encoding
+
+
+def unregister(name: str) -> None:
+    """Remove the encoding ``name`` (a test's toy); the three built in stay."""
+    if name in ("raw", "fp8_global", "fp8_row"):
+        raise ValueError(f"the {name} encoding is built in")
+    ENCODINGS.pop(name, None)
+    _index()
+
+
+def encoding_of_code(dequant) -> tuple[Encoding, torch.dtype | None]:
+    """The encoding and table format an operator's ``dequant`` code names; a code no entry lists is a
+    ``ValueError``. (Every operator call asks: a dictionary read, rebuilt when the registry changes.)"""
+    found = _CODES.get(dequant) if type(dequant) is int else None
+    if found is None:
+        raise ValueError(f"dequant {dequant!r} names no encoding (the registry's codes: {sorted(_CODES)})")
+    return found
+
+
+_CODES: dict[int, tuple[Encoding, torch.dtype | None]] = {}
+
+
+def _index() -> None:
+    _CODES.clear()
+    _CODES.update({code: (e, dtype) for e in ENCODINGS.values() for dtype, code in e.codes})
+
+
+register(Encoding("raw", "none", None, None, _dequant_raw))
+register(Encoding("fp8_global", "global", tuple(FP8_FORMATS), quantize_fp8_global, _dequant_global,
+                  codes=((torch.float8_e4m3fn, 1), (torch.float8_e5m2, 2))))
+register(Encoding("fp8_row", "row", tuple(FP8_FORMATS),
+                  lambda src, fmt=torch.float8_e4m3fn, **kw: (quantize_fp8_rows(src, fmt, **kw), None), _dequant_row,
+                  codes=((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 4)), trailer=ROW_SCALE_BYTES))

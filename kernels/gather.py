@@ -60,6 +60,7 @@ from .checks import (
     column_range,
     scale_bits,
 )
+from .encodings import encoding_of_code
 from .launch import KernelLaunch
 from .tuning import LaunchConfig, launch_config
 
@@ -78,7 +79,7 @@ def gather_rows_kernel(
     ids_ptr,  # *Pointer* to the flattened ids, int32 or int64
     out_ptr,  # *Pointer* to the output [n_ids, n_cols], contiguous
     counters_ptr,  # *Pointer* to int64 [3]: lookups, rows, out-of-range ids (read only when COUNT)
-    dq_scale_ptr,  # *Pointer* to the fp32 dequantisation scale [1] (read only when DEQUANT)
+    dq_scale_ptr,  # *Pointer* to the fp32 dequantisation scale [1] (read only when SCALE is 1)
     hot_ptr,  # *Pointer* to row 0 of the hot set: device copies of table rows, the table's stride (HOT)
     slot_ptr,  # *Pointer* to int32 [n_rows]: the hot slot of each table row, or -1 (HOT)
     n_hot,  # slots in the hot set (a slot outside 0..n_hot is a miss, whatever the map holds)
@@ -91,18 +92,19 @@ def gather_rows_kernel(
     col_start,  # first column of the range to copy
     n_cols,  # columns to copy per row
     scale_bits,  # int32: the bits of the fp32 scale, already rounded to the table dtype (HAS_SCALE)
-    scale_col,  # the column (byte) of a row's own float32 scale (DEQUANT 3/4)
+    scale_col,  # the column (byte) of a row's own float32 scale (SCALE 2)
     HAS_SCALE: tl.constexpr,  # multiply by the scale with the model's rounding
     CONVERT: tl.constexpr,  # go through fp32 (scale or a different output dtype)
     OOB_ROW0: tl.constexpr,  # out-of-range ids read row row_lo (else they give a zero row)
     NEG_ZERO: tl.constexpr,  # zero rows are -0.0 (a sum over ranks then keeps every owner's bits)
-    DEQUANT: tl.constexpr,  # 0: as stored; 1/2: e4m3fn/e5m2 codes x the scale at dq_scale_ptr; 3/4: x the row's
+    FP8: tl.constexpr,  # the codes' fp8 format (encodings.FP8_FORMATS: 1 e4m3fn, 2 e5m2), 0: rows as stored
+    SCALE: tl.constexpr,  # encodings.SCALE_KINDS: 1 x the scale at dq_scale_ptr, 2 x the row's own (at scale_col)
     COUNT: tl.constexpr,  # add to the counters (one atomic per call, one per out-of-range id; HOT: per hit)
     HOT: tl.constexpr,  # rows in the hot set are read from it (HBM), the others from the table
     COUNT_IDS: tl.constexpr,  # count each valid id's lookup at id_counts_ptr (a hot set's profile)
-    SCALE_WORD: tl.constexpr,  # DEQUANT 3/4: the row scale is a 4-byte aligned word in the table and the hot set
+    SCALE_WORD: tl.constexpr,  # SCALE 2: the row scale is a 4-byte aligned word in the table and the hot set
     BLOCK: tl.constexpr,  # columns per program
-    ROW_TILES: tl.constexpr,  # a 1-D grid, the tiles of a row side by side (heuristics.LaunchConfig.row_tiles)
+    ROW_TILES: tl.constexpr,  # a 1-D grid, the tiles of a row side by side (tuning.LaunchConfig.row_tiles)
 ):
     if ROW_TILES:
         n_tiles = (n_cols + BLOCK - 1) // BLOCK
@@ -146,7 +148,7 @@ def gather_rows_kernel(
         if tile == 0:
             tl.atomic_add(id_counts_ptr + row, 1, mask=valid, sem="relaxed")
     row_scale = 0.0
-    if DEQUANT >= 3:
+    if SCALE == 2:
         if HOT:
             # one read of the scale, from wherever the row's codes came (slot and row are inside their buffers)
             src = tl.where(hit, hot_ptr + slot * table_stride, table_ptr + row * table_stride)
@@ -154,7 +156,7 @@ def gather_rows_kernel(
             src = table_ptr + row * table_stride  # row is inside the table
         row_scale = row_scale_bits(src + scale_col, True, SCALE_WORD).to(tl.float32, bitcast=True)
     y = convert_rows(x, load_mask, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT,
-                 OOB_ROW0, NEG_ZERO, DEQUANT)
+                 OOB_ROW0, NEG_ZERO, FP8, SCALE)
     tl.store(out_ptr + pid * n_cols + cols, y, mask=cols < n_cols)
 
 
@@ -179,11 +181,12 @@ def kernel_views(table: torch.Tensor, out_dtype: torch.dtype, has_scale: bool, o
 
 
 def scale_word(view: torch.Tensor, hot_view: torch.Tensor | None, dequant: int) -> bool:
-    """Whether every row's own scale (``dequant`` 3/4) is a 4-byte aligned word in the table (and the hot
-    set): the kernels then read it with one load, not four (1-byte tables: strides and offsets are bytes)."""
-    if dequant < 3:
+    """Whether every row's own scale (a row-scaled encoding's) is a 4-byte aligned word in the table (and the
+    hot set): the kernels then read it with one load, not four (1-byte tables: strides and offsets are bytes)."""
+    trailer = encoding_of_code(dequant)[0].trailer_bytes
+    if not trailer:
         return False
-    col = view.shape[1] - 4
+    col = view.shape[1] - trailer
     bufs = (view,) if hot_view is None else (view, hot_view)
     return all((b.data_ptr() + col) % 4 == 0 and b.stride(0) % 4 == 0 for b in bufs)
 
@@ -201,13 +204,14 @@ class FixedArgs:
         hot_view = None if hot_rows is None else kernel_views(hot_rows, out_dtype, has_scale, oob_mode, dequant)[0]
         self.source = table  # what a captured graph must keep alive (capture.keep_for_graph)
         self.host_memory = capture.is_host_memory(table)
+        enc, fmt = encoding_of_code(dequant)  # the registry's entry: what the kernels read and where
         self.dequant, self.row_lo = dequant, row_lo
-        self.mid = (counters, dq_scale if dequant in (1, 2) else None, hot_view, slot_map,
+        self.mid = (counters, dq_scale if enc.scale == "global" else None, hot_view, slot_map,
                     0 if hot_view is None else hot_view.shape[0], id_counts)
         self.fixed = (id_base, row_lo, self.view.shape[0], self.view.stride(0))
-        self.tail = (bits, self.view.shape[1] - 4 if dequant >= 3 else 0)
+        self.tail = (bits, self.view.shape[1] - enc.trailer_bytes if enc.trailer_bytes else 0)
         self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,
-                              DEQUANT=dequant, COUNT=counters is not None, HOT=hot_view is not None,
+                              **enc.kernel_constants(fmt), COUNT=counters is not None, HOT=hot_view is not None,
                               COUNT_IDS=id_counts is not None, SCALE_WORD=scale_word(self.view, hot_view, dequant))
 
 

@@ -77,7 +77,8 @@ def gather_sorted_kernel(
     n,  # ids in this call
     id_base, row_lo, n_rows, table_stride, col_start, n_cols, scale_bits, scale_col,  # as gather_rows_kernel
     HAS_SCALE: tl.constexpr, CONVERT: tl.constexpr, OOB_ROW0: tl.constexpr, NEG_ZERO: tl.constexpr,
-    DEQUANT: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr, COUNT_IDS: tl.constexpr, SCALE_WORD: tl.constexpr,
+    FP8: tl.constexpr, SCALE: tl.constexpr, COUNT: tl.constexpr, HOT: tl.constexpr, COUNT_IDS: tl.constexpr,
+    SCALE_WORD: tl.constexpr,
     DEDUP: tl.constexpr,  # read each distinct id of a tile once; its repeats copy the first one's output row
     KEYS: tl.constexpr,  # sorted_ptr holds row keys (row_keys_kernel: row - row_lo + 1, 0 for an out-of-range id)
     BLOCK_R: tl.constexpr,  # sorted ids per program
@@ -158,7 +159,7 @@ def gather_sorted_kernel(
     else:
         x = tl.load(table_ptr + row[:, None] * table_stride + col_start + cols[None, :], mask=keep, other=0)
     row_scale = 0.0
-    if DEQUANT >= 3:
+    if SCALE == 2:
         if HOT:
             # the scale's bits from the set or the table, each load masked: the other gives 0 (no select)
             bits = row_scale_bits(hot_ptr + slot * table_stride + scale_col, hit, SCALE_WORD) | \
@@ -167,7 +168,7 @@ def gather_sorted_kernel(
             bits = row_scale_bits(table_ptr + row * table_stride + scale_col, leader, SCALE_WORD)  # repeats: none
         row_scale = bits.to(tl.float32, bitcast=True)[:, None]
     y = convert_rows(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE, CONVERT, OOB_ROW0,
-                 NEG_ZERO, DEQUANT)
+                 NEG_ZERO, FP8, SCALE)
     tl.store(out_ptr + pos[:, None] * n_cols + cols[None, :], y, mask=reads[:, None] & col_ok[None, :])
     if DEDUP:
         tl.debug_barrier()  # the leaders' rows are written and visible to the whole program

@@ -106,17 +106,16 @@ def _round_f32(x, DTYPE: tl.constexpr):
 
 @jit
 def convert_rows(x, keep, dq_scale_ptr, row_scale, scale_bits, table_ptr, out_ptr, HAS_SCALE: tl.constexpr,
-             CONVERT: tl.constexpr, KEEP_ALL: tl.constexpr, NEG_ZERO: tl.constexpr, DEQUANT: tl.constexpr):
-    """Loaded elements ``x`` to the output's values: fp8 dequantisation (``DEQUANT`` 1/2: the global scale
-    at ``dq_scale_ptr``; 3/4: ``row_scale``, each row's own), scale, dtype conversion; where ``keep`` is false
-    (and not ``KEEP_ALL``) a zero (or -0.0) instead, whatever the scale."""
-    if DEQUANT != 0:
+             CONVERT: tl.constexpr, KEEP_ALL: tl.constexpr, NEG_ZERO: tl.constexpr, FP8: tl.constexpr,
+             SCALE: tl.constexpr):
+    """Loaded elements ``x`` to the output's values: fp8 dequantisation (``FP8``: the codes' format, 0 none;
+    ``SCALE`` 1: the global scale at ``dq_scale_ptr``, 2: ``row_scale``, each row's own: the encoding's
+    constants, :meth:`~uvaple.kernels.encodings.Encoding.kernel_constants`), scale, dtype conversion; where
+    ``keep`` is false (and not ``KEEP_ALL``) a zero (or -0.0) instead, whatever the scale."""
+    if FP8 != 0:
         # vLLM's formula: rows.to(out_dtype) * scale.to(out_dtype); fp8 widens to any out dtype exactly
-        if DEQUANT == 1 or DEQUANT == 3:
-            v = _fp8_to_f32(x, 1)
-        else:
-            v = _fp8_to_f32(x, 2)
-        if DEQUANT >= 3:
+        v = _fp8_to_f32(x, FP8)
+        if SCALE == 2:
             sc = row_scale
         else:
             sc = tl.load(dq_scale_ptr).to(tl.float32)

@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from uvaple.kernels import gather, gather_sorted, jit
+from uvaple.kernels.encodings import encoding_of_code
 
 POINTERS = {"ids_ptr": "*i64", "counters_ptr": "*i64", "dq_scale_ptr": "*fp32", "slot_ptr": "*i32",
             "id_counts_ptr": "*i64", "sorted_ptr": "*i64", "order_ptr": "*i64"}
@@ -40,6 +41,12 @@ def _signature(fn, dequant: int, constexprs: dict) -> dict:
     return sig
 
 
+def _dq(dequant: int) -> dict:
+    """The kernels' constants of an operator's ``dequant`` code, as a launch takes them from the registry."""
+    enc, fmt = encoding_of_code(dequant)
+    return enc.kernel_constants(fmt)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kernel", ["gather_rows_kernel", "gather_sorted_kernel"])
 def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
@@ -47,7 +54,7 @@ def test_the_gather_kernels_compile_for_sm90(kernel, tmp_path, monkeypatch):
     fn = getattr(jit.variant(gather if kernel == "gather_rows_kernel" else gather_sorted, False), kernel)
     compiled = 0
     for dequant, count, hot, count_ids in itertools.product((0, 1, 3), (False, True), (False, True), (False, True)):
-        cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": hot, "NEG_ZERO": False, "DEQUANT": dequant,
+        cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": hot, "NEG_ZERO": False, **_dq(dequant),
               "COUNT": count, "HOT": hot, "COUNT_IDS": count_ids, "SCALE_WORD": dequant == 3 and count}
         cx.update({"BLOCK": 1024, "ROW_TILES": count_ids} if kernel == "gather_rows_kernel" else
                   {"DEDUP": count, "KEYS": not count_ids, "BLOCK_R": 4, "BLOCK_C": 256})
@@ -93,7 +100,7 @@ def test_the_sorted_kernel_compiles_for_one_column_rows(row_bytes, itemsize, deq
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     fn = jit.variant(gather_sorted, False).gather_sorted_kernel
     cfg = sorted_config(row_bytes, itemsize, True)
-    cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, "DEQUANT": dequant,
+    cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, **_dq(dequant),
           "COUNT": True, "HOT": True, "COUNT_IDS": True, "SCALE_WORD": False, "DEDUP": True, "KEYS": keys,
           "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
     sig = _signature(fn, dequant, cx)
@@ -120,7 +127,7 @@ def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched
     fn = jit.variant(gather_sorted, False).gather_sorted_kernel
     cfg = sorted_config(ncols, 1, True)
     cx = {"HAS_SCALE": False, "CONVERT": True, "OOB_ROW0": oob == "row0", "NEG_ZERO": oob == "neg_zero",
-          "DEQUANT": 4, "COUNT": True, "HOT": True, "COUNT_IDS": False, "SCALE_WORD": word, "DEDUP": True,
+          **_dq(4), "COUNT": True, "HOT": True, "COUNT_IDS": False, "SCALE_WORD": word, "DEDUP": True,
           "KEYS": id_type == "keys", "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols}
     sig = _signature(fn, 4, cx)
     sig["sorted_ptr"] = "*i32" if id_type == "keys" else id_type

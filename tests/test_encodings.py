@@ -231,3 +231,85 @@ def test_a_row_scale_is_read_as_one_word_only_where_it_is_aligned():
     base = torch.zeros(8, 20, dtype=torch.uint8)
     assert scale_word(base[:, :20], None, 3) is True
     assert scale_word(base.view(-1)[1:].view(-1)[:140].view(7, 20), None, 3) is False  # the buffer is misaligned
+
+
+# ---------------------------------------------------------------------- the registry
+def _padded_dequant(rows: torch.Tensor, out_dtype, scale=None) -> torch.Tensor:
+    """The toy encoding's reference: codes, then a float32 scale, then 4 bytes of padding."""
+    dtype = out_dtype or torch.bfloat16
+    cols = rows.shape[1] - 8
+    s = rows[:, cols:cols + 4].clone().view(torch.uint8).view(torch.float32)
+    return rows[:, :cols].to(dtype) * s.to(dtype)
+
+
+@pytest.fixture
+def toy():
+    """A toy encoding in the registry: fp8 rows whose scale is followed by 4 bytes of padding (an 8-byte trailer),
+    code 9; removed again after the test."""
+    from uvaple.kernels import encodings
+
+    enc = encodings.register(encodings.Encoding("fp8_row_pad8", "row", (torch.float8_e4m3fn,), None, _padded_dequant,
+                                                codes=((torch.float8_e4m3fn, 9),), trailer=8))
+    yield enc
+    encodings.unregister("fp8_row_pad8")
+
+
+@pytest.mark.parametrize("order", ["direct", "sorted"])
+def test_a_new_encoding_is_one_registry_entry_that_every_check_and_path_reads(device, toy, order):
+    """Registered, the toy is a TableSpec encoding, its code reaches the kernels through the plan, both gather paths
+    read each row's scale where the entry says (8 bytes before the end: the padding after it is never read), and the
+    operators' checks keep calls out of its 8-byte trailer, by the entry, not by literal codes."""
+    g = torch.Generator().manual_seed(21)
+    codes = torch.randint(0, 256, (50, 13), generator=g, dtype=torch.uint8)
+    codes[codes == 0x7F] = 0x10  # no NaN codes: compared with torch.equal below
+    codes[codes == 0xFF] = 0x90
+    scales = (torch.rand(50, generator=g) + 0.5).view(-1, 1)
+    pad = torch.randint(0, 256, (50, 4), generator=g, dtype=torch.uint8)  # garbage: a read of it would show
+    t = torch.cat([codes, scales.view(torch.uint8).reshape(-1, 4), pad], dim=1).view(torch.float8_e4m3fn)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, encoding="fp8_row_pad8")
+        assert spec.dequant == 9 and spec.value_cols == 13
+        ids = torch.tensor([[3, 49, 0, 3], [17, 60, -2, 8]], device=device)
+        with make_lookup("uva", h, device=device, spec=spec, max_rows=8, order=order) as lk:
+            got = lk.lookup(ids)
+            rows = torch.where((ids >= 0) & (ids < 50), ids, 0).cpu()
+            want = _padded_dequant(t[rows.reshape(-1)], torch.bfloat16).view(2, 4, 13)
+            want[((ids < 0) | (ids >= 50)).cpu()] = 0
+            assert got.shape == (2, 4, 13) and torch.equal(bits(got.cpu()), bits(want))
+        out = torch.empty(2, 14, dtype=torch.bfloat16, device=device)
+        flat = torch.tensor([1, 2], device=device)
+        with pytest.raises(ValueError, match="last 8 columns of these rows are their scale"):
+            torch.ops.uvaple.gather_rows(h.tensor, flat, out, None, None, 0, False, 0, 0, 0, 0, 9)
+    short = torch.zeros(4, 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="end in 8 bytes of scale"):
+        torch.ops.uvaple.gather_rows(short, flat.cpu(), torch.empty(2, 1, dtype=torch.bfloat16), None, None, 0, False,
+                                     0, 0, 0, 0, 9)
+
+
+def test_a_code_no_encoding_lists_is_refused_when_the_plan_is_made(device):
+    from uvaple.kernels import encodings
+    from uvaple.kernels.plan import GatherPlan
+
+    table = torch.zeros(8, 12, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    for code in (5, 9, -1, True):
+        with pytest.raises(ValueError, match=f"dequant {code!r} names no encoding .the registry's codes: "
+                                             r"\[0, 1, 2, 3, 4\]"):
+            GatherPlan(table, torch.device(device), torch.bfloat16, dequant=code)
+    ids = torch.tensor([1], device=device)
+    with pytest.raises(ValueError, match="dequant 7 names no encoding"):
+        torch.ops.uvaple.gather_rows(table, ids, torch.empty(1, 4, dtype=torch.bfloat16, device=device), None, None,
+                                     0, False, 0, 0, 0, 0, 7)
+    raw = encodings.ENCODINGS["raw"]
+    with pytest.raises(ValueError, match="the name or the codes \\[0\\] are taken"):
+        encodings.register(encodings.Encoding("raw2", "none", None, None, raw.dequantise))
+    with pytest.raises(ValueError, match="a row scale is a trailer of whole 4-byte words"):
+        encodings.Encoding("bad", "row", (torch.float8_e4m3fn,), None, raw.dequantise,
+                           codes=((torch.float8_e4m3fn, 11),), trailer=6)
+    with pytest.raises(ValueError, match="one code per table dtype"):
+        encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), None, raw.dequantise,
+                           codes=((torch.float8_e4m3fn, 11),))
+    with pytest.raises(ValueError, match="dequantise fp8 codes only"):
+        encodings.Encoding("bad", "global", (torch.int8,), None, raw.dequantise, codes=((torch.int8, 11),))
+    with pytest.raises(ValueError, match="built in"):
+        encodings.unregister("fp8_row")
+    assert sorted(encodings.ENCODINGS) == ["fp8_global", "fp8_row", "raw"]

@@ -396,7 +396,7 @@ def test_a_plan_refuses_what_the_operator_refuses(device):
 
     table = rand(8, 4, torch.bfloat16).to(device)
     fp8 = torch.zeros(8, 4, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="fp8 dequantisation needs"):
+    with pytest.raises(ValueError, match="fp8_global dequantisation needs a float32 scale"):
         GatherPlan(fp8, torch.device(device), torch.bfloat16, dequant=1)
     plan = GatherPlan(table, torch.device(device), torch.bfloat16)
     ids = torch.tensor([1, 2], device=device)

@@ -269,8 +269,12 @@ def test_the_public_op_stays_inside_the_table_and_out(table, device):
         with pytest.raises(ValueError, match="id_base"):
             torch.ops.uvaple.gather_rows(wide, ids, torch.empty(1, 48, dtype=t.dtype, device=device), None,
                                          None, 0, False, 0, id_base, 0, 0, 0)
-    with pytest.raises(ValueError, match="dequantisation"):
+    with pytest.raises(ValueError, match="fp8_global rows of torch.float8_e4m3fn need a table of 1-byte elements"):
         torch.ops.uvaple.gather_rows(wide, ids, torch.empty(1, 48, dtype=t.dtype, device=device), None,
+                                     None, 0, False, 0, 0, 0, 0, 1)
+    codes = torch.zeros(4, 8, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="fp8_global dequantisation needs a float32 scale of one element"):
+        torch.ops.uvaple.gather_rows(codes, ids, torch.empty(1, 8, dtype=torch.bfloat16, device=device), None,
                                      None, 0, False, 0, 0, 0, 0, 1)
 
 
