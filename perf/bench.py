@@ -1,6 +1,6 @@
 """``uvaple bench``: gather latency and bandwidth of every PLE provider, and table readiness, in one run.
 
-What one run measures (all ratios come from the same run, never a lone time — DESIGN.md):
+What one run measures (all ratios come from the same run, never a lone time):
 
 * **gather** points: for each row size (Gemma 3n E2B 15,360 B, E4B 17,920 B, n-gram PLE 128 KiB), each
   table size (random rows over the whole table) and each row count ``n``, every provider:
@@ -51,7 +51,15 @@ from uvaple.machine import gpu_info
 from . import command
 from .config import CEILING, GIB, PRESETS, PROVIDERS, ROW_BYTES, ROW_COUNTS, BenchConfig, fmt_gib, make_config
 from .meta import collect_meta
-from .report import banner, format_headline, format_readiness_table, format_table, write_results
+from .report import (
+    CPU_LEGEND,
+    TABLE_LEGEND,
+    banner,
+    format_headline,
+    format_readiness_table,
+    format_table,
+    write_results,
+)
 from .sweep import empty_row, run_bench
 
 # The pieces live in config, meta, timing, providers, sweep, readiness and report; this module is the
@@ -289,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["pcie_link_end"] = info["pcie_link"] if info else "unknown"
     print()
     print(format_table(rows))
+    print(TABLE_LEGEND if cfg.cuda else TABLE_LEGEND + "\n" + CPU_LEGEND)
     if any(r.get("kind") == "readiness" for r in rows):
         print()
         print(format_readiness_table(rows))

@@ -10,7 +10,7 @@ import torch
 GIB = 1 << 30
 MIB = 1 << 20
 
-# Row sizes of the PLE tables we serve (DESIGN.md): Gemma 3n E2B = 30 layers × 256 bf16, E4B = 35 × 256 bf16,
+# Row sizes of the PLE tables we serve: Gemma 3n E2B = 30 layers × 256 bf16, E4B = 35 × 256 bf16,
 # and an n-gram PLE row (tables reach ~95 GB with rows of 100–200 KB; 128 KiB is their middle).
 ROW_BYTES = {"e2b": 30 * 256 * 2, "e4b": 35 * 256 * 2, "ngram": 128 * 1024}
 ROW_COUNTS = (1, 8, 64, 256, 1024, 4096, 16384)

@@ -175,6 +175,9 @@ def main(argv=None) -> int:
         out = command.workload_out("host", a.out, not a.smoke)
     except command.Refused as e:
         return command.refuse(prog, e)
+    if a.smoke:
+        command.say("# CPU run (--smoke): interpreted kernels on CPU tensors; the times below are the interpreter's, "
+                    "not a GPU's host cost: this run checks the rows")
     command.say(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
                 "'!' marks a provider whose rows differ from index_select's")
     command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10}")

@@ -42,7 +42,6 @@ lossless one bit-exact against the uncached lookup first:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -300,7 +299,7 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
                 rec["all_online_over_peer"] = us["peer"] / us["all_online"]
                 rec["all_auto_over_peer"] = us["peer"] / us["all_auto"]
                 rec["all_auto_sorted"] = lookups["all_auto"].uses_sorted(n)
-            command.say(json.dumps(rec))
+            command.say(point_line(rec))
             res["results"].append(rec)
     finally:
         for lk in lookups.values():
@@ -309,6 +308,21 @@ def run(rows: int, cols: int, profile: np.ndarray, serve: np.ndarray, hot_fracti
         fp8_table.close()
         g_table.close()
     return res
+
+
+def point_line(rec: dict) -> str:
+    """One point as a person reads it (the whole record is in hotset.json): ids, hit rates, what differed, and on
+    a GPU the graph-replay microseconds of each lookup and the peer's time over the levers together."""
+    differ = [name for name, ok in rec["bit_exact"].items() if not ok]
+    line = (f"n={rec['n']:,} ({rec['kind']}, {rec['distinct']:.0f} distinct): hot set hit rate {rec['hit_rate']:.3f}, "
+            f"online {rec['online_hit_rate']:.3f}; "
+            + (f"DIFFERED: {', '.join(differ)}" if differ else f"all {len(rec['bit_exact'])} checks exact"))
+    us = rec.get("us")
+    if us:
+        names = [k for k in ("uncached", "hot", "dedup", "hot_dedup", "fp8", "all", "all_online", "all_auto", "peer")
+                 if k in us]
+        line += "; us " + ", ".join(f"{k} {us[k]:.1f}" for k in names) + f"; peer / all {rec['all_over_peer']:.2f}"
+    return line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

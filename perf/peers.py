@@ -1,6 +1,6 @@
 """Peer implementations the benchmark measures ``uva`` against.
 
-Three peers, each as good as we can make it (DESIGN.md, "Baselines are built to win"):
+Three peers, each as good as we can make it (a baseline is built to win):
 
 * :func:`row_gather` — one Triton program per id that loads the whole row as one masked tile
   (``BLOCK = next_power_of_2(cols)``). This is the shape of vLLM's UVA PLE kernel (PR 54371); the code

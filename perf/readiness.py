@@ -249,7 +249,7 @@ def _readiness_safetensors(path: Path, rows: int, cols: int, cfg: BenchConfig, p
 def readiness_estimate_s(cfg: BenchConfig) -> float:
     """Seconds the readiness part should take (kept in reserve by the gather sweep's time budget).
 
-    Per GiB: ~0.1 s HostTable.empty (DESIGN.md: 32 GiB prefault + register in 2.1 s), ~0.6 s
+    Per GiB: ~0.1 s HostTable.empty (32 GiB prefault + register in 2.1 s on the H200), ~0.6 s
     torch.empty(pin_memory=True) (single-threaded fault + pin: 100 GiB in 44-78 s), and where a file is
     written ~1.2 s more (write, HostTable load, pinned alloc + copy).
     """

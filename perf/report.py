@@ -52,6 +52,20 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: what each column of :func:`format_table` is (printed under it, and written to summary.txt)
+TABLE_LEGEND = (
+    "columns: us_med and p20-p80 eager microseconds a lookup (median, 20th-80th percentile); GB/s the rows' "
+    "bytes over us_med; xceil GB/s over memcpy-ceiling's (a contiguous pinned copy of the same bytes, the "
+    "link's best), xuva over uva's; graph_us the same call replayed from a CUDA graph (launch cost removed) and "
+    "g_xceil its GB/s over the graph-timed ceiling; cpu_us host CPU time a lookup, every thread; gpu_MiB device "
+    "memory the provider holds; check its rows against uva's (ok: bit for bit).")
+#: under a CPU run's table: why its ratios are no bound
+CPU_LEGEND = (
+    "CPU run: every provider and the ceiling are CPU copies here (no link is crossed), and the ceiling copies one "
+    "contiguous block while the providers gather rows into buffers already warm in cache: a provider above 1.00 "
+    "xceil here breaks no bound; the ratios mean something on a GPU only.")
+
+
 def format_readiness_table(rows: Iterable[dict[str, Any]]) -> str:
     """One line per readiness measurement: method, size, seconds, GiB/s, check."""
     lines = [f"{'method':<52} {'size':>7} {'seconds':>9} {'GiB/s':>8} check"]
@@ -165,7 +179,9 @@ def write_results(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike, me
                 w.writerow({k: ("" if v is None else v) for k, v in r.items()})
         written[f"csv_{kind}"] = path
     path = out / "summary.txt"
-    path.write_text(banner(meta) + "\n\n" + format_table(rows) + "\n\n" + format_readiness_table(rows) + "\n")
+    legend = TABLE_LEGEND if meta.get("mode") == "gpu" else TABLE_LEGEND + "\n" + CPU_LEGEND
+    path.write_text(banner(meta) + "\n\n" + format_table(rows) + "\n" + legend + "\n\n" +
+                    format_readiness_table(rows) + "\n")
     written["summary"] = path
     if plots:
         written.update(plot_results(rows, out, meta))

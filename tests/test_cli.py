@@ -290,8 +290,26 @@ def test_a_smoke_run_writes_its_results_by_default_and_says_where_last(capsys, m
     assert main(["bench", "--workload", workload, "--smoke", "--quiet", *extra]) == 0
     [out] = (tmp_path / "uvaple-results").iterdir()
     assert out.name.endswith(f"_{workload}_cpu") and json.loads((out / name).read_text())
-    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    said = capsys.readouterr()
+    last = said.out.rstrip().splitlines()[-1]
     assert last.startswith(f"results in {out}/ (") and name in last
+    if workload == "ple":  # the columns are explained under the table, and why a CPU run's ratios are no bound
+        assert "xceil GB/s over memcpy-ceiling's" in said.out and "g_xceil" in said.out
+        assert "a provider above 1.00 xceil here breaks no bound" in said.out
+        assert "xceil GB/s over memcpy-ceiling's" in (out / "summary.txt").read_text()
+    if workload == "host":
+        assert "the times below are the interpreter's" in said.out + said.err
+
+
+def test_a_hotset_point_is_a_line_a_person_reads():
+    rec = {"n": 64, "kind": "decode", "distinct": 51.2, "hit_rate": 0.81234, "online_hit_rate": 0.9,
+           "bit_exact": {"hot": True, "dedup": False, "peer": True}}
+    line = hotset.point_line(rec)
+    assert line == ("n=64 (decode, 51 distinct): hot set hit rate 0.812, online 0.900; DIFFERED: dedup")
+    rec["bit_exact"]["dedup"] = True
+    rec.update(us={"uncached": 10.0, "hot": 4.0, "all": 2.5, "peer": 12.5, "sort": 3.0}, all_over_peer=5.0)
+    assert hotset.point_line(rec).endswith("all 3 checks exact; us uncached 10.0, hot 4.0, all 2.5, peer 12.5; "
+                                           "peer / all 5.00")
 
 
 @pytest.mark.parametrize("workload", ["ngram", "hotset", "host"])

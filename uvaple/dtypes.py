@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SAFETENSORS_DTYPES", "TABLE_DTYPES", "FLOAT_DTYPES", "dtype_name", "itemsize", "fmt_bytes"]
+__all__ = ["SAFETENSORS_DTYPES", "TABLE_DTYPES", "FLOAT_DTYPES", "dtype_name", "fmt_bytes"]
 
 #: safetensors' dtype names (also what a shared table's header stores).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -37,10 +37,6 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfl
 def dtype_name(dtype: torch.dtype) -> str:
     """safetensors' name of ``dtype`` (``"BF16"``)."""
     return _NAME_OF[dtype]
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def fmt_bytes(n: float) -> str:

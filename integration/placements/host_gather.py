@@ -1,7 +1,7 @@
 """CPU gathers of table rows into pinned staging, by numba or by ``torch.index_select``.
 
 Two placements use them, so they sit beside both: the copy placement (:mod:`.copy`) stages every row of
-a job with :func:`cpu_gather`, and the split lookup (``GatherLookup.lookup_split``) gathers its CPU share
+a job with :func:`cpu_gather`, and the split lookup (``SplitLookup.lookup_split``, :mod:`.split`) gathers its CPU share
 with :func:`gather_up` (chunks copied up while the next is gathered), mapping ids with :func:`split_rows`
 and :func:`ids_within` first.
 

@@ -28,7 +28,7 @@ import threading
 from .config import ENV_VARS, PluginConfig, PluginConfigError, from_sources
 
 __all__ = ["register", "SUPPORTED_VLLM", "MODELS", "PluginConfig", "PluginConfigError", "ENV_VARS",
-           "UnsupportedVllmVersion", "supported", "check_model"]
+           "supported", "check_model"]
 
 log = logging.getLogger("uvaple.vllm")
 
@@ -46,10 +46,6 @@ MODELS = {
 _lock = threading.Lock()
 _registered = False
 _warned_unserved = False
-
-
-class UnsupportedVllmVersion(PluginConfigError):
-    """The installed vLLM is not one the plugin supports (the plugin stays inert)."""
 
 
 def supported(version: str) -> bool:

@@ -38,7 +38,7 @@ key                     environment                    meaning
                                                        :func:`uvaple.integration.vllm.tables.export_metrics`.
 ``dedup``               ``UVAPLE_DEDUP``               ``false`` (default); ``true``: a prefill-sized call reads
                                                        each distinct id once (sorted, de-duplicated: the same
-                                                       bits; ``heuristics.dedup_min_ids``). For token-id tables
+                                                       bits; ``tuning.dedup_min_ids``). For token-id tables
                                                        (Gemma 3n); hashed n-gram ids hardly repeat.
 ``hot_cache_gb``        ``UVAPLE_HOT_CACHE_GB``        0 (default): no hot set; else 10^9 bytes of HBM per rank
                                                        for the rank's most frequent rows, ranked on
