@@ -340,7 +340,7 @@ class ShardTable:
         configured ``dedup`` and hot set (``hot_cache_gb``/``hot_profile``: the profile's ids from ``id_start``,
         the global id of the shard's row 0, count for this shard). ``token_ids``: the table is read by token
         ids (a hot set ranked on a tokenised text means nothing for hashed n-gram ids: refused)."""
-        from uvaple.integration import CopyBackend, GatherLookup
+        from uvaple.integration import make_lookup
 
         if self.cfg.hot_cache_gb and not token_ids:
             raise PluginConfigError(f"hot_cache_gb: {self.layer} is read by hashed n-gram ids, which a profile of "
@@ -349,13 +349,13 @@ class ShardTable:
             if self.cfg.dedup or self.cfg.hot_cache_gb:
                 log.warning("uvaple: %s is served through the copy placement: dedup and the hot set are not used",
                             self.layer)
-            lk = CopyBackend(self.table, spec=spec, device=self.device, max_rows=max_rows)
+            options = {}
         else:
             # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order,
             # and with dedup prefill-sized calls of any rows read each distinct id once
             hot = self._hot_set(id_start) if self.cfg.hot_cache_gb and self.placement == "uva" else None
-            lk = GatherLookup(self.table, spec, self.device, kind=self.placement, dequant_scale=dequant_scale,
-                              max_rows=max_rows, dedup=self.cfg.dedup and max_rows is not None, hot=hot)
+            options = dict(dequant_scale=dequant_scale, dedup=self.cfg.dedup and max_rows is not None, hot=hot)
+        lk = make_lookup(self.placement, self.table, device=self.device, spec=spec, max_rows=max_rows, **options)
         name = f"{self.layer}[{self.rank}/{self.size}]"
         log.info("uvaple: %s served by the %s placement from %s (%s)", name, self.placement,
                  "a shared host table" if self.table.name else "a private host table", self.table.name or "unnamed")
