@@ -1,4 +1,5 @@
-"""Adapters: the lookup object and its placements, model swap-ins, the HF transformers patch.
+"""The library over host tables: the lookup object and its placements, the layers over them; model adapters in
+:mod:`.models` (transformers, vLLM).
 
 Heavy or optional pieces (transformers, vLLM) are imported lazily by their own modules.
 """

@@ -5,7 +5,7 @@
 is ``embed_tokens_per_layer``: vocab 262,144 x (num_layers * 256), 3.75 GiB for E2B in bf16. The table
 lives in a :class:`uvaple.uva.HostTable`; rows are gathered in the caller's stream through a lookup
 (placement ``uva`` by default, ``copy`` or ``device`` on request: :func:`uvaple.integration.make_lookup`).
-The Gemma 3n entry points are :mod:`uvaple.integration.gemma3n`.
+The Gemma 3n entry points are :mod:`uvaple.integration.models.gemma3n`.
 
 Static output. Built with ``max_tokens=N``, the module preallocates its output (``[N, embedding_dim]``
 on each device it serves) and every forward writes into it: no allocation per step, the same buffer in

@@ -9,7 +9,7 @@ model's dtype but one of the registry's encodings (:mod:`uvaple.kernels.encoding
   is loaded in the model's dtype), so a checkpoint quantised that way is served as stored. The state dict
   carries ``weight`` (the codes) and ``weight_scale``, as transformers' module does.
 * ``fp8_row``: ``[rows, dim + 4]``, each row its codes then its float32 scale (quantised on load from a
-  checkpoint's shards with no table of the source dtype: :mod:`uvaple.integration.ngram_tables`). A serving
+  checkpoint's shards with no table of the source dtype: :mod:`uvaple.integration.models.ngram_tables`). A serving
   copy only: the state dict has no ``weight`` for it (save from the source checkpoint), and its
   :attr:`quant_error` is the quantiser's report.
 

@@ -17,7 +17,8 @@ Placements (:mod:`uvaple.integration.placements`), siblings behind this interfac
 * ``copy``: :class:`~uvaple.integration.placements.copy.CopyBackend`, the classic copy-based path (worker
   thread, CPU gather, staged host-to-device copy), built so it cannot wedge: the baseline.
 
-Every placement gives the same bits for the same ids (``tests/test_equivalence.py``).
+Every placement gives the same bits for the same ids: ``uva``, ``device`` and ``copy`` under random overlapped
+schedules (``tests/test_equivalence.py``), ``split`` against the gather it extends (``tests/test_gpu_lookup.py``).
 
 Lifetime: a lookup holds views of its table, so the table's memory stays mapped (and registered) while the
 lookup lives, also if the table is closed under it. ``close()`` drops them (and closes a table the lookup

@@ -6,9 +6,9 @@ the policy as integers; :meth:`GatherPlan.run` (``run()``) is all a call does. T
 * checks what it fixes (the table's layout, the row range, the policy codes, the fp8 scale, a hot set's
   buffers: :mod:`uvaple.kernels.checks`), once;
 * makes the direct gather's launcher (:class:`~uvaple.kernels.gather.DirectGather`: the table's view as the
-  kernel reads it, the constants, the stand-ins of unused pointers, a tile config and a compiled kernel per
-  column count, :class:`~uvaple.kernels.launch.KernelLaunch`) and, where calls may be sorted, the
-  workspace (int64 ``[2, max_rows]``) and the sorted gather's launcher
+  kernel reads it, the constants, None for the buffers the constants leave unread, a tile config and a
+  compiled kernel per column count, :class:`~uvaple.kernels.launch.KernelLaunch`) and, where calls may be
+  sorted, the workspace (int64 ``[2, max_rows]``) and the sorted gather's launcher
   (:class:`~uvaple.kernels.gather_sorted.SortedGather`);
 * resolves ``order`` into size classes: a call of ``n`` ids is sorted when ``n >= sort_from`` (``"auto"``:
   the smallest ``n`` that :func:`uvaple.kernels.tuning.use_sorted` sorts, which is monotone in ``n``);

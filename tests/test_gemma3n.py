@@ -21,12 +21,12 @@ from transformers.models.gemma3n.modeling_gemma3n import (  # noqa: E402
     Gemma3nTextScaledWordEmbedding,
 )
 
-from uvaple.integration.gemma3n import (  # noqa: E402
+from uvaple.integration.models.gemma3n import (  # noqa: E402
     HostScaledEmbedding,
     apply_uvaple_to_gemma3n,
     load_gemma3n_with_host_ple,
 )
-from uvaple.integration.hf import SPECS, apply_uvaple  # noqa: E402
+from uvaple.integration.models.hf import SPECS, apply_uvaple  # noqa: E402
 from uvaple.uva import HostTable  # noqa: E402
 
 # HF's init zeroes the per-layer branch; the end-to-end harness makes it live (perf/studies/gemma3n_e2e.py)

@@ -2,7 +2,9 @@
 
 ``uvaple.dtypes`` < ``uvaple.uva`` and ``uvaple.kernels`` (siblings: neither imports the other) <
 ``uvaple.integration`` < ``uvaple.perf`` and the command line (``uvaple.cli``, ``uvaple.doctor``,
-``uvaple.shm``). And no import circle anywhere in the package.
+``uvaple.shm``); inside ``uvaple.integration``, the model adapters (``uvaple.integration.models``: transformers,
+vLLM) sit above the library (lookups, placements, layers), which never imports them. And no import circle
+anywhere in the package.
 """
 
 from __future__ import annotations
@@ -105,3 +107,12 @@ def test_no_import_circles():
         if n not in state:
             visit(n, [n])
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_library_never_imports_the_model_adapters():
+    adapters = "uvaple.integration.models"
+    bad = [f"{name} imports {dep}" for name, deps in graph().items()
+           if layer(name) == "uvaple.integration" and not (name == adapters or name.startswith(adapters + "."))
+           for dep in deps if dep == adapters or dep.startswith(adapters + ".")]
+    assert not bad, "\n".join(sorted(bad))
+    assert "uvaple.integration.embedding" in graph()["uvaple.integration.models.hf"]  # the edges upward are seen

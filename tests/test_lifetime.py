@@ -102,7 +102,7 @@ def test_gemma_state_dict_saved_after_revert_in_a_process(tmp_path):
     out = run_py(f"""
         import copy, torch
         from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
-        from uvaple.integration.gemma3n import apply_uvaple_to_gemma3n
+        from uvaple.integration.models.gemma3n import apply_uvaple_to_gemma3n
         cfg = Gemma3nTextConfig(vocab_size=301, vocab_size_per_layer_input=157, hidden_size=64,
             hidden_size_per_layer_input=16, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2,
@@ -266,8 +266,8 @@ def test_import_changes_no_environment_variable():
     out = run_py("""
         import os, json
         before = dict(os.environ)
-        import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.gemma3n
-        import uvaple.integration.hf, uvaple.perf.bench, uvaple.perf.peers, uvaple.cli
+        import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.models.gemma3n
+        import uvaple.integration.models.hf, uvaple.perf.bench, uvaple.perf.peers, uvaple.cli
         import torch
         from uvaple.uva import HostTable
         with HostTable.empty(4, 4, torch.float32) as t:
@@ -281,8 +281,8 @@ def test_import_changes_no_environment_variable():
 def test_import_installs_no_fork_or_exit_hook():
     """Fork and exit hooks come with the first table, the first lock taken or the first fork gate."""
     out = run_py("""
-        import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.gemma3n
-        import uvaple.integration.telemetry, uvaple.integration.vllm.tables, uvaple.cli
+        import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.models.gemma3n
+        import uvaple.integration.telemetry, uvaple.integration.models.vllm.tables, uvaple.cli
         from uvaple.integration import fork
         from uvaple.uva import _region, segments
         print(fork._hooks, _region._hooks_installed, segments._fork_hook)

@@ -31,23 +31,23 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import CompileConfig, DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: E402
 
-from uvaple.integration import ngram_tables  # noqa: E402
 from uvaple.integration.embedding import HostScaledEmbedding  # noqa: E402
 from uvaple.integration.encoded_embedding import HostEncodedEmbedding  # noqa: E402
-from uvaple.integration.ngram_tables import (  # noqa: E402
+from uvaple.integration.models import ngram_tables  # noqa: E402
+from uvaple.integration.models.ngram_tables import (  # noqa: E402
     NoPleLayersError,
     ShardMissingError,
     ShardShapeError,
     ngram_layout,
 )
-from uvaple.integration.quantize import fp8_row_table, quantize_fp8_rows_into  # noqa: E402
-from uvaple.integration.qwen4_exp import (  # noqa: E402
+from uvaple.integration.models.qwen4_exp import (  # noqa: E402
     apply_uvaple_to_qwen4_exp,
     layer_multipliers,
     load_qwen4_exp_with_host_ple,
     ngram_embedding_class,
     ngram_ids,
 )
+from uvaple.integration.quantize import fp8_row_table, quantize_fp8_rows_into  # noqa: E402
 from uvaple.kernels.encodings import ENCODINGS, FP8_MAX, quantize_fp8_rows  # noqa: E402
 from uvaple.uva import HostMemoryError, HostTable  # noqa: E402
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import uvaple.integration.vllm as plugin
+import uvaple.integration.models.vllm as plugin
 
 
 def engine(architectures, additional=None, model="org/some-model"):
@@ -71,8 +71,8 @@ def test_a_shards_lookup_names_its_placement_in_the_startup_log(caplog, placemen
     import torch
 
     from uvaple.integration import TableSpec
-    from uvaple.integration.vllm.config import PluginConfig
-    from uvaple.integration.vllm.tables import ShardTable
+    from uvaple.integration.models.vllm.config import PluginConfig
+    from uvaple.integration.models.vllm.tables import ShardTable
 
     s = ShardTable(PluginConfig(shared=False, placement=placement, metrics_interval_s=0), layer="m.layers.3.ple",
                    rows=16, cols=8, dtype=torch.bfloat16, loaded_rows=16, rank=0, size=1, identity="i",

@@ -12,8 +12,14 @@ import pytest
 import torch
 from helpers import bits, rand
 
-from uvaple.integration.vllm.config import PluginConfig, PluginConfigError, from_sources
-from uvaple.integration.vllm.tables import PluginLoadError, ShardTable, UvaUnavailable, model_identity, segment_name
+from uvaple.integration.models.vllm.config import PluginConfig, PluginConfigError, from_sources
+from uvaple.integration.models.vllm.tables import (
+    PluginLoadError,
+    ShardTable,
+    UvaUnavailable,
+    model_identity,
+    segment_name,
+)
 from uvaple.uva import SharedSegmentError, SharedSegmentTimeout
 from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
 
@@ -43,8 +49,8 @@ logging.basicConfig(level=logging.INFO)
 if sys.argv[1] != "-":
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
 import torch
-from uvaple.integration.vllm.config import PluginConfig
-from uvaple.integration.vllm.tables import ShardTable
+from uvaple.integration.models.vllm.config import PluginConfig
+from uvaple.integration.models.vllm.tables import ShardTable
 cfg = PluginConfig(shared=False, metrics_interval_s=float(sys.argv[2]))
 shard = ShardTable(cfg, layer="model.embed_per_layer", rows=16, cols=8, dtype=torch.bfloat16, loaded_rows=16,
                    rank=1, size=2, identity="m", device=torch.device("cpu"), check_loaded=False)
@@ -55,7 +61,7 @@ import prometheus_client, prometheus_client.multiprocess
 if sys.argv[1] == "-":
     text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
 else:
-    from uvaple.integration.vllm import tables
+    from uvaple.integration.models.vllm import tables
     tables._EXPORT["multiprocess"].close()
     reg = prometheus_client.CollectorRegistry()
     prometheus_client.multiprocess.MultiProcessCollector(reg, path=sys.argv[1])
@@ -175,7 +181,7 @@ def test_the_quantize_setting():
 def test_the_copy_placement_is_refused_under_cuda_graphs(placement, graphs, refused):
     """A copy-placement call waits on the host for its ids: vLLM's graph capture at start-up ended the engine
     (cudaErrorCapturedEvent). Refused before anything is built, naming enforce_eager and uva; eager is served."""
-    from uvaple.integration.vllm.config import check_engine
+    from uvaple.integration.models.vllm.config import check_engine
 
     cfg = PluginConfig(placement=placement)
     if refused:
@@ -192,7 +198,7 @@ def test_the_engines_graph_mode_is_read_from_its_config():
     import enum
     from types import SimpleNamespace
 
-    from uvaple.integration.vllm._build import cuda_graphs
+    from uvaple.integration.models.vllm._build import cuda_graphs
 
     Mode = enum.Enum("CUDAGraphMode", {"NONE": 0, "PIECEWISE": 1, "FULL": 2, "FULL_DECODE_ONLY": (2, 0),
                                        "FULL_AND_PIECEWISE": (2, 1)})
@@ -408,7 +414,7 @@ def test_an_fp8_row_shard_with_dummy_weights_holds_rows_drawn_like_vllms_dummy_b
     value made a dummy model compute differently from the bf16 table (fewer experts routed), seeded, the same
     bytes every time."""
     from uvaple.integration import TableSpec
-    from uvaple.integration.vllm.tables import DUMMY_CODE, DUMMY_RANGE
+    from uvaple.integration.models.vllm.tables import DUMMY_CODE, DUMMY_RANGE
     from uvaple.kernels.encodings import ENCODINGS
 
     made = []
@@ -560,7 +566,7 @@ def test_uva_unusable_is_named_at_once_or_falls_back_to_copy(monkeypatch, error)
 
 
 def test_node_memory_follows_both_sizing_rules():
-    from uvaple.integration.vllm.memory import next_pow2, node_memory
+    from uvaple.integration.models.vllm.memory import next_pow2, node_memory
     from uvaple.uva import segments, system
 
     rows = int(47.7 * (1 << 30)) // 160

@@ -36,8 +36,8 @@ def main(mode: str, rank: int, nprocs: int, port: int, base: str, outdir: str) -
         Qwen4ExpPLEUnquantizedEmbeddingMethod,
     )
 
-    from uvaple.integration.vllm import _build, config
-    from uvaple.integration.vllm.qwen4_exp import UvaplePLEEmbedding
+    from uvaple.integration.models.vllm import _build, config
+    from uvaple.integration.models.vllm.qwen4_exp import UvaplePLEEmbedding
 
     methods = {"bf16": Qwen4ExpPLEUnquantizedEmbeddingMethod, "fp8": Qwen4ExpPLEFp8EmbeddingMethod}
     ctx = _build.BuildContext(cfg=config.PluginConfig(shared=True, segment=base, timeout_s=120), identity="i" * 64,

@@ -13,8 +13,8 @@ import torch
 from conftest import bits
 from safetensors.torch import save_file
 
-from uvaple.integration.vllm import register
-from uvaple.integration.vllm.gemma3n import UvapleEmbeddingMethod, UvapleGemma3nForCausalLM
+from uvaple.integration.models.vllm import register
+from uvaple.integration.models.vllm.gemma3n import UvapleEmbeddingMethod, UvapleGemma3nForCausalLM
 
 LAYERS, VOCAB, PLE_VOCAB = 3, 512, 384
 MAX_TOKENS = 64
@@ -119,7 +119,7 @@ def test_embed_input_ids_fills_the_same_buffer(checkpoints):
 
 
 def test_not_enabled_means_vllms_layer_and_a_bad_config_is_named(checkpoints):
-    from uvaple.integration.vllm import PluginConfigError
+    from uvaple.integration.models.vllm import PluginConfigError
 
     d_text, _, _ = checkpoints
     for bad, match in [({"uvaple": {"placment": "uva"}}, "unknown key"),
@@ -158,7 +158,7 @@ def test_dedup_and_a_hot_set_give_vllms_bits(checkpoints, tmp_path):
 
 
 def test_the_hot_set_is_refused_outside_the_uva_placement(checkpoints, tmp_path):
-    from uvaple.integration.vllm import PluginConfigError
+    from uvaple.integration.models.vllm import PluginConfigError
 
     d_text, _, _ = checkpoints
     profile = tmp_path / "ids.txt"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import bits, free_port, rand
 
-import uvaple.integration.vllm as plugin
-from uvaple.integration.vllm import PluginConfigError, _build
+import uvaple.integration.models.vllm as plugin
+from uvaple.integration.models.vllm import PluginConfigError, _build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -24,7 +24,7 @@ def test_the_entry_point_is_discovered_by_vllm():
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
     eps = {e.name: e.value for e in entry_points(group=DEFAULT_PLUGINS_GROUP)}
-    assert eps.get("uvaple") == "uvaple.integration.vllm:register"
+    assert eps.get("uvaple") == "uvaple.integration.models.vllm:register"
     assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)["uvaple"] is plugin.register
 
 
@@ -78,7 +78,7 @@ def test_qwen4exp_on_rocm_is_refused_before_anything_is_built(monkeypatch):
     from conftest import vllm_config
     from vllm.platforms import current_platform
 
-    from uvaple.integration.vllm.qwen4_exp import UvapleQwen4ExpForCausalLM
+    from uvaple.integration.models.vllm.qwen4_exp import UvapleQwen4ExpForCausalLM
 
     monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
     built = []
@@ -96,8 +96,8 @@ def test_the_copy_placement_under_vllms_cuda_graphs_is_refused_before_anything_i
     from conftest import vllm_config
     from vllm.config.compilation import CUDAGraphMode
 
-    from uvaple.integration.vllm.gemma3n import UvapleGemma3nForConditionalGeneration
-    from uvaple.integration.vllm.qwen4_exp import UvapleQwen4ExpForCausalLM
+    from uvaple.integration.models.vllm.gemma3n import UvapleGemma3nForConditionalGeneration
+    from uvaple.integration.models.vllm.qwen4_exp import UvapleQwen4ExpForCausalLM
 
     cls = UvapleQwen4ExpForCausalLM if model == "qwen4exp" else UvapleGemma3nForConditionalGeneration
     cfg = vllm_config(additional_config={"uvaple": {"placement": "copy"}})
@@ -116,7 +116,7 @@ def test_the_copy_placement_under_vllms_cuda_graphs_is_refused_before_anything_i
 def test_gemma3n_refuses_quantize_before_anything_is_built(monkeypatch):
     from conftest import vllm_config
 
-    from uvaple.integration.vllm.gemma3n import UvapleGemma3nForCausalLM
+    from uvaple.integration.models.vllm.gemma3n import UvapleGemma3nForCausalLM
 
     built = []
     monkeypatch.setattr(_build, "building", lambda *a, **k: built.append(a))

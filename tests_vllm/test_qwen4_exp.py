@@ -14,9 +14,9 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEUnquantizedEmbeddingMethod,
 )
 
-from uvaple.integration.vllm import _build, config, qwen4_exp
-from uvaple.integration.vllm.qwen4_exp import UvaplePLEEmbedding
-from uvaple.integration.vllm.tables import PluginLoadError
+from uvaple.integration.models.vllm import _build, config, qwen4_exp
+from uvaple.integration.models.vllm.qwen4_exp import UvaplePLEEmbedding
+from uvaple.integration.models.vllm.tables import PluginLoadError
 
 METHODS = {"bf16": Qwen4ExpPLEUnquantizedEmbeddingMethod, "fp8": Qwen4ExpPLEFp8EmbeddingMethod}
 HEADS, DIM, VOCAB, MAX_TOKENS = 4, 160, 1000, 24  # fp8 rows of 160 B, as the model's
@@ -132,7 +132,7 @@ def test_fp8_row_with_dummy_weights_needs_no_fp16_copy_of_the_table():
     bf16 dummy table's."""
     from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
 
-    from uvaple.integration.vllm.tables import DUMMY_CODE
+    from uvaple.integration.models.vllm.tables import DUMMY_CODE
 
     kw = dict(params_dtype=torch.bfloat16, padding_size=64, prefix="m.dummy")
     c = _build.BuildContext(cfg=config.PluginConfig(shared=False, quantize="fp8_row"), identity="d" * 64,

@@ -303,7 +303,7 @@ def _run(args, log_path: str) -> int:
 
     import transformers
 
-    from uvaple.integration.gemma3n import HostScaledEmbedding, apply_uvaple_to_gemma3n
+    from uvaple.integration.models.gemma3n import HostScaledEmbedding, apply_uvaple_to_gemma3n
 
     cfg_kw = TINY if args.tiny else E2B
     v_ple, vocab = cfg_kw["vocab_size_per_layer_input"], cfg_kw["vocab_size"]

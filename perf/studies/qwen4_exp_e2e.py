@@ -282,8 +282,8 @@ def table_bytes(model) -> int:
 def phase_fp8(run, model, device, ids, ref_tokens):
     """Quantise each table from HBM straight into an fp8_row host table, serve it, check it, time it."""
     from uvaple.integration.encoded_embedding import HostEncodedEmbedding
+    from uvaple.integration.models.qwen4_exp import ngram_embedding_class
     from uvaple.integration.quantize import fp8_row_table
-    from uvaple.integration.qwen4_exp import ngram_embedding_class
 
     res, args = run.res.setdefault("fp8", {}), run.args
     t = time.perf_counter()
@@ -352,7 +352,7 @@ def decode_and_ple_steps(run, model, device, res, tag, originals=None):
 
 def phase_bf16(run, model, device, ids, ref_tokens):
     """Swap the live model's tables into host memory; transformers' CPU-table path against uvaple's."""
-    from uvaple.integration.qwen4_exp import apply_uvaple_to_qwen4_exp
+    from uvaple.integration.models.qwen4_exp import apply_uvaple_to_qwen4_exp
 
     res, args = run.res.setdefault("bf16", {}), run.args
     originals = [ple.ple_embedding for ple in ngram_children(model)]
@@ -388,7 +388,7 @@ def phase_bf16(run, model, device, ids, ref_tokens):
 
 def phase_ceiling(run, device):
     """A table small enough for HBM: the device placement (the ceiling) against uva on the same table."""
-    from uvaple.integration.qwen4_exp import apply_uvaple_to_qwen4_exp
+    from uvaple.integration.models.qwen4_exp import apply_uvaple_to_qwen4_exp
 
     args = run.args
     model = build(args, device, args.ceiling_base)
@@ -412,7 +412,7 @@ def phase_startup(run):
     """Startup stage by stage from a sharded checkpoint of ``--startup-gib`` (one table, 512 shards)."""
     from safetensors.torch import save_file
 
-    from uvaple.integration import ngram_tables
+    from uvaple.integration.models import ngram_tables
     from uvaple.integration.quantize import fp8_row_table
     from uvaple.uva import HostTable
 

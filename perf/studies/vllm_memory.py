@@ -1,14 +1,14 @@
 """How much pinned host memory per node does the fp8 n-gram table take: vLLM's allocation or the plugin's?
 
 ``python3 perf/studies/vllm_memory.py [--gib 47.7] [--row-bytes 160]`` prints the README's table, computed
-by :func:`uvaple.integration.vllm.memory.node_memory` from both sides' sizing rules.
+by :func:`uvaple.integration.models.vllm.memory.node_memory` from both sides' sizing rules.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from uvaple.integration.vllm.memory import node_memory
+from uvaple.integration.models.vllm.memory import node_memory
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 

@@ -4,7 +4,7 @@
 
 1. A safetensors checkpoint holding the table (160-B fp8 rows) is written to ``--dir`` (not timed).
 2. The file is read to ``/dev/null`` (the reading rate the fill is held to), in the same run.
-3. The plugin's :class:`~uvaple.integration.vllm.tables.ShardTable` is opened as a serving rank opens it:
+3. The plugin's :class:`~uvaple.integration.models.vllm.tables.ShardTable` is opened as a serving rank opens it:
    ``HostTable.shared(defer_ready=True)`` creates the segment (in ``--segment-dir``, default
    ``/dev/shm``) and checks registration on one page (stage ``open``).
 4. The rows are written as vLLM's loader hands them to the plugin: the checkpoint tensor (a safetensors
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from uvaple.integration.vllm.config import PluginConfig
-from uvaple.integration.vllm.tables import ShardTable
+from uvaple.integration.models.vllm.config import PluginConfig
+from uvaple.integration.models.vllm.tables import ShardTable
 from uvaple.perf.vllm_shapes import random_blocks
 from uvaple.uva import system
 

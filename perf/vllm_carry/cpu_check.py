@@ -51,9 +51,9 @@ MODULES = [
     ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention", "Qwen GDN"),
     ("vllm.entrypoints.openai.api_server", "build_app", "the OpenAI server"),
     ("vllm.entrypoints.cli.main", "main", "the vllm CLI"),
-    ("uvaple.integration.vllm", "register", "the plugin"),
-    ("uvaple.integration.vllm.gemma3n", "UvapleGemma3nForConditionalGeneration", "the plugin's Gemma 3n"),
-    ("uvaple.integration.vllm.qwen4_exp", "UvapleQwen4ExpForCausalLM", "the plugin's Qwen4Exp"),
+    ("uvaple.integration.models.vllm", "register", "the plugin"),
+    ("uvaple.integration.models.vllm.gemma3n", "UvapleGemma3nForConditionalGeneration", "the plugin's Gemma 3n"),
+    ("uvaple.integration.models.vllm.qwen4_exp", "UvapleQwen4ExpForCausalLM", "the plugin's Qwen4Exp"),
 ]
 
 _TORCH_CXX = re.compile(r"^_ZN(K)?(3c10|2at|5torch|6caffe2)")

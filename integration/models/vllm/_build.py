@@ -102,7 +102,7 @@ class PluginModel:
 
     Construction: vLLM's model exactly when the plugin is not enabled; else the parent is built inside
     :func:`building` with the subclass's ``_uvaple_swaps()`` (a subclass must define it: checked when the
-    class is made), after :func:`~uvaple.integration.vllm.config.check_engine` (the settings against the
+    class is made), after :func:`~uvaple.integration.models.vllm.config.check_engine` (the settings against the
     engine's mode) and ``_uvaple_refuse(cfg)`` have had their say. After vLLM's own
     ``process_weights_after_loading`` (if the parent has one), every uvaple shard of the model is
     finished (:func:`finish_all`).

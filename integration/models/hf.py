@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .embedding import HostScaledEmbedding, host_state_dict_excluded
+from ..embedding import HostScaledEmbedding, host_state_dict_excluded
 
-log = logging.getLogger("uvaple.integration.hf")
+log = logging.getLogger("uvaple.integration.models.hf")
 
 __all__ = [
     "PleSpec",
@@ -101,8 +101,8 @@ _QWEN4_EXP = PleSpec(
     owner_class=_QWEN4_EXP_NGRAM,
     ctor_args=lambda cfg: {},
     oob="zero",  # hashed ids are always inside the table; a zero row is the neutral answer
-    replacement="uvaple.integration.qwen4_exp.ngram_embedding_class",
-    loader="uvaple.integration.ngram_tables.load_ngram_tables",
+    replacement="uvaple.integration.models.qwen4_exp.ngram_embedding_class",
+    loader="uvaple.integration.models.ngram_tables.load_ngram_tables",
     checkpoint_keys=(r"(^|\.)ngram_embedding\.weight$", r"(^|\.)ngram_embedding\.weight_scale$"),
 )
 
@@ -132,7 +132,7 @@ def _spec_for(model: nn.Module | None, model_type: str | None) -> PleSpec:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SPECS:
         raise ValueError(f"no uvaple PLE spec for model_type {model_type!r}; supported: "
-                         f"{supported_model_types()}. Add a PleSpec to uvaple.integration.hf.SPECS")
+                         f"{supported_model_types()}. Add a PleSpec to uvaple.integration.models.hf.SPECS")
     return SPECS[model_type]
 
 

@@ -38,7 +38,7 @@ captured layer near 1%: measure again before building the branch.) With no branc
 gathers are written and read by that forward alone, in one stream, so a later forward cannot overwrite rows
 an earlier one still reads (seed 004).
 
-Loading (:func:`load_qwen4_exp_with_host_ple`, :mod:`uvaple.integration.ngram_tables`): every shard of
+Loading (:func:`load_qwen4_exp_with_host_ple`, :mod:`uvaple.integration.models.ngram_tables`): every shard of
 every layer is located and checked first (presence, shape, dtype), then free host memory, then each table is
 filled straight from the shards (``pread`` into its rows, or quantised by the kernel of
 :mod:`uvaple.integration.quantize`) before transformers builds the model, so a bad checkpoint is a named
@@ -65,11 +65,11 @@ from torch import nn
 
 from uvaple.kernels.encodings import ENCODINGS
 
-from .embedding import QUANTIZE, HostScaledEmbedding
-from .encoded_embedding import HostEncodedEmbedding
+from ..embedding import QUANTIZE, HostScaledEmbedding
+from ..encoded_embedding import HostEncodedEmbedding
+from ..quantize import fp8_row_table
 from .hf import apply_uvaple, from_pretrained_with_host_tables
 from .ngram_tables import NoPleLayersError
-from .quantize import fp8_row_table
 
 __all__ = ["apply_uvaple_to_qwen4_exp", "revert_uvaple_to_qwen4_exp", "load_qwen4_exp_with_host_ple",
            "ngram_embedding_class", "ngram_ids", "layer_multipliers", "NoPleLayersError"]
@@ -181,7 +181,7 @@ class _HostNGram:
 
     #: the class patch's ``{"opts": ...}`` (set on the subclass it binds; None: options come as arguments)
     _uvaple_state: dict | None = None
-    #: how :class:`~uvaple.integration.ngram_tables.NGramTables` finds the modules to give tables to
+    #: how :class:`~uvaple.integration.models.ngram_tables.NGramTables` finds the modules to give tables to
     uvaple_ngram_table = True
 
     def __init__(self, config, embedding_dim: int, layer_idx: int, ple_layer_index: int = 0, **options):
@@ -297,7 +297,7 @@ def apply_uvaple_to_qwen4_exp(model: nn.Module | None = None, *, backend: str = 
     With ``model``: replace every PLE layer's ``ple_embedding`` of the live model by a
     :class:`HostNGramEmbedding` holding a host copy of its table and free the original table (GPU or CPU).
     Without: bind transformers' ``Qwen4ExpTextNGramEmbedding`` name to it, so models built afterwards never
-    allocate the tables as parameters. Returns a :class:`uvaple.integration.hf.UvaplePatch` (``revert()``,
+    allocate the tables as parameters. Returns a :class:`uvaple.integration.models.hf.UvaplePatch` (``revert()``,
     context manager). A model whose config has no ``ple_layer_ids`` is a :class:`NoPleLayersError`.
     """
     if model is not None:
@@ -321,8 +321,8 @@ def load_qwen4_exp_with_host_ple(path, *, model_class=None, backend: str = "uva"
     """``from_pretrained`` a local Qwen4Exp checkpoint with every n-gram table streamed into host memory.
 
     The checkpoint's shards are checked and the tables filled first (see the module docstring; named errors:
-    :class:`NoPleLayersError`, :class:`~uvaple.integration.ngram_tables.ShardMissingError`,
-    :class:`~uvaple.integration.ngram_tables.ShardShapeError`, :class:`~uvaple.uva.HostMemoryError`), then
+    :class:`NoPleLayersError`, :class:`~uvaple.integration.models.ngram_tables.ShardMissingError`,
+    :class:`~uvaple.integration.models.ngram_tables.ShardShapeError`, :class:`~uvaple.uva.HostMemoryError`), then
     transformers builds the model with the class patch (no table becomes a parameter) and loads every other
     tensor as usual (``device_map=``, ``dtype=`` ... pass through); the tables never touch the GPU.
     ``model_class`` defaults to ``Qwen4ExpForCausalLM``.

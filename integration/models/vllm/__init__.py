@@ -1,6 +1,6 @@
 """vLLM plugin: PLE tables served from uvaple host tables (Qwen4Exp n-gram PLE, Gemma 3n).
 
-Entry point ``vllm.general_plugins: uvaple = uvaple.integration.vllm:register``. vLLM calls
+Entry point ``vllm.general_plugins: uvaple = uvaple.integration.models.vllm:register``. vLLM calls
 :func:`register` in every process it starts (API server, engine core, each worker); it is re-entrant.
 
 * Version guard: supported vLLM versions are :data:`SUPPORTED_VLLM`. On any other version the plugin
@@ -9,12 +9,12 @@ Entry point ``vllm.general_plugins: uvaple = uvaple.integration.vllm:register``.
   lazy ``module:class`` strings (nothing is imported until vLLM builds such a model). Each is a subclass
   of vLLM's own class and builds exactly vLLM's model unless the plugin is enabled for that engine.
 * Enabling: ``--additional-config '{"uvaple": {...}}'`` and/or ``UVAPLE_*`` environment variables
-  (:mod:`uvaple.integration.vllm.config`); settings are checked when the plugin loads (the environment)
+  (:mod:`uvaple.integration.models.vllm.config`); settings are checked when the plugin loads (the environment)
   and when the model is built (both), and a bad one is a named :class:`PluginConfigError`. A ``"uvaple"``
   entry for a model the plugin does not serve is never read: :func:`check_model` says so (a warning, once
   per process).
-* What changes when enabled: :mod:`~uvaple.integration.vllm.qwen4_exp`,
-  :mod:`~uvaple.integration.vllm.gemma3n`; sharing and loading: :mod:`~uvaple.integration.vllm.tables`.
+* What changes when enabled: :mod:`~uvaple.integration.models.vllm.qwen4_exp`,
+  :mod:`~uvaple.integration.models.vllm.gemma3n`; sharing and loading: :mod:`~uvaple.integration.models.vllm.tables`.
 
 Importing this module imports nothing from vLLM and changes nothing.
 """
@@ -36,12 +36,9 @@ log = logging.getLogger("uvaple.vllm")
 SUPPORTED_VLLM = ("0.33",)
 
 #: architecture -> the plugin's class (lazy ``module:class``)
-MODELS = {
-    "Qwen4ExpForCausalLM": "uvaple.integration.vllm.qwen4_exp:UvapleQwen4ExpForCausalLM",
-    "Qwen4ExpForConditionalGeneration": "uvaple.integration.vllm.qwen4_exp:UvapleQwen4ExpForConditionalGeneration",
-    "Gemma3nForCausalLM": "uvaple.integration.vllm.gemma3n:UvapleGemma3nForCausalLM",
-    "Gemma3nForConditionalGeneration": "uvaple.integration.vllm.gemma3n:UvapleGemma3nForConditionalGeneration",
-}
+MODELS = {arch: f"{__name__}.{module}:Uvaple{arch}" for arch, module in (
+    ("Qwen4ExpForCausalLM", "qwen4_exp"), ("Qwen4ExpForConditionalGeneration", "qwen4_exp"),
+    ("Gemma3nForCausalLM", "gemma3n"), ("Gemma3nForConditionalGeneration", "gemma3n"))}
 
 _lock = threading.Lock()
 _registered = False

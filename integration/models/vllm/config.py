@@ -35,7 +35,7 @@ key                     environment                    meaning
                                                        ``/metrics`` (default 5, at least 0.5; 0: no export).
                                                        Needs ``prometheus_client`` (vLLM brings it) and, for
                                                        engine processes, ``PROMETHEUS_MULTIPROC_DIR``; see
-                                                       :func:`uvaple.integration.vllm.tables.export_metrics`.
+                                                       :func:`uvaple.integration.models.vllm.tables.export_metrics`.
 ``dedup``               ``UVAPLE_DEDUP``               ``false`` (default); ``true``: a prefill-sized call reads
                                                        each distinct id once (sorted, de-duplicated: the same
                                                        bits; ``tuning.dedup_min_ids``). For token-id tables

@@ -48,8 +48,8 @@ from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
 from uvaple.uva.memory import row_stride_bytes
 from uvaple.uva.system import PAGE_SIZE, mem_available_bytes, round_up
 
-from .embedding import QUANTIZE
-from .encoded_embedding import HostEncodedEmbedding
+from ..embedding import QUANTIZE
+from ..encoded_embedding import HostEncodedEmbedding
 
 __all__ = ["NGramLayout", "NGramTables", "NoPleLayersError", "ShardMissingError", "ShardShapeError",
            "ngram_layout", "find_shards", "load_ngram_tables"]
@@ -260,7 +260,7 @@ class NGramTables:
 
 def load_ngram_tables(path, opts: dict, from_pretrained_kw: dict | None = None) -> NGramTables:
     """Check ``path``'s n-gram tables and fill them (see the module docstring); the loader of the
-    ``qwen4_exp`` spec in :data:`uvaple.integration.hf.SPECS`."""
+    ``qwen4_exp`` spec in :data:`uvaple.integration.models.hf.SPECS`."""
     path = os.fspath(path)
     layout = ngram_layout(_text_config(path))
     sources = find_shards(path, layout)
@@ -302,7 +302,7 @@ def load_ngram_tables(path, opts: dict, from_pretrained_kw: dict | None = None) 
 
 
 def _quantized_from_shards(src: LayerSource, fmt: torch.dtype, register):
-    from .quantize import quantize_fp8_rows_into
+    from ..quantize import quantize_fp8_rows_into
 
     lay = src.layout
     table = HostTable.empty(lay.rows, lay.cols + ROW_SCALE_BYTES, fmt, register=register)

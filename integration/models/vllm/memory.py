@@ -5,7 +5,7 @@ Both from the code's own sizing rules:
 * vLLM (``Qwen4ExpPLEPinnedHostEmbedding``): every rank of every data-parallel replica pins its shard
   with ``torch.empty(pin_memory=True)``, which PyTorch's caching host allocator rounds up to a power of
   two. Shards: the vocabulary rounded up to ``divisor`` rows, split evenly over the ETP (= TP) ranks.
-* The plugin: each shard is one shared segment (:mod:`uvaple.integration.vllm.tables`), its rows at the
+* The plugin: each shard is one shared segment (:mod:`uvaple.integration.models.vllm.tables`), its rows at the
   host table's exact stride plus the segment header, rounded to a page, once per node whatever the
   number of replicas.
 """

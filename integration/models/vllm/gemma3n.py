@@ -6,7 +6,7 @@ method. The layer itself stays vLLM's: its TP sharding, id masking, all-reduce, 
 loader contract are unchanged, and so are ``get_per_layer_input_embeddings`` (ids < 0 or >= the per-layer
 vocabulary read row 0, then ``* embed_scale_per_layer``) and ``Gemma3nForConditionalGeneration.
 embed_input_ids`` (the rows copied into its preallocated buffer). The method stores the rank's shard as
-a :class:`~uvaple.integration.vllm.tables.ShardTable` (one copy per node) and ``embedding()`` reads it
+a :class:`~uvaple.integration.models.vllm.tables.ShardTable` (one copy per node) and ``embedding()`` reads it
 with ``uvaple::gather_rows`` in the model's stream. It is not an ``UnquantizedEmbeddingMethod``, so vLLM's
 fused CUDA embedding, which reads the weight as a device tensor, is never chosen for it.
 """

@@ -6,14 +6,14 @@ classes build their vLLM parent. It is vLLM's ``Qwen4ExpPLEEmbedding``: the same
 names, quantisation methods (unquantised, fp8 with one global scale) and checkpoint-shard loader; only
 the storage and the lookup differ.
 
-* Storage: the rank's padded vocabulary shard as a :class:`~uvaple.integration.vllm.tables.ShardTable`,
+* Storage: the rank's padded vocabulary shard as a :class:`~uvaple.integration.models.vllm.tables.ShardTable`,
   exact size, never on the GPU, one copy per node. The ``weight`` parameter is its CPU tensor.
 * Lookup: ``uvaple::gather_rows`` in the model's stream, with global ids (``id_offset`` is the shard's
   first id, ids of other shards give zero rows), then vLLM's data-parallel id gather, ETP all-reduce and
   slot selection, unchanged. No side stream and no prefetch: the call is captured in vLLM's CUDA graphs
   like any other op, so ``eager_break_during_capture`` and its graph break are gone.
 * ``quantize: fp8_row`` (bf16/fp16 checkpoints): the shard is stored as fp8 codes and a scale per row,
-  quantised as vLLM's loader hands the rows over (:class:`~uvaple.integration.vllm.tables.ShardTable`), and
+  quantised as vLLM's loader hands the rows over (:class:`~uvaple.integration.models.vllm.tables.ShardTable`), and
   the kernel returns ``params_dtype`` rows (codes x their row's scale); vLLM's unquantised method then has
   nothing left to do. At ETP > 1 the rows of other shards are -0.0, as below.
 * fp8: the kernel dequantises with vLLM's formula ``rows.to(dtype) * weight_scale.to(dtype)`` (the scale

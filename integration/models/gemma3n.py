@@ -4,14 +4,14 @@
 becomes a :class:`~uvaple.integration.embedding.HostScaledEmbedding`: the table in a
 :class:`~uvaple.uva.HostTable`, rows gathered in the model's stream. What matches HF bit for bit and
 why is in that module's docstring; the patching machinery (keyed by ``config.model_type``) is
-:mod:`uvaple.integration.hf`.
+:mod:`uvaple.integration.models.hf`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .embedding import HostScaledEmbedding
+from ..embedding import HostScaledEmbedding
 from .hf import apply_uvaple, from_pretrained_with_host_tables
 
 __all__ = ["HostScaledEmbedding", "apply_uvaple_to_gemma3n", "revert_uvaple_to_gemma3n", "load_gemma3n_with_host_ple"]
@@ -24,7 +24,7 @@ def apply_uvaple_to_gemma3n(model: nn.Module | None = None, *, backend: str = "u
     With ``model``: swap every ``embed_tokens_per_layer`` module of the live model for a
     :class:`HostScaledEmbedding` holding a host copy of its table and free the original table (GPU or
     CPU). Without: patch ``Gemma3nTextModel`` so models built afterwards create the drop-in directly and
-    never allocate the table as a parameter. Returns a :class:`uvaple.integration.hf.UvaplePatch`
+    never allocate the table as a parameter. Returns a :class:`uvaple.integration.models.hf.UvaplePatch`
     (``revert()``, context manager). ``max_tokens``: the modules write into a static output of that many
     rows (see :mod:`uvaple.integration.embedding`).
     """
