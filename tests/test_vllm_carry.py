@@ -197,10 +197,16 @@ def test_trace_summary_cuts_the_decode_steps_and_finds_the_gpus_idle_gaps():
     assert [k["name"] for k in s["kernels"]] == ["kernel_A", "kernel_B", "Memcpy HtoD (Pinned -> Device)"]
     assert s["kernels"][0] == {"name": "kernel_A", "us_per_step": 40.0, "per_step": 1.0}
     assert s["kernel_count_per_step"] == 3.0
+    # the prefill: the first mark to the second, its kernels (A, B and the copy inside A: busy 60 of 100 us)
+    assert s["prefill"] == {"host_us": 100.0, "gpu_busy_us": 60.0, "kernels": [
+        {"name": "kernel_A", "us": 40.0}, {"name": "kernel_B", "us": 20.0},
+        {"name": "Memcpy HtoD (Pinned -> Device)", "us": 15.0}]}
     slow = [dict(e, dur=e["dur"] * 2) if e["name"] == "kernel_B" else e for e in _trace()]
     table = ts.markdown({"fast": s, "slow": ts.summarize(slow)})
     assert "| GPU busy us / step | 60.0 | 80.0 |" in table and "| GPU idle us / step | 40.0 | 20.0 |" in table
     assert "| cudaGraphLaunch: calls / us per step | 1.0 / 10.0 | 1.0 / 10.0 |" in table
+    assert "| prefill step: host us / GPU busy us | 100.0 / 60.0 | 100.0 / 80.0 |" in table
+    assert "fast: the prefill step's kernels" in table
 
 
 def test_trace_summary_reads_a_torch_profiler_trace_and_refuses_what_it_cannot_summarise(tmp_path):

@@ -14,7 +14,10 @@ steps are dropped: the prefill and the profiler's stop). Over the decode steps l
   host, or for a copy);
 * the host: the median duration of each model-runner annotation per step, and the CUDA runtime calls per step
   (graph launches, kernel launches, copies, synchronisations) with their time;
-* the kernels: time and launches per step of each (by name), the largest first.
+* the kernels: time and launches per step of each (by name), the largest first;
+* the prefill (the first step, left out above; where time to first token goes): its host time, and the GPU
+  time and the largest kernels of those that started while it ran on the host (a kernel still queued when the
+  next step starts is counted there, so compare configurations, not absolute figures).
 """
 
 from __future__ import annotations
@@ -106,7 +109,18 @@ def summarize(events: list[dict], top: int = 25, gaps: int = 8) -> dict:
             annotations[name].append(float(e["dur"]))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and name in RUNTIME_CALLS:
             runtime[name].append(float(e["dur"]))
+    # the prefill's step (the first): its host time and the kernels that started while it ran on the host
+    first = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                   if e.get("cat") in GPU_CATS and marks[0] <= float(e["ts"]) < marks[1])
+    first_kernels: dict[str, float] = defaultdict(float)
+    for s0, t0, e in first:
+        first_kernels[e.get("name", "?")] += t0 - s0
+    prefill = {"host_us": round(marks[1] - marks[0], 2),
+               "gpu_busy_us": round(sum(t - s for s, t in _union([(s, t) for s, t, _ in first])), 2),
+               "kernels": [{"name": name[:120], "us": round(us, 2)} for us, name in
+                           sorted(((us, name) for name, us in first_kernels.items()), reverse=True)[:12]]}
     return {
+        "prefill": prefill,
         "steps": steps,
         "step_us": _spread(periods),
         "gpu_busy_us_per_step": round(busy_us / steps, 2),
@@ -139,6 +153,7 @@ def markdown(summaries: dict[str, dict]) -> str:
     row("GPU busy us / step", lambda s: s["gpu_busy_us_per_step"])
     row("GPU idle us / step", lambda s: s["gpu_idle_us_per_step"])
     row("kernels / step", lambda s: s["kernel_count_per_step"])
+    row("prefill step: host us / GPU busy us", lambda s: f"{s['prefill']['host_us']} / {s['prefill']['gpu_busy_us']}")
     for key in sorted({k for s in summaries.values() for k in s["host_us_per_step"]}):
         row(f"host: {key} (median us)", lambda s, k=key: s["host_us_per_step"].get(k, {}).get("median", "-"))
     for key in sorted({k for s in summaries.values() for k in s["runtime_per_step"]}):
@@ -149,6 +164,8 @@ def markdown(summaries: dict[str, dict]) -> str:
         s = summaries[n]
         lines = [f"\n{n}: kernels by time per step (us, launches per step)"]
         lines += [f"  {k['us_per_step']:9.2f}  {k['per_step']:6.2f}  {k['name']}" for k in s["kernels"]]
+        lines.append(f"{n}: the prefill step's kernels (started while it ran on the host), us")
+        lines += [f"  {k['us']:9.2f}  {k['name']}" for k in s["prefill"]["kernels"]]
         lines.append(f"{n}: longest GPU idle gaps (us; the kernel before, the kernel after)")
         lines += [f"  {g['us']:9.2f}  {g['after']}  ->  {g['before']}" for g in s["longest_idle"]]
         out.append("\n".join(lines))
