@@ -11,7 +11,7 @@ from .encodings import ENCODINGS
 def reference_gather(table: torch.Tensor, ids: torch.Tensor, *, scale: float | None = None, columns=None,
                      oob: str = "zero", out_dtype: torch.dtype | None = None,
                      dequant_scale: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
-                     id_base: int = 0, row_scale: bool = False) -> torch.Tensor:
+                     id_base: int = 0, row_scale: bool = False, encoding: str | None = None) -> torch.Tensor:
     """``table[ids, columns] * scale.to(table.dtype)`` with the out-of-range policy, on the CPU.
 
     An id reads row ``id - id_base``; valid rows are ``rows[0] <= row < rows[1]`` (default: the whole
@@ -19,9 +19,12 @@ def reference_gather(table: torch.Tensor, ids: torch.Tensor, *, scale: float | N
     ``rows[0]`` for them. ``dequant_scale``: the table holds ``fp8_global`` codes, ``row_scale``: ``fp8_row``
     rows (codes, then their own float32 scale; columns index the codes); either is dequantised by its
     encoding's reference (:mod:`uvaple.kernels.encodings`: vLLM's ``codes.to(out) * scale.to(out)``, ``out``
-    default bf16).
+    default bf16). ``encoding``: any entry of the registry by name (its own reference dequantises; the two
+    flags above name the built-in ones).
     """
-    enc = ENCODINGS["fp8_row" if row_scale else "fp8_global" if dequant_scale is not None else "raw"]
+    if encoding is not None and encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, got {encoding!r}")
+    enc = ENCODINGS[encoding or ("fp8_row" if row_scale else "fp8_global" if dequant_scale is not None else "raw")]
     t = table.detach().cpu()
     c0, c1 = column_range(columns, enc.value_cols(t.shape[1]))
     lo, hi = rows if rows is not None else (0, t.shape[0])

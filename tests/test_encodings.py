@@ -276,6 +276,9 @@ def test_a_new_encoding_is_one_registry_entry_that_every_check_and_path_reads(de
             want = _padded_dequant(t[rows.reshape(-1)], torch.bfloat16).view(2, 4, 13)
             want[((ids < 0) | (ids >= 50)).cpu()] = 0
             assert got.shape == (2, 4, 13) and torch.equal(bits(got.cpu()), bits(want))
+            assert torch.equal(bits(reference_gather(t, ids, encoding="fp8_row_pad8")), bits(want))
+            assert torch.equal(bits(reference_gather(t, ids, encoding="fp8_row_pad8", columns=(2, 11))),
+                               bits(want[..., 2:11]))
         out = torch.empty(2, 14, dtype=torch.bfloat16, device=device)
         flat = torch.tensor([1, 2], device=device)
         with pytest.raises(ValueError, match="last 8 columns of these rows are their scale"):
@@ -312,4 +315,6 @@ def test_a_code_no_encoding_lists_is_refused_when_the_plan_is_made(device):
         encodings.Encoding("bad", "global", (torch.int8,), None, raw.dequantise, codes=((torch.int8, 11),))
     with pytest.raises(ValueError, match="built in"):
         encodings.unregister("fp8_row")
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        reference_gather(table, ids.cpu(), encoding="fp8_row_pad8")  # gone with its test
     assert sorted(encodings.ENCODINGS) == ["fp8_global", "fp8_row", "raw"]
