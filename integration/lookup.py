@@ -119,25 +119,37 @@ class Lookup(abc.ABC):
                 "table reads zeros here). Build the table and the lookup in the child (HostTable.attach "
                 "for a shared table)")
 
-    def _prepare(self, ids: torch.Tensor, out: torch.Tensor | None, columns) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The per-call checks every placement shares, of what the caller controls (everything else was
-        checked when the lookup was built): (contiguous ids, out, first column)."""
+    def _prepare(self, ids: torch.Tensor, out: torch.Tensor | None, columns, *, ids_on: str = "device",
+                 allocate: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+        """The per-call checks of every placement, of what the caller controls (everything else was checked
+        when the lookup was built): the lookup open and not inherited through ``fork()``, the ids' dtype, their
+        device (``ids_on``: ``"device"``, this lookup's; ``"host"``, the CPU; ``"either"``), their count
+        (``max_rows``: :meth:`_too_many`), the column range, ``out``'s shape, dtype, layout and device.
+        Returns (contiguous ids, ``out``, the column range); ``out`` is allocated when None and ``allocate``."""
         if self._closed or self.table.forked:
             self._check_usable()
         if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
             check_ids(ids)
-        if ids.device != self.device:
-            raise ValueError(f"ids are on {ids.device}; this lookup serves {self.device}")
+        if ids.device != self.device or ids_on == "host":
+            host = ids.device.type == "cpu"
+            if not (host and ids_on != "device" or ids_on == "either" and ids.device == self.device):
+                want = {"device": f"this lookup serves {self.device}", "host": "this call takes host ids (on the CPU)",
+                        "either": f"pass host ids (on the CPU) or ids on {self.device}"}[ids_on]
+                raise ValueError(f"ids are on {ids.device}; {want}")
         c0, c1 = self._whole if columns is None else self.spec.columns(columns)
         if self.max_rows is not None and ids.numel() > self.max_rows:
-            raise ValueError(f"{ids.numel()} ids in one call, but this lookup was built for max_rows="
-                             f"{self.max_rows}; build it with a larger max_rows or split the call")
+            raise self._too_many(ids.numel())
         want = (*ids.shape, c1 - c0)
-        if out is None:
-            out = torch.empty(want, dtype=self._out_dtype, device=self.device)
-        else:
+        if out is not None:
             check_out(out, want, self._out_dtype, self.device)
-        return (ids if ids.is_contiguous() else ids.contiguous()), out, c0
+        elif allocate:
+            out = torch.empty(want, dtype=self._out_dtype, device=self.device)
+        return (ids if ids.is_contiguous() else ids.contiguous()), out, c0, c1
+
+    def _too_many(self, n: int) -> Exception:
+        """The error of a call of ``n`` ids, more than ``max_rows``."""
+        return ValueError(f"{n} ids in one call, but this lookup was built for max_rows={self.max_rows}; build it "
+                          "with a larger max_rows or split the call")
 
     def stats(self) -> dict:
         """Progress counters (lookups, rows, out-of-range ids) and what the lookup holds."""

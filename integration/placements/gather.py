@@ -177,7 +177,7 @@ class GatherLookup(Lookup):
         return n >= self._sort_from
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
-        ids, out, c0 = self._prepare(ids, out, columns)
+        ids, out, c0, _ = self._prepare(ids, out, columns)
         if torch.compiler.is_compiling():
             self._operator(ids, out, c0)
         else:

@@ -48,7 +48,6 @@ import weakref
 import torch
 
 from uvaple.kernels.capture import RelaxedCaptureMode
-from uvaple.kernels.checks import check_ids, check_out
 from uvaple.kernels.plan import GatherPlan
 from uvaple.uva import HostTable
 from uvaple.uva.cuda_runtime import copy_async
@@ -214,18 +213,14 @@ class SplitLookup(Lookup):
         lookup was built (one launch on the host: the split's own host work is what decides it at 65,536
         ids); its rows land in a device buffer and are copied into ``out`` after the CPU's gather.
         """
-        self._check_usable()
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("lookup_split runs host work per call and cannot be captured in a CUDA graph; "
                                "capture lookup() with device ids instead")
-        check_ids(ids)
-        if ids.device.type != "cpu":
-            raise ValueError(f"lookup_split takes host ids (the CPU gathers its share), got ids on {ids.device}")
+        if out is None:
+            raise TypeError("lookup_split writes into out: pass out [*ids.shape, ncols] on the lookup's device")
+        # every placement's checks (Lookup._prepare), with host ids: the CPU gathers its share
+        ids, out, _, _ = self._prepare(ids, out, None, ids_on="host")
         n = ids.numel()
-        if n > self.max_rows:
-            raise ValueError(f"{n} ids in one call, but this lookup was built for max_rows={self.max_rows}")
-        c0, c1 = self.spec.columns(None)
-        check_out(out, (*ids.shape, c1 - c0), self.spec.output_dtype, self.device)
         share = split_gpu_share(n, self._row_bytes, self._span_bytes) if gpu_share is None \
             else float(gpu_share)
         if not 0.0 <= share <= 1.0:

@@ -84,7 +84,6 @@ from collections.abc import Callable
 
 import torch
 
-from uvaple.kernels.checks import check_ids, check_out
 from uvaple.uva import HostTable
 
 from ...errors import BackendClosed, CopyJobFailed, CopyRequestTooLarge, CopyTimeout
@@ -234,27 +233,14 @@ class CopyBackend(SlotAdmission, CopyWorker, Lookup):
         return self._submit(ids, out, columns, inline=False)
 
     def _submit(self, ids, out, columns, *, inline: bool) -> CopyJob:
-        # ---- checks (nothing mutated)
-        if self._forked:
-            self._check_usable()  # a forked child: the worker, streams and slots are the parent's
-        check_ids(ids)
+        # ---- checks (nothing mutated): every placement's (Lookup._prepare), ids on the CPU or the device; a
+        # closed or forked backend is refused there (a forked child: the worker, streams and slots are the parent's)
+        ids, out, c0, c1 = self._prepare(ids, out, columns, ids_on="either", allocate=False)
         device_ids = self._ops.needs_d2h(ids)
-        if ids.device.type != "cpu" and not device_ids:
-            raise ValueError(f"ids are on {ids.device}; pass CPU ids or ids on {self.device}")
-        if device_ids:
-            self._ops.check_device(ids, "ids")
-        c0, c1 = self.spec.columns(columns)
         ncols = c1 - c0
         dtype = self.spec.output_dtype
         shape = (*ids.shape, ncols)
-        if out is not None:
-            self._ops.check_device(out, "out")
-            check_out(out, shape, dtype, out.device)
         n = ids.numel()
-        if n > self.max_rows:
-            raise CopyRequestTooLarge(
-                f"{n} ids in one request, but staging slots hold max_rows={self.max_rows}; construct the "
-                f"CopyBackend with max_rows >= {n} or split the request")
         # ---- admission
         _, job = self._admit()  # the job holds its slot
         # ---- from here the job owns the slot; failures release it through the normal path
@@ -277,6 +263,10 @@ class CopyBackend(SlotAdmission, CopyWorker, Lookup):
             raise
         self._dispatch(job, inline=inline, device_ids=device_ids)
         return job
+
+    def _too_many(self, n: int) -> Exception:
+        return CopyRequestTooLarge(f"{n} ids in one request, but staging slots hold max_rows={self.max_rows}; "
+                                   f"construct the CopyBackend with max_rows >= {n} or split the request")
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         """``submit(...).wait()``: rows ``[*ids.shape, ncols]`` ready in the current stream's order.
