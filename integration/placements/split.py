@@ -213,6 +213,7 @@ class SplitLookup(Lookup):
         lookup was built (one launch on the host: the split's own host work is what decides it at 65,536
         ids); its rows land in a device buffer and are copied into ``out`` after the CPU's gather.
         """
+        self._check_usable()  # first: in a forked child even asking CUDA about capture would fail
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("lookup_split runs host work per call and cannot be captured in a CUDA graph; "
                                "capture lookup() with device ids instead")
