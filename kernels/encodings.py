@@ -155,6 +155,11 @@ class Encoding:
             raise ValueError(f"encoding {self.name!r}: one code per table dtype it stores rows in, got {self.codes}")
         if self.scale != "none" and any(d not in FP8_FORMATS for d in dtypes):
             raise ValueError(f"encoding {self.name!r}: the kernels dequantise fp8 codes only ({list(FP8_FORMATS)})")
+        codes = [c for _, c in self.codes]
+        if (self.scale == "none") != (codes == [0]) or len(set(codes)) != len(codes) or \
+                any(isinstance(c, bool) or not isinstance(c, int) for c in codes):
+            raise ValueError(f"encoding {self.name!r}: code 0 is rows as stored (scale 'none', any dtype) and only "
+                             f"they have it; each other code is a distinct int, got {self.codes}")
 
     @property
     def trailer_bytes(self) -> int:
@@ -225,8 +230,9 @@ _CODES: dict[int, tuple[Encoding, torch.dtype | None]] = {}
 
 
 def _index() -> None:
-    _CODES.clear()
-    _CODES.update({code: (e, dtype) for e in ENCODINGS.values() for dtype, code in e.codes})
+    global _CODES
+    _CODES = {code: (e, dtype) for e in ENCODINGS.values() for dtype, code in e.codes}  # one rebinding: readers see
+    # the old index or the new one, never a half-built one
 
 
 register(Encoding("raw", "none", None, None, _dequant_raw))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -88,7 +89,7 @@ def number(kind: type = float, *, low: float = 0.0, inclusive: bool = False, mea
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or value != value or (value < low if inclusive else value <= low):
+        if value is None or not math.isfinite(value) or (value < low if inclusive else value <= low):
             raise argparse.ArgumentTypeError(f"expected a number {bound}{' (' + meaning + ')' if meaning else ''}, "
                                              f"got {text!r}")
         return value

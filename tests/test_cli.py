@@ -436,6 +436,8 @@ def test_shm_list_shows_the_tables_bytes_and_the_mapped_size(capsys):
     (["bench", "--workload", "host", "--cols", "0"], "argument --cols: expected a number above 0 (a count), got '0'"),
     (["bench", "--workload", "hotset", "--replays", "0"], "argument --replays: expected a number above 0"),
     (["doctor", "--seconds", "-1"], "argument --seconds: expected a number of seconds above 0, got '-1'"),
+    (["doctor", "--seconds", "inf"], "argument --seconds: expected a number of seconds above 0, got 'inf'"),
+    (["bench", "--point-time", "inf"], "argument --point-time: expected a number above 0 (seconds), got 'inf'"),
     (["shm"], "say what to do: 'uvaple shm list' shows the shared tables"),
 ])
 def test_a_bad_value_is_named_with_what_was_typed_and_what_is_accepted(capsys, argv, said):

@@ -311,6 +311,11 @@ def test_a_code_no_encoding_lists_is_refused_when_the_plan_is_made(device):
     with pytest.raises(ValueError, match="one code per table dtype"):
         encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), None, raw.dequantise,
                            codes=((torch.float8_e4m3fn, 11),))
+    with pytest.raises(ValueError, match="code 0 is rows as stored"):  # a raw entry under another code: read as fp8
+        encodings.Encoding("bad", "none", None, None, raw.dequantise, codes=((None, 7),))
+    with pytest.raises(ValueError, match="code 0 is rows as stored"):
+        encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), None, raw.dequantise,
+                           codes=((torch.float8_e4m3fn, 11), (torch.float8_e5m2, 11)))
     with pytest.raises(ValueError, match="dequantise fp8 codes only"):
         encodings.Encoding("bad", "global", (torch.int8,), None, raw.dequantise, codes=((torch.int8, 11),))
     with pytest.raises(ValueError, match="built in"):

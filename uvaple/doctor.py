@@ -22,6 +22,7 @@ Exit status (:data:`EXIT_STATUS`):
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not value > 0:
+        if not (math.isfinite(value) and value > 0):
             raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r} (--no-measure "
                                              "skips the measurements)")
         return value

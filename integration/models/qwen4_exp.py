@@ -245,7 +245,7 @@ class _HostNGram:
             rows = ENCODINGS["fp8_row"].dequantise(emb.weight, dtype)
         else:
             rows = emb.weight
-        child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=True)
+        child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=rows is emb.weight)
 
     def host_embeddings(self) -> list[HostScaledEmbedding]:
         return [self.ngram_embedding]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import ORDERS, GatherPlan, first_sorted, new_workspace
 from uvaple.uva import HostTable
 
@@ -118,14 +119,15 @@ class GatherLookup(Lookup):
             self._arg = self._arg[:hi]  # ids >= hi are outside: the kernel's row count is hi
         self._row_lo = lo
         self._dq_scale = None
-        if spec.encoding == "fp8_global":
+        if _REGISTRY[spec.encoding].scale == "global":
             s = dequant_scale
             if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1 or s.device != self.device:
-                raise ValueError(f"an fp8_global lookup needs dequant_scale: a float32 tensor of one element on "
+                raise ValueError(f"an {spec.encoding} lookup needs dequant_scale: a float32 tensor of one element on "
                                  f"{self.device}, got {s!r}")
             self._dq_scale = s.reshape(1)
         elif dequant_scale is not None:
-            raise ValueError(f"dequant_scale is for fp8_global tables; this spec's encoding is {spec.encoding!r}")
+            raise ValueError(f"dequant_scale is for fp8_global tables (an encoding with one global scale); this "
+                             f"spec's encoding is {spec.encoding!r}")
         # static too: a compiled CUDA graph mutates the counters in place, replay after replay
         self._counters = _static(torch.zeros(4, dtype=torch.int64, device=self.device)) if count else None
         # progress(): double-buffered pinned copies of the counters on a side stream, made here, once (a
