@@ -61,7 +61,7 @@ from .factory import make_lookup
 from .placements.hot import hot_set_from_options
 from .spec import TableSpec
 
-__all__ = ["HostScaledEmbedding", "host_state_dict_excluded", "QUANTIZE"]
+__all__ = ["HostScaledEmbedding", "host_state_dict_excluded", "QUANTIZE", "quantize_format"]
 
 BACKENDS = ("uva", "device", "copy")
 OOB_RULES = ("row0", "zero")
@@ -95,7 +95,7 @@ def host_state_dict_excluded() -> Iterator[None]:
         _local.exclude -= 1
 
 
-def _quantize_format(backend: str, options: dict) -> torch.dtype | None:
+def quantize_format(backend: str, options: dict) -> torch.dtype | None:
     """The fp8 format ``options["quantize"]`` asks for (None: rows as stored), checked against the placement."""
     q = options.get("quantize")
     if q is None:
@@ -171,7 +171,7 @@ class HostScaledEmbedding(nn.Module):
         self.backend_kind = backend
         self.oob = oob
         self.backend_options = dict(backend_options or {})
-        _quantize_format(backend, self.backend_options)  # a bad value is named here, not at the first forward
+        quantize_format(backend, self.backend_options)  # a bad value is named here, not at the first forward
         self.register_mode = register
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
@@ -344,7 +344,7 @@ class HostScaledEmbedding(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         options = dict(backend_options or {})
-        fmt = _quantize_format(backend, options)
+        fmt = quantize_format(backend, options)
         devices = {torch.device(t, i) if i is not None else torch.device(t) for t, i, _ in self._backends}
         old = (self._backends, self.backend_kind, self.backend_options, self._last_device, self._last)
         old_quant = self._quant
@@ -399,7 +399,7 @@ class HostScaledEmbedding(nn.Module):
     def _served(self, options: dict, device: torch.device) -> tuple:
         """(the table a lookup on ``device`` reads, its spec) at the current output dtype; takes from ``options``
         what it consumes (``quantize``). A subclass serving another table overrides this."""
-        fmt = _quantize_format(self.backend_kind, options)
+        fmt = quantize_format(self.backend_kind, options)
         options.pop("quantize", None)
         if fmt is None:
             out_dtype = None if self.compute_dtype == self.table_dtype else self.compute_dtype
@@ -412,9 +412,6 @@ class HostScaledEmbedding(nn.Module):
         from .quantize import fp8_row_table
 
         if self._quant is None or self._quant[0] != fmt:
-            if self.table_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-                raise TypeError(f"backend_options['quantize'] needs a bf16, fp16 or fp32 table, this one is "
-                                f"{self.table_dtype}")
             table, err = fp8_row_table(self._table.tensor, fmt, out_dtype=self.compute_dtype, scale=self.scale_value,
                                        register=self.register_mode)
             self._quant = (fmt, table, err)

@@ -130,9 +130,8 @@ class Lookup(abc.ABC):
             self._check_usable()
         if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
             check_ids(ids)
-        if ids.device != self.device or ids_on == "host":
-            host = ids.device.type == "cpu"
-            if not (host and ids_on != "device" or ids_on == "either" and ids.device == self.device):
+        if ids.device != self.device or ids_on == "host":  # only host ids may still be right here
+            if ids_on == "device" or ids.device.type != "cpu":
                 want = {"device": f"this lookup serves {self.device}", "host": "this call takes host ids (on the CPU)",
                         "either": f"pass host ids (on the CPU) or ids on {self.device}"}[ids_on]
                 raise ValueError(f"ids are on {ids.device}; {want}")

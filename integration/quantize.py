@@ -334,8 +334,11 @@ def fp8_row_table(src: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, 
     quantising threads (default ``min(16, cores)``). ``table_kw`` go to :meth:`HostTable.empty` (``name=``,
     ``register=``, ...)."""
     rows, cols = src.shape if isinstance(src, torch.Tensor) and src.dim() == 2 else (0, 0)
-    if not rows or not cols or not src.is_floating_point():
+    if not rows or not cols:
         raise TypeError(f"fp8_row_table expects a non-empty 2-D float tensor, got {src!r:.80}")
+    if src.dtype not in _KIND:
+        raise TypeError(f"backend_options['quantize'] (fp8_row_table) needs a bf16, fp16 or fp32 table, this one is "
+                        f"{src.dtype}")
     if fmt not in _FP8_BITS:
         raise TypeError(f"fp8_row codes are float8_e4m3fn or float8_e5m2, not {fmt}")
     if isinstance(slice_cols, bool) or not isinstance(slice_cols, int) or slice_cols <= 0:

@@ -79,9 +79,11 @@ def positive_ints(text: str) -> list[int]:
     return vals
 
 
-def number(kind: type = float, *, low: float = 0.0, inclusive: bool = False, meaning: str = ""):
-    """An argparse type: one ``kind`` number above ``low`` (at or above, ``inclusive``); a bad value's message
-    says what was typed and what is accepted (``meaning``: what the value counts, e.g. "seconds")."""
+def number(kind: type = float, *, low: float = 0.0, inclusive: bool = False, meaning: str = "",
+           noun: str = "a number", hint: str = ""):
+    """An argparse type: one finite ``kind`` number above ``low`` (at or above, ``inclusive``); a bad value's
+    message says what was typed and what is accepted (``noun`` and ``meaning``: what the value is and counts, e.g.
+    "seconds"; ``hint``: what to do instead, after the value)."""
     bound = f"{'at least' if inclusive else 'above'} {low:g}"
 
     def parse(text: str):
@@ -90,8 +92,8 @@ def number(kind: type = float, *, low: float = 0.0, inclusive: bool = False, mea
         except ValueError:
             value = None
         if value is None or not math.isfinite(value) or (value < low if inclusive else value <= low):
-            raise argparse.ArgumentTypeError(f"expected a number {bound}{' (' + meaning + ')' if meaning else ''}, "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {noun} {bound}{' (' + meaning + ')' if meaning else ''}, "
+                                             f"got {text!r}{' (' + hint + ')' if hint else ''}")
         return value
 
     parse.__name__ = f"{kind.__name__} {bound}"

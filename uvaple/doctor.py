@@ -22,7 +22,6 @@ Exit status (:data:`EXIT_STATUS`):
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -281,17 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-measure", action="store_true",
                    help="skip the measurements (with a GPU: the pinned copy and the zero-copy gather; without: the "
                         "copy placement and the interpreted gather)")
-    def seconds(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r} (--no-measure "
-                                             "skips the measurements)")
-        return value
+    from uvaple.perf.command import number
 
-    p.add_argument("--seconds", type=seconds, default=2.0,
+    p.add_argument("--seconds", type=number(noun="a number of seconds", hint="--no-measure skips the measurements"),
+                   default=2.0,
                    help="time the measurements take together (default 2; a GPU's also builds a 1 GiB table)")
     a = p.parse_args(argv)
     caps = capabilities(measure=not a.no_measure, seconds=a.seconds,

@@ -65,7 +65,7 @@ from torch import nn
 
 from uvaple.kernels.encodings import ENCODINGS
 
-from ..embedding import QUANTIZE, HostScaledEmbedding
+from ..embedding import HostScaledEmbedding, quantize_format
 from ..encoded_embedding import HostEncodedEmbedding
 from ..quantize import fp8_row_table
 from .hf import apply_uvaple, from_pretrained_with_host_tables
@@ -154,17 +154,10 @@ def _quantized_embedding(emb: nn.Embedding, options: dict) -> HostEncodedEmbeddi
     """``emb``'s table (any device) quantised block by block straight into a new ``fp8_row`` host table (no host
     copy in its own dtype), served as :class:`HostEncodedEmbedding`; ``options`` are :func:`_embedding_options`'."""
     backend_options = dict(options["backend_options"])
-    fmt = QUANTIZE.get(backend_options.pop("quantize"))
-    if fmt is None:
-        raise ValueError(f"backend_options['quantize'] must be one of {sorted(QUANTIZE)} or None, got "
-                         f"{options['backend_options']['quantize']!r}")
-    if options["backend"] not in ("uva", "device"):
-        raise ValueError(f"backend_options['quantize'] serves the 'uva' and 'device' placements, not "
-                         f"{options['backend']!r}")
+    fmt = quantize_format(options["backend"], backend_options)  # the value and the placement, named as the module does
+    backend_options.pop("quantize")
     weight = emb.weight.detach()
-    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"backend_options['quantize'] needs a bf16, fp16 or fp32 table, this one is {weight.dtype}")
-    table, err = fp8_row_table(weight, fmt, register=options["register"])
+    table, err = fp8_row_table(weight, fmt, register=options["register"])  # a bf16, fp16 or fp32 table
     try:
         return HostEncodedEmbedding(emb.num_embeddings, emb.embedding_dim, table, encoding="fp8_row",
                                     out_dtype=weight.dtype, quant_error=err, backend=options["backend"],
@@ -237,14 +230,13 @@ class _HostNGram:
         child.ngram_embedding.weight.data = torch.empty(0, dtype=dtype, device=device)
 
     def restore_source(self, child: nn.Module) -> None:
-        """Give ``child`` its table back, copied from the host table (an ``fp8_row`` table made from the source
-        with ``keep_source=False`` gives its rows as served: the source's rows rounded to fp8, times their scale)."""
+        """Give ``child`` its table back, copied from the host table (an encoded table, such as the ``fp8_row``
+        one made from the source with ``keep_source=False``, gives its rows as served: its entry's reference)."""
         device, dtype = self._source_place
         emb = self.ngram_embedding
-        if getattr(emb, "encoding", None) == "fp8_row":
-            rows = ENCODINGS["fp8_row"].dequantise(emb.weight, dtype)
-        else:
-            rows = emb.weight
+        encoding = getattr(emb, "encoding", None)  # an encoded table: its rows as served, through its reference
+        rows = emb.weight if encoding is None else \
+            ENCODINGS[encoding].dequantise(emb.weight, dtype, getattr(emb, "weight_scale", None))
         child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=rows is emb.weight)
 
     def host_embeddings(self) -> list[HostScaledEmbedding]:
