@@ -432,7 +432,11 @@ def test_an_fp8_row_shard_with_dummy_weights_holds_rows_drawn_like_vllms_dummy_b
     assert torch.equal(bits(out), bits(ENCODINGS["fp8_row"].dequantise(a.table.tensor[ids], torch.bfloat16)))
     vals = out.float()
     assert vals.abs().max() <= DUMMY_RANGE * 1.01 and vals.abs().max() > 0.9 * DUMMY_RANGE
-    assert len(torch.unique(vals)) > 100 and not torch.equal(out[2], out[3])  # not one value, blocks differ
+    # not one value: every row spreads over many of the encoding's levels (about 30 of 40 values distinct where
+    # drawn; the count depends on torch's generator, so the bound is far below it), and no two rows are equal,
+    # within a block of rows or across one
+    assert min(len(torch.unique(row)) for row in vals) >= 10
+    assert all(not torch.equal(out[i], out[j]) for i in range(len(ids)) for j in range(i))
     for s in made:
         s.close()
 
