@@ -79,8 +79,8 @@ def test_each_configuration_is_the_engine_it_names(tmp_path):
     assert kw["cudagraph_capture_sizes"] == [1, 8, 32, 64] and kw["max_num_seqs"] == 64
     assert kw["profiler_config"]["profiler"] == "torch" and kw["profiler_config"]["torch_profiler_dir"] == \
         db.profile_dir("/w", "uva")
-    assert db.child_env(True, str(tmp_path), profile=True)["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
-    assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING" not in db.child_env(True, str(tmp_path))
+    # the timed runs of a profiled engine are a plain engine's: no profiling scopes in its environment
+    assert not [k for k in db.child_env(True, str(tmp_path)) if "PROFIL" in k]
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -146,8 +146,22 @@ def test_figures_are_medians_with_their_spread_and_ratios_of_medians():
     assert uva["x_hbm_ttft"] == pytest.approx(101.5 / 101.0, rel=1e-3)
     assert "x_hbm_tokens_per_s" not in t["hbm"]["8"]
     assert uva["gpu_util_pct"]["median"] == 98.5
+    res["uva"]["start_phases"] = {"load_s": 117.2, "init_engine_s": 165.7}
     md = db.markdown(t, res, db.plan_model(24.0, 8, 512), SimpleNamespace(prompt=512, decode=256, reps=3))
     assert "| uva | 8 | 769.2 [733.9-784.3] |" in md
+    assert "| uva | - | 117.2 | 165.7 |" in md and "| hbm | - | - | - |" in md
+
+
+def test_the_engine_starts_phases_come_from_vllms_log(tmp_path):
+    log = tmp_path / "uva.log"
+    log.write_text("\n".join([
+        "INFO 12-04 17:53:34 [vllm.v1.worker.gpu.model_runner model_runner.py:428] Model loading took 80.3 GiB "
+        "memory and 117.229971 seconds",
+        "INFO 12-04 17:56:20 [vllm.v1.engine.core core.py:412] init engine (profile, create kv cache, warmup model) "
+        "took 165.74 s",
+        "INFO a second engine's line: init engine (profile) took 9.0 s"]))
+    assert db.start_phases(str(log)) == {"load_s": 117.2, "init_engine_s": 165.7}
+    assert db.start_phases(str(tmp_path / "absent.log")) == {}
 
 
 def test_jit_lines_are_counted_inside_the_timed_runs_only(tmp_path):
@@ -198,7 +212,7 @@ def test_trace_summary_cuts_the_decode_steps_and_finds_the_gpus_idle_gaps():
     assert s["kernels"][0] == {"name": "kernel_A", "us_per_step": 40.0, "per_step": 1.0}
     assert s["kernel_count_per_step"] == 3.0
     # the prefill: the first mark to the second, its kernels (A, B and the copy inside A: busy 60 of 100 us)
-    assert s["prefill"] == {"host_us": 100.0, "gpu_busy_us": 60.0, "kernels": [
+    assert s["prefill"] == {"step": ts.STEP_MARK, "host_us": 100.0, "gpu_busy_us": 60.0, "kernels": [
         {"name": "kernel_A", "us": 40.0}, {"name": "kernel_B", "us": 20.0},
         {"name": "Memcpy HtoD (Pinned -> Device)", "us": 15.0}]}
     slow = [dict(e, dur=e["dur"] * 2) if e["name"] == "kernel_B" else e for e in _trace()]
@@ -207,6 +221,58 @@ def test_trace_summary_cuts_the_decode_steps_and_finds_the_gpus_idle_gaps():
     assert "| cudaGraphLaunch: calls / us per step | 1.0 / 10.0 | 1.0 / 10.0 |" in table
     assert "| prefill step: host us / GPU busy us | 100.0 / 60.0 | 100.0 / 80.0 |" in table
     assert "fast: the prefill step's kernels" in table
+
+
+def _worker_trace(plan: str, period: float = 100.0) -> list[dict]:
+    """Steps as vLLM's worker annotates them, one a character of ``plan``: ``p`` a prefill of 512 tokens, ``d`` a
+    decode step (kernel_A 40 us); a decode step lasts ``period`` us, a prefill twice that (kernel_P 150 us). The
+    GPU's side of each annotation has the same name and must not count as a step."""
+    ev, t = [], 0.0
+    for c in plan:
+        name = "execute_context_1(512)_generation_0(0)" if c == "p" else "execute_context_0(0)_generation_1(1)"
+        length = 2 * period if c == "p" else period
+        ev += [_x(name, "user_annotation", t, 20), _x(name, "gpu_user_annotation", t + 5, length - 10),
+               _x("kernel_P" if c == "p" else "kernel_A", "kernel", t + 5, 150 if c == "p" else 40),
+               _x("cudaGraphLaunch", "cuda_runtime", t + 2, 10), _x("aten::mm", "cpu_op", t + 1, 3)]
+        t += length
+    return ev
+
+
+def test_trace_summary_cuts_at_the_workers_step_annotations_and_tells_prefill_from_decode():
+    """vLLM 0.33's V2 model runner records no 'gpu_model_runner: forward'; its worker names every step after the
+    requests in it. The decode steps are the longest run of decode steps in a row (a later prefill, a request
+    arriving mid-profile, does not fall inside them), less the last; the prefill is the one just before them."""
+    s = ts.summarize(_worker_trace("pdddddd" + "p" + "ddd"))
+    assert s["steps"] == 4 and s["step_us"]["median"] == 100.0  # six decode marks: five starts, four whole steps
+    assert s["gpu_busy_us_per_step"] == 40.0 and [k["name"] for k in s["kernels"]] == ["kernel_A"]
+    assert s["host_us_per_step"]["worker: execute_model"]["median"] == 20.0
+    assert s["runtime_per_step"]["cudaGraphLaunch"] == {"calls": 1.0, "us": 10.0}
+    assert s["prefill"]["step"] == "execute_context_1(512)_generation_0(0)"
+    assert s["prefill"]["host_us"] == 200.0 and s["prefill"]["kernels"] == [{"name": "kernel_P", "us": 150.0}]
+    # the detailed annotation (profiler_config detailed_trace_annotation) is a step too
+    detailed = [dict(e, name=e["name"].replace("execute_", "execute_513_").replace("(512)", "(sq512sk512sqsq1sqsk1)"))
+                for e in _worker_trace("pddd")]
+    d = ts.summarize(detailed)
+    assert d["steps"] == 1 and d["prefill"]["step"].startswith("execute_513_context_1(sq512")
+    # decode steps alone (the profile started after the prefill): no prefill row, the table says "-"
+    alone = ts.summarize(_worker_trace("dddd"))
+    assert alone["prefill"] is None and alone["steps"] == 2
+    table = ts.markdown({"a": alone, "b": s})
+    assert "| prefill step: host us / GPU busy us | - | 200.0 / 150.0 |" in table
+    assert "| host: worker: execute_model (median us) | 20.0 | 20.0 |" in table
+    with pytest.raises(ts.TraceError, match="no whole decode step annotated \\(7 steps in all\\)"):
+        ts.summarize(_worker_trace("pddpddp"))  # never three decode steps in a row
+
+
+def test_a_trimmed_trace_summarises_as_the_whole_one(tmp_path):
+    """trim keeps what summarize reads and nothing else (the host's operators go): the trace a benchmark brings
+    back when the whole one is too large gives the same summary."""
+    ev = _worker_trace("pdddddp")
+    kept = ts.trim(ev)
+    assert len(kept) < len(ev) and not [e for e in kept if e["cat"] == "cpu_op"]
+    path = tmp_path / "t.json.gz"
+    assert ts.save(kept, str(path)) == path.stat().st_size > 0
+    assert ts.summarize(ts.load(str(path))) == ts.summarize(ev)
 
 
 def test_trace_summary_reads_a_torch_profiler_trace_and_refuses_what_it_cannot_summarise(tmp_path):
@@ -225,7 +291,7 @@ def test_trace_summary_reads_a_torch_profiler_trace_and_refuses_what_it_cannot_s
     gz.write_bytes(gzip.compress(path.read_bytes()))
     s = ts.summarize(ts.load(str(gz)))
     assert s["steps"] == 3 and s["gpu_busy_us_per_step"] == 0 and s["kernels"] == []  # a CPU trace: no kernels
-    with pytest.raises(ts.TraceError, match="at least 4 steps.*VLLM_CUSTOM_SCOPES_FOR_PROFILING"):
+    with pytest.raises(ts.TraceError, match="no whole decode step.*3 steps in all.*VLLM_CUSTOM_SCOPES_FOR_PROFILING"):
         ts.summarize(_trace(steps=3))
     bad = tmp_path / "bad.json.gz"
     bad.write_bytes(b"not gzip")
@@ -243,7 +309,7 @@ def test_trace_summary_reads_a_torch_profiler_trace_and_refuses_what_it_cannot_s
     assert json.loads((tmp_path / "s.json").read_text())["cpu"]["steps"] == 3
 
 
-def test_the_bench_summarises_the_newest_trace_and_keeps_small_ones(tmp_path):
+def test_the_bench_summarises_the_newest_trace_and_keeps_small_ones(tmp_path, monkeypatch):
     import gzip
 
     trace_dir, out = tmp_path / "profile" / "uva", tmp_path / "out"
@@ -260,8 +326,19 @@ def test_the_bench_summarises_the_newest_trace_and_keeps_small_ones(tmp_path):
     (trace_dir / "w.profiler_out.txt").write_text("table")
     s = db.profile_summary(str(trace_dir), str(out), "uva")
     assert s["steps"] == 5 and s["trace"] == str(new)  # eight marks: six starts, five steps
-    assert (out / "profile_uva.json.gz").read_bytes() == new.read_bytes()
+    assert ts.load(str(out / "profile_uva.json.gz")) == ts.trim(ts.load(str(new)))  # what the summary reads
     assert (out / "profile_uva_table.txt").read_text() == "table"
+    # a trace the summary cannot cut still comes back (cut to what it reads), with vLLM's table
+    new.write_bytes(gzip.compress(json.dumps({"traceEvents": _trace(steps=3)}).encode()))
+    (out / "profile_uva_table.txt").unlink()
+    failed = db.profile_summary(str(trace_dir), str(out), "uva")
+    assert "no whole decode step" in failed["error"] and failed["trace"] == str(new)
+    assert len(ts.load(str(out / "profile_uva.json.gz"))) == len(ts.trim(_trace(steps=3)))
+    assert (out / "profile_uva_table.txt").read_text() == "table"
+    # one larger than the bound stays on the machine
+    monkeypatch.setattr(db, "TRACE_KEEP_BYTES", 10)
+    assert db.profile_summary(str(trace_dir), str(out), "uva")["error"]
+    assert not (out / "profile_uva.json.gz").exists()
     text = db.profiles_markdown({"uva": {"profiled": {"batch": 1}, "profile": s}, "hbm": {"ok": True}})
     assert "Profiled decode steps at batch 1" in text and "| | uva |" in text
 

@@ -55,13 +55,14 @@ flaw of that configuration's figures, flagged in the table). Per configuration: 
 wall time), host memory taken (``MemAvailable`` before and after), GPU memory for weights.
 
 Profile (``--profile B``): after the timings, the engine's worker runs the torch profiler (vLLM's
-``profiler_config``, no stacks; the model runner's scopes on, ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, in this
-engine's timed runs too) over one more ``generate`` of ``--profile-tokens`` tokens at batch ``B``;
-``trace_summary.py`` cuts the trace into decode steps and says where each step's time goes (GPU busy and idle,
-the longest idle gaps and the kernels either side, the host's scopes, CUDA runtime calls, kernels by time), side
-by side for the configurations in ``decode_bench.md``. ``--engine-batches`` builds every engine for the
-table's batches while timing fewer (``--batches 1 --engine-batches 1,8,32,64 --profile 1``: batch 1 alone, in
-the engines of the table).
+``profiler_config``, no stacks) over one more ``generate`` of ``--profile-tokens`` tokens at batch ``B``;
+``trace_summary.py`` cuts the trace into decode steps at the worker's step annotations and says where each
+step's time goes (GPU busy and idle, the longest idle gaps and the kernels either side, the host's step time,
+CUDA runtime calls, kernels by time), side by side for the configurations in ``decode_bench.md``. What comes
+back: the summary, vLLM's own kernel table of the profile, and the trace cut to what the summary reads
+(``profile_CONFIG.json.gz``, when under 4 MiB), also where the summary fails. ``--engine-batches`` builds
+every engine for the table's batches while timing fewer (``--batches 1 --engine-batches 1,8,32,64 --profile
+1``: batch 1 alone, in the engines of the table).
 
 Results: ``DIR/decode_bench.json`` (every repetition), ``DIR/decode_bench.md`` (the table),
 ``DIR/decode_bench.log`` and each engine's log; saved after every configuration, and a later call continues
@@ -84,7 +85,7 @@ import traceback
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 from engine_check import Log, _kill_group, _tail, logging_config, vllm_env  # noqa: E402 - this folder's
-from trace_summary import TraceError, load, summarize  # noqa: E402
+from trace_summary import TraceError, load, save, summarize, trim  # noqa: E402
 from trace_summary import markdown as trace_markdown  # noqa: E402
 
 GIB = 1 << 30
@@ -207,12 +208,12 @@ def profile_dir(work: str, config: str) -> str:
     return os.path.join(work, "profile", config)
 
 
-def child_env(plugin: bool, work: str, profile: bool = False) -> dict:
-    """engine_check's engine environment, the compile caches shared under ``work`` (see the module docstring);
-    ``profile``: the model runner's profiler scopes on (``trace_summary`` cuts the trace into steps at them)."""
-    extra = {"VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"} if profile else {}
+def child_env(plugin: bool, work: str) -> dict:
+    """engine_check's engine environment, the compile caches shared under ``work`` (see the module docstring).
+    A profiled engine's is the same: vLLM's worker names each step while its profiler runs, which is what
+    ``trace_summary`` cuts at, so the timed runs are a plain engine's."""
     return vllm_env(plugin, logging_config(os.path.join(work, "logging.json")), os.path.join(work, "vllm_cache"),
-                    TRITON_CACHE_DIR=os.path.join(work, "triton_cache"), **extra)
+                    TRITON_CACHE_DIR=os.path.join(work, "triton_cache"))
 
 
 class GpuUtil:
@@ -373,6 +374,24 @@ def jit_lines(log_path: str) -> dict[str, list[str]]:
     return out
 
 
+START_PHASES = {"load_s": re.compile(r"Model loading took .* and ([0-9.]+) seconds"),
+                "init_engine_s": re.compile(r"init engine \(.*\) took ([0-9.]+) s")}
+
+
+def start_phases(log_path: str) -> dict[str, float]:
+    """The engine start's two phases as vLLM logs them: loading the model (weights and host tables: vLLM's dummy
+    fill or the checkpoint, the plugin's tables) and initialising the engine (the dummy run, KV cache, warm-up
+    and graph capture; Triton compiling into an empty cache makes most of it for the first engine of a machine)."""
+    out: dict[str, float] = {}
+    if os.path.exists(log_path):
+        for line in open(log_path, errors="replace"):
+            for key, pattern in START_PHASES.items():
+                m = pattern.search(line)
+                if m and key not in out:
+                    out[key] = round(float(m.group(1)), 1)
+    return out
+
+
 def figures(results: dict[str, dict]) -> dict[str, dict]:
     """Per configuration and batch: tokens/s, step ms, TTFT ms (median, min, max), GPU utilisation, JIT lines,
     and the ratios of the medians to ``hbm`` and ``host``."""
@@ -413,11 +432,17 @@ def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> s
                          f"{r.get('x_hbm_tokens_per_s', '-')} | {r.get('x_host_tokens_per_s', '-')} | "
                          f"{s['median']:.3f} | {f['median']:.1f} [{f['min']:.1f}-{f['max']:.1f}] | "
                          f"{r.get('x_hbm_ttft', '-')} | {util} | {r['jit_lines'] or 'none'} |")
-    lines += ["", "| config | engine start s | host GiB taken | GPU weights GiB | ok |", "|---|---|---|---|---|"]
+    lines += ["", "Engine start: `LLM()` wall time, and vLLM's two phases of it (model loading: weights and host "
+              "tables; engine init: dummy run, KV cache, warm-up, graph capture). The engines share one compile "
+              "cache, so the first of a machine also compiles the Triton kernels the later ones find.", "",
+              "| config | engine start s | model loading s | engine init s | host GiB taken | GPU weights GiB | ok |",
+              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         host = r.get("host_bytes_taken")
         ok = "yes" if r.get("ok") else f"no: {str(r.get('error'))[:120]}"
-        lines.append(f"| {name} | {r.get('init_s', '-')} | {'-' if host is None else round(host / GIB, 1)} | "
+        phases = r.get("start_phases") or {}
+        lines.append(f"| {name} | {r.get('init_s', '-')} | {phases.get('load_s', '-')} | "
+                     f"{phases.get('init_engine_s', '-')} | {'-' if host is None else round(host / GIB, 1)} | "
                      f"{r.get('weights_gib', '-')} | {ok} |")
     return "\n".join(lines) + "\n"
 
@@ -428,18 +453,20 @@ def profile_summary(trace_dir: str, out: str, config: str) -> dict:
     import glob
     import shutil
 
+    for table in glob.glob(os.path.join(trace_dir, "*profiler_out*.txt"))[:1]:
+        shutil.copy(table, os.path.join(out, f"profile_{config}_table.txt"))
     traces = sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json*")), key=os.path.getmtime)
     if not traces:
         return {"error": f"no trace in {trace_dir}"}
+    kept = os.path.join(out, f"profile_{config}.json.gz")
     try:
-        summary = summarize(load(traces[-1]))
+        events = load(traces[-1])
+        if save(trim(events), kept) > TRACE_KEEP_BYTES:
+            os.remove(kept)
+        summary = summarize(events)
     except TraceError as e:
         return {"error": str(e), "trace": traces[-1]}
     summary["trace"] = traces[-1]
-    if os.path.getsize(traces[-1]) <= TRACE_KEEP_BYTES:
-        shutil.copy(traces[-1], os.path.join(out, f"profile_{config}.json.gz"))
-    for table in glob.glob(os.path.join(trace_dir, "*profiler_out*.txt"))[:1]:
-        shutil.copy(table, os.path.join(out, f"profile_{config}_table.txt"))
     return summary
 
 
@@ -570,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{config}: {call}")
         with open(log_path, "w") as f:
             proc = subprocess.Popen([sys.executable, HERE, "--child", spec_path], stdout=f, stderr=subprocess.STDOUT,
-                                    env=child_env(plugin, a.work, bool(a.profile)), start_new_session=True)
+                                    env=child_env(plugin, a.work), start_new_session=True)
             try:
                 proc.wait(timeout=max(30.0, left - 10))
             except subprocess.TimeoutExpired:
@@ -579,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         r = json.load(open(result_path)) if os.path.exists(result_path) else {
             "config": config, "call": call, "ok": False, "stage": "timeout", "error": "no result (killed)"}
         r["jit"] = jit_lines(log_path)
+        r["start_phases"] = start_phases(log_path)
         text = open(log_path, errors="replace").read()
         m = re.findall(r"Model loading took ([0-9.]+) GiB", text)
         r["weights_gib"] = float(m[-1]) if m else None

@@ -3,9 +3,13 @@
 ``python3 perf/vllm_carry/trace_summary.py NAME=TRACE.json.gz [NAME=TRACE ...] [--json OUT]`` prints one
 summary per trace and, for two or more, the table that sets them side by side. Runs anywhere (no vLLM, no GPU).
 
-A trace (Chrome format, as ``torch.profiler`` writes it) is cut into steps at the model runner's annotations
-(``gpu_model_runner: forward``, which vLLM records with ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``; the first and last
-steps are dropped: the prefill and the profiler's stop). Over the decode steps left:
+A trace (Chrome format, as ``torch.profiler`` writes it) is cut into steps at the annotation vLLM's worker
+records around each ``execute_model`` while its profiler runs, ``execute_context_C(T)_generation_G(T)`` (C
+requests in prefill, G decoding; both model runners). A step with a request in prefill is a prefill step, one
+without is a decode step; the decode steps are the longest run of them in a row, less the last (the profiler
+stops in it). A trace without those annotations is cut at the V1 model runner's ``gpu_model_runner: forward``
+(recorded with ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``), the first step taken as the prefill. Over the decode
+steps:
 
 * the step: median and spread of the time between two steps' starts (the host's period, which is the GPU's when
   the GPU is never idle);
@@ -25,15 +29,19 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import re
 import statistics
 import sys
 from collections import defaultdict
 
-STEP_MARK = "gpu_model_runner: forward"
+WORKER_STEP = re.compile(r"^execute_(?:\d+_)?context_(\d+)\(.*?\)_generation_(\d+)\(")  # the worker's, per step
+STEP_MARK = "gpu_model_runner: forward"  # the V1 model runner's, with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
                  "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaEventSynchronize",
                  "cudaDeviceSynchronize", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery")
+KEPT_CATS = (*GPU_CATS, "user_annotation", "cuda_runtime", "cuda_driver")  # all that summarize reads
 
 
 class TraceError(ValueError):
@@ -69,13 +77,48 @@ def _spread(values: list[float]) -> dict:
             "max": round(max(values), 2), "n": len(values)}
 
 
+def trim(events: list[dict]) -> list[dict]:
+    """What :func:`summarize` reads of ``events`` (kernels, copies, annotations, runtime calls), so that a trace
+    too large to bring back can come back as this."""
+    return [e for e in events if e.get("cat") in KEPT_CATS]
+
+
+def save(events: list[dict], path: str) -> int:
+    """``events`` as a gzipped Chrome trace at ``path``; its size in bytes."""
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f, separators=(",", ":"))
+    return os.path.getsize(path)
+
+
+def step_marks(events: list[dict]) -> list[tuple[float, str, str]]:
+    """The steps of a trace, in order: (start us, "prefill" or "decode", the annotation's name). The worker's step
+    annotations where the trace has them, else the V1 model runner's (the first taken as the prefill)."""
+    worker = sorted((float(e["ts"]), e["name"]) for e in events
+                    if e.get("cat") == "user_annotation" and WORKER_STEP.match(e.get("name", "")))
+    if worker:
+        return [(t, "prefill" if int(WORKER_STEP.match(n).group(1)) else "decode", n) for t, n in worker]
+    runner = sorted(float(e["ts"]) for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation")
+    return [(t, "decode" if i else "prefill", STEP_MARK) for i, t in enumerate(runner)]
+
+
 def summarize(events: list[dict], top: int = 25, gaps: int = 8) -> dict:
     """The decode steps of ``events`` (times in microseconds; see the module docstring)."""
-    marks = sorted(float(e["ts"]) for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation")
-    if len(marks) < 4:
-        raise TraceError(f"{len(marks)} '{STEP_MARK}' annotations: a decode profile needs at least 4 steps (set "
-                         "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 in the engine's environment)")
-    starts = marks[1:-1]  # the prefill's step and the last (the profiler stops in it) are left out
+    cut = step_marks(events)
+    run: list[float] = []  # the longest run of decode steps in a row
+    current: list[float] = []
+    for t, kind, _ in cut:
+        if kind != "decode":
+            current = []
+            continue
+        current.append(t)
+        if len(current) > len(run):
+            run = current
+    starts = run[:-1]  # the last decode step is left out: the profiler stops in it
+    if len(starts) < 2:
+        raise TraceError(f"no whole decode step annotated ({len(cut)} steps in all): a decode profile needs two "
+                         "decode steps in a row and the start of a third (vLLM's worker names each step "
+                         "execute_context_..._generation_... while its profiler runs; the V1 model runner's "
+                         f"'{STEP_MARK}' needs VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 in the engine's environment)")
     lo, hi = starts[0], starts[-1]
     steps = len(starts) - 1
     periods = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -107,18 +150,25 @@ def summarize(events: list[dict], top: int = 25, gaps: int = 8) -> dict:
         name = e.get("name", "")
         if e.get("cat") == "user_annotation" and name.startswith("gpu_model_runner:"):
             annotations[name].append(float(e["dur"]))
+        elif e.get("cat") == "user_annotation" and WORKER_STEP.match(name):
+            annotations["worker: execute_model"].append(float(e["dur"]))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and name in RUNTIME_CALLS:
             runtime[name].append(float(e["dur"]))
-    # the prefill's step (the first): its host time and the kernels that started while it ran on the host
-    first = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
-                   if e.get("cat") in GPU_CATS and marks[0] <= float(e["ts"]) < marks[1])
-    first_kernels: dict[str, float] = defaultdict(float)
-    for s0, t0, e in first:
-        first_kernels[e.get("name", "?")] += t0 - s0
-    prefill = {"host_us": round(marks[1] - marks[0], 2),
-               "gpu_busy_us": round(sum(t - s for s, t in _union([(s, t) for s, t, _ in first])), 2),
-               "kernels": [{"name": name[:120], "us": round(us, 2)} for us, name in
-                           sorted(((us, name) for name, us in first_kernels.items()), reverse=True)[:12]]}
+    # the last prefill step before the decode steps: its host time (to the next step's start) and the kernels
+    # that started while it ran on the host
+    prefill = None
+    before = [i for i, (t, kind, _) in enumerate(cut) if kind == "prefill" and t < lo]
+    if before and before[-1] + 1 < len(cut):
+        p0, p1 = cut[before[-1]][0], cut[before[-1] + 1][0]
+        first = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                       if e.get("cat") in GPU_CATS and p0 <= float(e["ts"]) < p1)
+        first_kernels: dict[str, float] = defaultdict(float)
+        for s0, t0, e in first:
+            first_kernels[e.get("name", "?")] += t0 - s0
+        prefill = {"step": cut[before[-1]][2], "host_us": round(p1 - p0, 2),
+                   "gpu_busy_us": round(sum(t - s for s, t in _union([(s, t) for s, t, _ in first])), 2),
+                   "kernels": [{"name": name[:120], "us": round(us, 2)} for us, name in
+                               sorted(((us, name) for name, us in first_kernels.items()), reverse=True)[:12]]}
     return {
         "prefill": prefill,
         "steps": steps,
@@ -153,7 +203,8 @@ def markdown(summaries: dict[str, dict]) -> str:
     row("GPU busy us / step", lambda s: s["gpu_busy_us_per_step"])
     row("GPU idle us / step", lambda s: s["gpu_idle_us_per_step"])
     row("kernels / step", lambda s: s["kernel_count_per_step"])
-    row("prefill step: host us / GPU busy us", lambda s: f"{s['prefill']['host_us']} / {s['prefill']['gpu_busy_us']}")
+    row("prefill step: host us / GPU busy us", lambda s: f"{s['prefill']['host_us']} / {s['prefill']['gpu_busy_us']}"
+        if s["prefill"] else "-")
     for key in sorted({k for s in summaries.values() for k in s["host_us_per_step"]}):
         row(f"host: {key} (median us)", lambda s, k=key: s["host_us_per_step"].get(k, {}).get("median", "-"))
     for key in sorted({k for s in summaries.values() for k in s["runtime_per_step"]}):
@@ -164,8 +215,10 @@ def markdown(summaries: dict[str, dict]) -> str:
         s = summaries[n]
         lines = [f"\n{n}: kernels by time per step (us, launches per step)"]
         lines += [f"  {k['us_per_step']:9.2f}  {k['per_step']:6.2f}  {k['name']}" for k in s["kernels"]]
-        lines.append(f"{n}: the prefill step's kernels (started while it ran on the host), us")
-        lines += [f"  {k['us']:9.2f}  {k['name']}" for k in s["prefill"]["kernels"]]
+        if s["prefill"]:
+            lines.append(f"{n}: the prefill step's kernels ({s['prefill']['step']}; started while it ran on the "
+                         "host), us")
+            lines += [f"  {k['us']:9.2f}  {k['name']}" for k in s["prefill"]["kernels"]]
         lines.append(f"{n}: longest GPU idle gaps (us; the kernel before, the kernel after)")
         lines += [f"  {g['us']:9.2f}  {g['after']}  ->  {g['before']}" for g in s["longest_idle"]]
         out.append("\n".join(lines))
