@@ -1,7 +1,8 @@
 """Device code and how it is launched: the gather kernels, their launchers and plans, their operators.
 
 ``gather`` (direct), ``gather_sorted`` and ``gather_hot`` each hold one operator (``torch.ops.uvaple.*``,
-registered on import) with its kernel, launcher and fake; ``plan`` makes a lookup's launchers once;
+registered on import) with its kernel, launcher and fake, and so does ``ngram``, the n-gram hash that makes a
+PLE layer's table rows from its tokens; ``plan`` makes a lookup's launchers once;
 ``encodings`` is the registry of row encodings; ``tuning`` holds the measured launch tables; ``reference``
 is the definition every kernel path is compared against. Takes tensors and ints only.
 """
@@ -16,7 +17,10 @@ if __name__ != "uvaple.kernels":
 
     sys.modules[__name__] = importlib.import_module("uvaple.kernels")
 else:
-    from . import gather_hot  # noqa: F401  (registers torch.ops.uvaple.gather_rows_hot)
+    from . import (
+        gather_hot,  # noqa: F401  (registers torch.ops.uvaple.gather_rows_hot)
+        ngram,  # noqa: F401  (registers torch.ops.uvaple.ngram_rows)
+    )
     from .checks import OOB_POLICIES
     from .encodings import ENCODINGS, Encoding
     from .gather import gather_rows

@@ -5,8 +5,9 @@
 #   usage: bash perf/gpu_check.sh [steps...], from the repository root (the studies, probes and tuners run as
 #   scripts from perf/studies/, which is not installed; the benchmarks through `uvaple bench`)
 #   steps: doctor tests soak memcheck memlock lifetime host tunecopy tiles ready probe ngram hotset rates prefetch
-#   split costs vllm startup bench e2e levers vllm_engine vllm_decode
-#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, vllm_engine and vllm_decode)
+#   split costs vllm startup bench e2e levers ngramlayer vllm_engine vllm_decode
+#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, ngramlayer, vllm_engine and
+#   vllm_decode)
 #   vllm_engine: vLLM 0.33's real engine with the plugin (perf/vllm_carry/engine_check.py), once the parts that
 #   perf/vllm_carry/build.py made were carried and unpacked by perf/vllm_carry/assemble.sh in the same lease:
 #   installs them (pip --no-deps --target /tmp/vllm_site), then Gemma 3n and Qwen4Exp against HBM: vLLM's host
@@ -177,6 +178,11 @@ fi
 if has bench; then
   step "uvaple bench ${BENCH_ARGS:---full}"
   timeout 540 uvaple bench ${BENCH_ARGS:---full} --out "$R/bench" 2>&1 | tail -80
+fi
+if has ngramlayer; then
+  step "one Qwen4Exp n-gram embedding, eager: transformers' own with its table in HBM, ours (hash kernel + uva), the hash both ways"
+  timeout 300 python3 perf/studies/ngram_layer.py --json "$R/ngram_layer.json" 2>&1 | tee "$R/ngram_layer.log"
+  echo "ngram_layer exit: ${PIPESTATUS[0]}"
 fi
 if has e2e; then
   step "Gemma 3n E2B end to end"

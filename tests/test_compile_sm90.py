@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from uvaple.kernels import gather, gather_sorted, jit
+from uvaple.kernels import gather, gather_sorted, jit, ngram
 from uvaple.kernels.encodings import encoding_of_code
 
 POINTERS = {"ids_ptr": "*i64", "counters_ptr": "*i64", "dq_scale_ptr": "*fp32", "slot_ptr": "*i32",
@@ -73,6 +73,21 @@ def test_the_dedup_tail_kernel_compiles_for_sm90(id_type, tmp_path, monkeypatch)
     cx = {"STEPS": 32, "BLOCK_R": 4, "BLOCK_C": 512}
     sig = {"sorted_ptr": id_type, "order_ptr": "*i64", "out_ptr": "*i16", "n": "i64", "n_cols": "i64",
            "STEPS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
+    assert out.asm.get("cubin")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scalar", ["i32", "i64"])
+@pytest.mark.parametrize("n,hpn", [(3, 8), (2, 1), (5, 3)])
+def test_the_ngram_hash_kernel_compiles_for_sm90(scalar, n, hpn, tmp_path, monkeypatch):
+    """The hash as launched: its counts and eos typed as Triton types them by value (int32, or int64 past it)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = jit.variant(ngram, False).ngram_rows_kernel
+    cx = {"N": n, "HPN": hpn, "BLOCK": 128}
+    sig = {name: "*i64" for name in ("hist_ptr", "mult_ptr", "sizes_ptr", "offsets_ptr", "out_ptr")}
+    sig.update({name: scalar for name in ("length", "last", "n_pos")}, eos="i32", N="constexpr", HPN="constexpr",
+               BLOCK="constexpr")
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
     assert out.asm.get("cubin")
 

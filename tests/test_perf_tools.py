@@ -113,10 +113,21 @@ def test_memlock_probe_fails_a_refusal_that_does_not_say_what_to_do(monkeypatch)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU these run their measurement")
 @pytest.mark.parametrize("name", ["host_rates", "lifetime_gpu", "split_costs", "split_profile",
-                                  "tune_gather"])
+                                  "tune_gather", "ngram_layer"])
 def test_gpu_only_measurements_say_they_need_a_gpu(name, capsys):
     """Each GPU-only measurement, run where no CUDA device is, exits with status 2 and says what it needs,
     before building anything (no table, no lookup)."""
     mod = study(name)
     assert mod.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.extended
+def test_ngram_layer_smoke_gives_transformers_rows_and_ids(tmp_path):
+    """The n-gram embedding study's smoke (CPU, kernels interpreted): ours gives transformers' rows bit for bit
+    and the hash kernel the definition's ids at every shape, and the figures are written."""
+    out = tmp_path / "nl.json"
+    assert study("ngram_layer").main(["--smoke", "--reps", "1", "--calls", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["results"]
+    assert set(got) == {"decode b1", "decode b3", "prefill 9"}
+    assert all(r["rows_bit_identical"] and r["ids_identical"] and r["ours_us"]["n"] == 1 for r in got.values())

@@ -16,12 +16,14 @@ every attribute and buffer of the original and replaces two things:
   :class:`~uvaple.uva.HostTable` per PLE layer, exactly ``padded_vocab x head_dim`` (one table per layer:
   each module owns its table, the state dict keeps ``...ngram_embedding.weight`` per layer, and a layer's
   rows are one contiguous range the lookup windows naturally).
-* ``forward`` computes the same ids as transformers on the ids' device (:func:`ngram_ids`, our formulation:
-  each shifted token is taken while no end-of-sequence token lies between it and the position, one
-  comparison per shift instead of a running maximum; the same hash, bit for bit, checked against
-  transformers' forward on the same inputs and cache) and gathers the rows through the module's lookup in
-  the caller's stream. No ``.to(device)``, no host synchronisation: with a static cache the whole decode
-  step is device work, so ``torch.compile(fullgraph=True)`` and CUDA graphs capture it.
+* ``forward`` computes the same ids as transformers on the ids' device and gathers the rows through the
+  module's lookup in the caller's stream. The ids are :func:`ngram_ids` (the definition, in torch, our
+  formulation: each shifted token is taken while no end-of-sequence token lies between it and the position,
+  one comparison per shift instead of a running maximum; the same hash, bit for bit, checked against
+  transformers' forward on the same inputs and cache), made by one kernel launch
+  (:mod:`uvaple.kernels.ngram`, checked bit for bit against :func:`ngram_ids`) instead of the tens of small
+  operations the definition takes. No ``.to(device)``, no host synchronisation: with a static cache the whole
+  decode step is device work, so ``torch.compile(fullgraph=True)`` and CUDA graphs capture it.
 
 The cache protocol is transformers': the last ``ngram_size - 1`` tokens live in the linear-attention layer's
 conv state 2 (``get_conv_state`` in 5.24, ``has_previous_state`` / ``layers[i].conv_states`` in 5.17),
@@ -64,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from uvaple.kernels.encodings import ENCODINGS
+from uvaple.kernels.ngram import ngram_rows
 
 from ..embedding import HostScaledEmbedding, quantize_format
 from ..encoded_embedding import HostEncodedEmbedding
@@ -258,9 +261,9 @@ class _HostNGram:
             if stored is None and ids.shape[1] < ctx:  # the cache would pad with zeros: pad with eos
                 keep = F.pad(ids, (ctx - ids.shape[1], 0), value=self.eos_token_id)
             cache.update_conv_state(keep, self.layer_idx, state_idx=2, conv_kernel_size=ctx)
-        rows = ngram_ids(history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
-                         sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets,
-                         heads_per_ngram=self.heads_per_ngram, last=ids.shape[1])  # [B, S, heads]
+        rows = ngram_rows(history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
+                          sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets,
+                          last=ids.shape[1])  # [B, S, heads]: ngram_ids's rows, in one launch
         return self.ngram_embedding(rows).flatten(-2)
 
 
