@@ -57,17 +57,17 @@ from torch import nn
 from uvaple.dtypes import fmt_bytes
 
 from .devices import resolve_device
-from .factory import make_lookup
+from .factory import make_lookup, model_placements, placement
 from .placements.hot import hot_set_from_options
 from .spec import TableSpec
 
 __all__ = ["HostScaledEmbedding", "host_state_dict_excluded", "QUANTIZE", "quantize_format"]
 
-BACKENDS = ("uva", "device", "copy")
+#: the placements a module serves (the factory's entries without a refusal for model layers)
+BACKENDS = model_placements()
 OOB_RULES = ("row0", "zero")
 #: ``backend_options["quantize"]`` values: the fp8 format of the ``fp8_row`` table served instead of the rows
 QUANTIZE = {"fp8_row": torch.float8_e4m3fn, "fp8_row_e5m2": torch.float8_e5m2}
-_QUANTIZE_PLACEMENTS = ("uva", "device")  # the copy placement reads raw rows only
 
 # Rows initialised per block when a fresh table is filled with random values: 64 MiB of fp32 normals at a
 # time keeps the transient small next to a 3.75 GiB table.
@@ -102,9 +102,10 @@ def quantize_format(backend: str, options: dict) -> torch.dtype | None:
         return None
     if not isinstance(q, str) or q not in QUANTIZE:
         raise ValueError(f"backend_options['quantize'] must be one of {sorted(QUANTIZE)} or None, got {q!r}")
-    if backend not in _QUANTIZE_PLACEMENTS:
-        raise ValueError(f"backend_options['quantize']={q!r} serves the {_QUANTIZE_PLACEMENTS} placements, not "
-                         f"{backend!r} (the copy placement reads the rows as stored)")
+    if not placement(backend).reads("fp8_row"):
+        readers = tuple(name for name in BACKENDS if placement(name).reads("fp8_row"))
+        raise ValueError(f"backend_options['quantize']={q!r} serves the {readers} placements, not {backend!r} (it "
+                         "reads the rows as stored)")
     return QUANTIZE[q]
 
 
@@ -383,7 +384,7 @@ class HostScaledEmbedding(nn.Module):
         if entry is None:
             options = dict(self.backend_options)
             table, spec = self._served(options, device)
-            hot = hot_set_from_options(table, device, options, self.backend_kind)
+            hot = hot_set_from_options(table, device, options, placement(self.backend_kind))
             if hot is not None:
                 options["hot"] = hot
             if self.max_tokens is not None:

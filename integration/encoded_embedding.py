@@ -24,7 +24,8 @@ from torch import nn
 from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
 from uvaple.uva import HostTable
 
-from .embedding import HostScaledEmbedding
+from .embedding import BACKENDS, HostScaledEmbedding
+from .factory import placement
 from .spec import TableSpec
 
 __all__ = ["HostEncodedEmbedding", "ENCODED"]
@@ -61,8 +62,10 @@ class HostEncodedEmbedding(HostScaledEmbedding):
                  register="auto", max_tokens: int | None = None):
         if encoding not in ENCODED:
             raise ValueError(f"encoding must be one of {sorted(ENCODED)}, got {encoding!r}")
-        if backend == "copy":
-            raise ValueError("the copy placement reads rows as stored; an fp8 table is served by 'uva' or 'device'")
+        if backend in BACKENDS and not placement(backend).reads(encoding):  # (another name: refused below)
+            readers = [name for name in BACKENDS if placement(name).reads(encoding)]
+            raise ValueError(f"the {backend} placement reads rows as stored; an {encoding} table is served by "
+                             f"{readers}")
         if (backend_options or {}).get("quantize") is not None:
             raise ValueError(f"this table is {encoding} already: drop backend_options['quantize']")
         if (encoding == "fp8_global") != (weight_scale is not None):

@@ -1,9 +1,22 @@
-"""``make_lookup``: a lookup of any placement over a host table (or over a tensor, copied into one)."""
+"""The placements and what each serves; ``make_lookup`` builds a lookup of any of them.
+
+:data:`PLACEMENTS` is the one list of placements. Each entry (a :class:`Placement`) says how its lookup is
+built and what it serves: which row encodings it reads, whether an HBM hot set may stand in front of it,
+whether its rows stay in host memory and whether the GPU maps them, whether CUDA graphs can capture its
+calls and whether model layers (the HF swap-ins, the vLLM plugin) serve it, each refusal with its reason.
+Everything above the library (``embedding``, ``encoded_embedding``, the hot set's options, the vLLM
+plugin's settings and shards) asks the entry, never a placement's name: a new placement is its module under
+``placements/`` and one entry here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from uvaple.kernels.encodings import ENCODINGS
 from uvaple.uva import HostTable
 
 from .lookup import Lookup
@@ -12,16 +25,87 @@ from .placements.gather import GatherLookup
 from .placements.split import SplitLookup
 from .spec import TableSpec, spec_for
 
-__all__ = ["make_lookup", "KINDS"]
+__all__ = ["make_lookup", "KINDS", "PLACEMENTS", "Placement", "placement", "model_placements"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A placement: how its lookup is built and what it serves (see the module docstring)."""
+
+    name: str
+    #: ``(table, spec, device, owns_table, max_rows, options) -> Lookup``
+    build: Callable[..., Lookup]
+    #: the row encodings its lookups read (None: every entry of the encoding registry)
+    encodings: frozenset[str] | None = None
+    #: an HBM hot set (``HotSet``) may serve its hottest rows from device memory
+    hot_set: bool = False
+    #: the rows stay in host memory (False: the lookup keeps a copy in device memory)
+    host_rows: bool = True
+    #: the GPU reads the host table through UVA, so the table must be registered (mapped) for it
+    mapped: bool = False
+    #: it takes the gather lookup's options (``dequant_scale``, ``order``, ``dedup``, ``hot``, ``count``, ``view``)
+    gather_options: bool = True
+    #: why a CUDA graph cannot capture its calls (None: graphs capture them like any other op)
+    graph_refusal: str | None = None
+    #: why model layers do not serve it (None: the HF swap-ins and the vLLM plugin do)
+    model_refusal: str | None = None
+
+    def reads(self, encoding: str) -> bool:
+        """Whether its lookups read rows stored in ``encoding``."""
+        return encoding in ENCODINGS if self.encodings is None else encoding in self.encodings
+
+
+def _gather(kind: str):
+    def build(table, spec, device, owns_table, max_rows, options):
+        return GatherLookup(table, spec, device, kind=kind, owns_table=owns_table, max_rows=max_rows, **options)
+    return build
+
+
+def _split(table, spec, device, owns_table, max_rows, options):
+    return SplitLookup(table, spec, device, owns_table=owns_table, max_rows=max_rows, **options)
+
+
+def _copy(table, spec, device, owns_table, max_rows, options):
+    return CopyBackend(table, device=device, spec=spec, owns_table=owns_table, **options,
+                       **({} if max_rows is None else {"max_rows": max_rows}))
+
+
+#: Every placement, by name (the order is the one messages list them in).
+PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
+    Placement("uva", _gather("uva"), hot_set=True, mapped=True),
+    Placement("device", _gather("device"), host_rows=False),
+    Placement("split", _split, mapped=True,
+              graph_refusal="a split call gathers part of its rows on the calling thread from ids on the host",
+              model_refusal="the split placement gathers part of each call on the calling thread from ids on the "
+                            "host, and a model's PLE layer has its ids on the GPU (under vLLM, inside its CUDA "
+                            "graphs): use 'uva' (the GPU reads the rows it needs from host memory)"),
+    Placement("copy", _copy, encodings=frozenset({"raw"}), gather_options=False,
+              graph_refusal="each copy-placement call waits on the host for its ids and records events on the "
+                            "calling stream"),
+)}
 
 #: Placements :func:`make_lookup` builds.
-KINDS = ("uva", "device", "split", "copy")
+KINDS = tuple(PLACEMENTS)
+
+
+def placement(name: str) -> Placement:
+    """The entry of placement ``name``, or a ValueError naming the placements."""
+    entry = PLACEMENTS.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"unknown placement {name!r}; choose one of {list(PLACEMENTS)}")
+    return entry
+
+
+def model_placements() -> tuple[str, ...]:
+    """The placements model layers serve (the HF swap-ins' ``backend``, the vLLM plugin's ``placement``)."""
+    return tuple(name for name, p in PLACEMENTS.items() if p.model_refusal is None)
 
 
 def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None, max_rows: int | None = None,
                 scale: float | None = None, oob: str = "zero", out_dtype: torch.dtype | None = None,
                 column_block: int | None = None, **options) -> Lookup:
-    """Build a lookup of placement ``kind`` (``"uva"``, ``"device"``, ``"split"`` or ``"copy"``) over ``table``.
+    """Build a lookup of placement ``kind`` (a name of :data:`PLACEMENTS`: ``"uva"``, ``"device"``, ``"split"``
+    or ``"copy"``) over ``table``.
 
     ``table`` is a :class:`HostTable` (shared, not closed by the lookup) or a 2-D tensor/ndarray, copied
     into a new HostTable that the lookup owns and closes. The policy comes from ``spec`` or from
@@ -29,7 +113,7 @@ def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None,
     for uva/device; the gather's options for split, which needs ``max_rows``; the copy backend's slots and
     timeouts for copy).
     """
-    if kind not in KINDS:
+    if kind not in PLACEMENTS:
         raise ValueError(f"unknown lookup kind {kind!r}; choose one of {list(KINDS)}")
     spec = spec_for(table, spec, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
     owns = False
@@ -37,12 +121,7 @@ def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None,
         table = HostTable.from_tensor(table) if isinstance(table, torch.Tensor) else HostTable.from_numpy(table)
         owns = True
     try:
-        if kind == "copy":
-            return CopyBackend(table, device=device, spec=spec, owns_table=owns, **options,
-                               **({} if max_rows is None else {"max_rows": max_rows}))
-        if kind == "split":
-            return SplitLookup(table, spec, device, owns_table=owns, max_rows=max_rows, **options)
-        return GatherLookup(table, spec, device, kind=kind, owns_table=owns, max_rows=max_rows, **options)
+        return PLACEMENTS[kind].build(table, spec, device, owns, max_rows, options)
     except BaseException:
         if owns:
             table.close()

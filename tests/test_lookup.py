@@ -143,6 +143,39 @@ def test_per_call_inputs_are_checked_by_name(table, device):
     lk.close()  # idempotent
 
 
+def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeypatch):
+    """The seam for a new placement: its entry in the factory. make_lookup builds it, and the consumers ask the
+    entry what it serves (the encodings, the hot set) instead of knowing names; the lists the model layers and
+    the vLLM plugin offer are the entries'."""
+    from uvaple.integration.embedding import BACKENDS, quantize_format
+    from uvaple.integration.factory import PLACEMENTS, Placement, model_placements, placement
+    from uvaple.integration.models.vllm import config as vllm_config
+    from uvaple.integration.placements.hot import hot_set_from_options
+
+    toy = Placement("toy", PLACEMENTS["uva"].build, encodings=frozenset({"raw"}), mapped=True)
+    monkeypatch.setitem(PLACEMENTS, "toy", toy)
+    h = HostTable.from_tensor(torch.randn(40, 12))
+    try:
+        ids = torch.tensor([3, 0, 39, 41], device=device)
+        with make_lookup("toy", h, device=device) as lk:
+            assert torch.equal(lk.lookup(ids).cpu(), reference_gather(h.tensor, ids.cpu()))
+        with pytest.raises(ValueError, match="a hot set stands in front of .* not of the 'toy' placement"):
+            hot_set_from_options(h, device, {"cache_gb": 0.001}, placement("toy"))
+        with pytest.raises(ValueError, match="'fp8_row' serves the \\('uva', 'device'\\) placements, not 'toy'"):
+            quantize_format("toy", {"quantize": "fp8_row"})
+        assert "toy" in model_placements() and not placement("toy").reads("fp8_row")
+        assert placement("uva").reads("fp8_row") and placement("split").reads("fp8_global")
+    finally:
+        h.close()
+    with pytest.raises(ValueError, match="unknown placement 'tpu'; choose one of \\['uva', 'device', 'split', 'copy'"):
+        placement("tpu")
+    # what the consumers offer, from the entries: split is refused to model layers (its ids are on the host), the
+    # copy placement is the fallback where the GPU cannot map host memory (its rows are read by the CPU)
+    assert BACKENDS == vllm_config.PLACEMENTS == ("uva", "device", "copy")
+    assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split"]
+    assert [n for n, p in PLACEMENTS.items() if p.graph_refusal] == ["split", "copy"]
+
+
 def test_make_lookup_owns_a_tensor_it_copied_and_refuses_unknown_kinds(device):
     t = rand(20, 8, torch.float32, seed=2)
     lk = make_lookup("device", t, device=device, oob="row0")

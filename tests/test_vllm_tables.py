@@ -157,7 +157,8 @@ def test_bad_settings_are_named(entry, match):
     ({"placement": " SPLIT "}, "'split' cannot serve vLLM"),
     ({"quantize": "fp8"}, "quantize: expected one of \\['none', 'fp8_row'\\]"),
     ({"quantize": True}, "quantize: expected one of"),
-    ({"quantize": "fp8_row", "placement": "copy"}, "quantize 'fp8_row' with placement 'copy'.*'uva' or 'device'"),
+    ({"quantize": "fp8_row", "placement": "copy"},
+     "quantize 'fp8_row' with placement 'copy'.*dequantises in the gather \\(\\['uva', 'device'\\]\\)"),
     ({"quantize": "fp8_row", "fallback": "copy"}, "quantize 'fp8_row' with fallback 'copy'"),
 ])
 def test_what_the_plugin_cannot_serve_is_named(entry, match):
@@ -225,8 +226,8 @@ def test_the_token_id_levers_settings(tmp_path):
     with pytest.raises(PluginConfigError, match="go together"):
         from_sources(None, {"UVAPLE_HOT_PROFILE": str(ids)})
     for placement in ("copy", "device"):
-        with pytest.raises(PluginConfigError, match=f"serves the 'uva' placement .rows in host memory., not "
-                                                     f"'{placement}'"):
+        with pytest.raises(PluginConfigError, match=f"a hot set stands in front of rows in host memory that the GPU "
+                                                     f"reads .placement \\['uva'\\]., not of placement '{placement}'"):
             from_sources({"uvaple": {"hot_cache_gb": 1, "hot_profile": str(ids), "placement": placement}}, {})
 
 

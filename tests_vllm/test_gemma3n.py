@@ -163,5 +163,5 @@ def test_the_hot_set_is_refused_outside_the_uva_placement(checkpoints, tmp_path)
     d_text, _, _ = checkpoints
     profile = tmp_path / "ids.txt"
     profile.write_text("1 2 3")
-    with pytest.raises(PluginConfigError, match="serves the 'uva' placement"):
+    with pytest.raises(PluginConfigError, match="a hot set stands in front of .*placement \\['uva'\\]"):
         _build(d_text, {"uvaple": {"placement": "device", "hot_cache_gb": 1, "hot_profile": str(profile)}})

@@ -205,14 +205,14 @@ def rank_rows(counts: torch.Tensor, k: int) -> torch.Tensor:
     return top[counts.cpu()[top] > 0]
 
 
-def hot_set_from_options(table: HostTable, device, options: dict, kind: str = "uva") -> HotSet | None:
-    """Take the hot-set settings out of ``options`` (a module's lookup options for placement ``kind``) and
-    build its HotSet, or None without them: ``cache_gb`` or ``hot_fraction`` (the size), ``hot_profile``
-    (counts per row, or ids / a file of ids ranked by :func:`rank_rows`), ``count_ids`` (count served ids
-    for :meth:`HotSet.refresh`)."""
-    if kind != "uva" and any(k in options for k in HOT_OPTIONS):
-        raise ValueError(f"{sorted(k for k in options if k in HOT_OPTIONS)}: a hot set is for the 'uva' "
-                         f"placement, not {kind!r}")
+def hot_set_from_options(table: HostTable, device, options: dict, placement) -> HotSet | None:
+    """Take the hot-set settings out of ``options`` (a module's lookup options for ``placement``, the factory's
+    entry) and build its HotSet, or None without them: ``cache_gb`` or ``hot_fraction`` (the size),
+    ``hot_profile`` (counts per row, or ids / a file of ids ranked by :func:`rank_rows`), ``count_ids`` (count
+    served ids for :meth:`HotSet.refresh`)."""
+    if not placement.hot_set and any(k in options for k in HOT_OPTIONS):
+        raise ValueError(f"{sorted(k for k in options if k in HOT_OPTIONS)}: a hot set stands in front of a table "
+                         f"the GPU reads from host memory, not of the {placement.name!r} placement")
     cache_gb, fraction = options.pop("cache_gb", None), options.pop("hot_fraction", None)
     profile, count_ids = options.pop("hot_profile", None), options.pop("count_ids", False)
     if cache_gb is None and fraction is None:

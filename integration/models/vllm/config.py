@@ -65,17 +65,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from uvaple.integration.errors import BackendError
+from uvaple.integration.factory import PLACEMENTS as _ALL_PLACEMENTS
+from uvaple.integration.factory import model_placements, placement
 
 __all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources", "check_engine"]
 
-PLACEMENTS = ("uva", "copy", "device")
-FALLBACKS = ("none", "copy")
+#: the placements the plugin serves: the library's, less those model layers cannot serve
+PLACEMENTS = model_placements()
+#: what serves a table where the GPU cannot map host memory: a placement whose rows stay in host memory, read
+#: without the GPU mapping them
+FALLBACKS = ("none", *(name for name in PLACEMENTS if placement(name).host_rows and not placement(name).mapped))
 QUANTIZE = ("none", "fp8_row")
 #: placements of the library that the plugin cannot serve, and why (named in the error)
-REFUSED_PLACEMENTS = {
-    "split": "the split placement gathers part of each call on the calling thread from ids on the host, and "
-             "vLLM's model runner hands the PLE layer its ids on the GPU (inside its CUDA graphs): use 'uva' "
-             "(the GPU reads the rows it needs from host memory)"}
+REFUSED_PLACEMENTS = {name: p.model_refusal for name, p in _ALL_PLACEMENTS.items() if p.model_refusal}
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 # the test suite's knobs (tests/test_equivalence.py, tests/test_fuzz.py): read there, never by the plugin
 _OTHER_VARS = ("UVAPLE_EQUIV_SCHEDULES", "UVAPLE_EQUIV_FIRST_SEED", "UVAPLE_EQUIV_DEADLINE_S", "UVAPLE_EQUIV_SUMMARY",
@@ -213,30 +215,36 @@ def from_sources(additional: Mapping | None, environ: Mapping[str, str] | None =
     if not enabled:
         return None
     cfg = PluginConfig(**values)
-    if cfg.placement == "copy" and cfg.fallback == "copy":
+    if cfg.placement == cfg.fallback:  # the placement needs no mapping: nothing to fall back from
         cfg = PluginConfig(**dict(values, fallback="none"))
     if (cfg.hot_cache_gb > 0) != (cfg.hot_profile is not None):
         raise PluginConfigError("hot_cache_gb and hot_profile go together: the hot set's size in HBM, and the "
                                 "token ids that rank its rows (vLLM gives the plugin no point to re-rank it "
                                 "from served ids)")
-    if cfg.hot_cache_gb > 0 and cfg.placement != "uva":
-        raise PluginConfigError(f"hot_cache_gb: a hot set serves the 'uva' placement (rows in host memory), not "
-                                f"{cfg.placement!r}")
-    if cfg.quantize != "none" and "copy" in (cfg.placement, cfg.fallback):
-        which = "placement" if cfg.placement == "copy" else "fallback"
-        raise PluginConfigError(f"quantize {cfg.quantize!r} with {which} 'copy': the copy placement serves rows as "
-                                "stored and vLLM's own methods cannot dequantise a scale per row; use the 'uva' or "
-                                "'device' placement (they dequantise in the gather), or quantize 'none'")
+    if cfg.hot_cache_gb > 0 and not placement(cfg.placement).hot_set:
+        served = [name for name in PLACEMENTS if placement(name).hot_set]
+        raise PluginConfigError(f"hot_cache_gb: a hot set stands in front of rows in host memory that the GPU reads "
+                                f"(placement {served}), not of placement {cfg.placement!r}")
+    if cfg.quantize != "none":
+        for which in ("placement", "fallback"):
+            name = getattr(cfg, which)
+            if name != "none" and not placement(name).reads(cfg.quantize):
+                readers = [n for n in PLACEMENTS if placement(n).reads(cfg.quantize)]
+                raise PluginConfigError(
+                    f"quantize {cfg.quantize!r} with {which} {name!r}: the {name} placement serves rows as stored "
+                    f"and vLLM's own methods cannot dequantise a scale per row; use a placement that dequantises "
+                    f"in the gather ({readers}), or quantize 'none'")
     return cfg
 
 
 def check_engine(cfg: PluginConfig, *, cuda_graphs: bool) -> None:
-    """Refuse, at start-up, settings that cannot serve the engine as configured: the ``copy`` placement under
-    CUDA graphs (``cuda_graphs``: vLLM's ``cudagraph_mode`` is not NONE). A copy-placement call waits on the host
-    for its ids and records events on the calling stream, which a graph being captured cannot do: vLLM's
-    capture at start-up would end the engine (``cudaErrorCapturedEvent``)."""
-    if cuda_graphs and cfg.placement == "copy":
-        raise PluginConfigError("placement 'copy' cannot run inside vLLM's CUDA graphs (each call waits on the host "
-                                "for its ids): start the engine with enforce_eager=True (--enforce-eager) to serve "
-                                "through the copy placement, or use placement 'uva', which the graphs capture like "
-                                "any other op")
+    """Refuse, at start-up, settings that cannot serve the engine as configured: a placement whose calls a CUDA
+    graph cannot capture (its entry's ``graph_refusal``: the ``copy`` placement) under CUDA graphs
+    (``cuda_graphs``: vLLM's ``cudagraph_mode`` is not NONE). A copy-placement call waits on the host for its ids
+    and records events on the calling stream, which a graph being captured cannot do: vLLM's capture at
+    start-up would end the engine (``cudaErrorCapturedEvent``)."""
+    why = placement(cfg.placement).graph_refusal
+    if cuda_graphs and why:
+        raise PluginConfigError(f"placement {cfg.placement!r} cannot run inside vLLM's CUDA graphs ({why}): start the "
+                                "engine with enforce_eager=True (--enforce-eager) to serve through it, or use "
+                                "placement 'uva', which the graphs capture like any other op")

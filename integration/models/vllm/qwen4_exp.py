@@ -36,6 +36,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEUnquantizedEmbeddingMethod,
 )
 
+from uvaple.integration.factory import placement
 from uvaple.integration.spec import TableSpec
 
 from . import _build
@@ -119,10 +120,10 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
         si = self.shard_indices
         start, count = si.org_vocab_start_index, si.org_vocab_end_index - si.org_vocab_start_index
         # how the kernel reads the rows: quantised on load (each row's scale), an fp8 checkpoint (the global scale
-        # parameter; the copy placement leaves it to vLLM's method), or as stored
+        # parameter; a placement that reads rows as stored, the copy one, leaves it to vLLM's method), or as stored
         if shard.encoding == "fp8_row":
             encoding = "fp8_row"
-        elif self.weight.dtype in _FP8 and shard.placement != "copy":
+        elif self.weight.dtype in _FP8 and placement(shard.placement).reads("fp8_global"):
             encoding = "fp8_global"
         else:
             encoding = "raw"

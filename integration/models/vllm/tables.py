@@ -63,6 +63,7 @@ import threading
 import torch
 
 from uvaple.integration.errors import BackendError
+from uvaple.integration.factory import placement
 from uvaple.integration.fork import ForkSafeLock
 from uvaple.uva import HostTable
 from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
@@ -216,22 +217,23 @@ class ShardTable:
         on_gpu = device.type == "cuda"
         # registration makes the doctor's checks (unified addressing, mapped host memory, the host pointer
         # usable by the GPU) and fails with a named error at once: never a hang, never a late fault
-        register = on_gpu and self.placement == "uva"
+        register = on_gpu and placement(self.placement).mapped
         try:
             self.table = self._open(rows, cols, dtype, rank, size, identity, register)
         except (RegistrationError, DeviceCapabilityError) as e:
-            if self.placement == "uva" and cfg.fallback == "copy" and cuda_graphs:
-                raise UvaUnavailable(f"the uva placement cannot run on {device}: {e} (`uvaple doctor` shows the "
-                                     "checks), and its copy fallback cannot run inside vLLM's CUDA graphs: start "
-                                     "with enforce_eager=True (--enforce-eager) to serve through the copy "
-                                     "placement, or fix the cause") from e
-            if self.placement != "uva" or cfg.fallback != "copy":
-                raise UvaUnavailable(f"the uva placement cannot run on {device}: {e} (`uvaple doctor` shows "
-                                     "the checks). Fix that, or start with --additional-config "
+            fallback = None if cfg.fallback == "none" else placement(cfg.fallback)
+            if fallback is not None and cuda_graphs and fallback.graph_refusal:
+                raise UvaUnavailable(f"the {self.placement} placement cannot run on {device}: {e} (`uvaple doctor` "
+                                     f"shows the checks), and its {fallback.name} fallback cannot run inside vLLM's "
+                                     f"CUDA graphs: start with enforce_eager=True (--enforce-eager) to serve through "
+                                     f"the {fallback.name} placement, or fix the cause") from e
+            if fallback is None:
+                raise UvaUnavailable(f"the {self.placement} placement cannot run on {device}: {e} (`uvaple doctor` "
+                                     "shows the checks). Fix that, or start with --additional-config "
                                      '\'{"uvaple": {"fallback": "copy"}}\' to serve the table through the copy '
                                      "placement") from e
-            log.warning("uvaple: %s; serving %s through the copy placement", e, layer)
-            self.placement = "copy"
+            log.warning("uvaple: %s; serving %s through the %s placement", e, layer, fallback.name)
+            self.placement = fallback.name
             self.table = self._open(rows, cols, dtype, rank, size, identity, False)
         self.fills = self.table.created if self.name else True
 
@@ -345,15 +347,16 @@ class ShardTable:
         if self.cfg.hot_cache_gb and not token_ids:
             raise PluginConfigError(f"hot_cache_gb: {self.layer} is read by hashed n-gram ids, which a profile of "
                                     "token ids cannot rank; the hot set serves token-id tables (Gemma 3n)")
-        if self.placement == "copy":
+        served = placement(self.placement)
+        if not served.gather_options:
             if self.cfg.dedup or self.cfg.hot_cache_gb:
-                log.warning("uvaple: %s is served through the copy placement: dedup and the hot set are not used",
-                            self.layer)
+                log.warning("uvaple: %s is served through the %s placement: dedup and the hot set are not used",
+                            self.layer, self.placement)
             options = {}
         else:
             # max_rows sizes the sorted gather's workspace: big prefill calls of small rows are read in id order,
             # and with dedup prefill-sized calls of any rows read each distinct id once
-            hot = self._hot_set(id_start) if self.cfg.hot_cache_gb and self.placement == "uva" else None
+            hot = self._hot_set(id_start) if self.cfg.hot_cache_gb and served.hot_set else None
             options = dict(dequant_scale=dequant_scale, dedup=self.cfg.dedup and max_rows is not None, hot=hot)
         lk = make_lookup(self.placement, self.table, device=self.device, spec=spec, max_rows=max_rows, **options)
         name = f"{self.layer}[{self.rank}/{self.size}]"
