@@ -45,7 +45,7 @@ import torch
 
 from uvaple.kernels.encodings import FP8_MAX, ROW_SCALE_BYTES
 from uvaple.uva import HostTable
-from uvaple.uva.memory import default_threads, parallel
+from uvaple.uva.workers import default_threads, parallel
 
 __all__ = ["fp8_row_table", "quantize_fp8_rows_into", "QuantError"]
 

@@ -40,7 +40,7 @@ import torch
 
 from uvaple.dtypes import fmt_bytes
 
-from . import _region, memory, sharing, views
+from . import _region, memory, sharing, views, workers
 from .errors import DeviceCapabilityError, SharedSegmentError, TableClosedError, TableForkedError
 
 __all__ = ["HostTable"]
@@ -232,7 +232,7 @@ class HostTable:
         read_only = kw.pop("read_only", False)
         device = kw.pop("device", None)
         name = kw.pop("name", None)
-        threads = kw.pop("threads", None) or memory.default_threads()
+        threads = kw.pop("threads", None) or workers.default_threads()
         check_memory = kw.pop("check_memory", True)
         directory = kw.pop("directory", None)
         if kw:
@@ -421,7 +421,7 @@ class HostTable:
             self._commit_rows(row_start + a, b)
             dst[a:a + b].copy_(t[a:a + b])
 
-        memory.parallel(copy, memory.chunks(n, block), threads or memory.default_threads())
+        workers.parallel(copy, workers.chunks(n, block), threads or workers.default_threads())
 
     def writable_bytes(self, row_start: int, n: int) -> np.ndarray:
         """numpy ``uint8`` ``[n, stride_bytes]`` over rows ``row_start .. row_start+n``, their pages committed

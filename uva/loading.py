@@ -25,7 +25,7 @@ import torch
 from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES
 
 from .errors import CheckpointError
-from .memory import default_threads, parallel
+from .workers import default_threads, parallel
 
 _DTYPES = SAFETENSORS_DTYPES
 

@@ -53,8 +53,6 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +61,10 @@ from uvaple.dtypes import TABLE_DTYPES, dtype_name, fmt_bytes
 
 from . import _region, cuda_runtime, segments, system
 from .errors import DeviceCapabilityError, HostMemoryError, RegistrationError
+from .workers import chunks, parallel
 
 __all__ = ["Layout", "Pages", "SUPPORTED_DTYPES", "check_shape", "open_private", "row_stride_bytes",
-           "register_piece_bytes", "default_threads", "chunks", "parallel", "check_free_memory",
+           "register_piece_bytes", "check_free_memory",
            "check_register_arg", "wants_cuda", "check_device_pointer", "REGISTER_CHUNK_BYTES",
            "REGISTER_MIN_PIECE_BYTES", "POPULATE_CHUNK_BYTES"]
 
@@ -95,42 +94,12 @@ def row_stride_bytes(row_bytes: int) -> int:
     return system.round_up(row_bytes, 16)
 
 
-def default_threads() -> int:
-    """Threads for populate/load: 16, measured best for 32 GiB on the H200 host (16 threads populate 4 GiB
-    in 0.37 s, one in 0.95 s: ``perf/results/h200_2026-11-29/table_ready_64gib.log``)."""
-    return max(1, min(16, os.cpu_count() or 1))
-
-
 def register_piece_bytes(total: int, threads: int) -> int:
     """Bytes per ``cudaHostRegister`` call for a ``total``-byte mapping registered by ``threads`` threads:
     an even share (2 MiB granular), no smaller than ``REGISTER_MIN_PIECE_BYTES``, no larger than
     ``REGISTER_CHUNK_BYTES``."""
     share = system.round_up(-(-total // max(1, threads)), 2 << 20)
     return max(min(share, REGISTER_CHUNK_BYTES), min(REGISTER_MIN_PIECE_BYTES, REGISTER_CHUNK_BYTES), 1)
-
-
-def chunks(total: int, chunk: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` pieces of ``chunk`` (the last shorter) covering ``0 .. total``."""
-    return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
-
-
-def parallel(fn: Callable[..., None], ranges: list[tuple], threads: int, name: str = "uvaple-populate") -> None:
-    """Run ``fn(*r)`` (mostly ``fn(start, length)``) for each ``r`` of ``ranges`` on ``threads`` threads;
-    re-raise the first failure (every range started has finished by then)."""
-    if threads <= 1 or len(ranges) <= 1:
-        for r in ranges:
-            fn(*r)
-        return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) as pool:
-        futures = [pool.submit(fn, *r) for r in ranges]
-        first = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - collect, then raise the first
-                first = first or e
-        if first is not None:
-            raise first
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import torch
 
 from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES, fmt_bytes
 
-from . import _region, memory, segments, system
+from . import _region, memory, segments, system, workers
 from .errors import HostMemoryError, SharedSegmentError
 from .memory import Layout, Pages
 
@@ -122,7 +122,7 @@ def open_shared(table_class, layout: Layout | None, name: str, meta: dict, want:
     """
     _region.drain_deferred()
     memory.check_register_arg(register)
-    threads = threads or memory.default_threads()
+    threads = threads or workers.default_threads()
     path = segments.segment_path(name, directory)
     directory = os.path.dirname(path)
     if layout is not None:
@@ -144,8 +144,8 @@ def open_shared(table_class, layout: Layout | None, name: str, meta: dict, want:
             layout = layout_of(seg.header() or {}, path)
             map_bytes = _map_bytes(layout)
         elif not system.populate_write_supported():  # the populate fallback below touches pages by hand
-            memory.parallel(lambda off, n: _reserve(seg.fd, off, n, name, map_bytes, directory),
-                            memory.chunks(map_bytes, memory.POPULATE_CHUNK_BYTES), threads)
+            workers.parallel(lambda off, n: _reserve(seg.fd, off, n, name, map_bytes, directory),
+                            workers.chunks(map_bytes, memory.POPULATE_CHUNK_BYTES), threads)
         try:
             base = system.mmap(map_bytes, system.PROT_READ | system.PROT_WRITE, system.MAP_SHARED, seg.fd)
         except OSError as e:

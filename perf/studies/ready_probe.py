@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from uvaple.uva import cuda_runtime, memory, system
+from uvaple.uva import cuda_runtime, system, workers
 
 GIB = 1 << 30
 
@@ -43,11 +43,11 @@ def _meminfo(key: str) -> int:
 
 def _pieces(total: int, n: int) -> list[tuple[int, int]]:
     """``total`` bytes in ``n`` even, 2 MiB-granular ranges (the table's own split)."""
-    return memory.chunks(total, system.round_up(-(-total // n), 2 << 20))
+    return workers.chunks(total, system.round_up(-(-total // n), 2 << 20))
 
 
 def _pool(fn, ranges, threads):
-    memory.parallel(fn, ranges, threads, name="uvaple-probe")
+    workers.parallel(fn, ranges, threads, name="uvaple-probe")
 
 
 def _files(directory: str, nbytes: int, count: int) -> tuple[int, list[int]]:

@@ -322,7 +322,7 @@ class ShardTable:
         """Dummy weights: every row the fp8_row encoding of values uniform in +-:data:`DUMMY_RANGE` (see Quantised
         on load), drawn in blocks of rows, each block from its own seeded generator, on every core."""
         from uvaple.integration.quantize import quantize_fp8_rows_into
-        from uvaple.uva.memory import chunks, default_threads, parallel
+        from uvaple.uva.workers import chunks, default_threads, parallel
 
         def fill(a: int, n: int) -> None:
             g = torch.Generator().manual_seed(seed + a)
