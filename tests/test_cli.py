@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from uvaple.cli import main
+from uvaple.commands.cli import main
 from uvaple.perf import bench, command, host_cost, hotset, ngram, vllm_shapes
 from uvaple.uva import HostTable, system
 
@@ -142,7 +142,7 @@ def test_doctor_says_what_runs_here_and_ends_with_its_verdict(capsys):
 def test_doctor_json_keeps_stdout_json_and_says_the_verdict_on_stderr(capsys, monkeypatch):
     """Point 2: with --json, stdout is the JSON (exit_status and verdict in it) and the verdict is stderr's
     last line."""
-    from uvaple import doctor
+    from uvaple.commands import doctor
 
     monkeypatch.setattr(doctor, "_measure_cpu", lambda seconds: (1.0, 2.0))  # the report, not the figures
     code = main(["doctor", "--json", "--seconds", "0.1"])
@@ -171,7 +171,7 @@ def test_doctor_measures_what_runs_here(capsys):
 def test_doctor_exit_status_of_each_answer():
     """Point 2: 0 usable; 1 usable capabilities but the measurement failed; 3 no usable GPU (no CUDA, or a GPU
     without the capabilities); a usage error is argparse's 2."""
-    from uvaple.doctor import Capabilities, exit_status
+    from uvaple.commands.doctor import Capabilities, exit_status
 
     ok = dict(cuda=True, unified_addressing=True, can_map_host_memory=True, host_pointer_for_registered_mem=True)
     assert exit_status(Capabilities(**ok)) == 0
@@ -458,7 +458,7 @@ def test_every_workloads_help_gives_the_exit_status_of_a_failed_provider(capsys)
 
 
 def test_doctor_says_what_it_checks_before_it_waits(capsys):
-    from uvaple import doctor
+    from uvaple.commands import doctor
 
     said = []
     doctor.capabilities(measure=False, say=said.append)

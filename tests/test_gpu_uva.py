@@ -35,7 +35,7 @@ def e4b():
 
 
 def test_registered_and_capable(e4b):
-    from uvaple.doctor import capabilities
+    from uvaple.commands.doctor import capabilities
 
     _, h = e4b
     assert h.registered and h.device_index == torch.cuda.current_device()

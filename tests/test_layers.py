@@ -1,8 +1,8 @@
 """The layer rule, read from the imports themselves (module level and inside functions alike).
 
 ``uvaple.dtypes`` < ``uvaple.uva`` and ``uvaple.kernels`` (siblings: neither imports the other) <
-``uvaple.integration`` < ``uvaple.perf`` and the command line (``uvaple.cli``, ``uvaple.doctor``,
-``uvaple.shm``); inside ``uvaple.integration``, the model adapters (``uvaple.integration.models``: transformers,
+``uvaple.integration`` < ``uvaple.perf`` and the command line (``uvaple.commands``: ``cli``, ``doctor``,
+``shm``); inside ``uvaple.integration``, the model adapters (``uvaple.integration.models``: transformers,
 vLLM) sit above the library (lookups, placements, layers), which never imports them. And no import circle
 anywhere in the package.
 """

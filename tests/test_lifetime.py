@@ -267,7 +267,7 @@ def test_import_changes_no_environment_variable():
         import os, json
         before = dict(os.environ)
         import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.models.gemma3n
-        import uvaple.integration.models.hf, uvaple.perf.bench, uvaple.perf.peers, uvaple.cli
+        import uvaple.integration.models.hf, uvaple.perf.bench, uvaple.perf.peers, uvaple.commands.cli
         import torch
         from uvaple.uva import HostTable
         with HostTable.empty(4, 4, torch.float32) as t:
@@ -282,7 +282,7 @@ def test_import_installs_no_fork_or_exit_hook():
     """Fork and exit hooks come with the first table, the first lock taken or the first fork gate."""
     out = run_py("""
         import uvaple, uvaple.uva, uvaple.kernels, uvaple.integration, uvaple.integration.models.gemma3n
-        import uvaple.integration.telemetry, uvaple.integration.models.vllm.tables, uvaple.cli
+        import uvaple.integration.telemetry, uvaple.integration.models.vllm.tables, uvaple.commands.cli
         from uvaple.integration import fork
         from uvaple.uva import _region, segments
         print(fork._hooks, _region._hooks_installed, segments._fork_hook)

@@ -50,7 +50,7 @@ def hotset_smoke(tmp_path, ns: list[int]) -> None:
     fp8 error and the held-out hit rate reported (a Zipf profile and serve trace of different seeds)."""
     import numpy as np
 
-    from uvaple.cli import main
+    from uvaple.commands.cli import main
     from uvaple.perf import hotset
 
     profile, serve = hotset.zipf_ids(20_000, 4096, seed=1), hotset.zipf_ids(20_000, 4096, seed=2)

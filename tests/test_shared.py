@@ -394,7 +394,7 @@ def test_use_after_close_and_double_close(name):
 # ------------------------------------------------------------------ uvaple shm
 @pytest.mark.timeout(120)
 def test_shm_list_and_clean_commands(name, capsys):
-    from uvaple.cli import main
+    from uvaple.commands.cli import main
 
     a = Worker(name, "hold")
     a.start()
@@ -679,7 +679,7 @@ def test_segments_live_in_the_directory_given(name, tmpfs_dir, capsys):
             HostTable.attach(name)  # not in /dev/shm
         assert [i.name for i in segments.list_segments(tmpfs_dir)] == [name]
         assert name not in [i.name for i in segments.list_segments()]
-        from uvaple import shm
+        from uvaple.commands import shm
 
         assert shm.main(["list", "--dir", tmpfs_dir]) == 0 and name in capsys.readouterr().out
     finally:
@@ -710,7 +710,7 @@ def test_directories_that_cannot_hold_a_table_are_named(name, tmp_path):
         HostTable.shared(name, 4, 4, torch.float32, directory=3)
     with pytest.raises(TypeError, match="give name= too"):
         HostTable.empty(4, 4, torch.float32, directory="/dev/shm")
-    from uvaple import shm
+    from uvaple.commands import shm
 
     with pytest.raises(SystemExit):
         shm.main(["list", "--dir", "/proc"])

@@ -178,7 +178,7 @@ def engine_kwargs(spec: dict) -> dict:
 
 def shm_list(segment: str | None = None) -> list[dict]:
     """``uvaple shm list --json`` (the segments whose name starts with ``uvaple.<segment>.``)."""
-    r = subprocess.run([sys.executable, "-m", "uvaple.cli", "shm", "list", "--json"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "uvaple", "shm", "list", "--json"], capture_output=True, text=True,
                        timeout=60)
     if r.returncode:
         raise RuntimeError(f"uvaple shm list --json: {r.stderr.strip()[-300:]}")
@@ -471,7 +471,7 @@ print("ENV" + json.dumps(out))
                     left = [{"error": str(e)}]
                 res["segments_left"] = left
                 if left:
-                    subprocess.run([sys.executable, "-m", "uvaple.cli", "shm", "clean"] +
+                    subprocess.run([sys.executable, "-m", "uvaple", "shm", "clean"] +
                                    [x["name"] for x in left if "name" in x], capture_output=True, timeout=60)
             with open(s["result"], "w") as out:
                 json.dump(res, out, indent=1)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "doctor": ("uvaple.doctor", "what this machine can run (UVA path, copy path, CPU) and how fast it reads host "
-                                "memory; exit 0 usable, 3 no usable GPU, 1 the measurement failed"),
+    "doctor": ("uvaple.commands.doctor", "what this machine can run (UVA path, copy path, CPU) and how fast it reads "
+                                         "host memory; exit 0 usable, 3 no usable GPU, 1 the measurement failed"),
     "bench": ("uvaple.perf.bench", "benchmarks: --workload ple (default), ngram, hotset or host; --smoke runs any "
                                    "of them small on a CPU; results in --out (default ./uvaple-results/...)"),
-    "shm": ("uvaple.shm", "list the named shared tables in /dev/shm (list); remove the ones nobody uses (clean)"),
+    "shm": ("uvaple.commands.shm", "list the named shared tables in /dev/shm (list); remove the ones nobody uses "
+                                   "(clean)"),
 }
 
 USAGE = "usage: uvaple {" + ",".join(COMMANDS) + "} [options]  |  uvaple --version"
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv[0] == "--version":
-        from . import __version__
+        from .. import __version__
 
         print(__version__)
         return 0
