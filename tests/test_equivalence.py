@@ -9,8 +9,10 @@ in order. Each pass draws:
   and +-2**63);
 * a policy (scale, ``oob`` zero / row0 / neg_zero, output dtype) and a column range;
 * the paths: the ``copy`` placement (``submit``, or for some passes the inline ``lookup``), ``uva`` in id
-  order, ``uva`` sorted with de-duplication through a ``HotSet`` (``order="sorted", dedup=True, hot=``)
-  and ``device``. The fp8 tables (``fp8_row``, ``fp8_global`` encodings) have the gather paths only: the
+  order, ``uva`` sorted with de-duplication through a ``HotSet`` (``order="sorted", dedup=True, hot=``),
+  ``device`` and, with CUDA, ``split`` (``lookup_split`` of the host ids, a share of 0 to all of them
+  gathered by the GPU and the rest by the calling thread, where the pass reads every column; else its
+  ``lookup``). The fp8 tables (``fp8_row``, ``fp8_global`` encodings) have the gather paths only: the
   copy placement serves raw rows;
 * its ``out`` buffers: reused from a consumed pass (poisoned again first) or fresh (poisoned);
 * whether its ids are rewritten in place right after the submit (with CUDA the device ids, on the
@@ -222,7 +224,8 @@ class Table:
                             column_block=1)
 
     def paths(self, key: tuple) -> dict:
-        """``{path: lookup}`` with this policy: copy (raw tables), uva direct, uva sorted+dedup+hot, device."""
+        """``{path: lookup}`` with this policy: copy (raw tables), uva direct, uva sorted+dedup+hot, device, and
+        with CUDA split."""
         if key not in self._made:
             spec = self.spec(key)
             extra = {} if self.dq is None else {"dequant_scale": self.dq}
@@ -234,6 +237,8 @@ class Table:
                                                        max_rows=MAX_ROWS, order="sorted", dedup=True, hot=self.hot,
                                                        **extra)
             made["device"] = make_lookup("device", self.table, device=DEVICE, spec=spec, **extra)
+            if HAS_CUDA:  # the split lookup gathers on the GPU and stages through pinned memory: CUDA only
+                made["split"] = make_lookup("split", self.table, device=DEVICE, spec=spec, max_rows=MAX_ROWS, **extra)
             self._made[key] = made
         return self._made[key]
 
@@ -479,14 +484,21 @@ class Runner:
             self.submit_copy(f, copy, copy_ids, outs["copy"], p)
             if p.cancel == "submit" and f.job is not None:
                 self.cancel(f)
+        split_ids = p.ids.clone()  # the scheduler's host ids, as lookup_split takes them
         for name in names:
-            if name != "copy":
+            if name == "split" and p.columns is None:
+                # host ids, the GPU's share of them (from the pass's reuse draw: 0, 1/4 .. all) gathered on the
+                # GPU, the rest by this thread into pinned staging; a column range is lookup()'s alone
+                paths[name].lookup_split(split_ids, outs[name], gpu_share=round(p.reuse * 4) / 4)
+                self.count["lookups_split_host_ids"] += 1
+            elif name != "copy":
                 paths[name].lookup(dev_ids, outs[name], columns=p.columns)
                 self.count[f"lookups_{name}"] += 1
         if p.rewrite:  # the next pass reusing the ids buffers, right after the submit
             dev_ids.copy_(p.junk.to(dev_ids.device))
             if copy_ids is not dev_ids:
                 copy_ids.copy_(p.junk)
+            split_ids.copy_(p.junk)
             self.count["ids_rewritten"] += 1
         if p.hot is not None:
             if p.hot[0] == "refresh":
