@@ -3,7 +3,8 @@
 ``host_table`` (the ``HostTable`` object: properties, views, fills, lifetime), ``views`` (views that
 hold the memory they read), ``memory`` (geometry, private mapping, page commit, registration),
 ``sharing`` (named tables: create-or-attach, the creator's fill, readiness), ``segments`` (the shared
-segment files' protocol), ``loading`` (safetensors), ``cuda_runtime`` and ``system`` (checked CUDA
+segment files' protocol), ``loading`` (safetensors), ``table_file`` (a table as a file on disk, read a page
+at a time), ``workers`` (work split over the host's cores), ``cuda_runtime`` and ``system`` (checked CUDA
 runtime and libc calls), ``_region`` (when a mapping is released). Importing it changes nothing global.
 """
 
