@@ -34,7 +34,10 @@ def rand_rows(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.
     (3, 8960, torch.bfloat16, 0, 5),  # a Gemma 3n E4B PLE row, 17,920 bytes: five pages
     (1, 1, torch.uint8, 256, 0),
 ])
-def test_rows_come_back_bit_for_bit(tmp_path, rows, cols, dtype, per, pages):
+@pytest.mark.parametrize("block_pages", [256, 3])
+def test_rows_come_back_bit_for_bit(tmp_path, monkeypatch, rows, cols, dtype, per, pages, block_pages):
+    """Each layout, written in one block or in blocks of 3 pages (several threads at once), read back."""
+    monkeypatch.setattr(tf, "_WRITE_PAGES", block_pages)
     data = rand_rows(rows, cols, dtype, seed=rows)
     path = tmp_path / "t.uvt"
     seen = []
@@ -140,12 +143,14 @@ def test_files_that_cannot_be_read_as_written_are_refused_at_open(tmp_path):
         "incomplete.uvt": whole.replace(b'"complete": true', b'"complete": false'),
         "layout.uvt": whole.replace(b'"stride": 320', b'"stride": 336'),
         "dtype.uvt": whole.replace(b'"dtype": "BF16"', b'"dtype": "Q16"'),
+        "list.uvt": whole[:16] + b"[1]" + bytes(PAGE - 19) + whole[PAGE:],
         "empty.uvt": b"",
     }
     want = {"short.uvt": "holds 40,960 bytes; its layout needs 45,056", "long.uvt": "truncated or appended",
             "magic.uvt": "not a uvaple table file", "json.uvt": "header is damaged",
             "version.uvt": "version 9; this uvaple reads version 1", "incomplete.uvt": "not written to the end",
-            "layout.uvt": "header's layout", "dtype.uvt": "header is damaged", "empty.uvt": "ended at byte 0"}
+            "layout.uvt": "header's layout", "dtype.uvt": "header is damaged", "empty.uvt": "ended at byte 0",
+            "list.uvt": "header is damaged .*holds a list, not an object"}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(TableFileError, match=want[name]):
@@ -208,6 +213,19 @@ def test_writing_refuses_what_it_cannot_write_and_leaves_nothing(tmp_path, monke
     with pytest.raises(TableFileError, match="encoding must be the name"):
         write_table_file(tmp_path / "bad.uvt", data, encoding="")
     assert not (tmp_path / "bad.uvt").exists() and not (tmp_path / "bad.uvt.partial").exists()
+    (tmp_path / "dir.uvt").mkdir()  # the rename at the end fails: named, and the partial file goes
+    with pytest.raises(TableFileError, match="writing .*dir.uvt failed"):
+        write_table_file(tmp_path / "dir.uvt", data, overwrite=True)
+    assert not (tmp_path / "dir.uvt.partial").exists()
+    (tmp_path / "dir.uvt").rmdir()
+    from safetensors.torch import save_file
+
+    save_file({"w": data}, str(tmp_path / "w.safetensors"))
+    info = locate_tensor(tmp_path / "w.safetensors", "w")
+    os.unlink(tmp_path / "w.safetensors")  # the source goes away before its rows are read
+    with pytest.raises(TableFileError, match="reading rows 0 .. 99 of the source failed: No such file"):
+        write_table_file(tmp_path / "gone.uvt", info)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.uvt"]
 
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -218,7 +236,7 @@ def test_writing_refuses_what_it_cannot_write_and_leaves_nothing(tmp_path, monke
         write_table_file(tmp_path / "full.uvt", data)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.uvt"]
     monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
-    with pytest.raises(TableFileError, match="writing .*eio.uvt.partial failed: Input/output error"):
+    with pytest.raises(TableFileError, match="writing .*eio.uvt failed: Input/output error"):
         write_table_file(tmp_path / "eio.uvt", data)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.uvt"]
 
@@ -231,3 +249,5 @@ def test_a_layout_is_what_its_shape_makes_it():
     assert lay.pages_of(11, 13) == (0, 2) and lay.rows_of(1, 3) == (12, 36)
     big = FileLayout.of(3, 8960, torch.bfloat16)
     assert big.pages_of(1, 2) == (5, 10) and big.rows_of(5, 15) == (1, 3)
+    assert big.rows_of(1, 6) == (0, 2) and big.rows_of(6, 7) == (1, 2)  # a page inside a row: that row
+    assert lay.pages_of(13, 13) == (13, 13) and big.pages_of(2, 1) == (2, 2)  # no rows: no pages

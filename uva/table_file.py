@@ -108,6 +108,8 @@ class FileLayout:
 
     def pages_of(self, row_lo: int, row_hi: int) -> tuple[int, int]:
         """The data pages ``[first, last)`` that rows ``row_lo .. row_hi - 1`` lie in."""
+        if row_hi <= row_lo:
+            return row_lo, row_lo  # (no page)
         if self.rows_per_page:
             return row_lo // self.rows_per_page, -(-row_hi // self.rows_per_page)
         return row_lo * self.pages_per_row, row_hi * self.pages_per_row
@@ -116,7 +118,7 @@ class FileLayout:
         """The rows ``[first, last)`` that data pages ``page_lo .. page_hi - 1`` hold."""
         if self.rows_per_page:
             return page_lo * self.rows_per_page, min(self.rows, page_hi * self.rows_per_page)
-        return page_lo // self.pages_per_row, page_hi // self.pages_per_row
+        return page_lo // self.pages_per_row, -(-page_hi // self.pages_per_row)
 
     def header(self, complete: bool) -> bytes:
         meta = {k: v for k, v in asdict(self).items() if k != "dtype"}
@@ -131,6 +133,8 @@ class FileLayout:
                                  "with uvaple.uva.table_file.write_table_file")
         try:
             meta = json.loads(page[len(MAGIC):].rstrip(b"\0").decode())
+            if not isinstance(meta, dict):
+                raise ValueError(f"the header holds a {type(meta).__name__}, not an object")
             if meta.get("version") != VERSION:
                 raise TableFileError(f"{path} is a table file of version {meta.get('version')!r}; this uvaple reads "
                                      f"version {VERSION}: write it again")
@@ -217,7 +221,12 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
             buf = bytearray(n * PAGE)
             view = np.frombuffer(buf, dtype=np.uint8).reshape(n, PAGE)
             r0, r1 = layout.rows_of(p0, p0 + n)
-            rows_bytes = block(r0, r1).contiguous().view(torch.uint8).reshape(r1 - r0, layout.row_bytes).numpy()
+            try:
+                got = block(r0, r1)
+            except (OSError, UvapleError) as e:  # the source, not the file being written
+                raise TableFileError(f"reading rows {r0} .. {r1 - 1} of the source failed: "
+                                     f"{getattr(e, 'strerror', None) or e}") from None
+            rows_bytes = got.contiguous().view(torch.uint8).reshape(r1 - r0, layout.row_bytes).numpy()
             if layout.rows_per_page:  # a page's rows at the host stride, the rest of the page zero
                 i = np.arange(r1 - r0)
                 at = (i // layout.rows_per_page) * PAGE + (i % layout.rows_per_page) * layout.stride
@@ -241,21 +250,23 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
         os.fsync(fd)
         _pwrite(fd, layout.header(complete=True), 0, partial)
         os.fsync(fd)
-    except BaseException as e:
         os.close(fd)
+        fd = -1
+        os.replace(partial, path)  # the file at path is whole, or there is none
+    except BaseException as e:
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise TableFileError(f"no space left on the disk of {partial} for a table file of "
                                  f"{fmt_bytes(layout.file_bytes)}: free that much, or write it elsewhere") from None
         if isinstance(e, OSError):
-            raise TableFileError(f"writing {partial} failed: {e.strerror or e}") from None
+            raise TableFileError(f"writing {path} failed: {e.strerror or e}") from None
         raise
-    os.close(fd)
-    os.replace(partial, path)
     folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
-        os.fsync(folder)
+        os.fsync(folder)  # the rename is on disk too
     finally:
         os.close(folder)
     return layout
@@ -290,36 +301,41 @@ class TableFile:
         """Open ``path``: check its header and size, read its sums (never its data). ``direct``: read with
         ``O_DIRECT`` (None: where the filesystem allows it)."""
         path = os.fspath(path)
+        # one descriptor checks the file and reads it: with O_DIRECT where the filesystem allows it (the header
+        # and the sums are read into page-aligned buffers at page offsets too), so a file renamed over the path
+        # after the check is never read against the sums of the one before
+        fd = None if direct is False else _open_direct(path)
+        if fd is None and direct:
+            raise TableFileError(f"{path}: its filesystem refuses O_DIRECT; open it with direct=None or False")
+        is_direct = fd is not None
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise TableFileError(f"cannot open the table file {path}: {e.strerror}") from None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise TableFileError(f"cannot open the table file {path}: {e.strerror}") from None
-        try:
+            size = os.fstat(fd).st_size
+            if size < PAGE:
+                raise TableFileError(f"{path} ended at byte {size} while reading the header (not a table file, "
+                                     "or truncated): write it again")
             head = page_buffer(1)
-            _read_exact(fd, head, 0, path, what="the header", allow_short=True)
+            _read_exact(fd, head, 0, path, what="the header")
             layout, complete = FileLayout.from_header(bytes(head.numpy()), path)
             if not complete:
                 raise TableFileError(f"{path} was not written to the end (its header does not say complete): write "
                                      "it again")
-            size = os.fstat(fd).st_size
             if size != layout.file_bytes:
                 raise TableFileError(f"{path} holds {size:,} bytes; its layout needs {layout.file_bytes:,} (truncated "
                                      "or appended to): write it again")
             sums_buf = page_buffer(layout.sums_pages)
             _read_exact(fd, sums_buf, (1 + layout.data_pages) * PAGE, path, what="the page sums")
             sums = sums_buf.numpy().reshape(-1).view("<u4")[: layout.data_pages].copy()
-            direct_fd = None if direct is False else _open_direct(path)
-            if direct_fd is None and direct:
-                raise TableFileError(f"{path}: its filesystem refuses O_DIRECT; open it with direct=None or False")
         except BaseException:
             os.close(fd)
             raise
-        if direct_fd is not None:
-            os.close(fd)
-            fd = direct_fd
-        elif hasattr(os, "posix_fadvise"):
+        if not is_direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # the page cache, read ahead by nothing
-        return cls(path, fd, layout, sums, direct=direct_fd is not None)
+        return cls(path, fd, layout, sums, direct=is_direct)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -423,10 +439,10 @@ def _open_direct(path: str) -> int | None:
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None
-        raise TableFileError(f"cannot open {path} for direct reads: {e.strerror}") from None
+        raise TableFileError(f"cannot open the table file {path}: {e.strerror}") from None
 
 
-def _read_exact(fd: int, out: torch.Tensor, offset: int, path: str, *, what: str, allow_short: bool = False) -> None:
+def _read_exact(fd: int, out: torch.Tensor, offset: int, path: str, *, what: str) -> None:
     """Fill ``out`` (uint8, contiguous) from ``offset``: a short read or an I/O error is a named error."""
     view = memoryview(out.numpy()).cast("B")
     got = 0
@@ -436,9 +452,6 @@ def _read_exact(fd: int, out: torch.Tensor, offset: int, path: str, *, what: str
         except OSError as e:
             raise TableFileError(f"{path}: reading {what} failed at byte {offset + got}: {e.strerror}") from None
         if n == 0:
-            if allow_short and got:
-                view[got:] = bytes(view.nbytes - got)
-                return
             raise TableFileError(f"{path} ended at byte {offset + got} while reading {what} (truncated after it "
                                  "was written?): write it again")
         got += n
