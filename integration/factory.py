@@ -114,7 +114,7 @@ def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None,
     timeouts for copy).
     """
     if kind not in PLACEMENTS:
-        raise ValueError(f"unknown lookup kind {kind!r}; choose one of {list(KINDS)}")
+        raise ValueError(f"unknown lookup kind {kind!r}; choose one of {list(PLACEMENTS)}")
     spec = spec_for(table, spec, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
     owns = False
     if not isinstance(table, HostTable):

@@ -124,9 +124,14 @@ def check_layer(multipliers, sizes, offsets, eos) -> tuple[int, int]:
     if sizes.numel() != offsets.numel() or sizes.numel() == 0 or sizes.numel() % (n - 1):
         raise ValueError(f"the n-gram hash's sizes and offsets must hold (N - 1) * heads_per_ngram values each "
                          f"(N = {n} multipliers), got {sizes.numel()} and {offsets.numel()}")
+    check_eos(eos)
+    return n, sizes.numel() // (n - 1)
+
+
+def check_eos(eos) -> None:
+    """The end-of-sequence token: an int32 token id (a bool is not one)."""
     if isinstance(eos, bool) or not isinstance(eos, int) or not _I32_MIN <= eos <= _I32_MAX:
         raise ValueError(f"the end-of-sequence token must be an int32 token id, got {eos!r}")
-    return n, sizes.numel() // (n - 1)
 
 
 def check_call(history, out, multipliers: torch.Tensor) -> None:
@@ -182,9 +187,7 @@ def ngram_rows(history: torch.Tensor, *, eos: int, multipliers: torch.Tensor, si
     heads_per_ngram]`` int64 on the same device. One launch on the current stream (interpreted for CPU
     tensors).
     """
-    # eos is checked here too: the operator's schema would turn a bool into an int
-    if isinstance(eos, bool) or not isinstance(eos, int) or not _I32_MIN <= eos <= _I32_MAX:
-        raise ValueError(f"the end-of-sequence token must be an int32 token id, got {eos!r}")
+    check_eos(eos)  # here too: the operator's schema would turn a bool into an int
     if isinstance(last, bool) or not isinstance(last, int) or last < 0:
         raise ValueError(f"last must be a count of positions (an int >= 0), got {last!r}")
     if isinstance(history, torch.Tensor) and history.dim() == 2 and last > history.shape[1]:

@@ -24,6 +24,7 @@ import torch
 
 from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES
 
+from . import system
 from .errors import CheckpointError
 from .workers import default_threads, parallel
 
@@ -181,21 +182,9 @@ def locate_tensors(path: str | os.PathLike, names: list[str], files: dict[str, P
 
 
 def _read_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    want = sum(v.nbytes for v in views)
-    got = 0
-    while got < want:
-        # Advance through the view list past what was already read.
-        skip, rest = got, []
-        for v in views:
-            if skip >= v.nbytes:
-                skip -= v.nbytes
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        n = os.preadv(fd, rest, offset + got)
-        if n == 0:
-            raise CheckpointError(f"{path} ended early at byte {offset + got} (file changed while loading?)")
-        got += n
+    got = system.pread_full(fd, views, offset)
+    if got < sum(v.nbytes for v in views):
+        raise CheckpointError(f"{path} ended early at byte {offset + got} (file changed while loading?)")
 
 
 def stream_into(table, info: TensorInfo, *, threads: int) -> None:

@@ -45,6 +45,26 @@ def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+def pread_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` (byte views, in order) from ``offset`` of ``fd`` with ``preadv``, as many calls as it takes;
+    the bytes read: less than the views hold only where the file ended. An I/O error is the OSError."""
+    want = sum(v.nbytes for v in views)
+    got = 0
+    while got < want:
+        skip, rest = got, []  # the views past what was already read
+        for v in views:
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
 def mmap(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0, addr: int | None = None) -> int:
     """``mmap(2)``; returns the address or raises ``OSError`` with errno."""
     ptr = _libc.mmap(addr, length, prot, flags, fd, offset)

@@ -49,6 +49,7 @@ import torch
 
 from uvaple.dtypes import SAFETENSORS_DTYPES, TABLE_DTYPES, dtype_name, fmt_bytes
 
+from . import system
 from .errors import UvapleError
 from .memory import row_stride_bytes
 from .workers import default_threads, parallel
@@ -157,7 +158,7 @@ class FileLayout:
 def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], torch.Tensor]]:
     """``(rows, cols, dtype, block(a, b))`` of a 2-D CPU tensor, a HostTable or a safetensors TensorInfo."""
     from .host_table import HostTable
-    from .loading import TensorInfo, _read_exact
+    from .loading import TensorInfo
 
     if isinstance(source, HostTable):
         source = source.tensor
@@ -177,8 +178,8 @@ def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], tor
             out = torch.empty((b - a, info.shape[1]), dtype=info.dtype)
             fd = os.open(info.path, os.O_RDONLY)
             try:
-                _read_exact(fd, [memoryview(out.view(torch.uint8).numpy()).cast("B")], info.begin + a * info.row_bytes,
-                            info.path)
+                _read_exact(fd, out.view(torch.uint8).reshape(-1), info.begin + a * info.row_bytes, info.path,
+                            what=f"{info.name}'s rows {a} .. {b - 1}")
             finally:
                 os.close(fd)
             return out
@@ -445,13 +446,10 @@ def _open_direct(path: str) -> int | None:
 def _read_exact(fd: int, out: torch.Tensor, offset: int, path: str, *, what: str) -> None:
     """Fill ``out`` (uint8, contiguous) from ``offset``: a short read or an I/O error is a named error."""
     view = memoryview(out.numpy()).cast("B")
-    got = 0
-    while got < view.nbytes:
-        try:
-            n = os.preadv(fd, [view[got:]], offset + got)
-        except OSError as e:
-            raise TableFileError(f"{path}: reading {what} failed at byte {offset + got}: {e.strerror}") from None
-        if n == 0:
-            raise TableFileError(f"{path} ended at byte {offset + got} while reading {what} (truncated after it "
-                                 "was written?): write it again")
-        got += n
+    try:
+        got = system.pread_full(fd, [view], offset)
+    except OSError as e:
+        raise TableFileError(f"{path}: reading {what} failed at byte {offset}: {e.strerror}") from None
+    if got < view.nbytes:
+        raise TableFileError(f"{path} ended at byte {offset + got} while reading {what} (truncated after it "
+                             "was written?): write it again")
