@@ -7,6 +7,7 @@ name left in ``/dev/shm``.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -523,6 +524,52 @@ def _a_child_that_let_go_holds_nothing(p, child: int, registered: bool, name: st
         os.kill(child, signal.SIGKILL)
     assert not attached_within(20)  # the living (unregistered) or dead (registered) child holds no lock
     assert [i.name for i in segments.clean([name])] == [name]
+
+
+# ------------------------------------------------------------------ the end of a multiprocessing child
+_KEPT: list = []  # a multiprocessing child's tables, alive to its end
+
+
+def _child_opens(name: str, rows: torch.Tensor, keep: bool) -> None:
+    """A ``multiprocessing`` child's target: open ``name`` and end with the table alive (as the tables a
+    captured CUDA graph reads live to the end of vLLM's engine core) or closed.
+
+    Its rows are few: a copy that small runs on the calling thread, and a child forked after the parent
+    used torch's OpenMP threads must not start them (libgomp is not fork-safe; vLLM releases its threads
+    before it forks)."""
+    t = HostTable.shared(name, *rows.shape, torch.float32, fill=lambda t: t.write_rows(rows))
+    if keep:
+        _KEPT.append(t)
+    else:
+        t.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("keep", [True, False], ids=["alive_to_the_end", "closed"])
+def test_a_multiprocessing_child_that_ends_leaves_no_segment(name, method, keep):
+    """vLLM's engine core and workers are ``multiprocessing`` children, forked by default, and a forked one
+    ends with ``os._exit``: no ``atexit`` handler runs there. Its tables are detached all the same, and the
+    parent's table, which a forked child inherits, is not the child's to let go of."""
+    src = expected(4)
+    mine = HostTable.shared(name, ROWS, COLS, torch.float32, fill=lambda t: t.write_rows(src))
+    theirs = shm_name()
+    p = multiprocessing.get_context(method).Process(target=_child_opens, args=(theirs, src[:40].clone(), keep))
+    try:
+        p.start()
+        p.join(90)
+        assert p.exitcode == 0
+        assert not os.path.exists(path_of(theirs)), f"the child's table was left in /dev/shm ({method})"
+        info = {i.name: i for i in segments.list_segments()}[name]
+        assert info.state == "ready" and info.attached and os.getpid() in info.pids
+        assert torch.equal(mine.tensor, src)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(30)
+        if os.path.exists(path_of(theirs)):
+            os.unlink(path_of(theirs))
+        mine.close()
 
 
 # ------------------------------------------------------------------ deferred readiness (an engine's loader fills)

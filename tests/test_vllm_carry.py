@@ -4,6 +4,8 @@ a CPU: the decode benchmark's model plan, figures and refusals, the engine check
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,9 +149,13 @@ def test_figures_are_medians_with_their_spread_and_ratios_of_medians():
     assert "x_hbm_tokens_per_s" not in t["hbm"]["8"]
     assert uva["gpu_util_pct"]["median"] == 98.5
     res["uva"]["start_phases"] = {"load_s": 117.2, "init_engine_s": 165.7}
+    res["uva"]["segments_left"] = ["uvaple.bench-uva-7.model.layers.0.ple.r0of1"]
     md = db.markdown(t, res, db.plan_model(24.0, 8, 512), SimpleNamespace(prompt=512, decode=256, reps=3))
     assert "| uva | 8 | 769.2 [733.9-784.3] |" in md
     assert "| uva | - | 117.2 | 165.7 |" in md and "| hbm | - | - | - |" in md
+    uva_start = next(ln for ln in md.splitlines() if ln.startswith("| uva | - |"))
+    hbm_start = next(ln for ln in md.splitlines() if ln.startswith("| hbm | - |"))
+    assert uva_start.split(" | ")[-2] == "1" and hbm_start.split(" | ")[-2] == "0"  # segments left at its stop
 
 
 def test_the_engine_starts_phases_come_from_vllms_log(tmp_path):
@@ -415,3 +421,16 @@ def test_runs_of_an_earlier_lease_count_only_for_the_same_checkpoint_bytes(tmp_p
     r = subprocess.run([sys.executable, str(CARRY / "engine_check.py"), "--resume", str(tmp_path / "nope"),
                         "--work", str(tmp_path / "w2")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--resume" in r.stderr and "not a folder" in r.stderr
+
+
+def test_the_cores_an_engine_runs_on_are_read_and_checked(monkeypatch, capsys):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert db.parse_cpus("") == []
+    assert db.parse_cpus("0-3, 8,2") == [0, 1, 2, 3, 8]
+    for bad, says in (("7-5", "from a core to a later one"), ("a-b", "not a core"), ("-1", "not a core"),
+                      ("12-17", "cores [16, 17] are not among")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            db.parse_cpus(bad)
+    with pytest.raises(SystemExit):
+        db.main(["--plan", "--cpus", "7-5"])
+    assert "--cpus '7-5': '7-5': a range runs from a core to a later one" in capsys.readouterr().err

@@ -26,9 +26,15 @@ Three situations make the release wait or shrink:
   put off to the next table operation or to exit. (Memory a captured graph reads is never released
   before exit at all: the kernel layer keeps every host table tensor read under capture alive, hence
   its anchor, because a graph may be replayed at any time and nothing tells when it is destroyed.)
-* **At interpreter exit** (``atexit``), nothing is unmapped or unregistered: a daemon thread (a copy
-  backend's worker) may still be reading, and the OS frees the pages. Shared segments are detached
-  (unlinked when this process was the last to have one open), so no name is left in ``/dev/shm``.
+* **At interpreter exit**, nothing is unmapped or unregistered: a daemon thread (a copy backend's worker)
+  may still be reading, and the OS frees the pages. Shared segments are detached (unlinked when this
+  process was the last to have one open), so no name is left in ``/dev/shm``. Exit runs this through
+  ``atexit`` and, in a ``multiprocessing`` child, through ``multiprocessing``'s own exit finalizers too: a
+  child started by fork (vLLM's engine core and workers, by default) ends with ``os._exit`` after its
+  target, which runs no ``atexit`` handler, and a table a captured graph reads lives until that exit, so
+  without it every stopped engine would leave its table's pages in ``/dev/shm``. Only a process killed
+  (``SIGKILL``, or a signal it does not handle) leaves a segment; the next ``HostTable.shared`` of that
+  name attaches or replaces it, and ``uvaple shm clean`` removes it.
 * **In a forked child** the region belongs to the parent: the child's copy of a table refuses use
   (:class:`~uvaple.uva.errors.TableForkedError`) and its release only unmaps this address space's
   range and closes inherited descriptors: no CUDA call, no unlink. A private mapping is advised
@@ -41,6 +47,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import threading
 import traceback
@@ -59,6 +67,7 @@ _lock = threading.RLock()
 _live: dict[int, weakref.ref] = {}  # id(region) -> region, every unreleased region of this process
 _deferred: list[Region] = []  # releases put off (capture in progress, device sync failed)
 _hooks_installed = False
+_exit_finalizer_pid: int | None = None  # the multiprocessing child whose exit finalizers hold _at_exit
 _exiting = False
 # This process's pid, kept by the fork hook (a plain int: torch.compile traces through the table's checks,
 # and os.getpid() would break its graph). The hook is installed with the first region, so every region
@@ -67,14 +76,25 @@ _pid = os.getpid()
 
 
 def _install_hooks() -> None:
-    """Exit and fork hooks, installed at the first region (importing uvaple installs nothing)."""
-    global _hooks_installed
+    """Exit and fork hooks, installed at the first region (importing uvaple installs nothing).
+
+    A ``multiprocessing`` child also gets ``_at_exit`` among ``multiprocessing``'s exit finalizers, at its
+    own first region: the registry it inherited was emptied when it started, and ``atexit`` does not run
+    there when it was forked (the module docstring).
+    """
+    global _hooks_installed, _exit_finalizer_pid
     with _lock:
-        if _hooks_installed:
-            return
+        first = not _hooks_installed
         _hooks_installed = True
-    atexit.register(_at_exit)
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+        pid = os.getpid()
+        child = multiprocessing.parent_process() is not None and _exit_finalizer_pid != pid
+        if child:
+            _exit_finalizer_pid = pid
+    if first:
+        atexit.register(_at_exit)
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    if child:
+        multiprocessing.util.Finalize(None, _at_exit, exitpriority=0)
 
 
 class Region:

@@ -2,7 +2,7 @@
 
 ``python3 perf/vllm_carry/decode_bench.py --out DIR [--configs hbm,uva,host,uva_fp8row,device]
 [--batches 1,8,32,64] [--engine-batches ...] [--prompt 512] [--decode 256] [--reps 5] [--reps-batch1 15]
-[--table-gib 24] [--layers fit] [--experts 512] [--profile BATCH] [--profile-tokens 48]
+[--table-gib 24] [--layers fit] [--experts 512] [--profile BATCH] [--profile-tokens 48] [--cpus 0-7]
 [--work /tmp/vllm_decode] [--deadline-s 540] [--plan]``
 
 Runs on a GPU machine with vLLM 0.33 (on the lent H200: carried, ``perf/gpu_check.sh vllm_decode``); ``--plan``
@@ -52,7 +52,9 @@ first token) / (N - 1), the median over the batch's requests (they decode in the
 from the medians of this run; the GPU's utilisation while it decoded (NVML, sampled every 20 ms: near 100%
 means the step is GPU-bound); lines of vLLM's JIT monitor logged between the timed runs' markers (any is a
 flaw of that configuration's figures, flagged in the table). Per configuration: the engine's start (``LLM()``
-wall time), host memory taken (``MemAvailable`` before and after), GPU memory for weights.
+wall time), host memory taken (``MemAvailable`` before and after), GPU memory for weights, and the plugin's
+segments the engine left in ``/dev/shm`` when it stopped (named, then removed: every engine starts with the
+host memory the first had).
 
 Profile (``--profile B``): after the timings, the engine's worker runs the torch profiler (vLLM's
 ``profiler_config``, no stacks) over one more ``generate`` of ``--profile-tokens`` tokens at batch ``B``;
@@ -60,7 +62,10 @@ Profile (``--profile B``): after the timings, the engine's worker runs the torch
 step's time goes (GPU busy and idle, the longest idle gaps and the kernels either side, the host's step time,
 CUDA runtime calls, kernels by time), side by side for the configurations in ``decode_bench.md``. What comes
 back: the summary, vLLM's own kernel table of the profile, and the trace cut to what the summary reads
-(``profile_CONFIG.json.gz``, when under 4 MiB), also where the summary fails. ``--engine-batches`` builds
+(``profile_CONFIG.json.gz``, when under 4 MiB), also where the summary fails. ``--cpus`` runs every engine
+on the same host cores: at batch 1 the GPU works about a third of a step and the engine's host work sets the
+rest, and engines the scheduler placed ran the same work up to 1.7 x apart (the median gap between two CUDA
+calls of a prefill moved with the whole step). ``--engine-batches`` builds
 every engine for the table's batches while timing fewer (``--batches 1 --engine-batches 1,8,32,64 --profile
 1``: batch 1 alone, in the engines of the table).
 
@@ -84,7 +89,7 @@ import traceback
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
-from engine_check import Log, _kill_group, _tail, logging_config, vllm_env  # noqa: E402 - this folder's
+from engine_check import Log, _kill_group, _tail, logging_config, shm_list, vllm_env  # noqa: E402 - this folder's
 from trace_summary import TraceError, load, save, summarize, trim  # noqa: E402
 from trace_summary import markdown as trace_markdown  # noqa: E402
 
@@ -204,6 +209,22 @@ def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: b
     return kw, plugin
 
 
+def segments_left(kw: dict, plugin: bool) -> list[str]:
+    """The plugin's segments a stopped engine left in ``/dev/shm``: named in the result, then removed, so that
+    every engine starts with the host memory the first had."""
+    segment = (kw.get("additional_config", {}).get("uvaple") or {}).get("segment")
+    if not plugin or not segment:
+        return []
+    time.sleep(1.0)
+    try:
+        left = [x.get("name") for x in shm_list(segment)]
+    except Exception as e:  # noqa: BLE001 - a check that fails is a result
+        return [f"uvaple shm list failed: {e}"]
+    if left:
+        subprocess.run([sys.executable, "-m", "uvaple", "shm", "clean", *left], capture_output=True, timeout=120)
+    return left
+
+
 def profile_dir(work: str, config: str) -> str:
     return os.path.join(work, "profile", config)
 
@@ -277,6 +298,10 @@ def run_child(spec_path: str) -> int:
     stage = "import"
     try:
         import random
+
+        if spec.get("cpus"):  # before vLLM starts its processes: they inherit the cores
+            os.sched_setaffinity(0, spec["cpus"])
+            res["cpus"] = spec["cpus"]
 
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -435,15 +460,16 @@ def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> s
     lines += ["", "Engine start: `LLM()` wall time, and vLLM's two phases of it (model loading: weights and host "
               "tables; engine init: dummy run, KV cache, warm-up, graph capture). The engines share one compile "
               "cache, so the first of a machine also compiles the Triton kernels the later ones find.", "",
-              "| config | engine start s | model loading s | engine init s | host GiB taken | GPU weights GiB | ok |",
-              "|---|---|---|---|---|---|---|"]
+              "| config | engine start s | model loading s | engine init s | host GiB taken | GPU weights GiB | "
+              "segments left at its stop | ok |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         host = r.get("host_bytes_taken")
         ok = "yes" if r.get("ok") else f"no: {str(r.get('error'))[:120]}"
         phases = r.get("start_phases") or {}
         lines.append(f"| {name} | {r.get('init_s', '-')} | {phases.get('load_s', '-')} | "
                      f"{phases.get('init_engine_s', '-')} | {'-' if host is None else round(host / GIB, 1)} | "
-                     f"{r.get('weights_gib', '-')} | {ok} |")
+                     f"{r.get('weights_gib', '-')} | {len(r.get('segments_left') or [])} | {ok} |")
     return "\n".join(lines) + "\n"
 
 
@@ -479,6 +505,24 @@ def profiles_markdown(results: dict) -> str:
         trace_markdown(summaries)
 
 
+def parse_cpus(text: str) -> list[int]:
+    """``'0-7,12'`` as sorted core numbers, each one this process may run on; ``''``: none given."""
+    cpus: set[int] = set()
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a core or a range of cores like 0-7") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r}: a range runs from a core to a later one")
+        cpus.update(range(first, last + 1))
+    allowed = os.sched_getaffinity(0)
+    if cpus - allowed:
+        raise ValueError(f"cores {sorted(cpus - allowed)} are not among this process's {sorted(allowed)}")
+    return sorted(cpus)
+
+
 def shm_free_bytes() -> int:
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
@@ -500,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--reps-batch1", type=int, default=15, help="repetitions at batch 1 (its runs are short, and "
                    "noisy: the H200's spread there was +-13%%)")
+    p.add_argument("--cpus", default="", help="host cores every engine (each of its processes) runs on, e.g. "
+                   "'0-7': a batch-1 step is mostly the engine's host work, and engines left to the scheduler ran "
+                   "it up to 1.7 x apart (default: the cores this process may use)")
     p.add_argument("--table-gib", type=float, default=24.0, help="the n-gram table's bf16 size")
     p.add_argument("--layers", default="fit", help="'fit' or a multiple of 4")
     p.add_argument("--experts", type=int, default=512)
@@ -531,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile < 0 or a.profile > max(shapes) or a.profile_tokens < 8:
         p.error(f"--profile {a.profile}: a batch from 1 to {max(shapes)} (0: no profile), and --profile-tokens at "
                 f"least 8 (got {a.profile_tokens})")
+    try:
+        a.cpus = parse_cpus(a.cpus)
+    except ValueError as e:
+        p.error(f"--cpus {a.cpus!r}: {e}")
     if not (0 < a.table_gib < 1024) or a.experts < REAL["num_experts_per_tok"]:
         p.error("--table-gib must be in (0, 1024) and --experts at least the 10 experts a token takes")
     try:
@@ -589,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         call = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
         spec = {"config": config, "kwargs": kw, "call": call, "batches": a.batches, "prompt": a.prompt,
                 "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1, "vocab": REAL["vocab_size"],
-                "profile": a.profile, "profile_tokens": a.profile_tokens, "result": result_path}
+                "profile": a.profile, "profile_tokens": a.profile_tokens, "cpus": a.cpus, "result": result_path}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
         json.dump(spec, open(spec_path, "w"), indent=1)
         if os.path.exists(result_path):
@@ -603,8 +654,10 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 log(f"{config}: no result within {left - 10:.0f} s: stopped (what it measured is kept)")
             _kill_group(proc)
+        left = segments_left(kw, plugin)
         r = json.load(open(result_path)) if os.path.exists(result_path) else {
             "config": config, "call": call, "ok": False, "stage": "timeout", "error": "no result (killed)"}
+        r["segments_left"] = left
         r["jit"] = jit_lines(log_path)
         r["start_phases"] = start_phases(log_path)
         text = open(log_path, errors="replace").read()
