@@ -254,7 +254,8 @@ class DirectGather:
         tiles = -(-ncols // cfg.block)
         grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
         launch(grid, (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
-               (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX))
+               (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX),
+               ids.get_device())
 
 
 # ------------------------------------------------------------------ operator

@@ -318,7 +318,7 @@ class SortedGather:
         if self.use_keys:
             unsorted, keys = self.halves[:n], self.halves[self.half: self.half + n]
             self.keys_launch((triton.cdiv(n, ROW_KEY_BLOCK),), (ids, unsorted, n, *self.args.fixed[:3]),
-                             (ids.dtype, ids.data_ptr() % 16 == 0, n <= _I32_MAX))
+                             (ids.dtype, ids.data_ptr() % 16 == 0, n <= _I32_MAX), ids.get_device())
             torch.sort(unsorted, stable=False, out=(keys, order))
         else:
             keys = self.ws[0].view(ids.dtype)[:n] if ids.dtype != torch.int64 else self.ws[0, :n]
@@ -337,7 +337,7 @@ class SortedGather:
                               views=((3, self.out_int),) if not self.constants["CONVERT"] else ())
         a = self.args
         launch(grid, (a.view, keys, order, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
-               (keys.dtype, out.data_ptr() % 16 == 0, col_start, ncols, n <= _I32_MAX))
+               (keys.dtype, out.data_ptr() % 16 == 0, col_start, ncols, n <= _I32_MAX), out.get_device())
         return grid
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, col_start: int, n: int) -> None:
@@ -356,7 +356,7 @@ class SortedGather:
                                                             BLOCK_C=block_c, num_warps=NUM_WARPS),
                                   views=((2, self.out_int),))
             launch((grid[0], triton.cdiv(ncols, block_c)), (keys, order, out, n, ncols),
-                   (keys.dtype, out.data_ptr() % 16 == 0, ncols, n <= _I32_MAX))
+                   (keys.dtype, out.data_ptr() % 16 == 0, ncols, n <= _I32_MAX), out.get_device())
 
 
 # ------------------------------------------------------------------ operator

@@ -13,6 +13,12 @@ A compiled kernel reads pointers only: a call may pass a tensor of another dtype
 the variant was compiled for a view (a plain copy's bf16 ``out``, compiled for int16): ``views`` names the
 arguments that Triton and the interpreter must see as such a view.
 
+A launch runs on the device of its tensors, on that device's current stream, whichever device is current:
+the caller names it (``device``, the ids' index) and a launch whose device is not the current one enters
+that device first, as a torch operator's device guard does. (Triton launches on the current device: a
+lookup of ``cuda:1`` called while ``cuda:0`` is current would otherwise run on ``cuda:0``'s stream, out of
+the order of the caller's work on ``cuda:1``.)
+
 Interpreted launches (CPU tensors) always go through Triton: the interpreter has no compiled form. So does
 a launch while Triton's launch hooks are set (a profiler such as proton): they see every launch as Triton
 makes it.
@@ -91,15 +97,23 @@ class KernelLaunch:
             args[i] = args[i].view(dtype)
         return tuple(args)
 
-    def __call__(self, grid: tuple, args: tuple, key) -> None:
+    def __call__(self, grid: tuple, args: tuple, key, device: int) -> None:
         """Launch on ``grid`` (one or two dimensions) with the runtime ``args`` in parameter order; ``key``
-        says what of them Triton specialises on (see the module docstring)."""
+        says what of them Triton specialises on; ``device``: the index of the CUDA device the tensors are on
+        (see the module docstring; ignored when interpreted)."""
         if self.interpret:
             self.fn[grid](*self._viewed(args), **self.constants)
             return
         if _Driver.device is None:
             _Driver.load()
-        device = _Driver.device()
+        current = _Driver.device()
+        if device != current:
+            with torch.cuda.device(device):
+                self._launch(grid, args, key, device)
+            return
+        self._launch(grid, args, key, current)
+
+    def _launch(self, grid: tuple, args: tuple, key, device: int) -> None:
         compiled = self._compiled.get((device, key))
         if compiled is not None and not _Hooks.set():
             run, function, metadata = compiled

@@ -107,7 +107,8 @@ def launch(history: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor
     key = (history.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, multipliers.data_ptr() % 16 == 0,
            sizes.data_ptr() % 16 == 0, offsets.data_ptr() % 16 == 0, length <= _I32_MAX, last <= _I32_MAX,
            n_pos <= _I32_MAX)
-    run((-(-n_pos // _BLOCK),), (history, multipliers, sizes, offsets, out, length, last, n_pos, eos), key)
+    run((-(-n_pos // _BLOCK),), (history, multipliers, sizes, offsets, out, length, last, n_pos, eos), key,
+        history.get_device())
 
 
 def check_layer(multipliers, sizes, offsets, eos) -> tuple[int, int]:

@@ -143,3 +143,30 @@ def test_a_captured_hash_replays_with_the_tokens_of_each_step():
         graph.replay()
         want = ngram_ids(history.cpu(), eos=eos, heads_per_ngram=8, last=1, **{k: v.cpu() for k, v in buffers.items()})
         assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (device kind nvidia-h200-x2)")
+def test_the_hash_of_the_second_gpu_runs_there_in_its_stream_order_whatever_device_is_current():
+    """As the gather: Triton launches on the current device, the hash on its tensors' and that device's
+    current stream."""
+    eos = 151_643
+    buffers = layer(3, 2, device="cuda:1", seed=4)
+    want_history = histories(2, 64, eos=eos, seed=6)
+    history = torch.zeros(2, 64, dtype=torch.long, device="cuda:1")
+    hashed(want_history.to("cuda:1"), buffers, eos=eos, last=64, heads_per_ngram=2)  # compiled for cuda:1 first
+    out = torch.full((2, 64, 4), POISON, dtype=torch.long, device="cuda:1")
+    src = want_history.to("cuda:1")
+    torch.cuda.synchronize("cuda:1")
+    busy = torch.cuda.Stream(device="cuda:1")
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the stream before the history is written
+        history.copy_(src)
+        torch.cuda.set_device(0)
+        try:
+            ngram_rows(history, eos=eos, last=64, out=out, **buffers)
+        finally:
+            torch.cuda.set_device(1)
+    busy.synchronize()
+    want = ngram_ids(want_history, eos=eos, heads_per_ngram=2, last=64, **{k: v.cpu() for k, v in buffers.items()})
+    assert torch.equal(out.cpu(), want)
