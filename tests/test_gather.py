@@ -412,3 +412,50 @@ def test_a_plan_refuses_what_the_operator_refuses(device):
     out = poisoned((2, 4), torch.bfloat16, device)
     torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0, handle)
     assert same_bits(out, table[ids.cpu()].to(device))
+
+
+def test_a_compiled_launch_enters_its_tensors_device_when_another_is_current(monkeypatch):
+    """The device guard of :class:`KernelLaunch`, with Triton's driver and kernel stood in for (the launch on
+    two real GPUs: ``test_gpu_lookup.py``): the first call of a key goes through Triton on the tensors'
+    device, later calls go to the kept launcher with that device's stream, and the current device is entered
+    only when it is another one."""
+    from uvaple.kernels import launch as launch_mod
+
+    current, entered, launched = [0], [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            launched.append(("kept", current[0], a[3]))
+
+    class Kernel:
+        params = ()
+
+        def __getitem__(self, grid):
+            def call(*args, **constants):
+                launched.append(("triton", current[0]))
+                return Compiled()
+            return call
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(launch_mod._Driver, "device", lambda: current[0])
+    monkeypatch.setattr(launch_mod._Driver, "stream", lambda d: f"stream of {d}")
+    monkeypatch.setattr(launch_mod._Hooks, "set", classmethod(lambda cls: False))
+    monkeypatch.setattr(launch_mod.torch.cuda, "device", Device)
+    k = launch_mod.KernelLaunch(Kernel(), {}, interpret=False)
+    k((1,), (), "key", 1)  # cuda:1's tensors, cuda:0 current
+    k((1,), (), "key", 1)
+    k((1,), (), "key", 0)  # cuda:0's: a key of its own device, compiled there
+    assert launched == [("triton", 1), ("kept", 1, "stream of 1"), ("triton", 0)]
+    assert entered == [1, 1] and current == [0] and k.compiled() == 2
