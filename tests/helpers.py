@@ -48,6 +48,22 @@ def capture(fn, pool=None):
     return graph, result
 
 
+def on_cuda_1_behind_a_busy_stream(call, fill: torch.Tensor, src: torch.Tensor) -> torch.cuda.Stream:
+    """``call()`` with ``cuda:0`` current while ``cuda:1``'s current stream is still writing ``fill`` (its
+    inputs) from ``src``: a launch that went to ``cuda:0``, or to another stream, reads them unwritten."""
+    busy = torch.cuda.Stream(device="cuda:1")
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the stream before the inputs are written
+        fill.copy_(src)
+        torch.cuda.set_device(0)
+        try:
+            assert torch.cuda.current_device() == 0
+            call()
+        finally:
+            torch.cuda.set_device(1)
+    return busy
+
+
 def study(name: str) -> ModuleType:
     """The script ``perf/studies/<name>.py`` (not installed) imported as the module ``name``. Its folder goes
     on ``sys.path`` as when it runs as a script, so the studies it imports are the same module objects."""

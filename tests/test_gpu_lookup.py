@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import bits, capture, rand
+from helpers import bits, capture, on_cuda_1_behind_a_busy_stream, rand
 
 from uvaple.integration import make_lookup
 from uvaple.kernels import reference_gather
@@ -485,22 +485,6 @@ def test_many_live_graphs_in_one_shared_pool_replay_in_any_order(table):
         fp8.close()
 
 
-def _on_cuda_1_behind_a_busy_stream(call, fill: torch.Tensor, src: torch.Tensor) -> torch.cuda.Stream:
-    """``call()`` with ``cuda:0`` current while ``cuda:1``'s current stream is still writing ``fill`` (its
-    inputs) from ``src``: a launch that went to ``cuda:0``, or to another stream, reads them unwritten."""
-    busy = torch.cuda.Stream(device="cuda:1")
-    with torch.cuda.stream(busy):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of the stream before the inputs are written
-        fill.copy_(src)
-        torch.cuda.set_device(0)
-        try:
-            assert torch.cuda.current_device() == 0
-            call()
-        finally:
-            torch.cuda.set_device(1)
-    return busy
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (device kind nvidia-h200-x2)")
 @pytest.mark.parametrize("kind", ["uva", "device"])
 def test_a_lookup_of_the_second_gpu_runs_there_in_its_stream_order_whatever_device_is_current(table, kind):
@@ -516,6 +500,6 @@ def test_a_lookup_of_the_second_gpu_runs_there_in_its_stream_order_whatever_devi
         out = torch.full((257, t.shape[1]), float("nan"), dtype=t.dtype, device=dev1)
         src = want_ids.to(dev1)
         torch.cuda.synchronize(dev1)
-        busy = _on_cuda_1_behind_a_busy_stream(lambda: lk.lookup(ids, out), ids, src)
+        busy = on_cuda_1_behind_a_busy_stream(lambda: lk.lookup(ids, out), ids, src)
         busy.synchronize()
         assert bits(out.cpu()) == bits(reference_gather(t, want_ids, scale=16.0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import on_cuda_1_behind_a_busy_stream
 
 from uvaple.integration.models.qwen4_exp import layer_multipliers, ngram_ids
 from uvaple.kernels.ngram import ngram_rows
@@ -158,15 +159,8 @@ def test_the_hash_of_the_second_gpu_runs_there_in_its_stream_order_whatever_devi
     out = torch.full((2, 64, 4), POISON, dtype=torch.long, device="cuda:1")
     src = want_history.to("cuda:1")
     torch.cuda.synchronize("cuda:1")
-    busy = torch.cuda.Stream(device="cuda:1")
-    with torch.cuda.stream(busy):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of the stream before the history is written
-        history.copy_(src)
-        torch.cuda.set_device(0)
-        try:
-            ngram_rows(history, eos=eos, last=64, out=out, **buffers)
-        finally:
-            torch.cuda.set_device(1)
+    busy = on_cuda_1_behind_a_busy_stream(lambda: ngram_rows(history, eos=eos, last=64, out=out, **buffers),
+                                          history, src)
     busy.synchronize()
     want = ngram_ids(want_history, eos=eos, heads_per_ngram=2, last=64, **{k: v.cpu() for k, v in buffers.items()})
     assert torch.equal(out.cpu(), want)
