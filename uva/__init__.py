@@ -4,8 +4,9 @@
 hold the memory they read), ``memory`` (geometry, private mapping, page commit, registration),
 ``sharing`` (named tables: create-or-attach, the creator's fill, readiness), ``segments`` (the shared
 segment files' protocol), ``loading`` (safetensors), ``table_file`` (a table as a file on disk, read a page
-at a time), ``workers`` (work split over the host's cores), ``cuda_runtime`` and ``system`` (checked CUDA
-runtime and libc calls), ``_region`` (when a mapping is released). Importing it changes nothing global.
+at a time), ``row_cache`` (a disk table's rows held by slot in host memory), ``workers`` (work split over
+the host's cores), ``cuda_runtime`` and ``system`` (checked CUDA runtime and libc calls), ``_region`` (when
+a mapping is released). Importing it changes nothing global.
 """
 
 from .errors import (

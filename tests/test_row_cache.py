@@ -1,0 +1,160 @@
+"""The disk table's host row cache: rows served by slot are the table's rows, a step in flight keeps its slots,
+CLOCK keeps rows read again, and a step that does not fit or a read that fails leaves no row mapped to a slot
+that does not hold it. Real host tables and a real table file; the completion word written by the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import rand
+
+from uvaple.uva import TableClosedError
+from uvaple.uva.row_cache import RowCache, RowCacheFull
+from uvaple.uva.table_file import TableFile, TableFileError, write_table_file
+
+ROWS, COLS = 5_000, 40  # bf16: 80-byte rows, 51 to a page
+
+
+@pytest.fixture(scope="module")
+def source() -> torch.Tensor:
+    return rand(ROWS, COLS, seed=12)
+
+
+@pytest.fixture(scope="module")
+def table_file(source, tmp_path_factory):
+    path = tmp_path_factory.mktemp("row_cache") / "table.uvt"
+    write_table_file(path, source)
+    with TableFile.open(path) as f:
+        yield f
+
+
+def consistent(cache: RowCache, source: torch.Tensor) -> None:
+    """The map and its reverse agree, and every mapped row's slot holds that row's bits."""
+    slot_of = cache.slot_of.numpy()
+    mapped = np.flatnonzero(slot_of >= 0)
+    slots = slot_of[mapped]
+    assert len(np.unique(slots)) == len(slots)  # no two rows in one slot
+    assert (cache._row_of_slot[slots] == mapped).all()
+    assert torch.equal(cache.rows.tensor[torch.from_numpy(slots)].view(torch.int16),
+                       source[torch.from_numpy(mapped)].view(torch.int16))
+
+
+def step(cache: RowCache, file: TableFile, rows, n: int):
+    misses = cache.plan(rows, n)
+    cache.fill(misses, file)
+    return misses
+
+
+def test_rows_served_by_slot_are_the_tables_over_random_steps_in_flight(source, table_file):
+    """Random steps (repeats, hot rows and one-off rows), up to three in flight; after each, every row of
+    every step in flight still has its slot and its bits, and the map is one-to-one."""
+    g = np.random.default_rng(3)
+    hot = g.choice(ROWS, 300, replace=False)
+    with RowCache.for_file(table_file, slots=1_200, register=False) as cache:
+        cache.rows.tensor.view(torch.int16).fill_(-21846)  # poison (0xAAAA): a slot read unfilled shows
+        held: dict[int, np.ndarray] = {}
+        for n in range(1, 120):
+            rows = np.concatenate([g.choice(hot, g.integers(1, 120)), g.integers(0, ROWS, g.integers(0, 120))])
+            step(cache, table_file, rows, n)
+            held[n] = rows
+            lag = int(g.integers(0, 4))
+            if n - lag > cache.done():
+                cache.complete(n - lag)
+            for k in [k for k in held if k <= cache.done()]:
+                del held[k]
+            for k, kept in held.items():  # a step in flight: its rows are where it will read them
+                slot_of = cache.slot_of.numpy()
+                assert (slot_of[kept] >= 0).all(), k
+                got = cache.rows.tensor[torch.from_numpy(slot_of[kept].astype(np.int64))]
+                assert torch.equal(got.view(torch.int16), source[torch.from_numpy(kept)].view(torch.int16))
+            consistent(cache, source)
+        st = cache.stats
+        assert st["steps"] == 119 and st["hits"] > 0 and st["misses"] > 1_200 and st["evictions"] > 0
+
+
+def test_a_step_reads_each_row_once_whatever_its_repeats(source, table_file):
+    with RowCache.for_file(table_file, slots=10, register=False) as cache:
+        misses = step(cache, table_file, [7, 7, 3, 7, 3, 4999], 1)
+        assert sorted(misses.rows.tolist()) == [3, 7, 4999] and len(set(misses.slots.tolist())) == 3
+        assert len(step(cache, table_file, [3, 7, 7], 2)) == 0  # hits: nothing to read
+        consistent(cache, source)
+
+
+def test_rows_read_again_outlive_rows_read_once():
+    """CLOCK: a hit sets the row's bit, a row read in does not; the sweep takes unreferenced rows first."""
+    with RowCache(100, 8, torch.float32, slots=4, register=False) as cache:
+        cache.plan([10, 11, 12, 13], 1)
+        cache.complete(1)
+        misses = cache.plan([10, 12, 50, 51], 2)  # 10 and 12 hit; 50 and 51 take 11's and 13's slots
+        assert misses.rows.tolist() == [50, 51]
+        slot_of = cache.slot_of.numpy()
+        assert (slot_of[[10, 12, 50, 51]] >= 0).all() and (slot_of[[11, 13]] == -1).all()
+        assert cache.stats["evictions"] == 2
+
+
+def test_a_step_in_flight_keeps_its_slots_and_one_that_does_not_fit_is_named(source, table_file):
+    with RowCache.for_file(table_file, slots=8, register=False) as cache:
+        first = step(cache, table_file, range(0, 5), 1)  # 5 slots held by step 1 while it is in flight
+        before = cache.rows.tensor.clone()
+        with pytest.raises(RowCacheFull, match=r"step 2 needs 4 rows read in, but only 3 of the cache's 8 slots "
+                                               r"are free of the steps in flight \(steps 1 \.\. 2 hold 5\)"):
+            cache.plan([100, 101, 102, 103, 0], 2)
+        assert torch.equal(cache.rows.tensor, before)  # nothing written
+        assert (cache.slot_of.numpy()[first.rows] == first.slots).all()  # step 1's rows where they were
+        assert (cache.slot_of.numpy()[[100, 101, 102, 103]] == -1).all()  # none half-mapped
+        consistent(cache, source)
+        cache.complete(1)  # step 1's gathers are done: its slots may go
+        misses = step(cache, table_file, [100, 101, 102, 103, 0], 2)
+        assert sorted(misses.rows.tolist()) == [100, 101, 102, 103]
+        consistent(cache, source)
+
+
+def test_a_read_that_fails_leaves_its_rows_unmapped(source, table_file, tmp_path):
+    path = tmp_path / "short.uvt"
+    write_table_file(path, source)
+    with TableFile.open(path) as f, RowCache.for_file(f, slots=50, register=False) as cache:
+        step(cache, f, [1, 2, 3], 1)
+        with open(path, "r+b") as raw:  # the file truncated under the table: its last pages are gone
+            raw.truncate(8 * 4096)
+        misses = cache.plan([4, 4_900], 2)
+        with pytest.raises(TableFileError, match=r"ended at byte .* \(truncated after it was written\?\)"):
+            cache.fill(misses, f)
+        assert (cache.slot_of.numpy()[[4, 4_900]] == -1).all()
+        consistent(cache, source)
+        assert len(step(cache, table_file, [4, 4_900], 3)) == 2  # read again, from a whole file, when asked
+
+
+def test_bad_settings_and_calls_are_named(table_file):
+    with pytest.raises(ValueError, match="slots= or as budget_bytes="):
+        RowCache(10, 4, torch.float32, register=False)
+    with pytest.raises(ValueError, match="at least one row"):
+        RowCache(10, 4, torch.float32, budget_bytes=8, register=False)
+    with pytest.raises(ValueError, match="slots >= 1"):
+        RowCache(10, 4, torch.float32, slots=0, register=False)
+    with pytest.raises(ValueError, match="rows >= 1"):
+        RowCache(0, 4, torch.float32, slots=1, register=False)
+    with pytest.raises(ValueError, match="holds rows of"):
+        RowCache(10, 4, torch.complex64, slots=1, register=False)
+    with RowCache(10, 4, torch.float32, budget_bytes=10 * 1024, register=False) as whole:
+        assert whole.slots == 10  # never more slots than rows
+    cache = RowCache.for_file(table_file, budget_bytes=3 * 80 + 79, register=False)  # 80-byte stride: 3 slots
+    assert cache.slots == 3
+    with pytest.raises(ValueError, match=r"asked for rows -1 \.\. 3"):
+        cache.plan([3, -1], 1)
+    with pytest.raises(ValueError, match=rf"a {ROWS}-row table was asked for rows {ROWS} \.\. {ROWS}"):
+        cache.plan([ROWS], 1)
+    cache.plan([1], 2)
+    with pytest.raises(ValueError, match="never go back"):
+        cache.plan([1], 1)
+    cache.complete(4)
+    with pytest.raises(ValueError, match="step 3 is already completed"):
+        cache.plan([1], 3)
+    other = RowCache(ROWS, COLS + 1, torch.bfloat16, slots=2, register=False)
+    with pytest.raises(ValueError, match="this cache is of"):
+        other.fill(other.plan([1], 1), table_file)
+    other.close()
+    cache.close()
+    cache.close()  # twice is nothing
+    with pytest.raises(TableClosedError):
+        cache.plan([1], 5)

@@ -1,0 +1,292 @@
+"""A host row cache over a table on disk: pinned, mapped rows held by slot, the row -> slot map the gather reads,
+and eviction that never takes a slot a step in flight still reads.
+
+What it holds (three host tables, each pinned and mapped where CUDA is usable, so the GPU reads them through
+UVA):
+
+* ``rows``: ``[slots, cols]`` of the table's dtype at the host stride, the cached rows (a page of the table
+  file copies into them as it is: :mod:`.table_file`);
+* ``slot_of``: int32 ``[table rows]``, the slot of each table row, or -1 (4 bytes a row of the table: 1.2 GB
+  for the 300 M rows of a 95 GiB n-gram table, next to its budget of rows);
+* ``completed``: one int64 word, the last step whose reads of the cache are done. Whoever runs the steps
+  writes it in stream order after a step's last gather (on the GPU: a write into its CUDA view, captured in
+  the step's graph); the host reads it without synchronising anything.
+
+A step (:meth:`RowCache.plan`, on the host, before the step's gather is launched): the distinct rows it will
+read; those cached are hits, marked as read by this step; the others get slots, and the map says so at once,
+while their slots still hold the rows they evict. The caller then reads them into their slots
+(:meth:`RowCache.fill`, or a batched reader) and only then lets the gather run (it launches after the fill,
+or its stream waits on a flag the fill sets). If the reads fail, :meth:`RowCache.abandon` unmaps them: no row
+ever maps to a slot that does not hold it when a gather that asked for it runs.
+
+Which slot a miss takes. Each slot records the last step that reads it; a slot is free to take only when
+that step is completed (``last_step <= completed``). That is the rule that answers seed 004's race: a step
+in flight (planned, its gather maybe still queued on the GPU) keeps every slot it reads, its bytes and its
+map entry, until the completion word passes it. Among the free slots, CLOCK with a reference bit that a
+*hit* sets (a row just read in is not referenced): the hand sweeps, clears set bits, and takes the first
+free slot whose bit is clear, so a row read by two steps outlives rows read once (a scan of one-off n-grams
+does not flush the rows every step reads). A step whose misses do not fit in the slots free of steps in
+flight is :class:`RowCacheFull`, naming the counts: the cache is left as it was, but for the rows the sweep
+already evicted (unmapped, never half-mapped).
+
+The sweep is one numba loop per step: its cost follows the slots it passes, not the cache's size.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from uvaple.dtypes import fmt_bytes
+
+from .errors import TableClosedError, UvapleError
+from .host_table import HostTable
+from .memory import SUPPORTED_DTYPES, row_stride_bytes
+
+__all__ = ["RowCache", "RowCacheFull", "Misses"]
+
+
+class RowCacheFull(UvapleError):
+    """A step needs more rows read in than there are slots free of the steps in flight (the message says how
+    many of each): a larger budget, or fewer steps in flight, serves it."""
+
+
+@dataclass(frozen=True)
+class Misses:
+    """The rows a step must read in before its gather, each with the slot it goes to (``rows[i]`` into
+    ``slots[i]``; distinct rows, in the order the sweep placed them)."""
+
+    step: int
+    rows: np.ndarray  # int64
+    slots: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@functools.lru_cache(maxsize=1)
+def _sweep():
+    """The plan of a step, compiled on first use (numba imports slowly). Returns (misses placed, the hand,
+    hits, rows evicted, whether every miss found a slot); ``need`` is scratch of ``len(rows)``."""
+    import numba
+
+    @numba.njit(nogil=True, cache=False)
+    def plan(rows, slot_of, row_of_slot, last_step, ref, hand, step, completed, need, miss_slots):
+        nslots = row_of_slot.shape[0]
+        hits = 0
+        n_need = 0
+        for i in range(rows.shape[0]):  # hits first: every row this step reads is kept from the sweep below
+            s = slot_of[rows[i]]
+            if s >= 0:
+                last_step[s] = step
+                ref[s] = 1
+                hits += 1
+            else:
+                need[n_need] = rows[i]
+                n_need += 1
+        placed = 0
+        evicted = 0
+        scanned = 0
+        for i in range(n_need):
+            r = need[i]
+            if slot_of[r] >= 0:  # a repeat of a row placed above
+                continue
+            found = -1
+            # two rounds clear every free slot's bit: a slot not taken by then is read by a step in flight
+            while scanned < 2 * nslots:
+                s = hand
+                hand = hand + 1 if hand + 1 < nslots else 0
+                scanned += 1
+                if last_step[s] > completed:
+                    continue
+                if ref[s]:
+                    ref[s] = 0
+                    continue
+                found = s
+                break
+            if found < 0:
+                return placed, hand, hits, evicted, False
+            old = row_of_slot[found]
+            if old >= 0:
+                slot_of[old] = -1
+                evicted += 1
+            slot_of[r] = found
+            row_of_slot[found] = r
+            last_step[found] = step
+            ref[found] = 0
+            need[placed] = r  # compacted in place: placed <= i
+            miss_slots[placed] = found
+            placed += 1
+        return placed, hand, hits, evicted, True
+
+    return plan
+
+
+class RowCache:
+    """``slots`` rows of a ``[rows, cols]`` table of ``dtype`` in pinned, mapped host memory (see the module
+    docstring). ``budget_bytes`` sizes it instead of ``slots`` (whole rows at the host stride, at most the
+    table). ``register``/``device``: as :meth:`HostTable.empty`."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, *, slots: int | None = None,
+                 budget_bytes: int | None = None, register: bool | str = "auto", device: int | None = None) -> None:
+        for name, value in (("rows", rows), ("cols", cols)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"a row cache needs {name} >= 1, got {value!r}")
+        if (slots is None) == (budget_bytes is None):
+            raise ValueError("give a row cache its size as slots= or as budget_bytes=, one of them")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"a row cache holds rows of {[str(d) for d in SUPPORTED_DTYPES]}, not {dtype}")
+        stride_bytes = row_stride_bytes(cols * dtype.itemsize)
+        if slots is None:
+            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < stride_bytes:
+                raise ValueError(f"a row cache's budget must hold at least one row ({fmt_bytes(stride_bytes)} at "
+                                 f"the host stride), got {budget_bytes!r} bytes")
+            slots = budget_bytes // stride_bytes
+        elif isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"a row cache needs slots >= 1, got {slots!r}")
+        self.table_rows, self.slots = rows, min(slots, rows)
+        kw = dict(register=register, device=device)
+        self.rows = HostTable.empty(self.slots, cols, dtype, **kw)
+        opened = [self.rows]
+        try:
+            # as bytes in 16-byte rows (contiguous), viewed as the int32 map and the int64 word
+            self._map = HostTable.empty(-(-rows // 4), 16, torch.uint8, **kw)
+            opened.append(self._map)
+            self._word = HostTable.empty(1, 16, torch.uint8, **kw)
+            opened.append(self._word)
+        except BaseException:
+            for t in opened:
+                t.close()
+            raise
+        self.slot_of = self._map.tensor.view(-1).view(torch.int32)[:rows]
+        self.slot_of.fill_(-1)
+        self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]
+        self.completed.zero_()
+        self._slot_of = self.slot_of.numpy()
+        self._completed = self.completed.numpy()
+        self._row_of_slot = np.full(self.slots, -1, dtype=np.int64)
+        self._last_step = np.zeros(self.slots, dtype=np.int64)
+        self._ref = np.zeros(self.slots, dtype=np.uint8)
+        self._hand = 0
+        self._planned = 0
+        self._lock = threading.Lock()  # one step planned, filled or abandoned at a time
+        self.stats = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0}
+        self._closed = False
+
+    @classmethod
+    def for_file(cls, file, **kw) -> RowCache:
+        """A cache of the rows of ``file`` (a :class:`~uvaple.uva.table_file.TableFile`)."""
+        lay = file.layout
+        return cls(lay.rows, lay.cols, lay.dtype, **kw)
+
+    # ------------------------------------------------------------------ steps
+    def done(self) -> int:
+        """The last completed step (the completion word, read as it is now)."""
+        return int(self._completed[0])
+
+    def complete(self, step: int) -> None:
+        """Write the completion word from the host (where the steps run on the host; on the GPU, write
+        ``completed`` in stream order instead)."""
+        self._live()
+        self.completed.fill_(int(step))
+
+    def plan(self, rows, step: int) -> Misses:
+        """Rows ``rows`` (int, any order, repeats allowed) are read by step ``step``: keep the cached ones, give
+        the others slots, and return those (:class:`Misses`) for the caller to read in before the step's gather.
+        ``step`` counts up (a step may be planned more than once) and is after the completed one."""
+        with self._lock:
+            return self._plan(rows, step)
+
+    def _plan(self, rows, step: int) -> Misses:
+        self._live()
+        if isinstance(step, bool) or not isinstance(step, int) or step < max(1, self._planned):
+            raise ValueError(f"step {step!r}: steps are ints from 1 that never go back (the last planned was "
+                             f"{self._planned})")
+        done = self.done()
+        if step <= done:
+            raise ValueError(f"step {step} is already completed (the completion word says {done}): a step is "
+                             "planned before its gather runs")
+        ids = np.ascontiguousarray(np.asarray(torch.as_tensor(rows).cpu(), dtype=np.int64).reshape(-1))
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.table_rows):
+            raise ValueError(f"a row cache of a {self.table_rows}-row table was asked for rows {int(ids.min())} .. "
+                             f"{int(ids.max())}")
+        self._planned = step
+        need = np.empty(ids.size, dtype=np.int64)
+        slots = np.empty(ids.size, dtype=np.int64)
+        placed, self._hand, hits, evicted, ok = _sweep()(ids, self._slot_of, self._row_of_slot, self._last_step,
+                                                         self._ref, self._hand, step, done, need, slots)
+        self.stats["evictions"] += evicted
+        if not ok:
+            self._unmap(need[:placed], slots[:placed])
+            busy = int((self._last_step > done).sum())
+            distinct = np.unique(ids)
+            missing = int((self._slot_of[distinct] < 0).sum())
+            raise RowCacheFull(f"step {step} needs {missing} rows read in, but only "
+                               f"{self.slots - busy} of the cache's {self.slots} slots are free of the steps in "
+                               f"flight (steps {done + 1} .. {step} hold {busy}): give it more than "
+                               f"{self.slots} slots, or complete earlier steps first")
+        self.stats["steps"] += 1
+        self.stats["hits"] += hits
+        self.stats["misses"] += placed
+        return Misses(step, need[:placed].copy(), slots[:placed].copy())
+
+    def fill(self, misses: Misses, file) -> None:
+        """Read ``misses`` from ``file`` (a :class:`~uvaple.uva.table_file.TableFile` of this table) into their
+        slots: the reference reader (pages by ``pread`` on this thread). A read that fails unmaps the rows
+        (:meth:`abandon`) and raises."""
+        with self._lock:
+            self._fill(misses, file)
+
+    def _fill(self, misses: Misses, file) -> None:
+        self._live()
+        lay = file.layout
+        if (lay.rows, lay.cols, lay.dtype) != (self.table_rows, self.rows.cols, self.rows.dtype):
+            raise ValueError(f"{file.path} holds {lay.rows} x {lay.cols} {lay.dtype} rows; this cache is of "
+                             f"{self.table_rows} x {self.rows.cols} {self.rows.dtype}")
+        if not len(misses):
+            return
+        try:
+            self.rows.tensor[torch.from_numpy(misses.slots)] = file.read_rows(misses.rows)
+        except BaseException:
+            self._unmap(misses.rows, misses.slots)
+            raise
+
+    def abandon(self, misses: Misses) -> None:
+        """The rows of ``misses`` were not read in: unmap them, and free their slots."""
+        with self._lock:
+            self._live()
+            self._unmap(misses.rows, misses.slots)
+
+    def _unmap(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Rows given slots that were never read in: unmapped, and their slots free at once (what they held
+        before was evicted, so no step reads them)."""
+        mine = self._row_of_slot[slots] == rows  # slots still holding these rows' places
+        self._slot_of[rows[mine]] = -1
+        self._row_of_slot[slots[mine]] = -1
+        self._last_step[slots[mine]] = 0
+        self._ref[slots[mine]] = 0
+
+    # ------------------------------------------------------------------ lifetime
+    def _live(self) -> None:
+        if self._closed:
+            raise TableClosedError("this row cache is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in (self.rows, self._map, self._word):
+            t.close()
+
+    def __enter__(self) -> RowCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RowCache({self.slots} of {self.table_rows} rows, {self.rows.dtype}, stats={self.stats})"
