@@ -231,7 +231,8 @@ def exit_code(rows: Sequence[dict[str, Any]]) -> int:
 
 
 def _workload(argv: list[str]) -> tuple[str, list[str]]:
-    """``--workload NAME`` (``ple``, the default, ``ngram``, ``hotset`` or ``host``) and the other arguments."""
+    """``--workload NAME`` (``ple``, the default, ``ngram``, ``hotset``, ``host`` or ``disk``) and the other
+    arguments."""
     rest, name = [], "ple"
     it = iter(argv)
     for a in it:
@@ -244,13 +245,14 @@ def _workload(argv: list[str]) -> tuple[str, list[str]]:
     if name not in command.WORKLOADS:
         raise SystemExit(f"uvaple bench: --workload must be 'ple' (Gemma 3n-shaped rows, the default), 'ngram' "
                          f"(160-byte n-gram rows at random), 'hotset' (token-id rows: hot set, dedup, fp8) or "
-                         f"'host' (the host's cost of one eager call), got {name!r}")
+                         f"'host' (the host's cost of one eager call) or 'disk' (random reads of a table file), "
+                         f"got {name!r}")
     return name, rest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``uvaple bench [options]``; returns the exit code (see :func:`exit_code`; 2 also for a run refused up
-    front). ``--workload ngram|hotset|host`` runs that workload's module (its own options) instead."""
+    front). ``--workload ngram|hotset|host|disk`` runs that workload's module (its own options) instead."""
     try:
         workload, argv = _workload(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
@@ -267,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import host_cost
 
         return host_cost.main(argv)
+    if workload == "disk":
+        from . import disk
+
+        return disk.main(argv)
     ns = parse_args(argv)
     cfg = config_from_args(ns)
     try:

@@ -53,6 +53,7 @@ WORKLOADS = {
     "ngram": "160-byte fp8 n-gram rows at random over a big table (24 GiB by default)",
     "hotset": "token-id rows: hot set, de-duplication and fp8 rows, each against the uncached lookup",
     "host": "the host's cost of one eager call, next to torch's index_select",
+    "disk": "4 KiB random reads of a table file: the disk's rate by queue depth, and the reference reader's",
 }
 
 GIB = 1 << 30

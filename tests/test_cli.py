@@ -35,7 +35,7 @@ from uvaple.uva import HostTable, system
 
 HAS_CUDA = torch.cuda.is_available()
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="what a machine without CUDA is told")
-WORKLOADS = ("ple", "ngram", "hotset", "host")
+WORKLOADS = ("ple", "ngram", "hotset", "host", "disk")
 
 
 def _help(capsys, argv: list[str]) -> str:
@@ -87,7 +87,7 @@ def test_bench_help_lists_workload_and_the_real_out_default(capsys):
     """Point 1: ``uvaple bench --help`` lists --workload with its choices and --out's real default
     (./uvaple-results/..., not perf/results/), and says what --smoke runs."""
     out = _help(capsys, ["bench", "--help"])
-    assert "--workload {ple,ngram,hotset,host}" in out
+    assert "--workload {ple,ngram,hotset,host,disk}" in out
     assert "perf/results" not in out and "(default ./uvaple-results/<UTC time>_ple_<gpu or cpu>/)" in out
     assert "--smoke" in out and "exit status" in out
     meta = {"timestamp": "2026-12-03T19:40:04Z", "gpu_name": "NVIDIA H200", "mode": "gpu"}
@@ -277,7 +277,8 @@ def _stub_host(monkeypatch):
 
 
 STUBS = {"ple": (_stub_ple, ["--no-plots"], "results.json"), "ngram": (_stub_ngram, [], "ngram.json"),
-         "hotset": (_stub_hotset, [], "hotset.json"), "host": (_stub_host, [], "host_cost.json")}
+         "hotset": (_stub_hotset, [], "hotset.json"), "host": (_stub_host, [], "host_cost.json"),
+         "disk": (lambda monkeypatch: None, [], "disk.json")}  # disk's smoke run is real: 64 MiB, a few seconds
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)

@@ -9,8 +9,8 @@ import sys
 COMMANDS = {
     "doctor": ("uvaple.commands.doctor", "what this machine can run (UVA path, copy path, CPU) and how fast it reads "
                                          "host memory; exit 0 usable, 3 no usable GPU, 1 the measurement failed"),
-    "bench": ("uvaple.perf.bench", "benchmarks: --workload ple (default), ngram, hotset or host; --smoke runs any "
-                                   "of them small on a CPU; results in --out (default ./uvaple-results/...)"),
+    "bench": ("uvaple.perf.bench", "benchmarks: --workload ple (default), ngram, hotset, host or disk; --smoke runs "
+                                   "any of them small on a CPU; results in --out (default ./uvaple-results/...)"),
     "shm": ("uvaple.commands.shm", "list the named shared tables in /dev/shm (list); remove the ones nobody uses "
                                    "(clean)"),
 }

@@ -1,0 +1,272 @@
+"""``uvaple bench --workload disk``: what the disk under a disk placement reads at random, and what the table
+file's reference reader gets of it.
+
+A table file of n-gram-shaped rows (``fp8_row`` bytes: 160 fp8 codes and a 4-byte scale, 176 bytes at the host
+stride, 23 rows to a 4 KiB page) is written once (``--file-gib``, random bytes), or an existing one is read
+(``--file``). Then, on its data pages:
+
+* **the disk's limit**: 4 KiB random reads at each queue depth of ``--depths`` for ``--seconds`` each. With
+  ``fio`` on the ``PATH``: fio's ``randread`` (``io_uring``, ``direct=1``) over the file. Always: this module's
+  own probe, ``depth`` threads each issuing one ``pread`` at a time (``O_DIRECT`` where the filesystem allows
+  it): a floor of the limit where each read costs the interpreter a few microseconds, and the one measure
+  where fio is absent. Reads per second, MB/s, and each depth's latency median and 99th percentile;
+* **the reference reader**: :meth:`~uvaple.uva.table_file.TableFile.read_rows` of ``n`` random rows
+  (``--rows``), each page once, one ``pread`` a run of adjacent pages on the calling thread, every row checked
+  against what was written (where this run wrote the file): rows and pages per second, and the pages per
+  second over the disk's best rate. The batched reader of the disk placement is measured against the same
+  limit (goal: 90%).
+
+``O_DIRECT`` refused (a tmpfs), the reads come from the page cache: the output says so, and the rates are not
+a disk's. ``--smoke``: a 64 MiB file and 0.2 s a depth (CI). Results: ``disk.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from uvaple.dtypes import fmt_bytes
+from uvaple.uva.table_file import PAGE, FileLayout, TableFile, TableFileError, page_buffer, write_table_file
+
+from . import command
+
+ROW_COLS = 164  # an fp8_row n-gram row: 160 codes and a float32 scale, as bytes
+SMOKE_GIB = 1 / 16
+MAX_DEPTH = 256
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="uvaple bench --workload disk", description=__doc__.splitlines()[0],
+                                epilog=command.EXIT_STATUSES)
+    p.add_argument("--file", help="an existing table file to read (default: write one of --file-gib in --dir)")
+    p.add_argument("--dir", help="where the file is written (default: a new directory under the system's "
+                   "temporary one; it should be on the disk the placement will read)")
+    p.add_argument("--file-gib", type=command.number(float, meaning="GiB of table file to write"), default=4.0,
+                   help="the table file's size when this run writes it (default 4; more than the host's page "
+                   "cache is what a cold read is)")
+    p.add_argument("--depths", type=command.positive_ints, default=[1, 8, 64],
+                   help=f"queue depths of the random reads (comma-separated, at most {MAX_DEPTH})")
+    p.add_argument("--seconds", type=command.number(float, meaning="seconds of reads at each depth"), default=3.0)
+    p.add_argument("--rows", type=command.positive_ints, default=[1, 64, 4096],
+                   help="rows a reference-reader call reads (comma-separated)")
+    p.add_argument("--keep", action="store_true", help="keep the file this run writes")
+    p.add_argument("--smoke", action="store_true", help="a 64 MiB file and 0.2 s a depth: the code path only")
+    p.add_argument("--out", help="directory for disk.json, made and checked writable before any work (default "
+                                 "./uvaple-results/<UTC time>_disk_<gpu or cpu>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = p.parse_args(argv)
+    if max(a.depths) > MAX_DEPTH:
+        p.error(f"--depths {','.join(map(str, a.depths))}: at most {MAX_DEPTH}")
+    if a.smoke:
+        a.file_gib, a.seconds = SMOKE_GIB, 0.2
+    return a
+
+
+# ------------------------------------------------------------------ the file
+def write_file(directory: str, gib: float) -> tuple[str, torch.Tensor]:
+    """A table file of about ``gib`` GiB of random n-gram-shaped rows in ``directory``; the rows (to check
+    reads)."""
+    rows = max(1, int(gib * (1 << 30)) // PAGE) * FileLayout.of(1, ROW_COLS, torch.uint8).rows_per_page
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (rows, ROW_COLS), generator=g, dtype=torch.uint8)
+    path = os.path.join(directory, "disk_bench.uvt")
+    bar, lock = command.bar(total=rows, desc="writing the table file", unit="row"), threading.Lock()
+
+    def progress(done: int, total: int) -> None:  # called from the writing threads
+        with lock:
+            bar.update(done - bar.n)
+
+    write_table_file(path, src, encoding="raw", overwrite=True, progress=progress)
+    bar.close()
+    return path, src
+
+
+# ------------------------------------------------------------------ the disk's limit
+def probe(path: str, first_page: int, pages: int, depth: int, seconds: float) -> dict:
+    """``depth`` threads, each reading random 4 KiB pages of ``path`` (from page ``first_page``, ``pages`` of
+    them) one ``pread`` at a time for ``seconds``: reads/s, MB/s, latency median and p99 (us)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    try:
+        fd, direct = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag), bool(flag)
+    except OSError:
+        fd, direct = os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+    lat: list[list[float]] = [[] for _ in range(depth)]
+    errors: list[str] = []
+    start = threading.Barrier(depth + 1)
+
+    def worker(i: int) -> None:
+        buf = memoryview(page_buffer(1).numpy()).cast("B")
+        offs = (first_page + np.random.default_rng(1000 + i).integers(0, pages, 1 << 16)) * PAGE
+        mine, k = lat[i], 0
+        start.wait()
+        end = time.perf_counter() + seconds
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if os.preadv(fd, [buf], int(offs[k & 0xFFFF])) != PAGE:
+                    raise OSError("short read")
+                t1 = time.perf_counter()
+                mine.append(t1 - t0)
+                k += 1
+                if t1 >= end:
+                    break
+        except OSError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(depth)]
+    try:
+        for t in threads:
+            t.start()
+        start.wait()
+        t0 = time.monotonic()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - t0
+    finally:
+        os.close(fd)
+    if errors:
+        raise OSError(f"the probe's reads of {path} failed: {errors[0]}")
+    every = sorted(x for ls in lat for x in ls)
+    n = len(every)
+    return {"depth": depth, "reads": n, "seconds": round(wall, 3), "reads_per_s": round(n / wall),
+            "MB_per_s": round(n * PAGE / wall / 1e6, 1), "direct": direct,
+            "latency_us_median": round(statistics.median(every) * 1e6, 1),
+            "latency_us_p99": round(every[min(n - 1, int(n * 0.99))] * 1e6, 1)}
+
+
+def fio(path: str, depth: int, seconds: float) -> dict | None:
+    """fio's 4 KiB random reads of ``path`` at ``depth`` (``io_uring``, ``direct=1``), or None without fio."""
+    exe = shutil.which("fio")
+    if exe is None:
+        return None
+    cmd = [exe, "--name=uvaple", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
+           "--ioengine=io_uring", f"--iodepth={depth}", f"--runtime={seconds}", "--time_based", "--readonly",
+           "--output-format=json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    if r.returncode:
+        return {"depth": depth, "error": (r.stderr or r.stdout).strip()[-300:], "command": " ".join(cmd)}
+    job = json.loads(r.stdout)["jobs"][0]["read"]
+    lat = job.get("clat_ns", {}).get("percentile", {})
+    return {"depth": depth, "reads_per_s": round(job["iops"]), "MB_per_s": round(job["bw_bytes"] / 1e6, 1),
+            "latency_us_median": round(lat.get("50.000000", 0) / 1e3, 1),
+            "latency_us_p99": round(lat.get("99.000000", 0) / 1e3, 1), "command": " ".join(cmd)}
+
+
+# ------------------------------------------------------------------ the reference reader
+def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None) -> dict:
+    """``TableFile.read_rows`` of ``n`` random rows a call, repeated for ``seconds`` over 16 id sets (each read
+    once first, and compared with ``src`` where given): rows/s, pages/s."""
+    lay = f.layout
+    g = np.random.default_rng(n)
+    sets = [torch.from_numpy(g.integers(0, lay.rows, n)) for _ in range(16)]
+    pages = [len(np.unique(ids.numpy() // lay.rows_per_page)) if lay.rows_per_page else n * lay.pages_per_row
+             for ids in sets]
+    out = torch.empty((n, lay.cols), dtype=lay.dtype)
+    exact = True
+    for ids in sets:
+        f.read_rows(ids, out)
+        exact = exact and (src is None or torch.equal(out, src[ids]))
+    calls = read = 0
+    t0 = time.perf_counter()
+    while True:
+        f.read_rows(sets[calls % 16], out)
+        read += pages[calls % 16]
+        calls += 1
+        if time.perf_counter() - t0 >= seconds:
+            break
+    wall = time.perf_counter() - t0
+    return {"rows_per_call": n, "calls": calls, "rows_per_s": round(calls * n / wall),
+            "pages_per_s": round(read / wall), "bit_exact": exact if src is not None else None}
+
+
+# ------------------------------------------------------------------ the run
+def main(argv: list[str] | None = None) -> int:
+    prog = "uvaple bench --workload disk"
+    a = parse_args(argv)
+    try:
+        out = command.workload_out("disk", a.out, cuda=False)
+        if a.file and not os.path.isfile(a.file):
+            raise command.Refused(f"--file {a.file}: no such file. Pass a table file (uvaple's), or leave --file "
+                                  "out to write one")
+        made = None
+        if not a.file:
+            made = tempfile.mkdtemp(prefix="uvaple-disk-", dir=a.dir)
+            need = int(a.file_gib * (1 << 30))
+            free = shutil.disk_usage(made).free
+            if need > free * 0.9:
+                os.rmdir(made)
+                raise command.Refused(f"--file-gib {a.file_gib:g}: {fmt_bytes(need)} does not fit the "
+                                      f"{fmt_bytes(free)} free in {os.path.dirname(made)}; pass a smaller "
+                                      "--file-gib or another --dir")
+            command.check_fits(need, f"--file-gib {a.file_gib:g} (the rows are drawn in host memory first)",
+                               "Pass a smaller --file-gib.")
+    except command.Refused as e:
+        return command.refuse(prog, e)
+    res: dict = {"smoke": a.smoke}
+    try:
+        with command.progress(not a.quiet), command.kept_on_failure(out, "disk.json", res):
+            src = None
+            if made:
+                path, src = write_file(made, a.file_gib)
+            else:
+                path = a.file
+            try:
+                f = TableFile.open(path)
+            except TableFileError as e:
+                return command.refuse(prog, command.Refused(f"--file {path}: {e}"))
+            with f:
+                lay = f.layout
+                res["file"] = {"path": path, "bytes": os.path.getsize(path), "rows": lay.rows,
+                               "row_bytes": lay.row_bytes, "data_pages": lay.data_pages, "direct": f.direct}
+                if not f.direct:
+                    command.say("O_DIRECT is refused on this filesystem: reads come from the page cache, and the "
+                                "rates below are not a disk's")
+                res["fio"] = [] if shutil.which("fio") else None
+                res["probe"] = []
+                for d in command.bar(a.depths, desc="random 4 KiB reads by depth", unit="depth"):
+                    r = probe(path, 1, lay.data_pages, d, a.seconds)
+                    res["probe"].append(r)
+                    command.say(f"probe depth {d:>3}: {r['reads_per_s']:>9,} reads/s {r['MB_per_s']:>8} MB/s, latency "
+                                f"median {r['latency_us_median']} us, p99 {r['latency_us_p99']} us")
+                    if res["fio"] is not None:
+                        fr = fio(path, d, a.seconds)
+                        res["fio"].append(fr)
+                        if "error" not in fr:
+                            command.say(f"fio   depth {d:>3}: {fr['reads_per_s']:>9,} reads/s {fr['MB_per_s']:>8} "
+                                        f"MB/s, latency median {fr['latency_us_median']} us")
+                best = max([r["reads_per_s"] for r in res["probe"]] +
+                           [r["reads_per_s"] for r in res["fio"] or [] if "error" not in r])
+                res["limit_reads_per_s"] = best
+                res["reader"] = []
+                for n in a.rows:
+                    r = reader(f, min(n, lay.rows), a.seconds, src)
+                    r["x_limit"] = round(r["pages_per_s"] / best, 3)
+                    res["reader"].append(r)
+                    command.say(f"reader {r['rows_per_call']:>5} rows a call: {r['rows_per_s']:>9,} rows/s, "
+                                f"{r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read rate")
+    finally:
+        if made and not a.keep:
+            shutil.rmtree(made, ignore_errors=True)
+    if made and a.keep:
+        res["file"]["kept"] = True
+    path = command.write_json(out, "disk.json", res)
+    command.wrote(out, [path])
+    if any(r["bit_exact"] is False for r in res["reader"]):
+        print("NOT BIT-EXACT: the reader's rows differed from the rows written (see disk.json)", file=sys.stderr)
+        return command.EXIT_MISMATCH
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""``uvaple bench --workload disk`` on this machine: a real table file, real random reads (``O_DIRECT`` where the
+filesystem allows it), the reference reader's rows checked against what was written; bad options and files
+refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from uvaple.commands.cli import main
+from uvaple.perf import disk
+from uvaple.uva.table_file import write_table_file
+
+
+def run(capsys, args: list[str]) -> tuple[int, str, str]:
+    """``uvaple bench --workload disk ARGS``: the exit status (argparse's refusals exit, as in every
+    workload), stdout, stderr."""
+    try:
+        code = main(["bench", "--workload", "disk", "--quiet", *args])
+    except SystemExit as e:
+        code = e.code
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
+def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_path):
+    code, out, _ = run(capsys, ["--smoke", "--depths", "1,4", "--rows", "1,300", "--dir", str(tmp_path),
+                                "--out", str(tmp_path / "out")])
+    assert code == 0
+    res = json.loads((tmp_path / "out" / "disk.json").read_text())
+    assert [r["depth"] for r in res["probe"]] == [1, 4]
+    assert all(r["reads"] > 0 and r["reads_per_s"] > 0 and r["latency_us_p99"] >= r["latency_us_median"] > 0
+               for r in res["probe"])
+    assert [r["rows_per_call"] for r in res["reader"]] == [1, 300]
+    assert all(r["bit_exact"] is True and r["calls"] >= 1 and r["x_limit"] > 0 for r in res["reader"]), res["reader"]
+    assert res["file"]["rows"] % 23 == 0 and res["file"]["row_bytes"] == 164
+    assert res["limit_reads_per_s"] == max(r["reads_per_s"] for r in res["probe"] + (res["fio"] or [])
+                                           if "error" not in r)
+    assert "probe depth   4:" in out and "reader   300 rows a call:" in out
+    assert os.listdir(tmp_path) == ["out"]  # the file it wrote is gone (no --keep)
+    if not res["file"]["direct"]:
+        assert "O_DIRECT is refused on this filesystem" in out
+
+
+def test_an_existing_table_file_is_read_as_it_is(capsys, tmp_path):
+    src = torch.randint(0, 256, (500, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    write_table_file(tmp_path / "t.uvt", src)
+    code, _, _ = run(capsys, ["--file", str(tmp_path / "t.uvt"), "--seconds", "0.05", "--depths", "2",
+                              "--rows", "7", "--out", str(tmp_path / "out")])
+    assert code == 0
+    res = json.loads((tmp_path / "out" / "disk.json").read_text())
+    assert res["file"]["rows"] == 500 and res["reader"][0]["bit_exact"] is None  # nothing to compare with
+    assert (tmp_path / "t.uvt").exists()  # a file it did not write is left alone
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--depths", "300"], ["--depths 300: at most 256"]),
+    (["--depths", "0"], ["--depths", "expected comma-separated positive integers"]),
+    (["--seconds", "-1"], ["--seconds", "above 0"]),
+    (["--file", "/nonexistent/t.uvt"], ["--file /nonexistent/t.uvt: no such file"]),
+])
+def test_bad_options_are_refused_before_any_work(capsys, tmp_path, args, says):
+    code, _, err = run(capsys, [*args, "--out", str(tmp_path / "out")])
+    assert code == 2 and all(s in err for s in says), err
+
+
+def test_a_file_that_is_not_a_table_file_or_does_not_fit_is_refused(capsys, tmp_path, monkeypatch):
+    (tmp_path / "junk").write_bytes(os.urandom(9000))
+    code, _, err = run(capsys, ["--file", str(tmp_path / "junk"), "--out", str(tmp_path / "out")])
+    assert code == 2 and f"--file {tmp_path / 'junk'}:" in err and "nothing was run" in err
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 30))
+    code, _, err = run(capsys, ["--file-gib", "4", "--dir", str(tmp_path), "--out", str(tmp_path / "out2")])
+    assert code == 2 and "--file-gib 4: 4.00 GiB does not fit the 1.00 GiB free" in err
+    assert sorted(os.listdir(tmp_path)) == ["junk", "out", "out2"]  # no directory left for the file
