@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import rand
 
+import uvaple.kernels  # noqa: F401 - registers uvaple::gather_rows
 from uvaple.uva import TableClosedError
 from uvaple.uva.row_cache import RowCache, RowCacheFull
 from uvaple.uva.table_file import TableFile, TableFileError, write_table_file
@@ -31,7 +32,7 @@ def table_file(source, tmp_path_factory):
 
 def consistent(cache: RowCache, source: torch.Tensor) -> None:
     """The map and its reverse agree, and every mapped row's slot holds that row's bits."""
-    slot_of = cache.slot_of.numpy()
+    slot_of = cache.slots_of(np.arange(cache.table_rows))
     mapped = np.flatnonzero(slot_of >= 0)
     slots = slot_of[mapped]
     assert len(np.unique(slots)) == len(slots)  # no two rows in one slot
@@ -64,9 +65,9 @@ def test_rows_served_by_slot_are_the_tables_over_random_steps_in_flight(source, 
             for k in [k for k in held if k <= cache.done()]:
                 del held[k]
             for k, kept in held.items():  # a step in flight: its rows are where it will read them
-                slot_of = cache.slot_of.numpy()
-                assert (slot_of[kept] >= 0).all(), k
-                got = cache.rows.tensor[torch.from_numpy(slot_of[kept].astype(np.int64))]
+                slots = cache.slots_of(kept)
+                assert (slots >= 0).all(), k
+                got = cache.rows.tensor[torch.from_numpy(slots)]
                 assert torch.equal(got.view(torch.int16), source[torch.from_numpy(kept)].view(torch.int16))
             consistent(cache, source)
         st = cache.stats
@@ -88,8 +89,7 @@ def test_rows_read_again_outlive_rows_read_once():
         cache.complete(1)
         misses = cache.plan([10, 12, 50, 51], 2)  # 10 and 12 hit; 50 and 51 take 11's and 13's slots
         assert misses.rows.tolist() == [50, 51]
-        slot_of = cache.slot_of.numpy()
-        assert (slot_of[[10, 12, 50, 51]] >= 0).all() and (slot_of[[11, 13]] == -1).all()
+        assert (cache.slots_of([10, 12, 50, 51]) >= 0).all() and (cache.slots_of([11, 13]) == -1).all()
         assert cache.stats["evictions"] == 2
 
 
@@ -101,8 +101,8 @@ def test_a_step_in_flight_keeps_its_slots_and_one_that_does_not_fit_is_named(sou
                                                r"are free of the steps in flight \(steps 1 \.\. 2 hold 5\)"):
             cache.plan([100, 101, 102, 103, 0], 2)
         assert torch.equal(cache.rows.tensor, before)  # nothing written
-        assert (cache.slot_of.numpy()[first.rows] == first.slots).all()  # step 1's rows where they were
-        assert (cache.slot_of.numpy()[[100, 101, 102, 103]] == -1).all()  # none half-mapped
+        assert (cache.slots_of(first.rows) == first.slots).all()  # step 1's rows where they were
+        assert (cache.slots_of([100, 101, 102, 103]) == -1).all()  # none half-mapped
         consistent(cache, source)
         cache.complete(1)  # step 1's gathers are done: its slots may go
         misses = step(cache, table_file, [100, 101, 102, 103, 0], 2)
@@ -120,7 +120,7 @@ def test_a_read_that_fails_leaves_its_rows_unmapped(source, table_file, tmp_path
         misses = cache.plan([4, 4_900], 2)
         with pytest.raises(TableFileError, match=r"ended at byte .* \(truncated after it was written\?\)"):
             cache.fill(misses, f)
-        assert (cache.slot_of.numpy()[[4, 4_900]] == -1).all()
+        assert (cache.slots_of([4, 4_900]) == -1).all()
         consistent(cache, source)
         assert len(step(cache, table_file, [4, 4_900], 3)) == 2  # read again, from a whole file, when asked
 
@@ -158,3 +158,25 @@ def test_bad_settings_and_calls_are_named(table_file):
     cache.close()  # twice is nothing
     with pytest.raises(TableClosedError):
         cache.plan([1], 5)
+
+
+def test_the_gather_kernel_reads_rows_through_the_map_as_it_is(source, table_file):
+    """The map's layout: gathered by a step's ids it gives ids of the cache's rows with ``id_base`` 1; a row
+    not cached and an id outside the table both end as the policy's zero row, read from nowhere."""
+    with RowCache.for_file(table_file, slots=64, register=False) as cache:
+        cached = np.random.default_rng(4).choice(ROWS, 40, replace=False)
+        step(cache, table_file, cached, 1)
+        not_cached = int(np.setdiff1d(np.arange(ROWS), cached)[0])
+        ids = torch.tensor([*cached[:9].tolist(), not_cached, -5, ROWS + 3, int(cached[3])])
+        found = torch.full((len(ids), 1), float("nan"))  # the map's int32 values, moved as 4-byte words
+        torch.ops.uvaple.gather_rows(cache.row_map.view(torch.float32).view(-1, 1), ids, found, None, None, 0, False,
+                                     0, 0, 0, 0, 0)
+        slot_ids = found.view(torch.int32).reshape(-1)
+        assert slot_ids.tolist() == [*(cache.slots_of(cached[:9]) + 1).tolist(), 0, 0, 0,
+                                     int(cache.slots_of([cached[3]])[0]) + 1]
+        out = torch.full((len(ids), COLS), float("nan"), dtype=torch.bfloat16)
+        torch.ops.uvaple.gather_rows(cache.rows.tensor, slot_ids, out, None, None, 0, False, 0, 1, 0, 0, 0)
+        want = torch.zeros_like(out)
+        hit = torch.tensor([True] * 9 + [False] * 3 + [True])
+        want[hit] = source[ids[hit]]
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))

@@ -6,8 +6,11 @@ UVA):
 
 * ``rows``: ``[slots, cols]`` of the table's dtype at the host stride, the cached rows (a page of the table
   file copies into them as it is: :mod:`.table_file`);
-* ``slot_of``: int32 ``[table rows]``, the slot of each table row, or -1 (4 bytes a row of the table: 1.2 GB
-  for the 300 M rows of a 95 GiB n-gram table, next to its budget of rows);
+* ``row_map``: int32 ``[table rows]``, each table row's slot plus one, 0 where it is not cached (4 bytes a row
+  of the table: 1.2 GB for the 300 M rows of a 95 GiB n-gram table, next to its budget of rows). Laid out for
+  the gather kernel as it is: gathered by a step's ids (an id outside the table gives the policy's zero, 0),
+  it gives ids of the cached rows with ``id_base`` 1, which read slot ``value - 1``, and 0 (a row not cached)
+  is then an id outside the cache: the policy's zero row, counted, never a read outside either table;
 * ``completed``: one int64 word, the last step whose reads of the cache are done. Whoever runs the steps
   writes it in stream order after a step's last gather (on the GPU: a write into its CUDA view, captured in
   the step's graph); the host reads it without synchronising anything.
@@ -75,12 +78,12 @@ def _sweep():
     import numba
 
     @numba.njit(nogil=True, cache=False)
-    def plan(rows, slot_of, row_of_slot, last_step, ref, hand, step, completed, need, miss_slots):
+    def plan(rows, row_map, row_of_slot, last_step, ref, hand, step, completed, need, miss_slots):
         nslots = row_of_slot.shape[0]
         hits = 0
         n_need = 0
         for i in range(rows.shape[0]):  # hits first: every row this step reads is kept from the sweep below
-            s = slot_of[rows[i]]
+            s = row_map[rows[i]] - 1
             if s >= 0:
                 last_step[s] = step
                 ref[s] = 1
@@ -93,7 +96,7 @@ def _sweep():
         scanned = 0
         for i in range(n_need):
             r = need[i]
-            if slot_of[r] >= 0:  # a repeat of a row placed above
+            if row_map[r] > 0:  # a repeat of a row placed above
                 continue
             found = -1
             # two rounds clear every free slot's bit: a slot not taken by then is read by a step in flight
@@ -112,9 +115,9 @@ def _sweep():
                 return placed, hand, hits, evicted, False
             old = row_of_slot[found]
             if old >= 0:
-                slot_of[old] = -1
+                row_map[old] = 0
                 evicted += 1
-            slot_of[r] = found
+            row_map[r] = found + 1
             row_of_slot[found] = r
             last_step[found] = step
             ref[found] = 0
@@ -162,11 +165,10 @@ class RowCache:
             for t in opened:
                 t.close()
             raise
-        self.slot_of = self._map.tensor.view(-1).view(torch.int32)[:rows]
-        self.slot_of.fill_(-1)
+        self.row_map = self._map.tensor.view(-1).view(torch.int32)[:rows]  # zeros: nothing cached
         self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]
         self.completed.zero_()
-        self._slot_of = self.slot_of.numpy()
+        self._row_map = self.row_map.numpy()
         self._completed = self.completed.numpy()
         self._row_of_slot = np.full(self.slots, -1, dtype=np.int64)
         self._last_step = np.zeros(self.slots, dtype=np.int64)
@@ -184,6 +186,10 @@ class RowCache:
         return cls(lay.rows, lay.cols, lay.dtype, **kw)
 
     # ------------------------------------------------------------------ steps
+    def slots_of(self, rows) -> np.ndarray:
+        """The slots of table rows ``rows`` as the map says now (int64; -1 where a row is not cached)."""
+        return self._row_map[np.asarray(rows, dtype=np.int64)].astype(np.int64) - 1
+
     def done(self) -> int:
         """The last completed step (the completion word, read as it is now)."""
         return int(self._completed[0])
@@ -217,14 +223,14 @@ class RowCache:
         self._planned = step
         need = np.empty(ids.size, dtype=np.int64)
         slots = np.empty(ids.size, dtype=np.int64)
-        placed, self._hand, hits, evicted, ok = _sweep()(ids, self._slot_of, self._row_of_slot, self._last_step,
+        placed, self._hand, hits, evicted, ok = _sweep()(ids, self._row_map, self._row_of_slot, self._last_step,
                                                          self._ref, self._hand, step, done, need, slots)
         self.stats["evictions"] += evicted
         if not ok:
             self._unmap(need[:placed], slots[:placed])
             busy = int((self._last_step > done).sum())
             distinct = np.unique(ids)
-            missing = int((self._slot_of[distinct] < 0).sum())
+            missing = int((self._row_map[distinct] == 0).sum())
             raise RowCacheFull(f"step {step} needs {missing} rows read in, but only "
                                f"{self.slots - busy} of the cache's {self.slots} slots are free of the steps in "
                                f"flight (steps {done + 1} .. {step} hold {busy}): give it more than "
@@ -265,7 +271,7 @@ class RowCache:
         """Rows given slots that were never read in: unmapped, and their slots free at once (what they held
         before was evicted, so no step reads them)."""
         mine = self._row_of_slot[slots] == rows  # slots still holding these rows' places
-        self._slot_of[rows[mine]] = -1
+        self._row_map[rows[mine]] = 0
         self._row_of_slot[slots[mine]] = -1
         self._last_step[slots[mine]] = 0
         self._ref[slots[mine]] = 0
