@@ -5,9 +5,9 @@
 #   usage: bash perf/gpu_check.sh [steps...], from the repository root (the studies, probes and tuners run as
 #   scripts from perf/studies/, which is not installed; the benchmarks through `uvaple bench`)
 #   steps: doctor tests soak memcheck memlock lifetime host tunecopy tiles ready probe ngram hotset rates prefetch
-#   split costs vllm startup bench e2e levers ngramlayer vllm_engine vllm_decode
-#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, ngramlayer, vllm_engine and
-#   vllm_decode)
+#   split costs vllm startup bench e2e levers ngramlayer disk vllm_engine vllm_decode
+#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, ngramlayer, disk, vllm_engine
+#   and vllm_decode)
 #   vllm_engine: vLLM 0.33's real engine with the plugin (perf/vllm_carry/engine_check.py), once the parts that
 #   perf/vllm_carry/build.py made were carried and unpacked by perf/vllm_carry/assemble.sh in the same lease:
 #   installs them (pip --no-deps --target /tmp/vllm_site), then Gemma 3n and Qwen4Exp against HBM: vLLM's host
@@ -183,6 +183,12 @@ if has ngramlayer; then
   step "one Qwen4Exp n-gram embedding, eager: transformers' own with its table in HBM, ours (hash kernel + uva), the hash both ways"
   timeout 300 python3 perf/studies/ngram_layer.py --json "$R/ngram_layer.json" 2>&1 | tee "$R/ngram_layer.log"
   echo "ngram_layer exit: ${PIPESTATUS[0]}"
+fi
+if has disk; then
+  # the disk under a disk placement: no GPU used; DISK_ARGS="--file-gib 48" for a real-size fp8 n-gram table
+  step "uvaple bench --workload disk (${DISK_ARGS:---file-gib 8}): 4 KiB random reads by depth, fio if installed, the table file's reader"
+  timeout 560 uvaple bench --workload disk --dir "${DISK_DIR:-/root}" --out "$R/disk" ${DISK_ARGS:---file-gib 8} 2>&1 \
+    | tee "$R/disk.log" | grep -v "it/s\]" | tail -20
 fi
 if has e2e; then
   step "Gemma 3n E2B end to end"
