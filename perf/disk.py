@@ -37,7 +37,15 @@ import numpy as np
 import torch
 
 from uvaple.dtypes import fmt_bytes
-from uvaple.uva.table_file import PAGE, FileLayout, TableFile, TableFileError, page_buffer, write_table_file
+from uvaple.uva.table_file import (
+    PAGE,
+    FileLayout,
+    TableFile,
+    TableFileError,
+    _open_direct,
+    page_buffer,
+    write_table_file,
+)
 
 from . import command
 
@@ -96,11 +104,10 @@ def write_file(directory: str, gib: float) -> tuple[str, torch.Tensor]:
 def probe(path: str, first_page: int, pages: int, depth: int, seconds: float) -> dict:
     """``depth`` threads, each reading random 4 KiB pages of ``path`` (from page ``first_page``, ``pages`` of
     them) one ``pread`` at a time for ``seconds``: reads/s, MB/s, latency median and p99 (us)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    try:
-        fd, direct = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag), bool(flag)
-    except OSError:
-        fd, direct = os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+    fd = _open_direct(path)  # the table file's own: O_DIRECT, or None where the filesystem refuses it
+    direct = fd is not None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     lat: list[list[float]] = [[] for _ in range(depth)]
     errors: list[str] = []
     start = threading.Barrier(depth + 1)
@@ -200,17 +207,16 @@ def main(argv: list[str] | None = None) -> int:
             raise command.Refused(f"--file {a.file}: no such file. Pass a table file (uvaple's), or leave --file "
                                   "out to write one")
         made = None
-        if not a.file:
-            made = tempfile.mkdtemp(prefix="uvaple-disk-", dir=a.dir)
-            need = int(a.file_gib * (1 << 30))
-            free = shutil.disk_usage(made).free
+        if not a.file:  # checked before the file's folder is made: a refusal leaves nothing behind
+            where, need = a.dir or tempfile.gettempdir(), int(a.file_gib * (1 << 30))
+            free = shutil.disk_usage(where).free
             if need > free * 0.9:
-                os.rmdir(made)
                 raise command.Refused(f"--file-gib {a.file_gib:g}: {fmt_bytes(need)} does not fit the "
-                                      f"{fmt_bytes(free)} free in {os.path.dirname(made)}; pass a smaller "
-                                      "--file-gib or another --dir")
+                                      f"{fmt_bytes(free)} free in {where}; pass a smaller --file-gib or another "
+                                      "--dir")
             command.check_fits(need, f"--file-gib {a.file_gib:g} (the rows are drawn in host memory first)",
                                "Pass a smaller --file-gib.")
+            made = tempfile.mkdtemp(prefix="uvaple-disk-", dir=a.dir)
     except command.Refused as e:
         return command.refuse(prog, e)
     res: dict = {"smoke": a.smoke}

@@ -89,7 +89,7 @@ import traceback
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
-from engine_check import Log, _kill_group, _tail, logging_config, shm_list, vllm_env  # noqa: E402 - this folder's
+from engine_check import Log, _kill_group, _tail, logging_config, segments_left, vllm_env  # noqa: E402 - this folder's
 from trace_summary import TraceError, load, save, summarize, trim  # noqa: E402
 from trace_summary import markdown as trace_markdown  # noqa: E402
 
@@ -207,22 +207,6 @@ def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: b
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir(a.work, config),
                                  "torch_profiler_with_stack": False, "ignore_frontend": True}
     return kw, plugin
-
-
-def segments_left(kw: dict, plugin: bool) -> list[str]:
-    """The plugin's segments a stopped engine left in ``/dev/shm``: named in the result, then removed, so that
-    every engine starts with the host memory the first had."""
-    segment = (kw.get("additional_config", {}).get("uvaple") or {}).get("segment")
-    if not plugin or not segment:
-        return []
-    time.sleep(1.0)
-    try:
-        left = [x.get("name") for x in shm_list(segment)]
-    except Exception as e:  # noqa: BLE001 - a check that fails is a result
-        return [f"uvaple shm list failed: {e}"]
-    if left:
-        subprocess.run([sys.executable, "-m", "uvaple", "shm", "clean", *left], capture_output=True, timeout=120)
-    return left
 
 
 def profile_dir(work: str, config: str) -> str:
@@ -654,10 +638,11 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 log(f"{config}: no result within {left - 10:.0f} s: stopped (what it measured is kept)")
             _kill_group(proc)
-        left = segments_left(kw, plugin)
+        segment = (kw.get("additional_config", {}).get("uvaple") or {}).get("segment")
+        stale = [x.get("name", x.get("error")) for x in segments_left(segment)] if plugin and segment else []
         r = json.load(open(result_path)) if os.path.exists(result_path) else {
             "config": config, "call": call, "ok": False, "stage": "timeout", "error": "no result (killed)"}
-        r["segments_left"] = left
+        r["segments_left"] = stale
         r["jit"] = jit_lines(log_path)
         r["start_phases"] = start_phases(log_path)
         text = open(log_path, errors="replace").read()

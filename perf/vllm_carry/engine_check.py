@@ -187,6 +187,20 @@ def shm_list(segment: str | None = None) -> list[dict]:
                                                                                       f"{segment}."))]
 
 
+def segments_left(segment: str) -> list[dict]:
+    """The plugin's segments (``segment``'s) a stopped engine left in ``/dev/shm``, as ``uvaple shm list`` shows
+    them (or the error of listing them), then removed: the next engine starts with the host memory the first had."""
+    time.sleep(1.0)
+    try:
+        left = shm_list(segment)
+    except Exception as e:  # noqa: BLE001 - a check that fails is a result
+        return [{"error": str(e)}]
+    if left:
+        subprocess.run([sys.executable, "-m", "uvaple", "shm", "clean"] + [x["name"] for x in left if "name" in x],
+                       capture_output=True, timeout=120)
+    return left
+
+
 def run_child(spec_path: str) -> int:
     """One engine (a subprocess of the check): build, generate, measure, write ``spec['result']``."""
     spec = json.load(open(spec_path))
@@ -464,15 +478,7 @@ print("ENV" + json.dumps(out))
             res.update(parse_log(s["log"]))
             res["log_tail"] = _tail(s["log"], 40) if not res.get("ok") else None
             if CONFIGS[s["config"]].get("uvaple") is not None:
-                time.sleep(1.0)
-                try:
-                    left = shm_list(s["segment"])
-                except Exception as e:  # noqa: BLE001
-                    left = [{"error": str(e)}]
-                res["segments_left"] = left
-                if left:
-                    subprocess.run([sys.executable, "-m", "uvaple", "shm", "clean"] +
-                                   [x["name"] for x in left if "name" in x], capture_output=True, timeout=60)
+                res["segments_left"] = segments_left(s["segment"])
             with open(s["result"], "w") as out:
                 json.dump(res, out, indent=1)
             self.res.setdefault("runs", {})[s["key"]] = _brief(res)
