@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from uvaple.dtypes import fmt_bytes
+from uvaple.kernels.ngram import check_history
 
 from .devices import resolve_device
 from .factory import make_lookup, model_placements, placement
@@ -451,18 +452,38 @@ class HostScaledEmbedding(nn.Module):
         With ``max_tokens`` the result is a view of the module's static output (valid until the next
         forward); more than ``max_tokens`` ids is an error.
         """
-        entry = self._last
-        if entry is None or input_ids.device != self._last_device:
-            entry = self._lookup_for(input_ids.device)
-        lookup, static = entry
-        out = None
-        if static is not None:
-            n = input_ids.numel()
-            if n > static.shape[0]:
-                raise ValueError(f"{n} ids in one forward, but this embedding was built with max_tokens="
-                                 f"{static.shape[0]}; build it with a larger max_tokens")
-            out = static[:n].view(*input_ids.shape, self.embedding_dim)
+        lookup, out = self._serve(input_ids, input_ids.shape)
         return lookup.lookup(input_ids, out)
+
+    def forward_ngrams(self, history: torch.Tensor, *, multipliers: torch.Tensor, sizes: torch.Tensor,
+                       offsets: torch.Tensor, eos: int, last: int) -> torch.Tensor:
+        """The rows of an n-gram PLE layer's hashed ids: ``forward(ngram_rows(history, ...))``,
+        ``[B, last, heads, embedding_dim]``, in one launch where the placement hashes inside its gather
+        (:meth:`uvaple.integration.Lookup.lookup_ngrams`; the arguments are its). ``max_tokens`` bounds the ids,
+        ``B * last * heads``, as :meth:`forward` does."""
+        if not isinstance(history, torch.Tensor):
+            check_history(history)  # its named error; the lookup checks a tensor
+        shape = (history.shape[0], last, sizes.numel()) if history.dim() == 2 and isinstance(sizes, torch.Tensor) \
+            and isinstance(last, int) and last >= 0 else None
+        lookup, out = self._serve(history, shape)
+        return lookup.lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos, last=last,
+                                    out=out)
+
+    def _serve(self, ids: torch.Tensor, shape) -> tuple:
+        """(the lookup serving ``ids``' device, the static output viewed as ``shape`` ids' rows, or None)."""
+        entry = self._last
+        if entry is None or ids.device != self._last_device:
+            entry = self._lookup_for(ids.device)
+        lookup, static = entry
+        if static is None or shape is None:
+            return lookup, None  # no static output, or a call its lookup refuses by name
+        n = 1
+        for d in shape:
+            n *= d
+        if n > static.shape[0]:
+            raise ValueError(f"{n} ids in one forward, but this embedding was built with max_tokens="
+                             f"{static.shape[0]}; build it with a larger max_tokens")
+        return lookup, static[:n].view(*shape, self.embedding_dim)
 
     # ------------------------------------------------------------------ lifetime
     def __deepcopy__(self, memo):

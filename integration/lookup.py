@@ -35,6 +35,7 @@ import os
 import torch
 
 from uvaple.kernels.checks import ID_DTYPES, check_ids, check_out
+from uvaple.kernels.ngram import ngram_rows
 from uvaple.uva import HostTable
 
 from .devices import default_device, resolve_device
@@ -102,6 +103,20 @@ class Lookup(abc.ABC):
         ``columns``: ``None`` (whole rows) or a range the spec allows (``column_block``). ``out`` is
         allocated when omitted; pass it on the hot path. Non-contiguous ids are copied first.
         """
+
+    def lookup_ngrams(self, history: torch.Tensor, *, multipliers: torch.Tensor, sizes: torch.Tensor,
+                      offsets: torch.Tensor, eos: int, last: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of an n-gram PLE layer's ids (Qwen4Exp's): for each of the last ``last`` positions of
+        ``history [B, L]`` (int64 tokens, on ``device``), the rows of its n-gram ids, ``[B, last, heads, cols]``
+        in ``out`` (allocated when omitted), the same rows as ``lookup(ngram_rows(history, ...))``.
+
+        ``multipliers``, ``sizes``, ``offsets`` (int64, on ``device``) and ``eos``: the layer's hash
+        (:mod:`uvaple.kernels.ngram`). This base hashes in one launch, then calls :meth:`lookup` (the count of
+        ids, ``B * last * heads``, is what ``max_rows`` bounds); a placement that can compute the ids inside its
+        gather does (:class:`~uvaple.integration.placements.gather.GatherLookup`: one launch).
+        """
+        ids = ngram_rows(history, eos=eos, multipliers=multipliers, sizes=sizes, offsets=offsets, last=last)
+        return self.lookup(ids, out)
 
     @property
     def _forked(self) -> bool:

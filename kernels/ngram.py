@@ -65,23 +65,43 @@ def ngram_rows_kernel(
 ):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = idx < n_pos
-    seq = idx // last
-    pos = (length - last) + idx % last  # the position in its sequence's history
-    row = hist_ptr + seq * length
+    row, pos = history_position(hist_ptr, idx, length, last)
     end = eos.to(tl.int64)
     mixed = tl.load(row + pos, mask=live, other=0) * tl.load(mult_ptr)
     clean = live  # no eos strictly between the position and the token s places back
     for s in tl.static_range(1, N):
-        inside = pos >= s
-        back = tl.where(inside, tl.load(row + pos - s, mask=live & inside, other=0), end)
-        mixed = mixed ^ (tl.where(clean, back, end) * tl.load(mult_ptr + s))
-        clean = clean & (back != end)
+        mixed, clean = mix_token(row, pos, s, mixed, clean, live, end, mult_ptr)
         for h in tl.static_range(HPN):
             j = (s - 1) * HPN + h
-            size = tl.load(sizes_ptr + j)
-            r = mixed % size
-            r = tl.where(r < 0, r + size, r)  # the floor remainder (C's % truncates: negative for a negative mix)
-            tl.store(out_ptr + idx * ((N - 1) * HPN) + j, r + tl.load(offsets_ptr + j), mask=live)
+            tl.store(out_ptr + idx * ((N - 1) * HPN) + j, head_row(mixed, j, sizes_ptr, offsets_ptr), mask=live)
+
+
+# The hash's steps, shared with the fused gather (gather_ngram.py): one definition of the rows on every path.
+@kernel
+def history_position(hist_ptr, idx, length, last):
+    """(the start of its sequence's history, its position there) of hashed position ``idx`` (of ``B * last``)."""
+    return hist_ptr + (idx // last) * length, (length - last) + idx % last
+
+
+@kernel
+def mix_token(row, pos, s, mixed, clean, live, end, mult_ptr):
+    """The token ``s`` places back of ``pos`` xor'ed into ``mixed`` times its multiplier: ``end`` (the eos)
+    instead where the history starts after it or (``clean`` false) an eos lies strictly between. Returns
+    ``(mixed, clean)``, ``clean`` now also false where that token is an eos. ``live`` masks the load."""
+    inside = pos >= s
+    back = tl.where(inside, tl.load(row + pos - s, mask=live & inside, other=0), end)
+    mixed = mixed ^ (tl.where(clean, back, end) * tl.load(mult_ptr + s))
+    return mixed, clean & (back != end)
+
+
+@kernel
+def head_row(mixed, j, sizes_ptr, offsets_ptr):
+    """Head ``j``'s table row of a mix: its floor remainder by the head's size (C's % truncates: negative for a
+    negative mix), plus the head's offset."""
+    size = tl.load(sizes_ptr + j)
+    r = mixed % size
+    r = tl.where(r < 0, r + size, r)
+    return r + tl.load(offsets_ptr + j)
 
 
 # ------------------------------------------------------------------ launcher
@@ -135,11 +155,22 @@ def check_eos(eos) -> None:
         raise ValueError(f"the end-of-sequence token must be an int32 token id, got {eos!r}")
 
 
-def check_call(history, out, multipliers: torch.Tensor) -> None:
-    """What a call brings: ``history`` and ``out`` shaped, typed and placed for the layer's ``multipliers``."""
+def check_history(history, last=None) -> None:
+    """``history`` a contiguous ``[batch, tokens]`` int64 tensor, and ``last`` (when given) a count of its
+    positions."""
     if not isinstance(history, torch.Tensor) or history.dtype != torch.int64 or history.dim() != 2 \
             or not history.is_contiguous():
         raise TypeError(f"history must be a contiguous [batch, tokens] int64 tensor, got {_describe(history)}")
+    if last is not None:
+        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+            raise ValueError(f"last must be a count of positions (an int >= 0), got {last!r}")
+        if last > history.shape[1]:
+            raise ValueError(f"last is {last} but the history holds {history.shape[1]} tokens per sequence")
+
+
+def check_call(history, out, multipliers: torch.Tensor) -> None:
+    """What a call brings: ``history`` and ``out`` shaped, typed and placed for the layer's ``multipliers``."""
+    check_history(history)
     if history.device != multipliers.device:
         raise ValueError(f"history is on {history.device}, the layer's hash buffers on {multipliers.device}")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.dim() != 3 or not out.is_contiguous():
@@ -189,13 +220,8 @@ def ngram_rows(history: torch.Tensor, *, eos: int, multipliers: torch.Tensor, si
     tensors).
     """
     check_eos(eos)  # here too: the operator's schema would turn a bool into an int
-    if isinstance(last, bool) or not isinstance(last, int) or last < 0:
-        raise ValueError(f"last must be a count of positions (an int >= 0), got {last!r}")
-    if isinstance(history, torch.Tensor) and history.dim() == 2 and last > history.shape[1]:
-        raise ValueError(f"last is {last} but the history holds {history.shape[1]} tokens per sequence")
+    check_history(history, last)
     if out is None:
-        if not isinstance(history, torch.Tensor) or history.dim() != 2:
-            raise TypeError(f"history must be a contiguous [batch, tokens] int64 tensor, got {_describe(history)}")
         heads = sizes.numel() if isinstance(sizes, torch.Tensor) else 0
         out = torch.empty((history.shape[0], last, heads), dtype=torch.int64, device=history.device)
     torch.ops.uvaple.ngram_rows(history, multipliers, sizes, offsets, out, eos)

@@ -1,9 +1,10 @@
 """Device code every gather kernel shares: the ids prologue, fp8 widening, rounding, the row policy.
 
-``safe_row`` turns an id into a row that is always inside the table; ``convert_rows`` turns loaded elements
-into the output's values (fp8 dequantisation with a global or the row's own scale, the model's scale with
-its rounding, the output dtype, zero rows for out-of-range ids). Both kernels (:mod:`.gather`,
-:mod:`.gather_sorted`) call them, so the direct and the sorted path give the same bits.
+``safe_row`` (``clamp_row`` for an id computed in the kernel) turns an id into a row that is always inside the
+table; ``convert_rows`` turns loaded elements into the output's values (fp8 dequantisation with a global or the
+row's own scale, the model's scale with its rounding, the output dtype, zero rows for out-of-range ids). Every
+gather kernel (:mod:`.gather`, :mod:`.gather_sorted`, :mod:`.gather_ngram`) calls them, so all paths give the
+same bits.
 
 Rounding: with a scale, the result is bit-identical to HF Gemma 3n's ``emb * scale.to(weight.dtype)``: the
 scale is rounded to the table dtype on the host (and passed as its fp32 bits, so -0.0 and subnormals arrive
@@ -24,10 +25,16 @@ jit = kernel_decorator(__name__)
 
 @jit
 def safe_row(ids_ptr, pid, id_base, row_lo, n_rows):
-    """(row, valid) for program ``pid``: the row ``id - id_base`` as int64, replaced by ``row_lo`` when
-    outside ``[row_lo, n_rows)`` so that no address outside the table (or its window) is ever formed.
-    (``0 <= id_base < 2**62``: a wrapped difference of an extreme id is still far above ``n_rows``.)"""
-    row = tl.load(ids_ptr + pid).to(tl.int64) - id_base
+    """(row, valid) for program ``pid``: its id (loaded) as a row inside the table, :func:`clamp_row`."""
+    return clamp_row(tl.load(ids_ptr + pid).to(tl.int64), id_base, row_lo, n_rows)
+
+
+@jit
+def clamp_row(id, id_base, row_lo, n_rows):
+    """(row, valid): the row ``id - id_base`` (int64), replaced by ``row_lo`` when outside ``[row_lo, n_rows)``
+    so that no address outside the table (or its window) is ever formed. (``0 <= id_base < 2**62``: a wrapped
+    difference of an extreme id is still far above ``n_rows``.)"""
+    row = id - id_base
     valid = (row >= row_lo) & (row < n_rows)
     return tl.where(valid, row, row_lo), valid
 

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from uvaple.kernels import gather, gather_sorted, jit, ngram
+from uvaple.kernels import gather, gather_ngram, gather_sorted, jit, ngram
 from uvaple.kernels.encodings import encoding_of_code
 
 POINTERS = {"ids_ptr": "*i64", "counters_ptr": "*i64", "dq_scale_ptr": "*fp32", "slot_ptr": "*i32",
@@ -90,6 +90,27 @@ def test_the_ngram_hash_kernel_compiles_for_sm90(scalar, n, hpn, tmp_path, monke
                BLOCK="constexpr")
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
     assert out.asm.get("cubin")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scalar", ["i32", "i64"])
+@pytest.mark.parametrize("n,hpn", [(3, 8), (2, 1), (5, 3)])
+def test_the_ngram_gather_kernel_compiles_for_sm90(scalar, n, hpn, tmp_path, monkeypatch):
+    """The hash inside the gather, as launched: every encoding's constants, with and without counters and row
+    tiles, its counts typed by value."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = jit.variant(gather_ngram, False).gather_ngram_rows_kernel
+    compiled = 0
+    for dequant, count in itertools.product((0, 1, 3), (False, True)):
+        cx = {"N": n, "HPN": hpn, "HAS_SCALE": not dequant, "CONVERT": True, "OOB_ROW0": count, "NEG_ZERO": False,
+              **_dq(dequant), "COUNT": count, "SCALE_WORD": dequant == 3 and count, "BLOCK": 256, "ROW_TILES": count}
+        sig = _signature(fn, dequant, cx)
+        sig.update({name: "*i64" for name in ("hist_ptr", "mult_ptr", "sizes_ptr", "offsets_ptr")})
+        sig.update({name: scalar for name in ("length", "last", "n_out")}, eos="i32")
+        out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
+        assert out.asm.get("cubin"), cx
+        compiled += 1
+    assert compiled == 6
 
 
 @pytest.mark.timeout(120)

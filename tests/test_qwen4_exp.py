@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import CompileConfig, DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: E402
 
+from uvaple.integration import make_lookup  # noqa: E402
 from uvaple.integration.embedding import HostScaledEmbedding  # noqa: E402
 from uvaple.integration.encoded_embedding import HostEncodedEmbedding  # noqa: E402
 from uvaple.integration.models import ngram_tables  # noqa: E402
@@ -148,6 +149,24 @@ class Recorder(torch.nn.Module):
         return ids.unsqueeze(-1)
 
 
+class IdRecorder(Recorder):
+    """Our side's stand-in: a table whose row ``r`` holds ``r`` (int32 bits in a float32 column, which a gather
+    copies as they are), read through the lookup's n-gram call, so the ids are those the fused hash-and-gather
+    kernel computes."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows = HostTable.from_tensor(torch.arange(rows, dtype=torch.int32).view(torch.float32).view(rows, 1))
+        self.lookups = {}
+
+    def forward_ngrams(self, history, **hash_and_last):
+        device = history.device
+        if device not in self.lookups:
+            self.lookups[device] = make_lookup("uva", self.rows, device=device)
+        got = self.lookups[device].lookup_ngrams(history, **hash_and_last)  # [B, last, heads, 1]
+        return got.view(torch.int32).to(torch.int64)
+
+
 def edge_prompt(mod) -> torch.Tensor:
     """Tokens whose n-grams hash to both ends of every head's range of ``mod``'s layer (no eos inside)."""
     m = mod.layer_multipliers
@@ -188,7 +207,7 @@ def test_ids_of_every_head_and_edge_match_transformers_with_a_cache(ref):
     for hf_mod in ngram_modules(ref):
         hf = copy.deepcopy(hf_mod)
         ours = drop_in.from_module(hf)
-        hf.ngram_embedding, ours.ngram_embedding = Recorder(), Recorder()
+        hf.ngram_embedding, ours.ngram_embedding = Recorder(), IdRecorder(hf.ngram_embedding.weight.shape[0])
         edges = edge_prompt(hf)
         heads = hf.ngram_heads
         bounds = {o + e for o, s in zip(hf.head_offsets, hf.head_vocab_sizes, strict=True) for e in (0, s - 1)}

@@ -20,10 +20,13 @@ every attribute and buffer of the original and replaces two things:
   module's lookup in the caller's stream. The ids are :func:`ngram_ids` (the definition, in torch, our
   formulation: each shifted token is taken while no end-of-sequence token lies between it and the position,
   one comparison per shift instead of a running maximum; the same hash, bit for bit, checked against
-  transformers' forward on the same inputs and cache), made by one kernel launch
-  (:mod:`uvaple.kernels.ngram`, checked bit for bit against :func:`ngram_ids`) instead of the tens of small
-  operations the definition takes. No ``.to(device)``, no host synchronisation: with a static cache the whole
-  decode step is device work, so ``torch.compile(fullgraph=True)`` and CUDA graphs capture it.
+  transformers' forward on the same inputs and cache), hashed inside the gather: one kernel launch a forward
+  (``HostScaledEmbedding.forward_ngrams``, :mod:`uvaple.kernels.gather_ngram`; the hash's steps are
+  :mod:`uvaple.kernels.ngram`'s, checked bit for bit against :func:`ngram_ids`) instead of the tens of small
+  operations the definition takes and the table read they feed. Under ``torch.compile``, with a hot set, or for a
+  call the lookup sorts, the hash is its own launch before the gather (same bits). No ``.to(device)``, no host
+  synchronisation: with a static cache the whole decode step is device work, so ``torch.compile(fullgraph=True)``
+  and CUDA graphs capture it.
 
 The cache protocol is transformers': the last ``ngram_size - 1`` tokens live in the linear-attention layer's
 conv state 2 (``get_conv_state`` in 5.24, ``has_previous_state`` / ``layers[i].conv_states`` in 5.17),
@@ -66,7 +69,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from uvaple.kernels.encodings import ENCODINGS
-from uvaple.kernels.ngram import ngram_rows
 
 from ..embedding import HostScaledEmbedding, quantize_format
 from ..encoded_embedding import HostEncodedEmbedding
@@ -261,10 +263,10 @@ class _HostNGram:
             if stored is None and ids.shape[1] < ctx:  # the cache would pad with zeros: pad with eos
                 keep = F.pad(ids, (ctx - ids.shape[1], 0), value=self.eos_token_id)
             cache.update_conv_state(keep, self.layer_idx, state_idx=2, conv_kernel_size=ctx)
-        rows = ngram_rows(history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
-                          sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets,
-                          last=ids.shape[1])  # [B, S, heads]: ngram_ids's rows, in one launch
-        return self.ngram_embedding(rows).flatten(-2)
+        rows = self.ngram_embedding.forward_ngrams(  # the rows of ngram_ids's ids: hash and gather in one launch
+            history, eos=self.eos_token_id, multipliers=self.layer_multipliers, sizes=self.ngram_heads_vocab_sizes,
+            offsets=self.ngram_heads_offsets, last=ids.shape[1])
+        return rows.flatten(-2)  # [B, S, heads * dim]
 
 
 @functools.cache

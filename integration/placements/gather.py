@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from uvaple.kernels.checks import check_out
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
+from uvaple.kernels.gather_ngram import NgramGather
+from uvaple.kernels.ngram import check_eos, check_history
 from uvaple.kernels.plan import ORDERS, GatherPlan, first_sorted, new_workspace
 from uvaple.uva import HostTable
 
@@ -152,6 +155,7 @@ class GatherLookup(Lookup):
         # The plan: made here, or, for a lookup built while torch.compile traces (a module's lazy one), at its
         # first eager call (compiled calls take the operators' own path until then)
         self._plan = None if torch.compiler.is_compiling() else self._make_plan()
+        self._ngram: NgramGather | None = None  # lookup_ngrams' launcher, for the last layer hash it served
 
     def _make_plan(self) -> GatherPlan:
         spec, hot = self.spec, self._hot
@@ -184,6 +188,45 @@ class GatherLookup(Lookup):
             self._operator(ids, out, c0)
         else:
             (self._plan or self._make_plan()).run(ids, out, c0)
+        return out
+
+    def lookup_ngrams(self, history: torch.Tensor, *, multipliers: torch.Tensor, sizes: torch.Tensor,
+                      offsets: torch.Tensor, eos: int, last: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`Lookup.lookup_ngrams` in one launch: the ids hashed inside the gather
+        (:class:`~uvaple.kernels.gather_ngram.NgramGather`, made at the first call of a layer's hash buffers and
+        kept while they are the same tensors), same bits, same counters. A lookup with a hot set, a call the plan
+        sorts (prefill-sized, ``order``), and a call while ``torch.compile`` traces take the base's hash, then
+        the gather."""
+        if self._closed or self.table.forked:
+            self._check_usable()
+        if self._hot is not None or torch.compiler.is_compiling():
+            return super().lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos,
+                                         last=last, out=out)
+        plan = self._plan or self._make_plan()
+        fused = self._ngram
+        if fused is None or not fused.serves(multipliers, sizes, offsets, eos):
+            check_eos(eos)
+            if isinstance(multipliers, torch.Tensor) and multipliers.device != self.device:
+                raise ValueError(f"the n-gram hash's multipliers are on {multipliers.device}; this lookup serves "
+                                 f"{self.device}")
+            fused = self._ngram = NgramGather(plan.direct, multipliers, sizes, offsets, eos)
+        check_history(history, last)
+        if history.device != self.device:
+            raise ValueError(f"history is on {history.device}; this lookup serves {self.device}")
+        n = history.shape[0] * last * fused.heads
+        if plan.uses_sorted(n):
+            return super().lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos,
+                                         last=last, out=out)
+        if self.max_rows is not None and n > self.max_rows:
+            raise self._too_many(n)
+        c0, c1 = self._whole
+        want = (history.shape[0], last, fused.heads, c1 - c0)
+        if out is None:
+            out = torch.empty(want, dtype=self._out_dtype, device=self.device)
+        else:
+            check_out(out, want, self._out_dtype, self.device)
+        torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
+        fused(history, out, c0, last)
         return out
 
     def _operator(self, ids: torch.Tensor, out: torch.Tensor, c0: int) -> None:
@@ -240,5 +283,5 @@ class GatherLookup(Lookup):
     def close(self) -> None:
         self._arg = None
         self._workspace = None
-        self._plan = None
+        self._plan = self._ngram = None
         super().close()
