@@ -2,8 +2,10 @@
 
 An encoding is one entry of :data:`ENCODINGS` (an :class:`Encoding`): the table dtypes it stores rows in,
 its row layout (values, then any bytes of scale that trail them), its operators' codes and the kernels'
-constants (``FP8``, ``SCALE``: :mod:`uvaple.kernels.rows`), its quantiser (float rows to stored rows) and its
-torch reference (stored rows to values), which every kernel path is compared against bit for bit.
+constants (``FP8``, ``SCALE``: :mod:`uvaple.kernels.rows`) and its torch reference (stored rows to values),
+which every kernel path is compared against bit for bit. Writing rows in an encoding is a bulk writer's job
+(``fp8_row``: :mod:`uvaple.integration.quantize`, a kernel on every core), checked byte for byte against the
+encoding's torch definition here (:func:`quantize_fp8_rows`).
 
 * ``raw``: rows as stored, any supported dtype (the model's scale and output dtype are the lookup's
   policy, not an encoding).
@@ -13,10 +15,10 @@ torch reference (stored rows to values), which every kernel path is compared aga
   little-endian: one contiguous read, ``cols + 4`` bytes instead of ``2 * cols`` for bf16), dequantised
   with the same formula and the row's scale; a lookup returns ``cols - 4`` values per row.
 
-The scale of a quantiser (per row, or global) is ``amax / fmax`` (``fmax``: 448 for e4m3fn, 57344 for
+The scale of the ``fp8_row`` quantiser is ``amax / fmax`` (``fmax``: 448 for e4m3fn, 57344 for
 e5m2) rounded *up* to a bf16 value: then ``scale.to(bfloat16)`` in the formula is exact and ``|x / s| <=
 fmax``, so no code saturates (never below the smallest bf16, 2^-133: a row whose largest magnitude is
-under ``fmax * 2^-150`` would otherwise get scale 0); an all-zero row (table) gets scale 1; a row holding
+under ``fmax * 2^-150`` would otherwise get scale 0); an all-zero row gets scale 1; a row holding
 inf or NaN cannot be scaled and is an error naming the row. Per element, ``|x - deq| <= |x| * 2^-(m+1) +
 s * 2^-(m+bias)`` for an m-bit mantissa, plus the output dtype's rounding of the product.
 
@@ -29,10 +31,11 @@ gives (:meth:`Encoding.kernel_constants`): ``FP8`` (the code format, :data:`FP8_
 the row's end). The operators' checks read the entry too: the bytes a row's values may not reach
 (``trailer``), the element size of its formats, whether it needs a global scale.
 
-A new encoding is one entry here (:func:`register`): its codes, its scale kind and trailer, its quantiser and
-torch reference. A layout the kernels already read (fp8 codes with a global or a trailing row scale, any
-trailer of whole 4-byte words) needs nothing else; a new way of decoding values (int8 codes, say) is one more
-branch of ``rows.convert_rows`` and one more ``FP8``-like constant. ``TableSpec``
+A new encoding is one entry here (:func:`register`): its codes, its scale kind and trailer, its torch
+reference (and, for a table quantised on load, its bulk writer beside ``fp8_row``'s). A layout the kernels
+already read (fp8 codes with a global or a trailing row scale, any trailer of whole 4-byte words) needs nothing
+else; a new way of decoding values (int8 codes, say) is one more branch of ``rows.convert_rows`` and one more
+``FP8``-like constant. ``TableSpec``
 (:mod:`uvaple.integration.spec`) accepts every name here.
 """
 
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Encoding", "ENCODINGS", "FP8_FORMATS", "FP8_MAX", "ROW_SCALE_BYTES", "SCALE_KINDS", "register",
-           "unregister", "quantize_fp8_rows", "quantize_fp8_global", "encoding_of_code"]
+           "unregister", "quantize_fp8_rows", "encoding_of_code"]
 
 #: fp8 dtype -> the kernels' ``FP8`` constant (how a code byte widens to fp32)
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -100,14 +103,6 @@ def quantize_fp8_rows(src: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn,
     return out.view(fmt)
 
 
-def quantize_fp8_global(src: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """``src`` (``[rows, cols]`` float) as ``fp8_global`` rows: (codes ``[rows, cols]`` of ``fmt``, the float32
-    scale ``[1]`` of the whole table)."""
-    x = _check_float_rows(src, fmt, "fp8_global", 0)
-    scale = _scale_of(x.abs().amax().reshape(1), fmt)
-    return (x / scale).clamp_(-FP8_MAX[fmt], FP8_MAX[fmt]).to(fmt), scale
-
-
 def _dequant_raw(rows: torch.Tensor, out_dtype: torch.dtype | None, scale=None) -> torch.Tensor:
     return rows.to(out_dtype or rows.dtype)
 
@@ -133,8 +128,6 @@ class Encoding:
     scale: str
     #: the table dtypes it stores rows in (None: every supported dtype)
     dtypes: tuple[torch.dtype, ...] | None
-    #: float rows -> (stored rows, the global scale or None); None where rows are stored as given
-    quantise: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None
     #: the torch reference: (stored rows [n, cols], out dtype or None, global scale or None) -> values
     dequantise: Callable[..., torch.Tensor]
     #: the operators' ``dequant`` code of each table dtype it stores rows in ((None, code) where ``dtypes`` is None)
@@ -235,9 +228,8 @@ def _index() -> None:
     # the old index or the new one, never a half-built one
 
 
-register(Encoding("raw", "none", None, None, _dequant_raw))
-register(Encoding("fp8_global", "global", tuple(FP8_FORMATS), quantize_fp8_global, _dequant_global,
+register(Encoding("raw", "none", None, _dequant_raw))
+register(Encoding("fp8_global", "global", tuple(FP8_FORMATS), _dequant_global,
                   codes=((torch.float8_e4m3fn, 1), (torch.float8_e5m2, 2))))
-register(Encoding("fp8_row", "row", tuple(FP8_FORMATS),
-                  lambda src, fmt=torch.float8_e4m3fn, **kw: (quantize_fp8_rows(src, fmt, **kw), None), _dequant_row,
+register(Encoding("fp8_row", "row", tuple(FP8_FORMATS), _dequant_row,
                   codes=((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 4)), trailer=ROW_SCALE_BYTES))

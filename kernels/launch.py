@@ -21,7 +21,9 @@ the order of the caller's work on ``cuda:1``.)
 
 Interpreted launches (CPU tensors) always go through Triton: the interpreter has no compiled form. So does
 a launch while Triton's launch hooks are set (a profiler such as proton): they see every launch as Triton
-makes it.
+makes it. The hooks are read at every launch, not planned: a profiler may install them at any moment of a
+process, and a launch it does not see would be missing from its trace. The read is two attribute loads of
+Triton's knobs (0.2 us).
 """
 
 from __future__ import annotations

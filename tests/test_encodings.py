@@ -248,7 +248,7 @@ def toy():
     code 9; removed again after the test."""
     from uvaple.kernels import encodings
 
-    enc = encodings.register(encodings.Encoding("fp8_row_pad8", "row", (torch.float8_e4m3fn,), None, _padded_dequant,
+    enc = encodings.register(encodings.Encoding("fp8_row_pad8", "row", (torch.float8_e4m3fn,), _padded_dequant,
                                                 codes=((torch.float8_e4m3fn, 9),), trailer=8))
     yield enc
     encodings.unregister("fp8_row_pad8")
@@ -304,20 +304,20 @@ def test_a_code_no_encoding_lists_is_refused_when_the_plan_is_made(device):
                                      0, False, 0, 0, 0, 0, 7)
     raw = encodings.ENCODINGS["raw"]
     with pytest.raises(ValueError, match="the name or the codes \\[0\\] are taken"):
-        encodings.register(encodings.Encoding("raw2", "none", None, None, raw.dequantise))
+        encodings.register(encodings.Encoding("raw2", "none", None, raw.dequantise))
     with pytest.raises(ValueError, match="a row scale is a trailer of whole 4-byte words"):
-        encodings.Encoding("bad", "row", (torch.float8_e4m3fn,), None, raw.dequantise,
+        encodings.Encoding("bad", "row", (torch.float8_e4m3fn,), raw.dequantise,
                            codes=((torch.float8_e4m3fn, 11),), trailer=6)
     with pytest.raises(ValueError, match="one code per table dtype"):
-        encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), None, raw.dequantise,
+        encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), raw.dequantise,
                            codes=((torch.float8_e4m3fn, 11),))
     with pytest.raises(ValueError, match="code 0 is rows as stored"):  # a raw entry under another code: read as fp8
-        encodings.Encoding("bad", "none", None, None, raw.dequantise, codes=((None, 7),))
+        encodings.Encoding("bad", "none", None, raw.dequantise, codes=((None, 7),))
     with pytest.raises(ValueError, match="code 0 is rows as stored"):
-        encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), None, raw.dequantise,
+        encodings.Encoding("bad", "global", (torch.float8_e4m3fn, torch.float8_e5m2), raw.dequantise,
                            codes=((torch.float8_e4m3fn, 11), (torch.float8_e5m2, 11)))
     with pytest.raises(ValueError, match="dequantise fp8 codes only"):
-        encodings.Encoding("bad", "global", (torch.int8,), None, raw.dequantise, codes=((torch.int8, 11),))
+        encodings.Encoding("bad", "global", (torch.int8,), raw.dequantise, codes=((torch.int8, 11),))
     with pytest.raises(ValueError, match="built in"):
         encodings.unregister("fp8_row")
     with pytest.raises(ValueError, match="encoding must be one of"):

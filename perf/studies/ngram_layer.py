@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         r["hash_kernel_x_torch"] = round(r["hash_kernel_us"]["median"] / r["hash_torch_us"]["median"], 3)
         print(f"{name}: ours {r['ours_us']['median']} us [{r['ours_us']['min']}-{r['ours_us']['max']}], "
               f"transformers HBM {r['hf_hbm_us']['median']} us [{r['hf_hbm_us']['min']}-{r['hf_hbm_us']['max']}]: "
-              f"x{r['ours_x_hf_hbm']}; two launches {r['ours_two_launches_us']['median']} us; hash kernel {r['hash_kernel_us']['median']} us vs torch "
+              f"x{r['ours_x_hf_hbm']}; two launches {r['ours_two_launches_us']['median']} us; hash kernel "
+              f"{r['hash_kernel_us']['median']} us vs torch "
               f"{r['hash_torch_us']['median']} us; rows exact {r['rows_bit_identical']}", flush=True)
         if a.json:  # after every shape: a late error keeps what ran
             with open(a.json, "w") as f:
