@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--file", help="an existing table file to read (default: write one of --file-gib in --dir)")
     p.add_argument("--dir", help="where the file is written (default: a new directory under the system's "
                    "temporary one; it should be on the disk the placement will read)")
-    p.add_argument("--file-gib", type=command.number(float, meaning="GiB of table file to write"), default=4.0,
+    p.add_argument("--file-gib", type=command.number(float, meaning="GiB of table file to write"), default=None,
                    help="the table file's size when this run writes it (default 4; more than the host's page "
                    "cache is what a cold read is)")
     p.add_argument("--depths", type=command.positive_ints, default=[1, 8, 64],
@@ -76,8 +76,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if max(a.depths) > MAX_DEPTH:
         p.error(f"--depths {','.join(map(str, a.depths))}: at most {MAX_DEPTH}")
+    if a.file:
+        given = [flag for flag, value in (("--file-gib", a.file_gib), ("--dir", a.dir), ("--keep", a.keep)) if value]
+        if given:
+            p.error(f"--file {a.file} with {' '.join(given)}: --file reads an existing table file, and "
+                    f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} a file this run writes; drop one")
+    elif a.file_gib is None:
+        a.file_gib = SMOKE_GIB if a.smoke else 4.0
     if a.smoke:
-        a.file_gib, a.seconds = SMOKE_GIB, 0.2
+        a.seconds = 0.2
     return a
 
 

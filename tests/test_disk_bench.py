@@ -62,6 +62,9 @@ def test_an_existing_table_file_is_read_as_it_is(capsys, tmp_path):
     (["--depths", "0"], ["--depths", "expected comma-separated positive integers"]),
     (["--seconds", "-1"], ["--seconds", "above 0"]),
     (["--file", "/nonexistent/t.uvt"], ["--file /nonexistent/t.uvt: no such file"]),
+    (["--file", "t.uvt", "--file-gib", "8"], ["--file t.uvt with --file-gib: --file reads an existing table file",
+                                              "--file-gib shapes a file this run writes; drop one"]),
+    (["--file", "t.uvt", "--dir", "/tmp", "--keep"], ["--file t.uvt with --dir --keep", "--dir and --keep shape"]),
 ])
 def test_bad_options_are_refused_before_any_work(capsys, tmp_path, args, says):
     code, _, err = run(capsys, [*args, "--out", str(tmp_path / "out")])
