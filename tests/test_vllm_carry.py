@@ -118,6 +118,27 @@ def test_the_plan_runs_anywhere_and_the_bench_refuses_a_machine_without_cuda(tmp
         assert not (tmp_path / "w").exists()  # refused before any work
 
 
+def test_a_configuration_measured_before_is_kept_only_for_the_same_measurement(tmp_path):
+    """A result in --work is kept when the call asks for the same measurement (the segment's name, which holds the
+    call's pid, and the call's text aside); other batches, repetitions or engine arguments measure it again."""
+    def spec(pid=1, **over):
+        kw = {"model": "/w/model", "additional_config": {"uvaple": {"placement": "uva", "segment": f"bench-uva-{pid}"}}}
+        s = {"config": "uva", "kwargs": kw, "call": f"vllm.LLM(... {pid})", "batches": (1, 8), "reps": 5, "cpus": None}
+        s.update(over)
+        return s
+
+    path = tmp_path / "uva.spec.json"
+    assert db.spec_changes(str(path), spec()) == sorted(spec())  # none saved: everything is new
+    path.write_text(json.dumps(spec(pid=1)))
+    assert db.spec_changes(str(path), spec(pid=2)) == []
+    assert db.spec_changes(str(path), spec(pid=2, batches=[1, 8, 64], reps=7)) == ["batches", "reps"]
+    other = spec(pid=2)
+    other["kwargs"]["additional_config"]["uvaple"]["placement"] = "device"
+    assert db.spec_changes(str(path), other) == ["kwargs"]
+    path.write_text("{not json")
+    assert db.spec_changes(str(path), spec()) == sorted(spec())
+
+
 # ------------------------------------------------------------------ decode_bench: the figures
 def _outs(first: list[float], last: list[float], n: int):
     return [SimpleNamespace(metrics=SimpleNamespace(first_token_ts=f, last_token_ts=t),

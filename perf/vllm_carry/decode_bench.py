@@ -512,6 +512,31 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def spec_changes(spec_path: str, spec: dict) -> list[str]:
+    """The fields of ``spec`` (a configuration's measurement: its engine, shapes and repetitions) that differ from
+    the one saved at ``spec_path`` by the call that measured it; every field when none was saved."""
+    try:
+        with open(spec_path) as f:
+            saved = _measured(json.load(f))
+    except (OSError, ValueError, AttributeError):
+        return sorted(spec)
+    now = _measured(json.loads(json.dumps(spec, default=str)))  # as saved: tuples as lists, objects as their text
+    return sorted(k for k in now.keys() | saved.keys() if now.get(k) != saved.get(k))
+
+
+def _measured(spec: dict) -> dict:
+    """``spec`` without what names a call rather than what it measures: the plugin's segment (its name holds the
+    call's pid) and the call's text (made from the engine's arguments)."""
+    spec = {k: v for k, v in spec.items() if k != "call"}
+    plugin = ((spec.get("kwargs") or {}).get("additional_config") or {}).get("uvaple")
+    if isinstance(plugin, dict) and "segment" in plugin:
+        kw = dict(spec["kwargs"])
+        kw["additional_config"] = {**kw["additional_config"], "uvaple": {k: v for k, v in plugin.items()
+                                                                         if k != "segment"}}
+        spec["kwargs"] = kw
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="decode-bench-out", help="decode_bench.json/.md/.log go here")
@@ -609,24 +634,28 @@ def main(argv: list[str] | None = None) -> int:
     for config in a.configs:
         result_path = os.path.join(a.work, "results", f"{config}.json")
         log_path = os.path.join(a.work, "results", f"{config}.log")
-        if os.path.exists(result_path) and not a.force:
-            r = json.load(open(result_path))
-            if r.get("ok"):
-                results[config] = r
-                log(f"{config}: measured in an earlier call (kept)")
-                continue
-        left = t_end - time.monotonic()
-        if left < 150:
-            state["notes"].append(f"{config}: not started, {left:.0f} s left; the next call continues")
-            log(state["notes"][-1])
-            continue
         kw, plugin = engine_kwargs(a, config, model_path, shared)
         call = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
         spec = {"config": config, "kwargs": kw, "call": call, "batches": a.batches, "prompt": a.prompt,
                 "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1, "vocab": REAL["vocab_size"],
                 "profile": a.profile, "profile_tokens": a.profile_tokens, "cpus": a.cpus, "result": result_path}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
-        json.dump(spec, open(spec_path, "w"), indent=1)
+        if os.path.exists(result_path) and not a.force:
+            r = json.load(open(result_path))
+            changed = spec_changes(spec_path, spec)
+            if r.get("ok") and not changed:
+                results[config] = r
+                log(f"{config}: measured in an earlier call with the same arguments (kept; --force repeats it)")
+                continue
+            if r.get("ok"):
+                log(f"{config}: measured in an earlier call with other {', '.join(changed)}: measured again")
+        left = t_end - time.monotonic()
+        if left < 150:
+            state["notes"].append(f"{config}: not started, {left:.0f} s left; the next call continues")
+            log(state["notes"][-1])
+            continue
+        with open(spec_path, "w") as f:
+            json.dump(spec, f, indent=1)
         if os.path.exists(result_path):
             os.remove(result_path)
         log(f"{config}: {call}")
