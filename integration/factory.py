@@ -11,16 +11,18 @@ plugin's settings and shards) asks the entry, never a placement's name: a new pl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from uvaple.kernels.encodings import ENCODINGS
-from uvaple.uva import HostTable
+from uvaple.uva import HostTable, TableFile
 
 from .lookup import Lookup
 from .placements.copy import CopyBackend
+from .placements.disk import DiskLookup
 from .placements.gather import GatherLookup
 from .placements.split import SplitLookup
 from .spec import TableSpec, spec_for
@@ -49,6 +51,8 @@ class Placement:
     graph_refusal: str | None = None
     #: why model layers do not serve it (None: the HF swap-ins and the vLLM plugin do)
     model_refusal: str | None = None
+    #: its table is a table file on disk (``TableFile``; ``make_lookup`` opens a path), not a ``HostTable``
+    reads_file: bool = False
 
     def reads(self, encoding: str) -> bool:
         """Whether its lookups read rows stored in ``encoding``."""
@@ -63,6 +67,10 @@ def _gather(kind: str):
 
 def _split(table, spec, device, owns_table, max_rows, options):
     return SplitLookup(table, spec, device, owns_table=owns_table, max_rows=max_rows, **options)
+
+
+def _disk(table, spec, device, owns_table, max_rows, options):
+    return DiskLookup(table, spec, device, owns_table=owns_table, max_rows=max_rows, **options)
 
 
 def _copy(table, spec, device, owns_table, max_rows, options):
@@ -82,6 +90,12 @@ PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
     Placement("copy", _copy, encodings=frozenset({"raw"}), gather_options=False,
               graph_refusal="each copy-placement call waits on the host for its ids and records events on the "
                             "calling stream"),
+    Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True,
+              graph_refusal="a disk call plans its rows and reads the missing ones from the file on the calling "
+                            "thread, from ids on the host",
+              model_refusal="the disk placement plans each call from ids on the host and reads its missing rows on "
+                            "the calling thread, and a model's PLE layer has its ids on the GPU: use 'uva' (the "
+                            "GPU reads the rows it needs from host memory)"),
 )}
 
 #: Placements :func:`make_lookup` builds.
@@ -104,17 +118,27 @@ def model_placements() -> tuple[str, ...]:
 def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None, max_rows: int | None = None,
                 scale: float | None = None, oob: str = "zero", out_dtype: torch.dtype | None = None,
                 column_block: int | None = None, **options) -> Lookup:
-    """Build a lookup of placement ``kind`` (a name of :data:`PLACEMENTS`: ``"uva"``, ``"device"``, ``"split"``
-    or ``"copy"``) over ``table``.
+    """Build a lookup of placement ``kind`` (a name of :data:`PLACEMENTS`: ``"uva"``, ``"device"``, ``"split"``,
+    ``"copy"`` or ``"disk"``) over ``table``.
 
     ``table`` is a :class:`HostTable` (shared, not closed by the lookup) or a 2-D tensor/ndarray, copied
-    into a new HostTable that the lookup owns and closes. The policy comes from ``spec`` or from
+    into a new HostTable that the lookup owns and closes; for ``"disk"``, a :class:`~uvaple.uva.TableFile`
+    (not closed by the lookup) or its path (opened, and closed with the lookup). The policy comes from ``spec`` or from
     ``scale``/``oob``/``out_dtype``/``column_block``. ``options`` go to the placement (``view``, ``count``
     for uva/device; the gather's options for split, which needs ``max_rows``; the copy backend's slots and
-    timeouts for copy).
+    timeouts for copy; the row cache's ``budget_bytes`` or ``slots``, ``steps_in_flight``, ``wait_s`` and
+    ``dequant_scale`` for disk, which needs ``max_rows``).
     """
     if kind not in PLACEMENTS:
         raise ValueError(f"unknown lookup kind {kind!r}; choose one of {list(PLACEMENTS)}")
+    entry = PLACEMENTS[kind]
+    if entry.reads_file:
+        return _file_lookup(entry, table, device, spec, max_rows, options,
+                            dict(scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block))
+    if isinstance(table, TableFile):
+        readers = [name for name, p in PLACEMENTS.items() if p.reads_file]
+        raise TypeError(f"a table file is read by the {readers} placement, not {kind!r}; for {kind!r} load the "
+                        "rows into a HostTable")
     spec = spec_for(table, spec, scale=scale, oob=oob, out_dtype=out_dtype, column_block=column_block)
     owns = False
     if not isinstance(table, HostTable):
@@ -122,6 +146,24 @@ def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None,
         owns = True
     try:
         return PLACEMENTS[kind].build(table, spec, device, owns, max_rows, options)
+    except BaseException:
+        if owns:
+            table.close()
+        raise
+
+
+def _file_lookup(entry: Placement, table, device, spec, max_rows, options, policy) -> Lookup:
+    """A lookup of a placement that reads a table file: ``table`` a ``TableFile`` or its path (opened here, and
+    closed with the lookup)."""
+    owns = isinstance(table, (str, os.PathLike))
+    if owns:
+        table = TableFile.open(table)
+    elif not isinstance(table, TableFile):
+        raise TypeError(f"the {entry.name} placement reads a table file: pass its path or a uvaple.uva.TableFile "
+                        f"(write one with uvaple.uva.write_table_file), got {type(table).__name__}")
+    try:
+        spec = spec_for(table, spec, **policy)
+        return entry.build(table, spec, device, owns, max_rows, options)
     except BaseException:
         if owns:
             table.close()

@@ -109,10 +109,14 @@ class TableSpec:
     # ------------------------------------------------------------------ derived
     @classmethod
     def of(cls, table, **policy) -> TableSpec:
-        """The spec of ``table`` (a ``HostTable`` or a 2-D tensor) with the given policy fields."""
+        """The spec of ``table`` (a ``HostTable``, a ``TableFile`` or a 2-D tensor) with the given policy fields;
+        a table that names its rows' encoding (a table file's header does) gives it unless ``policy`` does."""
         stride = getattr(table, "stride", None)
         if callable(stride):  # a tensor: stride() is a method
             stride = table.stride(0)
+        encoding = getattr(table, "encoding", None)
+        if isinstance(encoding, str) and "encoding" not in policy:
+            policy["encoding"] = encoding
         return cls(int(table.shape[0]), int(table.shape[1]), table.dtype, stride=stride, **policy)
 
     @property

@@ -172,8 +172,8 @@ def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeyp
     # what the consumers offer, from the entries: split is refused to model layers (its ids are on the host), the
     # copy placement is the fallback where the GPU cannot map host memory (its rows are read by the CPU)
     assert BACKENDS == vllm_config.PLACEMENTS == ("uva", "device", "copy")
-    assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split"]
-    assert [n for n, p in PLACEMENTS.items() if p.graph_refusal] == ["split", "copy"]
+    assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split", "disk"]
+    assert [n for n, p in PLACEMENTS.items() if p.graph_refusal] == ["split", "copy", "disk"]
 
 
 def test_make_lookup_owns_a_tensor_it_copied_and_refuses_unknown_kinds(device):

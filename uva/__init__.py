@@ -22,9 +22,17 @@ from .errors import (
 )
 from .host_table import HostTable
 from .memory import SUPPORTED_DTYPES, row_stride_bytes
+from .row_cache import Misses, RowCache, RowCacheFull
+from .table_file import TableFile, TableFileError, write_table_file
 
 __all__ = [
     "HostTable",
+    "TableFile",
+    "TableFileError",
+    "write_table_file",
+    "RowCache",
+    "RowCacheFull",
+    "Misses",
     "SUPPORTED_DTYPES",
     "row_stride_bytes",
     "UvapleError",

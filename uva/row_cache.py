@@ -166,8 +166,7 @@ class RowCache:
                 t.close()
             raise
         self.row_map = self._map.tensor.view(-1).view(torch.int32)[:rows]  # zeros: nothing cached
-        self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]
-        self.completed.zero_()
+        self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]  # zeros (HostTable.empty): no step done
         self._row_map = self.row_map.numpy()
         self._completed = self.completed.numpy()
         self._row_of_slot = np.full(self.slots, -1, dtype=np.int64)
@@ -189,6 +188,26 @@ class RowCache:
     def slots_of(self, rows) -> np.ndarray:
         """The slots of table rows ``rows`` as the map says now (int64; -1 where a row is not cached)."""
         return self._row_map[np.asarray(rows, dtype=np.int64)].astype(np.int64) - 1
+
+    def cache_ids(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """The map's values of table rows ``rows`` (int64, inside the table) into ``out`` (int32): each row's slot
+        plus one, 0 where it is not cached; the ids a gather of :attr:`rows` reads with ``id_base`` 1."""
+        np.take(self._row_map, rows, out=out)
+
+    def views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slots' rows ``[slots, cols]``, the completion word ``[1]`` int64) as work on ``device`` reads and
+        writes them: CUDA tensors aliasing the host memory (the cache must be registered), or the host tensors
+        themselves for the CPU."""
+        self._live()
+        if device.type != "cuda":
+            return self.rows.tensor, self.completed
+        word = self._word.cuda_view(device.index).view(-1).view(torch.int64)[:1]
+        return self.rows.cuda_view(device.index), word
+
+    @property
+    def planned(self) -> int:
+        """The last step :meth:`plan` was called for (0: none), whether or not it fitted."""
+        return self._planned
 
     def done(self) -> int:
         """The last completed step (the completion word, read as it is now)."""

@@ -295,7 +295,41 @@ class TableFile:
 
     def __init__(self, path: str, fd: int, layout: FileLayout, sums: np.ndarray, direct: bool) -> None:
         self.path, self._fd, self.layout, self._sums, self.direct = path, fd, layout, sums, direct
+        self.owner_pid = os.getpid()
         self._closed = False
+
+    # the table's shape as a HostTable of its rows has it (what TableSpec.of and a lookup read)
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
+
+    @property
+    def cols(self) -> int:
+        return self.layout.cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.layout.rows, self.layout.cols)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layout.dtype
+
+    @property
+    def stride(self) -> int:
+        """Elements between two rows as a host table holds them (the file's row stride)."""
+        return self.layout.stride // self.layout.dtype.itemsize
+
+    @property
+    def encoding(self) -> str:
+        """The rows' encoding, as the file's header names it."""
+        return self.layout.encoding
+
+    @property
+    def forked(self) -> bool:
+        """True in a process forked after the file was opened (its descriptor's offset and the caches built on
+        it are the parent's)."""
+        return os.getpid() != self.owner_pid
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, direct: bool | None = None) -> TableFile:

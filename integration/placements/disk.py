@@ -1,0 +1,228 @@
+"""``DiskLookup``: a table on local disk (a table file), its rows read through a host row cache the GPU maps.
+
+For tables larger than the host memory a server can give them. The table is a file in the project's row layout
+(:mod:`uvaple.uva.table_file`: written once, checksummed, opened without reading its data); a
+:class:`~uvaple.uva.RowCache` holds a budget of its rows in pinned, mapped host memory, by slot. Ids come on
+the host (a serving engine knows a step's ids when it prepares the step), so each call is planned there:
+
+1. **Plan** (this thread): the call's table rows (ids less ``id_offset``, inside the spec's window; under
+   ``oob="row0"`` the window's first row stands in for the others) go to :meth:`RowCache.plan` as step ``k``:
+   hits are kept, misses get slots that no step in flight reads (the completion word says which steps are
+   done). A step that does not fit waits, bounded by ``wait_s``, for the steps in flight to complete, then is
+   :class:`~uvaple.uva.RowCacheFull`.
+2. **Read** the misses from the file into their slots (:meth:`RowCache.fill`: page reads checked against
+   their sums, ``O_DIRECT`` where the filesystem allows it); a failed read unmaps them and raises the file's
+   named error: no gather ever reads a slot that does not hold its row.
+3. **Cache ids**: each id's slot plus one, from the map, 0 for an id outside the table, written into one of
+   ``steps_in_flight`` pinned, mapped staging rows (step ``k`` takes row ``k % steps_in_flight``, free once
+   step ``k - steps_in_flight`` is complete).
+4. **Gather** (the caller's stream): the direct gather over the cache's rows with ``id_base`` 1
+   (:class:`~uvaple.kernels.plan.GatherPlan`, made once), its ids read from the staging row through UVA, the
+   spec's encoding, scale and row policy: an id of 0 is outside the cache, the policy's zero row. Then, in the
+   same stream, the completion word is set to ``k`` (a one-word write into host memory): from then on step
+   ``k``'s slots and staging row may be reused.
+
+So the only order between the host's reads and the GPU's is the stream's: the host writes a slot only after
+the completion word (written by the stream after the last gather that read it) says so (seed 004's race),
+and launches a gather only after its rows are read in. Calls of one lookup run on one stream (the first
+call's; a call on another is a named error): the completion word is that stream's. The steps' host work
+(plan, reads) is on the calling thread, so CUDA graphs cannot capture a call and model layers, whose ids are
+on the GPU, do not serve it (:data:`~uvaple.integration.factory.PLACEMENTS`).
+
+Counters (``stats()``, ``progress()``): kept on the host (every id passes it), with the cache's hits, misses,
+evictions and the pages read; no synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
+from uvaple.kernels.plan import GatherPlan
+from uvaple.uva import HostTable, RowCache, RowCacheFull, TableFile
+
+from ..lookup import Lookup
+from ..spec import TableSpec
+from ..telemetry import Progress
+
+__all__ = ["DiskLookup", "DiskStepTimeout"]
+
+_POLL_S = 0.0002  # how often a full step looks at the completion word again
+
+
+class DiskStepTimeout(RuntimeError):
+    """A disk lookup's step waited ``wait_s`` for earlier steps to complete (their gathers, queued on the GPU,
+    never ran that far): the message names the steps."""
+
+
+class DiskLookup(Lookup):
+    """Rows of a table file through a host row cache (see the module docstring).
+
+    Parameters
+    ----------
+    table : TableFile
+        The table file (closed with the lookup when ``owns_table``).
+    spec, device, owns_table :
+        As in :class:`~uvaple.integration.lookup.Lookup`; the spec's encoding is the file's.
+    max_rows : int
+        Most ids per call (the staging rows are sized from it).
+    budget_bytes, slots : int
+        The row cache's size: bytes of rows at the host stride, or slots; one of them.
+    steps_in_flight : int
+        Calls whose gathers may be queued at once (default 4): a call waits for the one this many before it.
+    wait_s : float
+        How long a call waits for earlier steps to complete (a full cache, a staging row in use) before a named
+        error (default 10).
+    dequant_scale : torch.Tensor, optional
+        An ``fp8_global`` file's float32 ``[1]`` scale on ``device``.
+    """
+
+    kind = "disk"
+
+    def __init__(self, table: TableFile, spec: TableSpec | None = None, device=None, *, owns_table: bool = False,
+                 max_rows: int | None = None, budget_bytes: int | None = None, slots: int | None = None,
+                 steps_in_flight: int = 4, wait_s: float = 10.0, dequant_scale: torch.Tensor | None = None) -> None:
+        if not isinstance(table, TableFile):
+            raise TypeError(f"the disk placement reads a table file (uvaple.uva.TableFile, or its path through "
+                            f"make_lookup), got {type(table).__name__}; write one with write_table_file()")
+        table._check_open()
+        spec = spec or TableSpec.of(table)
+        super().__init__(table, spec, device, owns_table=owns_table, max_rows=max_rows)
+        if max_rows is None:
+            raise ValueError("the disk placement needs max_rows (the most ids a call brings): its staging is sized "
+                             "from it")
+        if spec.encoding != table.encoding:
+            raise ValueError(f"{table.path} holds {table.encoding} rows; the spec says {spec.encoding!r}")
+        if isinstance(steps_in_flight, bool) or not isinstance(steps_in_flight, int) or steps_in_flight < 1:
+            raise ValueError(f"steps_in_flight must be an int >= 1, got {steps_in_flight!r}")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not wait_s > 0:
+            raise ValueError(f"wait_s must be a number of seconds > 0, got {wait_s!r}")
+        self.file = table
+        self._ring, self._wait_s = steps_in_flight, float(wait_s)
+        on_gpu = self.device.type == "cuda"
+        index = self.device.index if on_gpu else None
+        register = True if on_gpu else "auto"  # the GPU reads the slots and the staging through UVA
+        self.cache = RowCache.for_file(table, slots=slots, budget_bytes=budget_bytes, register=register, device=index)
+        self._staging = None
+        try:
+            self._staging = HostTable.empty(steps_in_flight, max_rows * 4, torch.uint8, register=register,
+                                            device=index)
+            self._host_ids = self._staging.tensor.view(torch.int32)  # [steps_in_flight, max_rows]
+            self._dev_ids = (self._staging.cuda_view(index) if on_gpu else self._staging.tensor).view(torch.int32)
+            rows_view, self._done_word = self.cache.views(self.device)
+            scale = self._check_scale(dequant_scale)
+            self._plan = GatherPlan(rows_view, self.device, spec.output_dtype, bits=spec.scale_arg,
+                                    has_scale=spec.has_scale, oob_mode=spec.oob_mode, dequant=spec.dequant,
+                                    id_base=1, dq_scale=scale)
+        except BaseException:
+            self._release()
+            raise
+        self._lo, self._hi = spec.window
+        self._step = 0
+        self._stream = None  # the stream of the first call: every call's (the completion word is written there)
+        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0}
+        self._row_bytes = spec.value_cols * table.dtype.itemsize
+
+    def _check_scale(self, s) -> torch.Tensor | None:
+        if _REGISTRY[self.spec.encoding].scale != "global":
+            if s is not None:
+                raise ValueError(f"dequant_scale is for fp8_global tables; {self.file.path} holds {self.spec.encoding} "
+                                 "rows")
+            return None
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1 or s.device != self.device:
+            raise ValueError(f"an fp8_global table needs dequant_scale: a float32 tensor of one element on "
+                             f"{self.device}, got {s!r}")
+        return s.reshape(1)
+
+    # ------------------------------------------------------------------ calls
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
+        ids, out, c0, _ = self._prepare(ids, out, columns, ids_on="host")
+        n = ids.numel()
+        if n == 0:
+            return out
+        if self.device.type == "cuda":
+            self._check_stream()
+        step = self._step + 1
+        slot = (step - 1) % self._ring
+        self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
+        rows = ids.reshape(-1).numpy().astype(np.int64) - self.spec.id_offset
+        valid = (rows >= self._lo) & (rows < self._hi)
+        outside = n - int(np.count_nonzero(valid))
+        if outside:
+            rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
+        misses = self._plan_step(rows if outside == 0 or self.spec.oob == "row0" else rows[valid], step)
+        self._step = step  # planned: the next call's number, whatever the read below does
+        self.cache.fill(misses, self.file)  # a failed read unmaps its rows and raises the file's named error
+        staged = self._host_ids[slot, :n].numpy()
+        self.cache.cache_ids(rows, staged)
+        if outside and self.spec.oob != "row0":
+            staged[~valid] = 0  # outside the cache: the policy's zero row
+        self._plan.run(self._dev_ids[slot, :n].view(ids.shape), out, c0)
+        self._done_word.fill_(step)  # in stream order: step `step`'s reads of the slots and the staging are done
+        self._counts["lookups"] += 1
+        self._counts["rows"] += n
+        self._counts["out_of_range_ids"] += outside
+        return out
+
+    def _check_stream(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a disk lookup plans and reads each call on the host: CUDA graphs cannot capture it "
+                               "(use the uva placement inside a graph)")
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = stream
+        elif stream != self._stream:
+            raise RuntimeError(f"this disk lookup's calls run on {self._stream} (its first call's: the completion "
+                               f"word of its row cache is written in that stream's order); this call is on {stream}")
+
+    def _plan_step(self, rows: np.ndarray, step: int):
+        """The step's misses; a cache too full of steps in flight waits for them (bounded), then is named."""
+        try:
+            return self.cache.plan(rows, step)
+        except RowCacheFull:
+            if self.cache.done() >= step - 1:
+                raise  # no step in flight: waiting frees nothing
+        self._wait_for(step - 1, "slots of the steps in flight")
+        return self.cache.plan(rows, step)
+
+    def _wait_for(self, step: int, what: str) -> None:
+        """Until the completion word reaches ``step`` (at most ``wait_s``); polls host memory, no CUDA call."""
+        if step <= 0 or self.cache.done() >= step:
+            return
+        deadline = time.monotonic() + self._wait_s
+        while self.cache.done() < step:
+            if time.monotonic() > deadline:
+                raise DiskStepTimeout(
+                    f"step {self._step + 1} of this disk lookup waited {self._wait_s:g} s for {what}: step {step} "
+                    f"has not completed (the completion word says {self.cache.done()}). Are this lookup's gathers "
+                    f"queued behind work that does not run? (pid {os.getpid()})")
+            time.sleep(_POLL_S)
+
+    # ------------------------------------------------------------------ reading
+    def stats(self) -> dict:
+        st = super().stats()
+        st.update(self._counts, cache=dict(self.cache.stats), slots=self.cache.slots, completed_step=self.cache.done(),
+                  planned_step=self._step, file=self.file.path)
+        return st
+
+    def progress(self) -> Progress:
+        c = self._counts
+        return Progress(kind=self.kind, closed=self._closed, lookups=c["lookups"], rows=c["rows"],
+                        bytes=c["rows"] * self._row_bytes, out_of_range_ids=c["out_of_range_ids"], age_s=0.0)
+
+    # ------------------------------------------------------------------ lifetime
+    def _release(self) -> None:
+        self._plan = None
+        if self._staging is not None:
+            self._staging.close()
+        self.cache.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._release()  # views of the staging and the slots held by a queued gather keep their memory mapped
+        super().close()

@@ -1,0 +1,276 @@
+"""The disk placement: a table file read through a host row cache, each call planned on the host, the gather over the
+cache in the caller's stream. Bits against the reference for every encoding and row policy over many steps with
+evictions; slots of a step in flight never taken before the completion word passes it, the wait bounded and named;
+a full cache, a damaged or truncated file, bad options and calls each a named error that serves nothing stale.
+Real files, real reads; the gather interpreted on CPU, compiled over UVA on CUDA."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import bits, rand
+
+from uvaple.integration import DiskLookup, DiskStepTimeout, TableSpec, make_lookup
+from uvaple.integration.errors import BackendClosed
+from uvaple.kernels import reference_gather
+from uvaple.uva import HostTable, RowCacheFull, TableFile, TableFileError, write_table_file
+from uvaple.uva.table_file import PAGE
+
+POISON = -31.0
+
+
+def fp8_row_rows(rows: int, values: int, fmt, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, values), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x21  # no NaN codes (e4m3fn): their payloads are the device's
+    scales = (torch.rand(rows, generator=g) + 0.05).view(-1, 1)
+    return torch.cat([codes, scales.view(torch.uint8).reshape(-1, 4)], dim=1).view(fmt)
+
+
+# (rows of the file, its encoding, spec options, a global scale)
+KINDS = {
+    "bf16 scaled row0": (lambda: rand(900, 40, torch.bfloat16, seed=1), "raw", dict(scale=16.0, oob="row0"), None),
+    "fp32 to bf16 window": (lambda: rand(700, 13, torch.float32, seed=2), "raw",
+                            dict(out_dtype=torch.bfloat16, row_window=(50, 650), id_offset=7), None),
+    "fp8_row neg_zero": (lambda: fp8_row_rows(800, 24, torch.float8_e4m3fn, 3), "fp8_row",
+                         dict(oob="neg_zero", out_dtype=torch.bfloat16), None),
+    "fp8_global e5m2 fp16": (lambda: rand(600, 32, torch.float32, seed=4).to(torch.float8_e5m2), "fp8_global",
+                             dict(out_dtype=torch.float16), 0.0625),
+}
+
+
+def table_file(tmp_path, kind: str):
+    make, encoding, opts, scale = KINDS[kind]
+    t = make()
+    path = tmp_path / f"{kind.replace(' ', '_')}.uvt"
+    write_table_file(path, t, encoding=encoding)
+    return t, path, encoding, opts, scale
+
+
+def reference(t, ids, spec: TableSpec, scale):
+    return reference_gather(t, ids, scale=spec.scale, oob=spec.oob, out_dtype=spec.output_dtype,
+                            dequant_scale=None if scale is None else torch.tensor([scale]), rows=spec.window,
+                            id_base=spec.id_offset, encoding=spec.encoding)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_call_is_the_references_bits_over_steps_that_evict(tmp_path, device, kind):
+    """Twelve calls of random shapes and id dtypes (ids below, inside and past the window) through a cache of 90
+    slots: hits, misses and evictions; each call's rows are the reference's, every output row written."""
+    t, path, encoding, opts, scale = table_file(tmp_path, kind)
+    spec = TableSpec.of(TableFile.open(path), **opts)
+    dq = None if scale is None else torch.tensor([scale], device=device)
+    g = torch.Generator().manual_seed(5)
+    with make_lookup("disk", str(path), device=device, spec=spec, max_rows=70, slots=90, dequant_scale=dq) as lk:
+        assert isinstance(lk, DiskLookup) and lk.spec.encoding == encoding
+        outside = 0
+        for step in range(12):
+            shape = [(1,), (7,), (3, 11), (2, 5, 7)][step % 4]
+            ids = torch.randint(-20, t.shape[0] + 20, shape, generator=g, dtype=torch.int32 if step % 2 else
+                                torch.int64)
+            out = torch.full((*shape, spec.value_cols), POISON, dtype=spec.output_dtype, device=device)
+            assert lk.lookup(ids, out) is out
+            assert torch.equal(bits(out), bits(reference(t, ids, spec, scale))), step
+            rows = ids.long() - spec.id_offset
+            outside += int(((rows < spec.window[0]) | (rows >= spec.window[1])).sum())
+        st = lk.stats()
+        assert st["lookups"] == 12 and st["out_of_range_ids"] == outside and st["completed_step"] == 12
+        assert st["cache"]["evictions"] > 0 and st["cache"]["hits"] > 0
+    assert lk.file.closed  # opened from its path by make_lookup: closed with the lookup
+
+
+def test_a_step_never_takes_the_slots_of_a_step_in_flight(tmp_path, device):
+    """Seed 004's race, driven by hand: with the completion word held back, the previous step's slots and bytes stay
+    as they are while the next step, which needs them, waits; the word advanced, it evicts them and is exact."""
+    t = rand(400, 16, torch.bfloat16, seed=6)
+    write_table_file(tmp_path / "t.uvt", t)
+    lk = make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=40, wait_s=5.0)
+    first = torch.arange(0, 40)
+    lk.lookup(first)
+    lk.cache.completed.fill_(0)  # step 1 is "still on the GPU"
+    held = lk.cache.slots_of(first.numpy())
+    before = lk.cache.rows.tensor[torch.from_numpy(held)].clone()
+    seen = {}
+
+    def complete_later():
+        deadline = time.monotonic() + 10
+        while lk.cache.planned < 2 and time.monotonic() < deadline:  # until step 2 met the full cache
+            time.sleep(0.01)
+        time.sleep(0.3)  # ... and has waited a while
+        seen["planned"] = lk.cache.planned
+        seen["slots"] = lk.cache.slots_of(first.numpy())
+        seen["rows"] = lk.cache.rows.tensor[torch.from_numpy(held)].clone()
+        lk.cache.completed.fill_(1)
+
+    later = threading.Thread(target=complete_later)
+    t0 = time.monotonic()
+    later.start()
+    second = torch.arange(100, 140)
+    got = lk.lookup(second)  # needs all 40 slots: waits for step 1
+    waited = time.monotonic() - t0
+    later.join()
+    assert seen["planned"] == 2 and waited >= 0.3  # step 2 met the full cache and waited for step 1
+    assert (seen["slots"] == held).all() and torch.equal(bits(seen["rows"]), bits(before))  # step 1's, untouched
+    assert torch.equal(bits(got), bits(reference_gather(t, second)))
+    assert (lk.cache.slots_of(first.numpy()) == -1).all()  # evicted once step 1 was complete
+    lk.close()
+
+
+def test_the_wait_for_steps_in_flight_is_bounded_and_named(tmp_path, device):
+    """A step waits for the steps in flight whose slots, or whose staging row, it needs; never longer than
+    ``wait_s``, then a named error; served once they complete."""
+    t = rand(300, 8, torch.float32, seed=7)
+    write_table_file(tmp_path / "t.uvt", t)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=30, slots=30, wait_s=0.2) as lk:
+        lk.lookup(torch.arange(30))
+        lk.cache.completed.fill_(0)  # step 1 still reads every slot
+        t0 = time.monotonic()
+        with pytest.raises(DiskStepTimeout, match="step 2 of this disk lookup waited 0.2 s for slots of the steps "
+                                                  "in flight: step 1 has not completed"):
+            lk.lookup(torch.arange(30, 60))
+        assert time.monotonic() - t0 < 2.0
+        lk.cache.completed.fill_(1)
+        assert torch.equal(bits(lk.lookup(torch.arange(30, 60))), bits(t[30:60]))  # then served, exactly
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=30, slots=100, wait_s=0.2,
+                     steps_in_flight=2) as lk:
+        lk.lookup(torch.tensor([1]))
+        lk.lookup(torch.tensor([2]))
+        lk.cache.completed.fill_(1)  # step 2 in flight: step 3 takes step 1's staging row, which is free
+        assert torch.equal(bits(lk.lookup(torch.tensor([3]))), bits(t[[3]]))
+        lk.cache.completed.fill_(1)
+        with pytest.raises(DiskStepTimeout, match="step 4 of this disk lookup waited 0.2 s for its staging row "
+                                                  "\\(step 2's\\)"):
+            lk.lookup(torch.tensor([4]))  # step 4 takes step 2's
+
+
+def test_a_step_larger_than_the_cache_is_named_and_the_next_one_served(tmp_path, device):
+    t = rand(300, 8, torch.bfloat16, seed=8)
+    write_table_file(tmp_path / "t.uvt", t)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=100, slots=20) as lk:
+        with pytest.raises(RowCacheFull, match="needs 50 rows read in, but only 20 of the cache's 20 slots"):
+            lk.lookup(torch.arange(50))
+        assert (lk.cache.slots_of(np.arange(50)) == -1).all()  # nothing half-mapped
+        ids = torch.tensor([3, 250, 3, 7])
+        assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
+
+
+@pytest.mark.parametrize("fault", ["a page changed", "truncated"])
+def test_a_damaged_file_is_named_and_no_stale_row_is_served(tmp_path, device, fault):
+    t = rand(2000, 16, torch.bfloat16, seed=9)
+    path = tmp_path / "t.uvt"
+    write_table_file(path, t)
+    with make_lookup("disk", str(path), device=device, max_rows=64, slots=64) as lk:
+        assert torch.equal(bits(lk.lookup(torch.arange(10))), bits(t[:10]))
+        rows_per_page = PAGE // 32
+        page = 1500 // rows_per_page
+        with open(path, "r+b") as f:
+            if fault == "a page changed":
+                f.seek((1 + page) * PAGE + 100)
+                f.write(b"\xff\x00\xff")
+            else:
+                f.truncate((1 + page) * PAGE + 10)
+        out = torch.full((3, 16), POISON, dtype=torch.bfloat16, device=device)
+        match = f"data page {page} does not match its sum" if fault == "a page changed" else "ended at byte"
+        with pytest.raises(TableFileError, match=match):
+            lk.lookup(torch.tensor([2, 1500, 4]), out)
+        assert bool((out == POISON).all())  # nothing written
+        assert (lk.cache.slots_of(np.array([1500])) == -1).all()  # the row that failed is not mapped
+        assert torch.equal(bits(lk.lookup(torch.tensor([2, 4, 9]))), bits(t[[2, 4, 9]]))  # cached rows still served
+
+
+def test_bad_options_and_calls_are_named(tmp_path, device):
+    t = rand(100, 8, torch.bfloat16, seed=10)
+    path = tmp_path / "t.uvt"
+    write_table_file(path, t)
+    with HostTable.from_tensor(t) as h:
+        with pytest.raises(TypeError, match="the disk placement reads a table file: pass its path or a "
+                                            "uvaple.uva.TableFile .* got HostTable"):
+            make_lookup("disk", h, device=device, max_rows=4, slots=4)
+    with TableFile.open(path) as f:
+        with pytest.raises(TypeError, match="a table file is read by the \\['disk'\\] placement, not 'uva'"):
+            make_lookup("uva", f, device=device)
+        cases = [
+            (dict(slots=4), ValueError, "the disk placement needs max_rows"),
+            (dict(max_rows=4), ValueError, "give a row cache its size as slots= or as budget_bytes="),
+            (dict(max_rows=4, slots=4, budget_bytes=1 << 20), ValueError, "one of them"),
+            (dict(max_rows=4, budget_bytes=3), ValueError, "budget must hold at least one row"),
+            (dict(max_rows=4, slots=4, steps_in_flight=0), ValueError, "steps_in_flight must be an int >= 1"),
+            (dict(max_rows=4, slots=4, wait_s=-1), ValueError, "wait_s must be a number of seconds > 0"),
+            (dict(max_rows=4, slots=4, dequant_scale=torch.ones(1)), ValueError, "dequant_scale is for fp8_global"),
+        ]
+        for kw, error, match in cases:
+            with pytest.raises(error, match=match):
+                make_lookup("disk", f, device=device, **kw)
+        lk = make_lookup("disk", f, device=device, max_rows=4, slots=4)
+        with pytest.raises(ValueError, match="5 ids in one call, but this lookup was built for max_rows=4"):
+            lk.lookup(torch.arange(5))
+        with pytest.raises(TypeError, match="ids must be an int32 or int64 tensor"):
+            lk.lookup(torch.arange(3).float())
+        if device.type == "cuda":
+            with pytest.raises(ValueError, match="ids are on cuda:0; this call takes host ids"):
+                lk.lookup(torch.arange(3, device=device))
+        assert torch.equal(bits(lk.lookup(torch.tensor([[1, 2]]))), bits(t[torch.tensor([[1, 2]])]))
+        lk.close()
+        with pytest.raises(BackendClosed):
+            lk.lookup(torch.tensor([1]))
+        assert not f.closed  # a TableFile passed in is the caller's
+    write_table_file(tmp_path / "codes.uvt", t.float().to(torch.float8_e4m3fn))  # fp8 codes stored raw
+    with TableFile.open(tmp_path / "codes.uvt") as f, pytest.raises(ValueError, match="codes.uvt holds raw rows; "
+                                                                                    "the spec says 'fp8_row'"):
+        make_lookup("disk", f, device=device, spec=TableSpec.of(f, encoding="fp8_row"), max_rows=4, slots=4)
+    with pytest.raises(TableFileError, match="cannot open the table file"):
+        make_lookup("disk", str(tmp_path / "missing.uvt"), device=device, max_rows=4, slots=4)
+
+
+def test_a_forked_child_is_refused_by_name(tmp_path, device):
+    if device.type == "cuda":
+        pytest.skip("a CUDA parent does not fork (its tests use spawn)")
+    t = rand(100, 8, torch.bfloat16, seed=11)
+    write_table_file(tmp_path / "t.uvt", t)
+    lk = make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=4, slots=4)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            lk.lookup(torch.tensor([1]))
+            os.write(w, b"served")
+        except Exception as e:  # noqa: BLE001 - the child reports what it met
+            os.write(w, type(e).__name__.encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    assert os.read(r, 100) == b"LookupForkedError"
+    lk.close()
+
+
+@pytest.mark.gpu
+def test_gpu_steps_queued_behind_a_busy_stream_wait_for_their_slots_and_stay_exact(tmp_path):
+    """Many steps queued while the stream sleeps, through a cache that only holds two steps' rows: each call waits on
+    the completion word (no synchronisation) for the slots it evicts; every output exact. Another stream and a
+    capture are refused by name."""
+    device = torch.device("cuda")
+    t = rand(5000, 160, torch.bfloat16, seed=12)
+    write_table_file(tmp_path / "t.uvt", t)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=64, slots=128,
+                     steps_in_flight=3) as lk:
+        g = torch.Generator().manual_seed(13)
+        calls = [torch.randint(0, 5000, (64,), generator=g) for _ in range(20)]
+        outs = [torch.full((64, 160), POISON, dtype=torch.bfloat16, device=device) for _ in calls]
+        torch.cuda._sleep(100_000_000)
+        for ids, out in zip(calls, outs, strict=True):
+            lk.lookup(ids, out)
+        torch.cuda.synchronize()
+        for ids, out in zip(calls, outs, strict=True):
+            assert torch.equal(bits(out), bits(t[ids]))
+        with pytest.raises(RuntimeError, match="this disk lookup's calls run on"):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                lk.lookup(calls[0])
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA graphs cannot capture it"):
+            with torch.cuda.graph(graph):
+                lk.lookup(calls[0], outs[0])
