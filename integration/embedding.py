@@ -464,7 +464,7 @@ class HostScaledEmbedding(nn.Module):
         if not isinstance(history, torch.Tensor):
             check_history(history)  # its named error; the lookup checks a tensor
         shape = (history.shape[0], last, sizes.numel()) if history.dim() == 2 and isinstance(sizes, torch.Tensor) \
-            and isinstance(last, int) and last >= 0 else None
+            and isinstance(last, int) and 0 <= last <= history.shape[1] else None  # else the lookup's named error
         lookup, out = self._serve(history, shape)
         return lookup.lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos, last=last,
                                     out=out)

@@ -167,8 +167,11 @@ class NgramGather:
         self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch]] = {}
 
     def serves(self, multipliers: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, eos: int) -> bool:
-        """Whether this launcher was made for these hash buffers (the same tensors) and ``eos``."""
-        return multipliers is self.multipliers and sizes is self.sizes and offsets is self.offsets and eos == self.eos
+        """Whether this launcher was made for these hash buffers (the same tensors, of the same lengths: values
+        changed in place are read at launch) and this ``eos`` (an int: anything else is checked anew)."""
+        return multipliers is self.multipliers and sizes is self.sizes and offsets is self.offsets \
+            and type(eos) is int and eos == self.eos and multipliers.numel() == self.n \
+            and sizes.numel() == self.heads and offsets.numel() == self.heads
 
     def _for_cols(self, ncols: int) -> tuple[LaunchConfig, KernelLaunch]:
         d = self.direct

@@ -5,16 +5,19 @@ give the same bits; every bad call a named error that writes nothing. Interprete
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import EXTENDED, bits, capture, rand
 
 from uvaple.integration import HotSet, TableSpec, make_lookup
+from uvaple.integration.embedding import HostScaledEmbedding
 from uvaple.integration.errors import BackendClosed
 from uvaple.integration.models.qwen4_exp import layer_multipliers, ngram_ids
 from uvaple.kernels import launch as _launch
 from uvaple.kernels import reference_gather
 from uvaple.kernels.ngram import ngram_rows
+from uvaple.kernels.tuning import LaunchConfig
 from uvaple.uva import HostTable
 
 EOS = 3
@@ -211,10 +214,61 @@ def test_bad_calls_are_named_and_write_nothing(device):
             call(**over)
         assert bool((out == POISON).all()), over
     assert call() is out and not bool((out == POISON).any())  # the same lookup still serves a good call
+    assert call(eos=1) is out  # its launcher is now eos 1's: values equal to 1 that are not int token ids ...
+    for eos in (True, np.int64(1), 1.0):
+        with pytest.raises(ValueError, match="end-of-sequence token must be an int32 token id"):
+            call(eos=eos)  # ... are still refused
+    sizes = buffers["sizes"].clone()
+    call(sizes=sizes)
+    sizes.resize_(3)  # the same tensor, another length: checked again
+    with pytest.raises(ValueError, match="must hold \\(N - 1\\) \\* heads_per_ngram values"):
+        call(sizes=sizes)
     lk.close()
     with pytest.raises(BackendClosed):
         call()
     h.close()
+
+
+@pytest.mark.parametrize("row_tiles", [False, True])
+def test_rows_of_several_tiles_in_either_launch_order(device, monkeypatch, row_tiles):
+    """Rows wider than a tile (2,100 bf16 values: two 4 KiB tiles, or 64-value tiles side by side in a 1-D
+    grid): every tile of every row, the counters once a row."""
+    t = rand(300, 2100, torch.bfloat16, seed=8)
+    with HostTable.from_tensor(t) as h:
+        spec = TableSpec.of(h, oob="zero", row_window=(10, 290))
+        buffers = layer(3, 2, size=90, seed=4, device=device, base=-20)
+        history = histories(3, 4, seed=6, device=device)
+        ids = ngram_rows(history, eos=EOS, last=2, **buffers)
+        with make_lookup("uva", h, device=device, spec=spec) as lk:
+            if row_tiles:
+                lk.plan.direct.config = LaunchConfig(block=64, num_warps=1, row_tiles=True)  # a bench sweep's
+            launches = Launches(monkeypatch)
+            got = lk.lookup_ngrams(history, eos=EOS, last=2, **buffers)
+            assert launches.count == 1
+            assert torch.equal(bits(got), bits(reference_gather(t, ids, rows=(10, 290))))
+            rows = ids.cpu()
+            assert lk.stats()["out_of_range_ids"] == int(((rows < 10) | (rows >= 290)).sum()) > 0
+            assert lk.stats()["rows"] == ids.numel()
+
+
+def test_the_embeddings_ngram_forward_fills_its_static_output(device):
+    """``HostScaledEmbedding.forward_ngrams`` with ``max_tokens``: the rows of ``forward(ngram_rows(...))`` in a
+    view of the module's static output; more ids than it holds, or ``last`` past the history, named."""
+    t = rand(360, 24, torch.bfloat16, seed=3)
+    emb = HostScaledEmbedding.from_embedding(torch.nn.Embedding.from_pretrained(t), max_tokens=16)
+    buffers = layer(3, 2, size=80, seed=9, device=device)
+    history = histories(2, 5, seed=2, device=device)
+    want = emb(ngram_rows(history, eos=EOS, last=2, **buffers)).clone()
+    got = emb.forward_ngrams(history, eos=EOS, last=2, **buffers)
+    assert got.shape == (2, 2, 4, 24) and torch.equal(bits(got), bits(want))
+    assert got.data_ptr() == emb(ngram_rows(history, eos=EOS, last=2, **buffers)).data_ptr()  # the static output
+    with pytest.raises(ValueError, match="24 ids in one forward, but this embedding was built with max_tokens=16"):
+        emb.forward_ngrams(history, eos=EOS, last=3, **buffers)
+    with pytest.raises(ValueError, match="last is 6 but the history holds 5 tokens"):
+        emb.forward_ngrams(history, eos=EOS, last=6, **buffers)
+    with pytest.raises(TypeError, match="history must be a contiguous \\[batch, tokens\\] int64 tensor, got list"):
+        emb.forward_ngrams([[1, 2]], eos=EOS, last=1, **buffers)
+    emb.close()
 
 
 def test_nothing_to_gather_launches_nothing(device, monkeypatch):

@@ -214,11 +214,11 @@ class GatherLookup(Lookup):
         if history.device != self.device:
             raise ValueError(f"history is on {history.device}; this lookup serves {self.device}")
         n = history.shape[0] * last * fused.heads
+        if self.max_rows is not None and n > self.max_rows:
+            raise self._too_many(n)
         if plan.uses_sorted(n):
             return super().lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos,
                                          last=last, out=out)
-        if self.max_rows is not None and n > self.max_rows:
-            raise self._too_many(n)
         c0, c1 = self._whole
         want = (history.shape[0], last, fused.heads, c1 - c0)
         if out is None:
