@@ -159,6 +159,26 @@ def test_a_step_larger_than_the_cache_is_named_and_the_next_one_served(tmp_path,
         assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
 
 
+def test_a_call_that_fails_after_its_plan_completes_its_step_and_maps_nothing_it_placed(tmp_path, device,
+                                                                                        monkeypatch):
+    """An interrupt while a step's misses are read: none of them stays mapped, the step completes in stream order
+    (its hits are not held for a step that never runs), and a next call needing every slot is served at once."""
+    t = rand(300, 8, torch.bfloat16, seed=14)
+    write_table_file(tmp_path / "t.uvt", t)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=20, wait_s=0.5) as lk:
+        lk.lookup(torch.arange(20))
+        monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            lk.lookup(torch.cat([torch.arange(10), torch.arange(100, 110)]))  # 10 hits, 10 misses
+        monkeypatch.undo()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the completion word, written in stream order
+        assert (lk.cache.slots_of(np.arange(100, 110)) == -1).all()
+        assert lk.stats()["planned_step"] == 2 and lk.cache.done() == 2
+        ids = torch.arange(200, 220)  # every slot, the failed step's hits' too: a wait for step 2 would time out
+        assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
+
+
 @pytest.mark.parametrize("fault", ["a page changed", "truncated"])
 def test_a_damaged_file_is_named_and_no_stale_row_is_served(tmp_path, device, fault):
     t = rand(2000, 16, torch.bfloat16, seed=9)

@@ -125,6 +125,26 @@ def test_a_read_that_fails_leaves_its_rows_unmapped(source, table_file, tmp_path
         assert len(step(cache, table_file, [4, 4_900], 3)) == 2  # read again, from a whole file, when asked
 
 
+@pytest.mark.parametrize("where", ["after the sweep", "in the read"])
+def test_an_interrupt_after_the_plan_leaves_no_row_it_placed_mapped(source, table_file, monkeypatch, where):
+    """``read_in`` (plan and fill as one): an interrupt after the sweep placed its misses, or during their read,
+    unmaps them; the rows it kept stay, and the step is planned again and served."""
+    with RowCache.for_file(table_file, slots=30, register=False) as cache:
+        cache.read_in([1, 2, 3], 1, table_file)
+        cache.complete(1)
+        if where == "after the sweep":
+            monkeypatch.setattr(RowCache, "_placed", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        else:
+            monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            cache.read_in([2, 40, 41, 42], 2, table_file)
+        monkeypatch.undo()
+        assert (cache.slots_of([40, 41, 42]) == -1).all() and (cache.slots_of([1, 2, 3]) >= 0).all()
+        consistent(cache, source)
+        assert len(cache.read_in([2, 40, 41, 42], 2, table_file)) == 3
+        consistent(cache, source)
+
+
 def test_bad_settings_and_calls_are_named(table_file):
     with pytest.raises(ValueError, match="slots= or as budget_bytes="):
         RowCache(10, 4, torch.float32, register=False)

@@ -226,6 +226,18 @@ class RowCache:
         with self._lock:
             return self._plan(rows, step)
 
+    def read_in(self, rows, step: int, file) -> Misses:
+        """:meth:`plan` then :meth:`fill` from ``file``, as one: whatever stops it after the plan (a failed read,
+        an interrupt) leaves none of the rows it placed mapped. Returns the misses it read in."""
+        with self._lock:
+            misses = self._plan(rows, step)
+            try:
+                self._fill(misses, file)
+            except BaseException:
+                self._unmap(misses.rows, misses.slots)
+                raise
+            return misses
+
     def _plan(self, rows, step: int) -> Misses:
         self._live()
         if isinstance(step, bool) or not isinstance(step, int) or step < max(1, self._planned):
@@ -244,12 +256,19 @@ class RowCache:
         slots = np.empty(ids.size, dtype=np.int64)
         placed, self._hand, hits, evicted, ok = _sweep()(ids, self._row_map, self._row_of_slot, self._last_step,
                                                          self._ref, self._hand, step, done, need, slots)
+        try:
+            return self._placed(ids, step, done, need, slots, placed, hits, evicted, ok)
+        except BaseException:  # RowCacheFull, or an interrupt before the caller holds the misses
+            self._unmap(need[:placed], slots[:placed])
+            raise
+
+    def _placed(self, ids, step: int, done: int, need, slots, placed: int, hits: int, evicted: int,
+                ok: bool) -> Misses:
         self.stats["evictions"] += evicted
         if not ok:
-            self._unmap(need[:placed], slots[:placed])
-            busy = int((self._last_step > done).sum())
+            busy = int((self._last_step > done).sum()) - placed  # the placed slots are free again once unmapped
             distinct = np.unique(ids)
-            missing = int((self._row_map[distinct] == 0).sum())
+            missing = int((self._row_map[distinct] == 0).sum()) + placed  # placed: still mapped, unmapped next
             raise RowCacheFull(f"step {step} needs {missing} rows read in, but only "
                                f"{self.slots - busy} of the cache's {self.slots} slots are free of the steps in "
                                f"flight (steps {done + 1} .. {step} hold {busy}): give it more than "

@@ -22,6 +22,10 @@ the host (a serving engine knows a step's ids when it prepares the step), so eac
    same stream, the completion word is set to ``k`` (a one-word write into host memory): from then on step
    ``k``'s slots and staging row may be reused.
 
+A call that fails once its step is planned (a full cache, a failed read, an interrupt) still completes that
+step in stream order (after whatever it launched): its hits are released when the steps before it are done,
+and the next call takes the next number.
+
 So the only order between the host's reads and the GPU's is the stream's: the host writes a slot only after
 the completion word (written by the stream after the last gather that read it) says so (seed 004's race),
 and launches a gather only after its rows are read in. Calls of one lookup run on one stream (the first
@@ -36,6 +40,7 @@ evictions and the pages read; no synchronisation.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -124,6 +129,7 @@ class DiskLookup(Lookup):
         self._lo, self._hi = spec.window
         self._step = 0
         self._stream = None  # the stream of the first call: every call's (the completion word is written there)
+        self._lock = threading.Lock()
         self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0}
         self._row_bytes = spec.value_cols * table.dtype.itemsize
 
@@ -144,28 +150,32 @@ class DiskLookup(Lookup):
         n = ids.numel()
         if n == 0:
             return out
-        if self.device.type == "cuda":
-            self._check_stream()
-        step = self._step + 1
-        slot = (step - 1) % self._ring
-        self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
-        rows = ids.reshape(-1).numpy().astype(np.int64) - self.spec.id_offset
-        valid = (rows >= self._lo) & (rows < self._hi)
-        outside = n - int(np.count_nonzero(valid))
-        if outside:
-            rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
-        misses = self._plan_step(rows if outside == 0 or self.spec.oob == "row0" else rows[valid], step)
-        self._step = step  # planned: the next call's number, whatever the read below does
-        self.cache.fill(misses, self.file)  # a failed read unmaps its rows and raises the file's named error
-        staged = self._host_ids[slot, :n].numpy()
-        self.cache.cache_ids(rows, staged)
-        if outside and self.spec.oob != "row0":
-            staged[~valid] = 0  # outside the cache: the policy's zero row
-        self._plan.run(self._dev_ids[slot, :n].view(ids.shape), out, c0)
-        self._done_word.fill_(step)  # in stream order: step `step`'s reads of the slots and the staging are done
-        self._counts["lookups"] += 1
-        self._counts["rows"] += n
-        self._counts["out_of_range_ids"] += outside
+        with self._lock:  # one call at a time: the steps are numbered in the order they are planned
+            if self.device.type == "cuda":
+                self._check_stream()
+            step = self._step + 1
+            slot = (step - 1) % self._ring
+            self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
+            rows = ids.reshape(-1).numpy().astype(np.int64) - self.spec.id_offset
+            valid = (rows >= self._lo) & (rows < self._hi)
+            outside = n - int(np.count_nonzero(valid))
+            if outside:
+                rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
+            try:
+                # planned and read in as one: a failure leaves no row this step placed mapped
+                self._read_in(rows if outside == 0 or self.spec.oob == "row0" else rows[valid], step)
+                staged = self._host_ids[slot, :n].numpy()
+                self.cache.cache_ids(rows, staged)
+                if outside and self.spec.oob != "row0":
+                    staged[~valid] = 0  # outside the cache: the policy's zero row
+                self._plan.run(self._dev_ids[slot, :n].view(ids.shape), out, c0)
+            finally:
+                if self.cache.planned >= step:  # its rows are marked as this step's, read in or not: the step
+                    self._step = step  # completes in stream order, after what it launched (if anything)
+                    self._done_word.fill_(step)
+            self._counts["lookups"] += 1
+            self._counts["rows"] += n
+            self._counts["out_of_range_ids"] += outside
         return out
 
     def _check_stream(self) -> None:
@@ -179,15 +189,17 @@ class DiskLookup(Lookup):
             raise RuntimeError(f"this disk lookup's calls run on {self._stream} (its first call's: the completion "
                                f"word of its row cache is written in that stream's order); this call is on {stream}")
 
-    def _plan_step(self, rows: np.ndarray, step: int):
-        """The step's misses; a cache too full of steps in flight waits for them (bounded), then is named."""
+    def _read_in(self, rows: np.ndarray, step: int) -> None:
+        """The step planned and its misses read into their slots (:meth:`RowCache.read_in`); a cache too full of
+        steps in flight waits for them (bounded), then is named; a failed read raises the file's named error."""
         try:
-            return self.cache.plan(rows, step)
+            self.cache.read_in(rows, step, self.file)
+            return
         except RowCacheFull:
             if self.cache.done() >= step - 1:
                 raise  # no step in flight: waiting frees nothing
         self._wait_for(step - 1, "slots of the steps in flight")
-        return self.cache.plan(rows, step)
+        self.cache.read_in(rows, step, self.file)
 
     def _wait_for(self, step: int, what: str) -> None:
         """Until the completion word reaches ``step`` (at most ``wait_s``); polls host memory, no CUDA call."""
