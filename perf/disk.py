@@ -13,8 +13,9 @@ stride, 23 rows to a 4 KiB page) is written once (``--file-gib``, random bytes),
 * **the reference reader**: :meth:`~uvaple.uva.table_file.TableFile.read_rows` of ``n`` random rows
   (``--rows``), each page once, one ``pread`` a run of adjacent pages on the calling thread, every row checked
   against what was written (where this run wrote the file): rows and pages per second, and the pages per
-  second over the disk's best rate. The batched reader of the disk placement is measured against the same
-  limit (goal: 90%).
+  second over the disk's best rate;
+* **the batched reader** (:class:`~uvaple.uva.PageReader`, what the disk placement reads its misses with) at
+  each thread count of ``--read-depths``, the same calls, against the same limit (goal: 90%).
 
 ``O_DIRECT`` refused (a tmpfs), the reads come from the page cache: the output says so, and the rates are not
 a disk's. ``--smoke``: a 64 MiB file and 0.2 s a depth (CI). Results: ``disk.json`` in ``--out``.
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from uvaple.dtypes import fmt_bytes
+from uvaple.uva.page_reader import PageReader
 from uvaple.uva.table_file import (
     PAGE,
     FileLayout,
@@ -67,7 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"queue depths of the random reads (comma-separated, at most {MAX_DEPTH})")
     p.add_argument("--seconds", type=command.number(float, meaning="seconds of reads at each depth"), default=3.0)
     p.add_argument("--rows", type=command.positive_ints, default=[1, 64, 4096],
-                   help="rows a reference-reader call reads (comma-separated)")
+                   help="rows a reader's call reads (comma-separated)")
+    p.add_argument("--read-depths", type=command.positive_ints, default=[8, 32, 64],
+                   help="threads of the batched reader (the disk placement's PageReader), comma-separated; each is "
+                        "timed beside the reference reader")
     p.add_argument("--keep", action="store_true", help="keep the file this run writes")
     p.add_argument("--smoke", action="store_true", help="a 64 MiB file and 0.2 s a depth: the code path only")
     p.add_argument("--out", help="directory for disk.json, made and checked writable before any work (default "
@@ -178,29 +183,44 @@ def fio(path: str, depth: int, seconds: float) -> dict | None:
 
 
 # ------------------------------------------------------------------ the reference reader
-def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None) -> dict:
-    """``TableFile.read_rows`` of ``n`` random rows a call, repeated for ``seconds`` over 16 id sets (each read
-    once first, and compared with ``src`` where given): rows/s, pages/s."""
+def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth: int | None = None) -> dict:
+    """``n`` distinct random rows a call, repeated for ``seconds`` over 16 id sets (each read once first, and
+    compared with ``src`` where given): rows/s, pages/s. ``depth`` None: ``TableFile.read_rows``, the reference
+    (one read at a time); else a :class:`~uvaple.uva.PageReader` of ``depth`` threads into slots, as the disk
+    placement reads its misses."""
     lay = f.layout
     g = np.random.default_rng(n)
-    sets = [torch.from_numpy(g.integers(0, lay.rows, n)) for _ in range(16)]
-    pages = [len(np.unique(ids.numpy() // lay.rows_per_page)) if lay.rows_per_page else n * lay.pages_per_row
+    sets = [g.choice(lay.rows, size=n, replace=False) for _ in range(16)]
+    pages = [len(np.unique(ids // lay.rows_per_page)) if lay.rows_per_page else n * lay.pages_per_row
              for ids in sets]
     out = torch.empty((n, lay.cols), dtype=lay.dtype)
-    exact = True
-    for ids in sets:
-        f.read_rows(ids, out)
-        exact = exact and (src is None or torch.equal(out, src[ids]))
-    calls = read = 0
-    t0 = time.perf_counter()
-    while True:
-        f.read_rows(sets[calls % 16], out)
-        read += pages[calls % 16]
-        calls += 1
-        if time.perf_counter() - t0 >= seconds:
-            break
-    wall = time.perf_counter() - t0
-    return {"rows_per_call": n, "calls": calls, "rows_per_s": round(calls * n / wall),
+    slots = np.arange(n)
+    pool = None if depth is None else PageReader(f, depth=depth, buffer_pages=max(n * max(1, lay.pages_per_row), 1))
+
+    def call(ids: np.ndarray) -> None:
+        if pool is None:
+            f.read_rows(torch.from_numpy(ids), out)
+        else:
+            pool.read_rows_into(ids, out.view(torch.uint8).reshape(n, lay.row_bytes), slots)
+
+    try:
+        exact = True
+        for ids in sets:
+            call(ids)
+            exact = exact and (src is None or torch.equal(out, src[torch.from_numpy(ids)]))
+        calls = read = 0
+        t0 = time.perf_counter()
+        while True:
+            call(sets[calls % 16])
+            read += pages[calls % 16]
+            calls += 1
+            if time.perf_counter() - t0 >= seconds:
+                break
+        wall = time.perf_counter() - t0
+    finally:
+        if pool is not None:
+            pool.close()
+    return {"rows_per_call": n, "depth": depth, "calls": calls, "rows_per_s": round(calls * n / wall),
             "pages_per_s": round(read / wall), "bit_exact": exact if src is not None else None}
 
 
@@ -262,12 +282,14 @@ def main(argv: list[str] | None = None) -> int:
                            [r["reads_per_s"] for r in res["fio"] or [] if "error" not in r])
                 res["limit_reads_per_s"] = best
                 res["reader"] = []
-                for n in a.rows:
-                    r = reader(f, min(n, lay.rows), a.seconds, src)
-                    r["x_limit"] = round(r["pages_per_s"] / best, 3)
-                    res["reader"].append(r)
-                    command.say(f"reader {r['rows_per_call']:>5} rows a call: {r['rows_per_s']:>9,} rows/s, "
-                                f"{r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read rate")
+                for depth in [None, *a.read_depths]:
+                    for n in a.rows:
+                        r = reader(f, min(n, lay.rows), a.seconds, src, depth)
+                        r["x_limit"] = round(r["pages_per_s"] / best, 3)
+                        res["reader"].append(r)
+                        who = "reference reader" if depth is None else f"batched reader, {depth:>3} threads"
+                        command.say(f"{who}, {r['rows_per_call']:>5} rows a call: {r['rows_per_s']:>9,} rows/s, "
+                                    f"{r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read rate")
     finally:
         if made and not a.keep:
             shutil.rmtree(made, ignore_errors=True)

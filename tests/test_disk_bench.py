@@ -28,19 +28,20 @@ def run(capsys, args: list[str]) -> tuple[int, str, str]:
 
 
 def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_path):
-    code, out, _ = run(capsys, ["--smoke", "--depths", "1,4", "--rows", "1,300", "--dir", str(tmp_path),
-                                "--out", str(tmp_path / "out")])
+    code, out, _ = run(capsys, ["--smoke", "--depths", "1,4", "--rows", "1,300", "--read-depths", "3",
+                                "--dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert code == 0
     res = json.loads((tmp_path / "out" / "disk.json").read_text())
     assert [r["depth"] for r in res["probe"]] == [1, 4]
     assert all(r["reads"] > 0 and r["reads_per_s"] > 0 and r["latency_us_p99"] >= r["latency_us_median"] > 0
                for r in res["probe"])
-    assert [r["rows_per_call"] for r in res["reader"]] == [1, 300]
+    assert [(r["depth"], r["rows_per_call"]) for r in res["reader"]] == [(None, 1), (None, 300), (3, 1), (3, 300)]
     assert all(r["bit_exact"] is True and r["calls"] >= 1 and r["x_limit"] > 0 for r in res["reader"]), res["reader"]
     assert res["file"]["rows"] % 23 == 0 and res["file"]["row_bytes"] == 164
     assert res["limit_reads_per_s"] == max(r["reads_per_s"] for r in res["probe"] + (res["fio"] or [])
                                            if "error" not in r)
-    assert "probe depth   4:" in out and "reader   300 rows a call:" in out
+    assert "probe depth   4:" in out and "reference reader,   300 rows a call:" in out
+    assert "batched reader,   3 threads,   300 rows a call:" in out
     assert os.listdir(tmp_path) == ["out"]  # the file it wrote is gone (no --keep)
     if not res["file"]["direct"]:
         assert "O_DIRECT is refused on this filesystem" in out
@@ -50,7 +51,7 @@ def test_an_existing_table_file_is_read_as_it_is(capsys, tmp_path):
     src = torch.randint(0, 256, (500, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     write_table_file(tmp_path / "t.uvt", src)
     code, _, _ = run(capsys, ["--file", str(tmp_path / "t.uvt"), "--seconds", "0.05", "--depths", "2",
-                              "--rows", "7", "--out", str(tmp_path / "out")])
+                              "--rows", "7", "--read-depths", "2", "--out", str(tmp_path / "out")])
     assert code == 0
     res = json.loads((tmp_path / "out" / "disk.json").read_text())
     assert res["file"]["rows"] == 500 and res["reader"][0]["bit_exact"] is None  # nothing to compare with

@@ -4,7 +4,8 @@
 hold the memory they read), ``memory`` (geometry, private mapping, page commit, registration),
 ``sharing`` (named tables: create-or-attach, the creator's fill, readiness), ``segments`` (the shared
 segment files' protocol), ``loading`` (safetensors), ``table_file`` (a table as a file on disk, read a page
-at a time), ``row_cache`` (a disk table's rows held by slot in host memory), ``workers`` (work split over
+at a time), ``row_cache`` (a disk table's rows held by slot in host memory), ``page_reader`` (a step's
+missing rows read with many reads in flight), ``workers`` (work split over
 the host's cores), ``cuda_runtime`` and ``system`` (checked CUDA runtime and libc calls), ``_region`` (when
 a mapping is released). Importing it changes nothing global.
 """
@@ -22,6 +23,7 @@ from .errors import (
 )
 from .host_table import HostTable
 from .memory import SUPPORTED_DTYPES, row_stride_bytes
+from .page_reader import PageReader, ReadTimeout
 from .row_cache import Misses, RowCache, RowCacheFull
 from .table_file import TableFile, TableFileError, write_table_file
 
@@ -31,6 +33,8 @@ __all__ = [
     "TableFileError",
     "write_table_file",
     "RowCache",
+    "PageReader",
+    "ReadTimeout",
     "RowCacheFull",
     "Misses",
     "SUPPORTED_DTYPES",

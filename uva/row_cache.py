@@ -226,13 +226,14 @@ class RowCache:
         with self._lock:
             return self._plan(rows, step)
 
-    def read_in(self, rows, step: int, file) -> Misses:
-        """:meth:`plan` then :meth:`fill` from ``file``, as one: whatever stops it after the plan (a failed read,
-        an interrupt) leaves none of the rows it placed mapped. Returns the misses it read in."""
+    def read_in(self, rows, step: int, file, reader=None) -> Misses:
+        """:meth:`plan` then :meth:`fill` from ``file`` (by ``reader`` where given), as one: whatever stops it after
+        the plan (a failed read, an interrupt) leaves none of the rows it placed mapped. Returns the misses it read
+        in."""
         with self._lock:
             misses = self._plan(rows, step)
             try:
-                self._fill(misses, file)
+                self._fill(misses, file, reader)
             except BaseException:
                 self._unmap(misses.rows, misses.slots)
                 raise
@@ -278,14 +279,15 @@ class RowCache:
         self.stats["misses"] += placed
         return Misses(step, need[:placed].copy(), slots[:placed].copy())
 
-    def fill(self, misses: Misses, file) -> None:
+    def fill(self, misses: Misses, file, reader=None) -> None:
         """Read ``misses`` from ``file`` (a :class:`~uvaple.uva.table_file.TableFile` of this table) into their
-        slots: the reference reader (pages by ``pread`` on this thread). A read that fails unmaps the rows
+        slots: by ``reader`` (a :class:`~uvaple.uva.page_reader.PageReader` of ``file``: many reads in flight), or
+        the reference reader (pages by ``pread`` on this thread). A read that fails unmaps the rows
         (:meth:`abandon`) and raises."""
         with self._lock:
-            self._fill(misses, file)
+            self._fill(misses, file, reader)
 
-    def _fill(self, misses: Misses, file) -> None:
+    def _fill(self, misses: Misses, file, reader=None) -> None:
         self._live()
         lay = file.layout
         if (lay.rows, lay.cols, lay.dtype) != (self.table_rows, self.rows.cols, self.rows.dtype):
@@ -294,7 +296,12 @@ class RowCache:
         if not len(misses):
             return
         try:
-            self.rows.tensor[torch.from_numpy(misses.slots)] = file.read_rows(misses.rows)
+            if reader is None:
+                self.rows.tensor[torch.from_numpy(misses.slots)] = file.read_rows(misses.rows)
+            else:
+                if reader.file is not file:
+                    raise ValueError(f"the reader reads {reader.file.path}, not {file.path}")
+                reader.read_rows_into(misses.rows, torch.from_numpy(self.rows.bytes_view()), misses.slots)
         except BaseException:
             self._unmap(misses.rows, misses.slots)
             raise

@@ -10,9 +10,10 @@ the host (a serving engine knows a step's ids when it prepares the step), so eac
    hits are kept, misses get slots that no step in flight reads (the completion word says which steps are
    done). A step that does not fit waits, bounded by ``wait_s``, for the steps in flight to complete, then is
    :class:`~uvaple.uva.RowCacheFull`.
-2. **Read** the misses from the file into their slots (:meth:`RowCache.fill`: page reads checked against
-   their sums, ``O_DIRECT`` where the filesystem allows it); a failed read unmaps them and raises the file's
-   named error: no gather ever reads a slot that does not hold its row.
+2. **Read** the misses from the file into their slots (:class:`~uvaple.uva.PageReader`: ``read_depth`` page
+   reads in flight, each checked against its sum, ``O_DIRECT`` where the filesystem allows it, copied into
+   the slots by this thread once all have returned); a failed or late read unmaps them and raises a named
+   error: no gather ever reads a slot that does not hold its row.
 3. **Cache ids**: each id's slot plus one, from the map, 0 for an id outside the table, written into one of
    ``steps_in_flight`` pinned, mapped staging rows (step ``k`` takes row ``k % steps_in_flight``, free once
    step ``k - steps_in_flight`` is complete).
@@ -48,7 +49,7 @@ import torch
 
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import GatherPlan
-from uvaple.uva import HostTable, RowCache, RowCacheFull, TableFile
+from uvaple.uva import HostTable, PageReader, RowCache, RowCacheFull, TableFile
 
 from ..lookup import Lookup
 from ..spec import TableSpec
@@ -82,6 +83,9 @@ class DiskLookup(Lookup):
     wait_s : float
         How long a call waits for earlier steps to complete (a full cache, a staging row in use) before a named
         error (default 10).
+    read_depth, read_timeout_s :
+        The misses' reads in flight at once (:class:`~uvaple.uva.PageReader`'s threads, default 32) and how long
+        a call waits for them before :class:`~uvaple.uva.ReadTimeout` (default 30 s).
     dequant_scale : torch.Tensor, optional
         An ``fp8_global`` file's float32 ``[1]`` scale on ``device``.
     """
@@ -90,7 +94,8 @@ class DiskLookup(Lookup):
 
     def __init__(self, table: TableFile, spec: TableSpec | None = None, device=None, *, owns_table: bool = False,
                  max_rows: int | None = None, budget_bytes: int | None = None, slots: int | None = None,
-                 steps_in_flight: int = 4, wait_s: float = 10.0, dequant_scale: torch.Tensor | None = None) -> None:
+                 steps_in_flight: int = 4, wait_s: float = 10.0, read_depth: int = 32, read_timeout_s: float = 30.0,
+                 dequant_scale: torch.Tensor | None = None) -> None:
         if not isinstance(table, TableFile):
             raise TypeError(f"the disk placement reads a table file (uvaple.uva.TableFile, or its path through "
                             f"make_lookup), got {type(table).__name__}; write one with write_table_file()")
@@ -112,8 +117,11 @@ class DiskLookup(Lookup):
         index = self.device.index if on_gpu else None
         register = True if on_gpu else "auto"  # the GPU reads the slots and the staging through UVA
         self.cache = RowCache.for_file(table, slots=slots, budget_bytes=budget_bytes, register=register, device=index)
-        self._staging = None
+        self._staging = self._reader = None
         try:
+            per_row = max(1, table.layout.pages_per_row)  # a round of the reader holds a whole step where it can
+            self._reader = PageReader(table, depth=read_depth, timeout_s=read_timeout_s,
+                                      buffer_pages=min(4096 // per_row, max_rows) * per_row)
             self._staging = HostTable.empty(steps_in_flight, max_rows * 4, torch.uint8, register=register,
                                             device=index)
             self._host_ids = self._staging.tensor.view(torch.int32)  # [steps_in_flight, max_rows]
@@ -130,7 +138,7 @@ class DiskLookup(Lookup):
         self._step = 0
         self._stream = None  # the stream of the first call: every call's (the completion word is written there)
         self._lock = threading.Lock()
-        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0}
+        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0}  # waits: for earlier steps
         self._row_bytes = spec.value_cols * table.dtype.itemsize
 
     def _check_scale(self, s) -> torch.Tensor | None:
@@ -193,18 +201,19 @@ class DiskLookup(Lookup):
         """The step planned and its misses read into their slots (:meth:`RowCache.read_in`); a cache too full of
         steps in flight waits for them (bounded), then is named; a failed read raises the file's named error."""
         try:
-            self.cache.read_in(rows, step, self.file)
+            self.cache.read_in(rows, step, self.file, self._reader)
             return
         except RowCacheFull:
             if self.cache.done() >= step - 1:
                 raise  # no step in flight: waiting frees nothing
         self._wait_for(step - 1, "slots of the steps in flight")
-        self.cache.read_in(rows, step, self.file)
+        self.cache.read_in(rows, step, self.file, self._reader)
 
     def _wait_for(self, step: int, what: str) -> None:
         """Until the completion word reaches ``step`` (at most ``wait_s``); polls host memory, no CUDA call."""
         if step <= 0 or self.cache.done() >= step:
             return
+        self._counts["waits"] += 1
         deadline = time.monotonic() + self._wait_s
         while self.cache.done() < step:
             if time.monotonic() > deadline:
@@ -229,6 +238,8 @@ class DiskLookup(Lookup):
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
         self._plan = None
+        if self._reader is not None:
+            self._reader.close()
         if self._staging is not None:
             self._staging.close()
         self.cache.close()

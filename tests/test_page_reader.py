@@ -1,0 +1,110 @@
+"""The batched reader of a table file: many page reads in flight, each checked, rows copied into their slots by the
+caller; rounds bounded by the buffer; a damaged page, a short file and a read that never returns each a named error
+that writes no slot. Real files, real threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import rand
+
+from uvaple.uva import PageReader, ReadTimeout, TableFile, TableFileError, write_table_file
+from uvaple.uva.table_file import PAGE
+
+POISON = 0xA5
+
+
+def slots_for(n: int, row_bytes: int) -> torch.Tensor:
+    return torch.full((n, row_bytes + 16), POISON, dtype=torch.uint8)  # wider than a row: the tail stays
+
+
+@pytest.mark.parametrize("cols,dtype", [(16, torch.bfloat16), (7, torch.float32), (3000, torch.bfloat16)])
+@pytest.mark.parametrize("depth,buffer_pages", [(1, 4096), (8, 3), (32, 4096)])
+def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, cols, dtype, depth, buffer_pages):
+    """Packed rows (many to a page) and rows of two pages; one thread or many; rounds of three pages (a two-page
+    row is never split); rows sharing a page read it once."""
+    t = rand(700, cols, dtype, seed=cols)
+    write_table_file(tmp_path / "t.uvt", t)
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=depth, buffer_pages=buffer_pages) as r:
+        g = np.random.default_rng(depth)
+        rows = g.choice(700, size=120, replace=False)
+        slots = g.permutation(200)[:120]
+        row_bytes = f.layout.row_bytes
+        dst = slots_for(200, row_bytes)
+        r.read_rows_into(rows, dst, slots)
+        want = t[torch.from_numpy(rows)].contiguous().view(torch.uint8).reshape(120, row_bytes)
+        assert torch.equal(dst[torch.from_numpy(slots), :row_bytes], want)
+        assert bool((dst[:, row_bytes:] == POISON).all())  # nothing past a row
+        untouched = np.setdiff1d(np.arange(200), slots)
+        assert bool((dst[torch.from_numpy(untouched)] == POISON).all())  # no other slot
+        lay = f.layout
+        pages = len(np.unique(rows // lay.rows_per_page)) if lay.rows_per_page else 120 * lay.pages_per_row
+        assert r.pages_read == pages
+
+
+@pytest.mark.parametrize("fault", ["a page changed", "truncated"])
+def test_a_damaged_file_is_the_files_named_error_and_no_slot_is_written(tmp_path, fault):
+    t = rand(2000, 16, torch.bfloat16, seed=3)
+    path = tmp_path / "t.uvt"
+    write_table_file(path, t)
+    with TableFile.open(path) as f, PageReader(f, depth=8) as r:
+        with open(path, "r+b") as raw:
+            if fault == "a page changed":
+                raw.seek((1 + 10) * PAGE + 7)  # rows 1,280 .. 1,407
+                raw.write(b"\x00\xff")
+            else:
+                raw.truncate(8 * PAGE)
+        rows = np.arange(0, 2000, 37)
+        dst = slots_for(len(rows), 32)
+        with pytest.raises(TableFileError, match="does not match its sum" if fault == "a page changed" else
+                           "ended at byte"):
+            r.read_rows_into(rows, dst, np.arange(len(rows)))
+        assert bool((dst == POISON).all())  # the rows are copied out only when every read passed
+
+
+def test_a_read_that_never_returns_is_named_in_time_and_its_late_bytes_go_nowhere(tmp_path, monkeypatch):
+    t = rand(500, 16, torch.bfloat16, seed=4)
+    write_table_file(tmp_path / "t.uvt", t)
+    release = threading.Event()
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, timeout_s=0.3) as r:
+        real = TableFile.read_pages
+
+        def stuck(self, pages, out):
+            if 0 in np.asarray(pages):  # the read of page 0 hangs until released, then writes its buffer late
+                release.wait(30)
+                out.fill_(0x11)
+                return out
+            return real(self, pages, out)
+
+        monkeypatch.setattr(TableFile, "read_pages", stuck)
+        dst = slots_for(60, 32)
+        t0 = time.monotonic()
+        with pytest.raises(ReadTimeout, match="page reads .* had not completed after 0.3 s"):
+            r.read_rows_into(np.arange(0, 500, 13), dst, np.arange(39))
+        assert time.monotonic() - t0 < 5.0
+        monkeypatch.undo()
+        rows = np.arange(1, 500, 11)
+        r.read_rows_into(rows, dst, np.arange(len(rows)))  # a new round: new buffer, new threads
+        release.set()  # the stuck read now writes into the abandoned buffer
+        time.sleep(0.1)
+        want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
+        assert torch.equal(dst[: len(rows), :32], want)
+
+
+def test_bad_settings_are_named(tmp_path):
+    write_table_file(tmp_path / "t.uvt", rand(10, 4, torch.float32))
+    with TableFile.open(tmp_path / "t.uvt") as f:
+        for kw, match in [(dict(depth=0), "depth must be an int >= 1"), (dict(buffer_pages=True), "buffer_pages"),
+                          (dict(timeout_s=0), "timeout_s must be a number of seconds > 0")]:
+            with pytest.raises(ValueError, match=match):
+                PageReader(f, **kw)
+        r = PageReader(f)
+        r.close()
+        with pytest.raises(TableFileError, match="page reader of .* was closed"):
+            r.read_rows_into(np.array([1]), slots_for(1, 16), np.array([0]))
+    with pytest.raises(TypeError, match="a page reader reads a TableFile"):
+        PageReader(str(tmp_path / "t.uvt"))

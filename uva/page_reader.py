@@ -1,0 +1,135 @@
+"""The batched reader of a table file: a step's missing rows read by ``depth`` threads at once, each page checked
+against its sum, then copied into the rows' slots by the caller's thread.
+
+Why threads. A miss costs one 4 KiB page (:mod:`.table_file`); a local NVMe disk serves hundreds of thousands of
+random 4 KiB reads a second only with many in flight (queue depth 32 to 64), and
+:meth:`~uvaple.uva.table_file.TableFile.read_rows`, the reference, issues them one at a time. Here ``depth``
+threads each ``pread`` (``O_DIRECT`` where the filesystem allows it) their share of the step's pages into one
+page-aligned buffer; a ``pread`` releases the GIL, so ``depth`` reads are in flight together, as a thread pool
+keeps them in kvikio's POSIX reader. (io_uring keeps the same depth from one thread; which is faster on the
+serving host is a measurement: ``uvaple bench --workload disk`` times this reader against the disk's own rate
+at each depth, from its probe and from fio.)
+
+What may write where. The threads write only into the reader's page buffer, each into its own pages; the
+caller's thread copies the rows out into their slots once every read of the round has returned and passed its
+sum. A read that has not returned after ``timeout_s`` is a named error (:class:`ReadTimeout`): the round's
+buffer and threads are abandoned to it (its late bytes land in memory nothing reads) and the next call starts
+new ones; a failed or damaged read is the file's own named error (:class:`~uvaple.uva.table_file.TableFileError`).
+So no slot is written by a read that came too late, and none outside the rows asked for.
+
+Rounds. A step's pages (each page read once, however many of its rows the step misses) are read in rounds of
+at most ``buffer_pages`` (a row larger than a page is never split across rounds), so the buffer is bounded
+whatever a step asks for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import torch
+
+from .table_file import PAGE, TableFile, TableFileError, page_buffer
+
+__all__ = ["PageReader", "ReadTimeout"]
+
+
+class ReadTimeout(TableFileError):
+    """Page reads of a table file did not complete within the reader's ``timeout_s`` (a disk or a filesystem
+    that stopped answering): the message names the file and how many reads were still out."""
+
+
+class PageReader:
+    """Reads rows of ``file`` into slots of a host table with ``depth`` threads (see the module docstring).
+
+    ``buffer_pages``: pages a round reads at most (its buffer: ``buffer_pages`` x 4 KiB, made once);
+    ``timeout_s``: how long a round waits for its reads."""
+
+    def __init__(self, file: TableFile, *, depth: int = 32, buffer_pages: int = 4096, timeout_s: float = 30.0):
+        if not isinstance(file, TableFile):
+            raise TypeError(f"a page reader reads a TableFile, got {type(file).__name__}")
+        for name, value, lo in (("depth", depth, 1), ("buffer_pages", buffer_pages, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        lay = file.layout
+        self.file, self.depth, self.timeout_s = file, depth, float(timeout_s)
+        per = max(1, lay.pages_per_row)
+        self.buffer_pages = max(per, buffer_pages // per * per)  # whole rows a round
+        self._buf: torch.Tensor | None = None
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self.pages_read = 0
+        self._closed = False
+
+    def _ready(self) -> tuple[torch.Tensor, cf.ThreadPoolExecutor]:
+        if self._closed:
+            raise TableFileError(f"the page reader of {self.file.path} was closed")
+        if self._buf is None:
+            self._buf = page_buffer(self.buffer_pages)
+            self._pool = cf.ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="uvaple-read")
+        return self._buf, self._pool
+
+    def read_rows_into(self, rows: np.ndarray, dst: torch.Tensor, slots: np.ndarray) -> None:
+        """Table rows ``rows`` (int64, distinct, inside the table) into ``dst[slots[i], :row_bytes]`` (``dst``:
+        ``uint8 [n, >= row_bytes]``, a host table's bytes), every page read once and checked."""
+        lay = self.file.layout
+        rows = np.asarray(rows, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(rows):
+            return
+        if lay.rows_per_page:
+            first = rows // lay.rows_per_page
+            pages = np.unique(first)
+        else:
+            first = rows * lay.pages_per_row
+            pages = np.unique((first[:, None] + np.arange(lay.pages_per_row)).reshape(-1))
+        for lo in range(0, len(pages), self.buffer_pages):
+            round_pages = pages[lo:lo + self.buffer_pages]
+            buf = self._read(round_pages)
+            mine = (first >= round_pages[0]) & (first <= round_pages[-1])
+            at = np.searchsorted(round_pages, first[mine]) * PAGE  # each row's first byte in buf
+            if lay.rows_per_page:
+                at += (rows[mine] % lay.rows_per_page) * lay.stride
+            src = buf.reshape(-1)[torch.from_numpy(at)[:, None] + torch.arange(lay.row_bytes)]
+            dst[torch.from_numpy(slots[mine]), : lay.row_bytes] = src
+
+    def _read(self, pages: np.ndarray) -> torch.Tensor:
+        """``pages`` (sorted, at most ``buffer_pages``) into the buffer by ``depth`` threads; the buffer's first
+        ``len(pages)`` pages."""
+        buf, pool = self._ready()
+        n = len(pages)
+        cuts = np.linspace(0, n, min(self.depth, n) + 1).astype(np.int64)
+        futures = [pool.submit(self.file.read_pages, pages[a:b], buf[a:b])
+                   for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+        done, pending = cf.wait(futures, timeout=self.timeout_s)
+        if pending:
+            self._abandon()
+            raise ReadTimeout(f"{self.file.path}: {len(pending)} of {len(futures)} page reads ({n} pages) had not "
+                              f"completed after {self.timeout_s:g} s: the disk or its filesystem stopped answering; "
+                              "nothing they read will be used")
+        for f in futures:
+            f.result()  # the first failure, named by the file (a short read, an I/O error, a sum)
+        self.pages_read += n
+        return buf[:n]
+
+    def _abandon(self) -> None:
+        """Leave the round's buffer and threads to reads that did not return: the next call makes new ones."""
+        pool, self._pool, self._buf = self._pool, None, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Stop the threads (after reads in progress) and drop the buffer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        pool, self._pool, self._buf = self._pool, None, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> PageReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
