@@ -257,6 +257,18 @@ class DirectGather:
                (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX),
                ids.get_device())
 
+    def bare(self, ids: torch.Tensor, out: torch.Tensor, col_start: int = 0):
+        """This call (made once first) as a zero-argument launch with everything bound: the floor of its host
+        work (:meth:`~uvaple.kernels.launch.KernelLaunch.bare`)."""
+        n, ncols = ids.numel(), out.shape[-1]
+        cfg, launch = self._by_cols.get(ncols) or self._for_cols(ncols)
+        a = self.args
+        tiles = -(-ncols // cfg.block)
+        grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
+        return launch.bare(grid, (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
+                           (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX),
+                           ids.get_device())
+
 
 # ------------------------------------------------------------------ operator
 def _gather_rows(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,

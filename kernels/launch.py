@@ -127,6 +127,17 @@ class KernelLaunch:
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
             self._compiled[(device, key)] = (kernel.run, kernel.function, kernel.packed_metadata)
 
+    def bare(self, grid: tuple, args: tuple, key, device: int):
+        """A zero-argument launch with everything of this call bound (the compiled kernel of ``key``, which a call
+        made first; the stream current now): the floor of a Triton launch, what a call's own host work is measured
+        against (``uvaple bench --workload host``). Interpreted: the plain call."""
+        if self.interpret:
+            return lambda: self(grid, args, key, device)
+        run, function, metadata = self._compiled[(device, key)]
+        stream, g0, g1 = _Driver.stream(device), grid[0], grid[1] if len(grid) > 1 else 1
+        full = (*args, *self._values)
+        return lambda: run(g0, g1, 1, stream, function, metadata, None, None, None, *full)
+
     def compiled(self) -> int:
         """How many call keys have a kept compiled kernel (for tests)."""
         return len(self._compiled)

@@ -10,6 +10,9 @@ provider gathers the same rows of the same registered host table (``--cols`` bf1
 * ``operator``: ``torch.ops.uvaple.gather_rows(..., plan)``, the call a compiled model makes (the
   dispatcher, the operator's checks of what the call brings, the same plan's launch);
 * ``gather_rows``: the functional entry point (every check and a launcher made for every call);
+* ``plan``: the lookup's plan alone (``lk.plan.run(ids, out)``: the size class and the launcher, no checks);
+* ``bare``: the same compiled kernel launched with every argument bound (``DirectGather.bare``): the floor
+  of a Triton launch; ``lookup - bare`` is what the lookup adds above it (goal: 3 us at every row count);
 * ``index_select``: ``torch.index_select(view, 0, ids, out=out)`` over ``table.cuda_view()``: the bar;
 * ``embedding``: ``F.embedding(ids, view)`` (allocates its output, as people use it).
 
@@ -33,7 +36,7 @@ import torch
 from . import command
 from .timing import quantiles
 
-PROVIDERS = ("lookup", "operator", "gather_rows", "index_select", "embedding")
+PROVIDERS = ("lookup", "operator", "gather_rows", "plan", "bare", "index_select", "embedding")
 
 
 def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
@@ -45,10 +48,14 @@ def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
     table = lk._arg
     policy = (spec.scale_arg, spec.has_scale, 0, spec.id_offset, 0, spec.oob_mode, spec.dequant)
     counters = lk._counters
+    lk.lookup(ids, out)  # the call key's compiled kernel, which the bare launch binds
+    bare = plan.direct.bare(ids, out)
     return {
         "lookup": lambda: lk.lookup(ids, out),
         "operator": lambda: torch.ops.uvaple.gather_rows(table, ids, out, counters, None, *policy, handle),
         "gather_rows": lambda: gather_rows(view, ids, out),
+        "plan": lambda: plan.run(ids, out),
+        "bare": bare,
         "index_select": lambda: torch.index_select(view, 0, ids, out=out),
         "embedding": lambda: torch.nn.functional.embedding(ids, view),
     }
@@ -118,6 +125,7 @@ def run(a, result: dict | None = None) -> dict:
                 bar = row["index_select"]["median_us"]
                 for name in row:
                     row[name]["x_index_select"] = round(row[name]["median_us"] / bar, 2)
+                row["lookup"]["above_bare_us"] = round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
                 result["rows"][str(n)] = row
                 command.say(_line(n, row))
     return result
@@ -125,7 +133,8 @@ def run(a, result: dict | None = None) -> dict:
 
 def _line(n: int, row: dict) -> str:
     cells = " ".join(f"{row[p]['median_us']:>9.2f}{'' if row[p]['exact'] else '!'}" for p in PROVIDERS)
-    return f"{n:>6} {cells} {row['lookup']['x_index_select']:>10.2f} {row['operator']['x_index_select']:>10.2f}"
+    return (f"{n:>6} {cells} {row['lookup']['x_index_select']:>10.2f} {row['operator']['x_index_select']:>10.2f} "
+            f"{row['lookup']['above_bare_us']:>10.2f}")
 
 
 SMOKE = {"calls": 40, "block": 10, "table_rows": 512, "cols": 64, "rows": [1, 7]}  # --smoke: ~10 s on 2 cores
@@ -135,8 +144,9 @@ DEFAULTS = {"calls": 2000, "block": 100, "table_rows": 65536, "cols": 2048, "row
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="uvaple bench --workload host",
-        description="What one eager call costs the host: the lookup, the operator, the functional gather, torch's "
-                    "index_select and embedding, over the same registered host table. Needs a CUDA GPU; --smoke "
+        description="What one eager call costs the host: the lookup, the operator, the functional gather, the plan "
+                    "alone and the bare launch (the floor), torch's index_select and embedding, over the same "
+                    "registered host table. Needs a CUDA GPU; --smoke "
                     "runs it small on the CPU.",
         epilog=command.EXIT_STATUSES.replace("every output agreed", "every provider gave index_select's rows")
         + " Progress goes to stderr, results to stdout and --out.")
@@ -180,7 +190,8 @@ def main(argv=None) -> int:
                     "not a GPU's host cost: this run checks the rows")
     command.say(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
                 "'!' marks a provider whose rows differ from index_select's")
-    command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10}")
+    command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10} "
+                f"{'lk-bare us':>10}")
     result: dict = {"smoke": a.smoke}
     with command.progress(not a.quiet):
         with command.kept_on_failure(out, "host_cost.json", result):

@@ -503,3 +503,20 @@ def test_a_lookup_of_the_second_gpu_runs_there_in_its_stream_order_whatever_devi
         busy = on_cuda_1_behind_a_busy_stream(lambda: lk.lookup(ids, out), ids, src)
         busy.synchronize()
         assert bits(out.cpu()) == bits(reference_gather(t, want_ids, scale=16.0))
+
+
+def test_the_bare_launch_of_a_call_writes_that_calls_rows(table):
+    """``DirectGather.bare`` (the host-cost workload's floor): the compiled kernel launched with the call's
+    arguments bound, replayed after the ids change in place, gives the lookup's rows each time."""
+    t, h = table
+    with make_lookup("uva", h, device="cuda") as lk:
+        ids = torch.randint(0, h.rows, (37,), device="cuda")
+        out = torch.empty(37, h.cols, dtype=h.dtype, device="cuda")
+        lk.lookup(ids, out)
+        launch = lk.plan.direct.bare(ids, out)
+        for seed in range(3):
+            ids.copy_(torch.randint(0, h.rows, (37,), generator=torch.Generator().manual_seed(seed)))
+            out.fill_(float("nan"))
+            launch()
+            torch.cuda.synchronize()
+            assert torch.equal(bits(out), bits(reference_gather(t, ids)))
