@@ -74,6 +74,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="threads of the batched reader (the disk placement's PageReader), comma-separated; each is "
                         "timed beside the reference reader")
     p.add_argument("--keep", action="store_true", help="keep the file this run writes")
+    steps = p.add_argument_group("the disk placement's decode steps (perf/disk_steps.py; a CUDA GPU, or --smoke)")
+    steps.add_argument("--no-steps", dest="steps_on", action="store_false", help="measure the disk only")
+    steps.add_argument("--batches", type=command.positive_ints, default=[1, 8, 64],
+                       help="lanes a step (default 1,8,64)")
+    steps.add_argument("--budgets", type=fractions, default=[0.25, 0.125],
+                       help="the disk placement's row cache, as fractions of the table (default 0.25,0.125)")
+    steps.add_argument("--steps", type=command.number(int, meaning="decode steps a run"), default=400)
+    steps.add_argument("--cold-steps", type=command.number(int, meaning="first steps reported as the cold start"),
+                       default=50)
+    steps.add_argument("--blocks", type=command.number(int, meaning="blocks of the steady steps"), default=5)
+    steps.add_argument("--text", nargs="+", help="text files the token ids come from (default: this package's own "
+                                                 "docs and sources)")
+    steps.add_argument("--no-pinned", dest="pinned", action="store_false", help="leave out the whole table pinned "
+                                                                                  "(it needs the table's size in RAM)")
+    steps.add_argument("--no-mmap", dest="mmap", action="store_false", help="leave out the mmap baseline")
+    steps.add_argument("--mmap-cap-gib", type=command.number(float, meaning="GiB the mmap baseline's page cache may "
+                                                                             "hold"),
+                       help="hold the rest of the available memory while the mmap baseline runs (default: no cap)")
     p.add_argument("--smoke", action="store_true", help="a 64 MiB file and 0.2 s a depth: the code path only")
     p.add_argument("--out", help="directory for disk.json, made and checked writable before any work (default "
                                  "./uvaple-results/<UTC time>_disk_<gpu or cpu>/)")
@@ -90,7 +108,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.file_gib = SMOKE_GIB if a.smoke else 4.0
     if a.smoke:
         a.seconds = 0.2
+        a.batches, a.budgets, a.steps, a.cold_steps, a.blocks = [1, 3], [0.25], 10, 2, 2
+    if a.cold_steps >= a.steps or a.steps - a.cold_steps < a.blocks:
+        p.error(f"--steps {a.steps}, --cold-steps {a.cold_steps}, --blocks {a.blocks}: the steps after the cold ones "
+                "must fill every block")
     return a
+
+
+def fractions(text: str) -> list[float]:
+    """An argparse type: comma-separated fractions in (0, 1]."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(0 < v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions of the table in (0, 1], got {text!r}")
+    return vals
 
 
 # ------------------------------------------------------------------ the file
@@ -225,6 +258,25 @@ def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth
 
 
 # ------------------------------------------------------------------ the run
+def steps(a, path: str, best: float, res: dict) -> None:
+    """The disk placement's decode steps (:mod:`uvaple.perf.disk_steps`) into ``res["steps"]``; without CUDA only
+    under ``--smoke`` (the gather interpreted on the CPU), else said and skipped."""
+    from . import disk_steps
+
+    cuda = torch.cuda.is_available() and not a.smoke
+    if not cuda and not a.smoke:
+        command.say("steps: not run (the disk placement's gather needs a CUDA GPU; --smoke runs them small on the "
+                    "CPU, --no-steps leaves them out)")
+        res["steps"] = None
+        return
+    res["steps"] = {}  # filled as it runs: a late error keeps what ran
+    try:
+        res["steps"] = disk_steps.run(a, path, best, torch.device("cuda" if cuda else "cpu"))
+    except command.Refused as e:
+        command.say(f"steps: not run ({e})")
+        res["steps"] = None
+
+
 def main(argv: list[str] | None = None) -> int:
     prog = "uvaple bench --workload disk"
     a = parse_args(argv)
@@ -290,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                         who = "reference reader" if depth is None else f"batched reader, {depth:>3} threads"
                         command.say(f"{who}, {r['rows_per_call']:>5} rows a call: {r['rows_per_s']:>9,} rows/s, "
                                     f"{r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read rate")
+                if a.steps_on:
+                    steps(a, path, best, res)
     finally:
         if made and not a.keep:
             shutil.rmtree(made, ignore_errors=True)

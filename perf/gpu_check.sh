@@ -185,8 +185,9 @@ if has ngramlayer; then
   echo "ngram_layer exit: ${PIPESTATUS[0]}"
 fi
 if has disk; then
-  # the disk under a disk placement: no GPU used; DISK_ARGS="--file-gib 48" for a real-size fp8 n-gram table
-  step "uvaple bench --workload disk (${DISK_ARGS:---file-gib 8}): 4 KiB random reads by depth, fio if installed, the table file's reader"
+  # the disk under a disk placement, its readers, then the placement's decode steps against the table pinned and an
+  # mmap table (the GPU's gather); DISK_ARGS="--file-gib 48 --mmap-cap-gib 12" for a real-size fp8 n-gram table
+  step "uvaple bench --workload disk (${DISK_ARGS:---file-gib 8}): random reads by depth, fio if installed, the readers, the disk placement's steps"
   timeout 560 uvaple bench --workload disk --dir "${DISK_DIR:-/root}" --out "$R/disk" ${DISK_ARGS:---file-gib 8} 2>&1 \
     | tee "$R/disk.log" | grep -v "it/s\]" | tail -20
 fi

@@ -227,7 +227,8 @@ class DiskLookup(Lookup):
     def stats(self) -> dict:
         st = super().stats()
         st.update(self._counts, cache=dict(self.cache.stats), slots=self.cache.slots, completed_step=self.cache.done(),
-                  planned_step=self._step, file=self.file.path)
+                  planned_step=self._step, pages_read=self._reader.pages_read if self._reader else 0,
+                  file=self.file.path)
         return st
 
     def progress(self) -> Progress:

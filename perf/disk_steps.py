@@ -1,0 +1,272 @@
+"""The disk placement's decode steps against the whole table pinned and against a file-backed mmap table: the
+second part of ``uvaple bench --workload disk``.
+
+**Ids from real text.** The text files given (``--text``; by default this package's own documentation and
+sources: English and code) are split into words, each word a token id (its CRC-32 modulo a 151,936-token
+vocabulary), laid out as ``batch`` sequences (lanes) starting at even offsets. A step moves every lane one token
+on; its ids are the n-gram hash of each lane's last tokens (:func:`uvaple.integration.models.qwen4_exp.ngram_ids`,
+Qwen4Exp's definition: n-grams of 2 and 3 tokens, 8 heads each, 16 heads whose prime-sized ranges split the
+table's rows), so a step reads ``batch x 16`` rows spread over the whole table, repeats where the text repeats.
+
+**Providers**, each fed the same steps as host ids and each step ending with its rows on the device,
+synchronised (a decode step waits for its rows):
+
+* ``pinned``: every row in a registered host table (``uva``), the ids copied to the device: the ceiling;
+* ``disk``, at each budget of ``--budgets`` (a fraction of the table): :class:`~uvaple.integration.DiskLookup`
+  over the file, started cold (``O_DIRECT`` reads, an empty row cache);
+* ``mmap``: the file mapped (``np.memmap``, ``MADV_RANDOM``), each step's pages advised ``MADV_WILLNEED`` at
+  once (their reads in flight together, as SGLang's prefetcher issues them), then gathered by numpy and copied
+  to the device: vLLM's disk-offload and SGLang's file backend, built to win. Its memory cap is the page
+  cache's: ``--mmap-cap-gib`` makes it real by holding the rest of the host's available memory in a
+  pre-faulted balloon while it runs (the file's cached pages are dropped first, ``POSIX_FADV_DONTNEED``).
+
+**Figures**, per batch and provider: the median step of the first ``--cold-steps`` steps (the cold start),
+then the steady state: ``--blocks`` blocks of steps, each block's median step, reported as the median of the
+blocks with their min-max. For ``disk``: the row cache's hit rate, the pages read a step, and the I/O floor of a
+step (those pages at the disk's best random-read rate, measured by the first part); the time a step adds over
+``pinned`` against that floor (goal: at most 1.1x at batch 64). Every provider's rows are compared bit for bit
+with the file's rows, at every step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from uvaple.integration import DiskLookup, make_lookup
+from uvaple.integration.models.qwen4_exp import layer_multipliers, ngram_ids
+from uvaple.uva import HostTable, TableFile, system
+from uvaple.uva.table_file import PAGE, page_buffer
+
+from . import command
+
+VOCAB = 151_936
+NGRAM, HEADS_PER_NGRAM = 3, 8
+HEADS = (NGRAM - 1) * HEADS_PER_NGRAM
+EOS = 151_643
+
+
+# ------------------------------------------------------------------ ids from text
+def text_tokens(paths: list[str] | None) -> np.ndarray:
+    """Word tokens (int64) of the text files ``paths`` (default: this package's docs and sources)."""
+    if not paths:
+        root = Path(__file__).resolve().parents[1]  # the package: its folders, never an environment inside it
+        patterns = ("*.md", "docs/*.md", *(f"{d}/**/*.py" for d in ("kernels", "uva", "integration", "uvaple",
+                                                                      "perf")))
+        paths = sorted(str(p) for pattern in patterns for p in root.glob(pattern) if "results" not in p.parts)
+    words: list[int] = []
+    for p in paths:
+        try:
+            text = Path(p).read_text(errors="replace")
+        except OSError as e:
+            raise command.Refused(f"--text {p}: {e.strerror}") from None
+        words.extend(zlib.crc32(w.encode()) % VOCAB for w in text.split())
+    if len(words) < 1000:
+        raise command.Refused(f"--text: {len(words)} words in {len(paths)} files; give at least 1,000 words")
+    return np.asarray(words, dtype=np.int64)
+
+
+class Steps:
+    """The table rows of each decode step of ``batch`` lanes over ``tokens`` (see the module docstring)."""
+
+    def __init__(self, tokens: np.ndarray, rows: int, batch: int, steps: int, seed: int = 11):
+        g = torch.Generator().manual_seed(seed)
+        size = rows // HEADS
+        sizes = (torch.randint(size - size // 8, size, (HEADS,), generator=g) | 1).clamp(max=size)
+        self.buffers = dict(multipliers=torch.tensor(layer_multipliers(VOCAB, NGRAM, 1, seed), dtype=torch.long),
+                            sizes=sizes, offsets=torch.arange(HEADS) * size)
+        starts = (np.arange(batch) * (len(tokens) // batch)).astype(np.int64)
+        span = NGRAM - 1 + steps
+        idx = (starts[:, None] + np.arange(span)) % len(tokens)
+        self.history = torch.from_numpy(tokens[idx])  # [batch, NGRAM - 1 + steps]
+        self.batch, self.count = batch, steps
+
+    def ids(self, step: int) -> torch.Tensor:
+        """Step ``step``'s rows, ``[batch, HEADS]`` int64 (host)."""
+        h = self.history[:, step: step + NGRAM].contiguous()
+        return ngram_ids(h, eos=EOS, heads_per_ngram=HEADS_PER_NGRAM, last=1, **self.buffers)[:, 0]
+
+
+# ------------------------------------------------------------------ providers
+class Pinned:
+    name = "pinned"
+
+    def __init__(self, f: TableFile, device: torch.device):
+        lay = f.layout
+        self.table = HostTable.empty(lay.rows, lay.cols, lay.dtype, register=device.type == "cuda")
+        dst = torch.from_numpy(self.table.bytes_view())  # [rows, stride]: the file's row stride
+        per = max(1, lay.pages_per_row)
+        chunk = (16384 // per) * per  # 64 MiB of pages a read, whole rows
+        buf = page_buffer(chunk)
+        for p0 in command.bar(range(0, lay.data_pages, chunk), desc="loading the whole table (pinned)", unit="read"):
+            n = min(chunk, lay.data_pages - p0)
+            f.read_pages(range(p0, p0 + n), buf[:n])  # sequential, each page checked
+            r0, r1 = lay.rows_of(p0, p0 + n)
+            if lay.rows_per_page:
+                rows = buf[:n, : lay.rows_per_page * lay.stride].reshape(-1, lay.stride)[: r1 - r0]
+            else:
+                rows = buf[:n].reshape(-1, per * PAGE)[:, : lay.stride]
+            dst[r0:r1] = rows
+        self.lookup = make_lookup("uva", self.table, device=device)
+        self.device = device
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup.lookup(ids.to(self.device))
+
+    def close(self) -> None:
+        self.lookup.close()
+        self.table.close()
+
+
+class Disk:
+    def __init__(self, path: str, device: torch.device, budget: float, max_rows: int):
+        with TableFile.open(path) as f:
+            nbytes = int(f.layout.rows * f.layout.stride * budget)
+        self.lookup: DiskLookup = make_lookup("disk", path, device=device, max_rows=max_rows,
+                                              budget_bytes=max(nbytes, 1 << 16))
+        self.name = f"disk {budget:g}"
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup.lookup(ids)
+
+    def counts(self) -> tuple[int, int, int]:
+        st = self.lookup.stats()
+        return st["cache"]["hits"], st["cache"]["misses"], st["pages_read"]
+
+    def close(self) -> None:
+        self.lookup.close()
+
+
+class Mmap:
+    name = "mmap"
+
+    def __init__(self, path: str, device: torch.device, cap_gib: float | None):
+        with TableFile.open(path) as f:
+            self.lay = f.layout
+        self.balloon = None
+        if cap_gib:  # the page cache's cap made real: the rest of the available memory held, pre-faulted
+            hold = (system.mem_available_bytes() or 0) - int(cap_gib * (1 << 30))
+            if hold > PAGE:
+                command.say(f"mmap: holding {hold / (1 << 30):.1f} GiB so that about {cap_gib:g} GiB is left to the "
+                            "page cache")
+                self.balloon = HostTable.empty(hold // PAGE, PAGE, torch.uint8, register=False)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the file's cached pages dropped
+            self.map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.map.madvise(mmap.MADV_RANDOM)
+        self.bytes = np.frombuffer(self.map, dtype=np.uint8)
+        self.device = device
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        lay, r = self.lay, ids.reshape(-1).numpy()
+        if lay.rows_per_page:
+            page = r // lay.rows_per_page
+            at = (1 + page) * PAGE + (r % lay.rows_per_page) * lay.stride
+        else:
+            page = r * lay.pages_per_row
+            at = (1 + page) * PAGE
+        for p in np.unique(page):  # every page of the step in flight at once
+            self.map.madvise(mmap.MADV_WILLNEED, int(1 + p) * PAGE, PAGE * max(1, lay.pages_per_row))
+        rows = torch.from_numpy(self.bytes[at[:, None] + np.arange(lay.row_bytes)]).view(lay.dtype)
+        return rows.reshape(*ids.shape, lay.cols).to(self.device)
+
+    def close(self) -> None:
+        self.bytes = None
+        self.map.close()
+        if self.balloon is not None:
+            self.balloon.close()
+
+
+# ------------------------------------------------------------------ the run
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(provider, steps: Steps, src_of, device: torch.device, cold: int, blocks: int,
+               check_every: int = 1) -> dict:
+    """Every step of ``steps`` through ``provider``, each timed to its rows on the device; the rows of every
+    ``check_every``-th step checked against ``src_of(ids)`` (the table's rows), outside the timed region."""
+    times, exact = [], True
+    pages0 = provider.counts() if hasattr(provider, "counts") else None
+    for s in command.bar(range(steps.count), desc=f"{provider.name}, batch {steps.batch}", unit="step"):
+        ids = steps.ids(s)
+        t0 = time.perf_counter()
+        rows = provider(ids)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e6)
+        if exact and s % check_every == 0 and not torch.equal(rows.cpu().view(torch.uint8),
+                                                              src_of(ids).view(torch.uint8)):
+            exact = False
+    steady = times[cold:]
+    per = max(1, len(steady) // blocks)
+    medians = [statistics.median(steady[i * per:(i + 1) * per]) for i in range(blocks) if steady[i * per:(i + 1) * per]]
+    r = {"cold_median_us": round(statistics.median(times[:cold]), 1),
+         "steady_median_us": round(statistics.median(medians), 1),
+         "steady_min_us": round(min(medians), 1), "steady_max_us": round(max(medians), 1),
+         "steps": steps.count, "exact": exact}
+    if pages0 is not None:
+        hits, misses, pages = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
+        r.update(hit_rate=round(hits / max(1, hits + misses), 3), pages_per_step=round(pages / steps.count, 1))
+    return r
+
+
+def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
+    """The steps of every batch through every provider (see the module docstring)."""
+    tokens = text_tokens(a.text)
+    res = {"device": str(device), "tokens": int(len(tokens)), "batches": {}, "budgets": a.budgets,
+           "limit_reads_per_s": limit_reads_per_s}
+    with TableFile.open(path) as f:
+        rows = f.layout.rows
+
+        pinned = Pinned(f, device) if a.pinned else None
+
+        def src_of(ids: torch.Tensor) -> torch.Tensor:  # the rows in memory where pinned holds them, else the file's
+            if pinned is not None:
+                return pinned.table.tensor[ids.reshape(-1)].reshape(*ids.shape, f.layout.cols)
+            return f.read_rows(ids.reshape(-1)).reshape(*ids.shape, f.layout.cols)
+
+        try:
+            for b in a.batches:
+                steps = Steps(tokens, rows, b, a.steps)
+                out = res["batches"][str(b)] = {}
+                providers = ([lambda: pinned] if pinned else []) + \
+                    [lambda q=q, b=b: Disk(path, device, q, b * HEADS) for q in a.budgets] + \
+                    ([lambda: Mmap(path, device, a.mmap_cap_gib)] if a.mmap else [])
+                for make in providers:
+                    p = make()
+                    try:
+                        r = time_steps(p, steps, src_of, device, a.cold_steps, a.blocks,
+                                       1 if pinned is not None else 10)
+                    finally:
+                        if p is not pinned:
+                            p.close()
+                    out[p.name] = r
+                    line = (f"batch {b:>3} {p.name:>10}: steady {r['steady_median_us']:>9,.1f} us a step "
+                            f"[{r['steady_min_us']:,.1f}-{r['steady_max_us']:,.1f}], cold {r['cold_median_us']:,.1f}")
+                    if "hit_rate" in r:
+                        floor = r["pages_per_step"] / limit_reads_per_s * 1e6
+                        r["io_floor_us"] = round(floor, 1)
+                        line += f"; hits {r['hit_rate']:.1%}, {r['pages_per_step']} pages a step (I/O floor " \
+                                f"{floor:,.1f} us)"
+                        if pinned:
+                            added = r["steady_median_us"] - out["pinned"]["steady_median_us"]
+                            r["added_us"] = round(added, 1)
+                            r["added_x_floor"] = round(added / floor, 2) if floor else None
+                            line += f", adds {added:,.1f} us over pinned"
+                    command.say(line + ("" if r["exact"] else "  ROWS DIFFER"))
+        finally:
+            if pinned:
+                pinned.close()
+    return res
