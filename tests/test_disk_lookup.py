@@ -18,7 +18,7 @@ from helpers import bits, rand
 from uvaple.integration import DiskLookup, DiskStepTimeout, TableSpec, make_lookup
 from uvaple.integration.errors import BackendClosed
 from uvaple.kernels import reference_gather
-from uvaple.uva import HostTable, RowCacheFull, TableFile, TableFileError, write_table_file
+from uvaple.uva import HostTable, PageReader, RowCacheFull, TableFile, TableFileError, write_table_file
 from uvaple.uva.table_file import PAGE
 
 POISON = -31.0
@@ -169,7 +169,7 @@ def test_a_call_that_fails_after_its_plan_completes_its_step_and_maps_nothing_it
     write_table_file(tmp_path / "t.uvt", t)
     with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=20, wait_s=0.5) as lk:
         lk.lookup(torch.arange(20))
-        monkeypatch.setattr(TableFile, "read_pages", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        monkeypatch.setattr(PageReader, "_read_share", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):  # met by the reader's threads, raised on the caller's
             lk.lookup(torch.cat([torch.arange(10), torch.arange(100, 110)]))  # 10 hits, 10 misses
         monkeypatch.undo()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import rand
 
-from uvaple.uva import PageReader, ReadTimeout, TableFile, TableFileError, write_table_file
+from uvaple.uva import PageReader, ReadTimeout, TableFile, TableFileError, page_reader, write_table_file
 from uvaple.uva.table_file import PAGE
 
 POISON = 0xA5
@@ -22,9 +22,20 @@ def slots_for(n: int, row_bytes: int) -> torch.Tensor:
     return torch.full((n, row_bytes + 16), POISON, dtype=torch.uint8)  # wider than a row: the tail stays
 
 
+@pytest.fixture(params=["compiled", "interpreted"])
+def loop(request, monkeypatch):
+    """Each thread's loop: the compiled one (zlib found), or the interpreted one (as without zlib's library)."""
+    if request.param == "compiled":
+        if page_reader._compiled_reader() is None:
+            pytest.skip("zlib's library is not found here: the compiled loop is not used")
+    else:
+        monkeypatch.setattr(page_reader, "_compiled_reader", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("cols,dtype", [(16, torch.bfloat16), (7, torch.float32), (3000, torch.bfloat16)])
 @pytest.mark.parametrize("depth,buffer_pages", [(1, 4096), (8, 3), (32, 4096)])
-def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, cols, dtype, depth, buffer_pages):
+def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, loop, cols, dtype, depth, buffer_pages):
     """Packed rows (many to a page) and rows of two pages; one thread or many; rounds of three pages (a two-page
     row is never split); rows sharing a page read it once."""
     t = rand(700, cols, dtype, seed=cols)
@@ -47,7 +58,7 @@ def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, cols, 
 
 
 @pytest.mark.parametrize("fault", ["a page changed", "truncated"])
-def test_a_damaged_file_is_the_files_named_error_and_no_slot_is_written(tmp_path, fault):
+def test_a_damaged_file_is_the_files_named_error_and_no_slot_is_written(tmp_path, loop, fault):
     t = rand(2000, 16, torch.bfloat16, seed=3)
     path = tmp_path / "t.uvt"
     write_table_file(path, t)
@@ -71,16 +82,16 @@ def test_a_read_that_never_returns_is_named_in_time_and_its_late_bytes_go_nowher
     write_table_file(tmp_path / "t.uvt", t)
     release = threading.Event()
     with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, timeout_s=0.3) as r:
-        real = TableFile.read_pages
+        real = PageReader._read_share
 
         def stuck(self, pages, out):
             if 0 in np.asarray(pages):  # the read of page 0 hangs until released, then writes its buffer late
                 release.wait(30)
                 out.fill_(0x11)
-                return out
+                return None
             return real(self, pages, out)
 
-        monkeypatch.setattr(TableFile, "read_pages", stuck)
+        monkeypatch.setattr(PageReader, "_read_share", stuck)
         dst = slots_for(60, 32)
         t0 = time.monotonic()
         with pytest.raises(ReadTimeout, match="page reads .* had not completed after 0.3 s"):

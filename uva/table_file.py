@@ -372,6 +372,18 @@ class TableFile:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # the page cache, read ahead by nothing
         return cls(path, fd, layout, sums, direct=is_direct)
 
+    def fileno(self) -> int:
+        """The descriptor the file is read through (``O_DIRECT`` where :attr:`direct`)."""
+        self._check_open()
+        return self._fd
+
+    @property
+    def page_sums(self) -> np.ndarray:
+        """Each data page's CRC-32 (uint32, read at open; read-only)."""
+        sums = self._sums.view()
+        sums.flags.writeable = False
+        return sums
+
     def _check_open(self) -> None:
         if self._closed:
             raise TableFileError(f"the table file {self.path} was closed")
