@@ -19,6 +19,8 @@ __all__ = [
     "LookupForkedError",
     "CopyJobFailed",
     "CopyJobCancelled",
+    "DiskStepTimeout",
+    "DiskStreamError",
 ]
 
 
@@ -58,3 +60,13 @@ class CopyJobFailed(BackendError):
 
 class CopyJobCancelled(BackendError):
     """The job was cancelled with ``CopyJob.cancel()`` before its copy was launched."""
+
+
+class DiskStepTimeout(BackendError, TimeoutError):
+    """A disk lookup's call waited its ``wait_s`` for earlier steps to complete (their gathers, queued on the GPU,
+    did not run that far): the message names the steps."""
+
+
+class DiskStreamError(BackendError, RuntimeError):
+    """A disk lookup was called on another stream than its first call's, or under CUDA graph capture: its row
+    cache's completion word is written in one stream's order, on the host's schedule."""

@@ -9,7 +9,9 @@ stride, 23 rows to a 4 KiB page) is written once (``--file-gib``, random bytes),
   ``fio`` on the ``PATH``: fio's ``randread`` (``io_uring``, ``direct=1``) over the file. Always: this module's
   own probe, ``depth`` threads each issuing one ``pread`` at a time (``O_DIRECT`` where the filesystem allows
   it) in a compiled loop (numba, no GIL between two reads: an interpreted loop measured the GIL, 53 k reads/s
-  where the compiled one reads 121 k on the same 2-core machine's disk), the one measure where fio is absent. Reads per second, MB/s, and each depth's latency median and 99th percentile;
+  where the compiled one reads 121 k on the same 2-core machine's disk: ``perf/results/cpu_vm_2026-12-05/``),
+  the one measure where fio is absent. Reads per second, MB/s, and each depth's latency median and 99th
+  percentile;
 * **the reference reader**: :meth:`~uvaple.uva.table_file.TableFile.read_rows` of ``n`` random rows
   (``--rows``), each page once, one ``pread`` a run of adjacent pages on the calling thread, every row checked
   against what was written (where this run wrote the file): rows and pages per second, and the pages per

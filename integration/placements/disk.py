@@ -51,18 +51,14 @@ from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import GatherPlan
 from uvaple.uva import HostTable, PageReader, RowCache, RowCacheFull, TableFile
 
+from ..errors import DiskStepTimeout, DiskStreamError
 from ..lookup import Lookup
 from ..spec import TableSpec
 from ..telemetry import Progress
 
-__all__ = ["DiskLookup", "DiskStepTimeout"]
+__all__ = ["DiskLookup", "DiskStepTimeout", "DiskStreamError"]
 
 _POLL_S = 0.0002  # how often a full step looks at the completion word again
-
-
-class DiskStepTimeout(RuntimeError):
-    """A disk lookup's step waited ``wait_s`` for earlier steps to complete (their gathers, queued on the GPU,
-    never ran that far): the message names the steps."""
 
 
 class DiskLookup(Lookup):
@@ -188,14 +184,15 @@ class DiskLookup(Lookup):
 
     def _check_stream(self) -> None:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a disk lookup plans and reads each call on the host: CUDA graphs cannot capture it "
-                               "(use the uva placement inside a graph)")
+            raise DiskStreamError("a disk lookup plans and reads each call on the host: CUDA graphs cannot capture "
+                                  "it (use the uva placement inside a graph)")
         stream = torch.cuda.current_stream(self.device)
         if self._stream is None:
             self._stream = stream
         elif stream != self._stream:
-            raise RuntimeError(f"this disk lookup's calls run on {self._stream} (its first call's: the completion "
-                               f"word of its row cache is written in that stream's order); this call is on {stream}")
+            raise DiskStreamError(f"this disk lookup's calls run on {self._stream} (its first call's: the "
+                                  f"completion word of its row cache is written in that stream's order); this call "
+                                  f"is on {stream}")
 
     def _read_in(self, rows: np.ndarray, step: int) -> None:
         """The step planned and its misses read into their slots (:meth:`RowCache.read_in`); a cache too full of
