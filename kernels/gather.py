@@ -69,6 +69,7 @@ __all__ = ["gather_rows", "DirectGather", "FixedArgs", "kernel_views", "scale_wo
 kernel = jit.kernel_decorator(__name__)
 _rows = jit.same_variant(__name__, _rows)
 safe_row, convert_rows, either, row_scale_bits = _rows.safe_row, _rows.convert_rows, _rows.either, _rows.row_scale_bits
+program_row, tile_columns, count_call = _rows.program_row, _rows.tile_columns, _rows.count_call
 
 
 # n_ids changes from call to call (1 in decode, thousands in prefill) and only feeds the counters: not
@@ -106,21 +107,9 @@ def gather_rows_kernel(
     BLOCK: tl.constexpr,  # columns per program
     ROW_TILES: tl.constexpr,  # a 1-D grid, the tiles of a row side by side (tuning.LaunchConfig.row_tiles)
 ):
-    if ROW_TILES:
-        n_tiles = (n_cols + BLOCK - 1) // BLOCK
-        flat = tl.program_id(0).to(tl.int64)
-        pid = flat // n_tiles
-        tile = (flat - pid * n_tiles).to(tl.int32)
-    else:
-        pid = tl.program_id(0).to(tl.int64)
-        tile = tl.program_id(1)
+    pid, tile = program_row(n_cols, BLOCK, ROW_TILES)
     row, valid = safe_row(ids_ptr, pid, id_base, row_lo, n_rows)
-    if OOB_ROW0:
-        limit = n_cols
-    else:
-        limit = tl.where(valid, n_cols, 0)
-    cols = tile * BLOCK + tl.arange(0, BLOCK)
-    load_mask = cols < limit
+    cols, load_mask = tile_columns(valid, tile, n_cols, BLOCK, OOB_ROW0)
     if HOT:
         # row is inside the table (valid or not), so its map entry is too; a slot outside the hot set is a
         # miss, so no address outside either buffer is formed, whatever the map holds
@@ -137,12 +126,9 @@ def gather_rows_kernel(
         hit = False
         x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
     if COUNT:
-        if tile == 0:
-            first = pid == 0
-            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
-            tl.atomic_add(counters_ptr + 1, n_ids, mask=first, sem="relaxed")
-            tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
-            if HOT:
+        count_call(counters_ptr, pid, tile, n_ids, valid)
+        if HOT:
+            if tile == 0:
                 tl.atomic_add(counters_ptr + 3, 1, mask=hit & valid, sem="relaxed")
     if COUNT_IDS:
         if tile == 0:

@@ -47,6 +47,7 @@ kernel = jit.kernel_decorator(__name__)
 _rows = jit.same_variant(__name__, _rows)
 _ngram = jit.same_variant(__name__, _ngram)
 clamp_row, convert_rows, row_scale_bits = _rows.clamp_row, _rows.convert_rows, _rows.row_scale_bits
+program_row, tile_columns, count_call = _rows.program_row, _rows.tile_columns, _rows.count_call
 history_position, mix_token, head_row = _ngram.history_position, _ngram.mix_token, _ngram.head_row
 
 _I32_MAX = (1 << 31) - 1
@@ -89,14 +90,7 @@ def gather_ngram_rows_kernel(
     BLOCK: tl.constexpr,
     ROW_TILES: tl.constexpr,
 ):
-    if ROW_TILES:
-        n_tiles = (n_cols + BLOCK - 1) // BLOCK
-        flat = tl.program_id(0).to(tl.int64)
-        pid = flat // n_tiles
-        tile = (flat - pid * n_tiles).to(tl.int32)
-    else:
-        pid = tl.program_id(0).to(tl.int64)
-        tile = tl.program_id(1)
+    pid, tile = program_row(n_cols, BLOCK, ROW_TILES)
     # the id: head j of hashed position idx, as the hash kernel makes it
     idx = pid // ((N - 1) * HPN)
     j = pid - idx * ((N - 1) * HPN)
@@ -112,19 +106,10 @@ def gather_ngram_rows_kernel(
         clean = still
     row, valid = clamp_row(head_row(mixed, j, sizes_ptr, offsets_ptr), id_base, row_lo, n_rows)
     # the row, as the direct gather copies it
-    if OOB_ROW0:
-        limit = n_cols
-    else:
-        limit = tl.where(valid, n_cols, 0)
-    cols = tile * BLOCK + tl.arange(0, BLOCK)
-    load_mask = cols < limit
+    cols, load_mask = tile_columns(valid, tile, n_cols, BLOCK, OOB_ROW0)
     x = tl.load(table_ptr + row * table_stride + col_start + cols, mask=load_mask, other=0)
     if COUNT:
-        if tile == 0:
-            first = pid == 0
-            tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
-            tl.atomic_add(counters_ptr + 1, n_out, mask=first, sem="relaxed")
-            tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
+        count_call(counters_ptr, pid, tile, n_out, valid)
     row_scale = 0.0
     if SCALE == 2:
         row_scale = row_scale_bits(table_ptr + row * table_stride + scale_col, True, SCALE_WORD).to(

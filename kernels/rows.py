@@ -24,6 +24,44 @@ jit = kernel_decorator(__name__)
 
 
 @jit
+def program_row(n_cols, BLOCK: tl.constexpr, ROW_TILES: tl.constexpr):
+    """(output row, column tile) of this program: a 2-D grid (row on axis 0, tile on axis 1), or with
+    ``ROW_TILES`` a 1-D grid whose programs take the tiles of a row side by side."""
+    if ROW_TILES:
+        n_tiles = (n_cols + BLOCK - 1) // BLOCK
+        flat = tl.program_id(0).to(tl.int64)
+        pid = flat // n_tiles
+        tile = (flat - pid * n_tiles).to(tl.int32)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
+    return pid, tile
+
+
+@jit
+def tile_columns(valid, tile, n_cols, BLOCK: tl.constexpr, OOB_ROW0: tl.constexpr):
+    """(the tile's columns, the mask of those a row loads): every column of the range, none for an id outside
+    the table unless ``OOB_ROW0`` (it then reads the window's first row)."""
+    if OOB_ROW0:
+        limit = n_cols
+    else:
+        limit = tl.where(valid, n_cols, 0)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    return cols, cols < limit
+
+
+@jit
+def count_call(counters_ptr, pid, tile, n_ids, valid):
+    """The counters of a call, from column tile 0 of each row: program 0 adds one lookup and its ``n_ids`` rows,
+    each row outside the table one out-of-range id (relaxed atomics)."""
+    if tile == 0:
+        first = pid == 0
+        tl.atomic_add(counters_ptr, 1, mask=first, sem="relaxed")
+        tl.atomic_add(counters_ptr + 1, n_ids, mask=first, sem="relaxed")
+        tl.atomic_add(counters_ptr + 2, 1, mask=valid == 0, sem="relaxed")
+
+
+@jit
 def safe_row(ids_ptr, pid, id_base, row_lo, n_rows):
     """(row, valid) for program ``pid``: its id (loaded) as a row inside the table, :func:`clamp_row`."""
     return clamp_row(tl.load(ids_ptr + pid).to(tl.int64), id_base, row_lo, n_rows)
