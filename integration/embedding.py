@@ -461,11 +461,9 @@ class HostScaledEmbedding(nn.Module):
         ``[B, last, heads, embedding_dim]``, in one launch where the placement hashes inside its gather
         (:meth:`uvaple.integration.Lookup.lookup_ngrams`; the arguments are its). ``max_tokens`` bounds the ids,
         ``B * last * heads``, as :meth:`forward` does."""
-        if not isinstance(history, torch.Tensor):
-            check_history(history)  # its named error; the lookup checks a tensor
-        shape = (history.shape[0], last, sizes.numel()) if history.dim() == 2 and isinstance(sizes, torch.Tensor) \
-            and isinstance(last, int) and 0 <= last <= history.shape[1] else None  # else the lookup's named error
-        lookup, out = self._serve(history, shape)
+        check_history(history, last)
+        heads = sizes.numel() if isinstance(sizes, torch.Tensor) else None  # None: the lookup's named error
+        lookup, out = self._serve(history, None if heads is None else (history.shape[0], last, heads))
         return lookup.lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos, last=last,
                                     out=out)
 

@@ -139,8 +139,9 @@ class Lookup(abc.ABC):
         """The per-call checks of every placement, of what the caller controls (everything else was checked
         when the lookup was built): the lookup open and not inherited through ``fork()``, the ids' dtype, their
         device (``ids_on``: ``"device"``, this lookup's; ``"host"``, the CPU; ``"either"``), their count
-        (``max_rows``: :meth:`_too_many`), the column range, ``out``'s shape, dtype, layout and device.
-        Returns (contiguous ids, ``out``, the column range); ``out`` is allocated when None and ``allocate``."""
+        (``max_rows``: :meth:`_too_many`), the column range, ``out``'s shape, dtype, layout and device
+        (:meth:`_shape_call`). Returns (contiguous ids, ``out``, the column range); ``out`` is allocated when
+        None and ``allocate``."""
         if self._closed or self.table.forked:
             self._check_usable()
         if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
@@ -150,15 +151,23 @@ class Lookup(abc.ABC):
                 want = {"device": f"this lookup serves {self.device}", "host": "this call takes host ids (on the CPU)",
                         "either": f"pass host ids (on the CPU) or ids on {self.device}"}[ids_on]
                 raise ValueError(f"ids are on {ids.device}; {want}")
+        out, c0, c1 = self._shape_call(ids.numel(), ids.shape, out, columns, allocate)
+        return (ids if ids.is_contiguous() else ids.contiguous()), out, c0, c1
+
+    def _shape_call(self, n: int, shape, out: torch.Tensor | None, columns=None,
+                    allocate: bool = True) -> tuple[torch.Tensor | None, int, int]:
+        """The per-call checks that do not read the ids, of a call of ``n`` ids shaped ``shape``: the column
+        range, ``n`` within ``max_rows``, ``out`` ``[*shape, columns]`` of the output's dtype on ``device``
+        (allocated when None and ``allocate``). Returns (``out``, the column range)."""
         c0, c1 = self._whole if columns is None else self.spec.columns(columns)
-        if self.max_rows is not None and ids.numel() > self.max_rows:
-            raise self._too_many(ids.numel())
-        want = (*ids.shape, c1 - c0)
+        if self.max_rows is not None and n > self.max_rows:
+            raise self._too_many(n)
+        want = (*shape, c1 - c0)
         if out is not None:
             check_out(out, want, self._out_dtype, self.device)
         elif allocate:
             out = torch.empty(want, dtype=self._out_dtype, device=self.device)
-        return (ids if ids.is_contiguous() else ids.contiguous()), out, c0, c1
+        return out, c0, c1
 
     def _too_many(self, n: int) -> Exception:
         """The error of a call of ``n`` ids, more than ``max_rows``."""

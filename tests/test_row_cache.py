@@ -10,7 +10,7 @@ import torch
 from helpers import rand
 
 import uvaple.kernels  # noqa: F401 - registers uvaple::gather_rows
-from uvaple.uva import TableClosedError
+from uvaple.uva import TableClosedError, row_cache
 from uvaple.uva.row_cache import RowCache, RowCacheFull
 from uvaple.uva.table_file import TableFile, TableFileError, write_table_file
 
@@ -133,7 +133,8 @@ def test_an_interrupt_after_the_plan_leaves_no_row_it_placed_mapped(source, tabl
         cache.read_in([1, 2, 3], 1, table_file)
         cache.complete(1)
         if where == "after the sweep":
-            monkeypatch.setattr(RowCache, "_placed", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+            # the sweep placed the misses; the interrupt comes as their record is made
+            monkeypatch.setattr(row_cache, "Misses", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         else:
             monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):

@@ -258,26 +258,26 @@ class RowCache:
         placed, self._hand, hits, evicted, ok = _sweep()(ids, self._row_map, self._row_of_slot, self._last_step,
                                                          self._ref, self._hand, step, done, need, slots)
         try:
-            return self._placed(ids, step, done, need, slots, placed, hits, evicted, ok)
-        except BaseException:  # RowCacheFull, or an interrupt before the caller holds the misses
+            self.stats["evictions"] += evicted
+            if ok:
+                self.stats["steps"] += 1
+                self.stats["hits"] += hits
+                self.stats["misses"] += placed
+                return Misses(step, need[:placed].copy(), slots[:placed].copy())
+            self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
+        except BaseException:  # an interrupt before the caller holds the misses (unmapping twice is harmless)
             self._unmap(need[:placed], slots[:placed])
             raise
+        raise self._full(ids, step, done)
 
-    def _placed(self, ids, step: int, done: int, need, slots, placed: int, hits: int, evicted: int,
-                ok: bool) -> Misses:
-        self.stats["evictions"] += evicted
-        if not ok:
-            busy = int((self._last_step > done).sum()) - placed  # the placed slots are free again once unmapped
-            distinct = np.unique(ids)
-            missing = int((self._row_map[distinct] == 0).sum()) + placed  # placed: still mapped, unmapped next
-            raise RowCacheFull(f"step {step} needs {missing} rows read in, but only "
-                               f"{self.slots - busy} of the cache's {self.slots} slots are free of the steps in "
-                               f"flight (steps {done + 1} .. {step} hold {busy}): give it more than "
-                               f"{self.slots} slots, or complete earlier steps first")
-        self.stats["steps"] += 1
-        self.stats["hits"] += hits
-        self.stats["misses"] += placed
-        return Misses(step, need[:placed].copy(), slots[:placed].copy())
+    def _full(self, ids: np.ndarray, step: int, done: int) -> RowCacheFull:
+        """The error of step ``step``, whose rows ``ids`` do not fit beside the steps in flight."""
+        busy = int((self._last_step > done).sum())
+        missing = int((self._row_map[np.unique(ids)] == 0).sum())
+        return RowCacheFull(f"step {step} needs {missing} rows read in, but only {self.slots - busy} of the "
+                            f"cache's {self.slots} slots are free of the steps in flight (steps {done + 1} .. "
+                            f"{step} hold {busy}): give it more than {self.slots} slots, or complete earlier "
+                            "steps first")
 
     def fill(self, misses: Misses, file, reader=None) -> None:
         """Read ``misses`` from ``file`` (a :class:`~uvaple.uva.table_file.TableFile` of this table) into their

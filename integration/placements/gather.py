@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from uvaple.kernels.checks import check_out
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.gather_ngram import NgramGather
 from uvaple.kernels.ngram import check_eos, check_history
@@ -214,17 +213,10 @@ class GatherLookup(Lookup):
         if history.device != self.device:
             raise ValueError(f"history is on {history.device}; this lookup serves {self.device}")
         n = history.shape[0] * last * fused.heads
-        if self.max_rows is not None and n > self.max_rows:
-            raise self._too_many(n)
+        out, c0, _ = self._shape_call(n, (history.shape[0], last, fused.heads), out)
         if plan.uses_sorted(n):
             return super().lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos,
                                          last=last, out=out)
-        c0, c1 = self._whole
-        want = (history.shape[0], last, fused.heads, c1 - c0)
-        if out is None:
-            out = torch.empty(want, dtype=self._out_dtype, device=self.device)
-        else:
-            check_out(out, want, self._out_dtype, self.device)
         torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
         fused(history, out, c0, last)
         return out
