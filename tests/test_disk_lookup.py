@@ -320,6 +320,8 @@ def test_gpu_steps_queued_behind_a_busy_stream_wait_for_their_slots_and_stay_exa
         g = torch.Generator().manual_seed(13)
         calls = [torch.randint(0, 5000, (64,), generator=g) for _ in range(20)]
         outs = [torch.full((64, 160), POISON, dtype=torch.bfloat16, device=device) for _ in calls]
+        lk.lookup(torch.arange(64), torch.empty(64, 160, dtype=torch.bfloat16, device=device))  # the gather's JIT
+        torch.cuda.synchronize()  # compile (seconds) done before the sleep, or the stream is idle again by then
         torch.cuda._sleep(2_000_000_000)  # ~1 s: the host plans far ahead of the stream
         for ids, out in zip(calls, outs, strict=True):
             lk.lookup(ids, out)

@@ -393,6 +393,19 @@ def test_two_engines_are_identical_only_with_every_logprob_equal():
         "refused as expected"
 
 
+def test_a_refusal_counts_where_the_engine_core_printed_it_in_its_own_process():
+    expect = ec.CONFIGS["copy"]["expect"]["graph"]
+    named = (f"uvaple.integration.models.vllm.config.PluginConfigError: {expect} (each copy-placement call waits "
+             "on the host for its ids): start the engine with enforce_eager=True")
+    core = {"ok": False, "error": "RuntimeError: Engine core initialization failed. See root cause above.",
+            "log_tail": "  File \"vllm/v1/engine/core.py\", line 1588, in run_engine_core\n    raise e",
+            "uvaple_lines": ["INFO non-default args: {'uvaple': {'placement': 'copy'}}", named]}
+    assert ec.refused(core, expect)
+    assert ec.refused({"ok": False, "error": f"PluginConfigError: {expect} (...)"}, expect)  # in this process
+    assert not ec.refused(dict(core, uvaple_lines=core["uvaple_lines"][:1]), expect)  # another failure
+    assert not ec.refused(dict(core, ok=True), expect)  # an engine that ran was not refused
+
+
 def test_every_configuration_has_a_reference_that_runs_where_it_runs():
     for model in ec.MODELS:
         for mode in ec.MODES:

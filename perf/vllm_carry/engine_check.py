@@ -548,8 +548,7 @@ print("ENV" + json.dumps(out))
                    "placement_lines": r.get("placement_lines", [])[:3]}
             expect = CONFIGS[c].get("expect", {}).get(mode)
             if expect is not None:  # the engine must stop at start-up with the named error
-                text = f"{r.get('error')}\n{r.get('log_tail')}\n{r.get('error_lines')}"
-                row["refused_as_expected"] = not r.get("ok") and expect in text
+                row["refused_as_expected"] = refused(r, expect)
                 row["expected_error"] = expect
                 entry["configs"][c] = row
                 if not row["refused_as_expected"]:
@@ -801,6 +800,17 @@ def _diff(ref: dict, r: dict) -> dict:
     out.update(logprobs_compared=compared, logprobs_differing=differ, max_logprob_difference=worst)
     out["identical"] = out["tokens_identical"] and compared > 0 and differ == 0
     return out
+
+
+def refused(run: dict, expect: str) -> bool:
+    """Whether ``run``'s engine stopped at start-up with the named error ``expect``: in the error ``LLM()`` raised
+    (an engine in this process), or in the log's plugin lines, where an engine core started in its own process
+    printed it before ``LLM()`` raised vLLM's "Engine core initialization failed"."""
+    if run.get("ok"):
+        return False
+    text = "\n".join(str(x) for x in (run.get("error"), run.get("log_tail"), run.get("error_lines"),
+                                      *(run.get("uvaple_lines") or ())))
+    return expect in text
 
 
 def _verdict(config: str, row: dict) -> str:
