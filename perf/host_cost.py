@@ -11,8 +11,11 @@ provider gathers the same rows of the same registered host table (``--cols`` bf1
   dispatcher, the operator's checks of what the call brings, the same plan's launch);
 * ``gather_rows``: the functional entry point (every check and a launcher made for every call);
 * ``plan``: the lookup's plan alone (``lk.plan.run(ids, out)``: the size class and the launcher, no checks);
+* ``direct``: the plan's direct gather alone (``lk.plan.direct(ids, out, 0, n)``: the capture check, the call
+  key, the current device and the launch-hook check, then the launch);
 * ``bare``: the same compiled kernel launched with every argument bound (``DirectGather.bare``): the floor
-  of a Triton launch; ``lookup - bare`` is what the lookup adds above it (goal: 3 us at every row count);
+  of a Triton launch; ``lookup - bare`` is what the lookup adds above it (goal: 3 us at every row count), and
+  ``lookup``, ``plan``, ``direct``, ``bare`` in turn say which layer adds it;
 * ``index_select``: ``torch.index_select(view, 0, ids, out=out)`` over ``table.cuda_view()``: the bar;
 * ``embedding``: ``F.embedding(ids, view)`` (allocates its output, as people use it).
 
@@ -36,7 +39,7 @@ import torch
 from . import command
 from .timing import quantiles
 
-PROVIDERS = ("lookup", "operator", "gather_rows", "plan", "bare", "index_select", "embedding")
+PROVIDERS = ("lookup", "operator", "gather_rows", "plan", "direct", "bare", "index_select", "embedding")
 
 
 def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
@@ -55,6 +58,7 @@ def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
         "operator": lambda: torch.ops.uvaple.gather_rows(table, ids, out, counters, None, *policy, handle),
         "gather_rows": lambda: gather_rows(view, ids, out),
         "plan": lambda: plan.run(ids, out),
+        "direct": lambda: plan.direct(ids, out, 0, ids.numel()),
         "bare": bare,
         "index_select": lambda: torch.index_select(view, 0, ids, out=out),
         "embedding": lambda: torch.nn.functional.embedding(ids, view),

@@ -219,8 +219,9 @@ def test_time_budget_skips_tables():
 
 def test_host_workload_smoke_is_exact(tmp_path, capsys):
     """``uvaple bench --workload host --smoke``: every provider (the lookup, the operator given the lookup's
-    plan, the functional gather, the plan alone, the bare launch, torch's index_select and embedding) gives
-    index_select's rows, and the run writes its figures with the lookup's cost above the bare launch."""
+    plan, the functional gather, the plan alone, its direct gather alone, the bare launch, torch's index_select
+    and embedding) gives index_select's rows, and the run writes its figures with the lookup's cost above the
+    bare launch."""
     import json
 
     from uvaple.perf import bench
@@ -229,7 +230,8 @@ def test_host_workload_smoke_is_exact(tmp_path, capsys):
     rows = json.loads((tmp_path / "host_cost.json").read_text())["rows"]
     assert set(rows) == {"1", "7"}
     for row in rows.values():
-        assert set(row) == {"lookup", "operator", "gather_rows", "plan", "bare", "index_select", "embedding"}
+        assert set(row) == {"lookup", "operator", "gather_rows", "plan", "direct", "bare", "index_select",
+                            "embedding"}
         assert all(r["exact"] and r["median_us"] > 0 for r in row.values())
         assert row["lookup"]["above_bare_us"] == round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
     assert "lk-bare us" in capsys.readouterr().out

@@ -28,7 +28,9 @@ vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's p
    each table once), the segments left after it exits, the log lines naming the placement.
    The copy question (``copy``'s logprobs differed from the plugin-off engine's in eager mode): ``hbm`` and
    ``copy`` each run twice (``hbm_again``, ``copy_again``); the JSON's ``repeats`` says whether an engine
-   differs from itself.
+   differs from itself. Under CUDA graphs ``hbm`` and ``uva`` each run twice (``hbm_again``, ``uva_again``):
+   there ``uva`` differed from ``hbm`` (every prompt's logprobs by about 1e-5 from the first token, one token
+   at a near tie) where ``device``, ``host`` and ``off`` did not.
 4. ``serve``: ``vllm serve`` (``--serve-model``, ``uva``, eager, ``PROMETHEUS_MULTIPROC_DIR`` set), an OpenAI
    client completion compared with the offline ``uva`` engine's text, ``/metrics``' ``uvaple_*`` series, a
    server started with a bad ``uvaple`` setting (it must exit with the named error), no segment left after the
@@ -69,19 +71,30 @@ QWEN = ("qwen4exp_bf16", "qwen4exp_fp8")
 #: what each configuration runs: ``plugin`` (the uvaple plugin loaded), ``engram`` (Qwen4Exp's engram_config;
 #: None: vLLM's default, cpu_offload=True, its own pinned host path), ``uvaple`` (the plugin's settings; None: not
 #: enabled), ``models``/``modes`` (where it applies; None: every one), ``expect`` (mode -> the named error the
-#: engine must stop with at start-up), ``ref`` (the configuration it is compared with)
+#: engine must stop with at start-up), ``ref`` (the configuration it is compared with), ``inproc`` (the engine in
+#: the run's own process under CUDA graphs too: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``engine`` (more of
+#: ``vllm.LLM``'s arguments). The ``_inproc`` and ``_sync`` pairs take apart what differs between ``uva`` and ``hbm``
+#: under graphs: the engine core's own process, or the overlap of a step's preparation with the last step's work.
 CONFIGS: dict[str, dict] = {
     "hbm": dict(plugin=False, engram={"cpu_offload": False}),
-    "hbm_again": dict(plugin=False, engram={"cpu_offload": False}, modes=("eager",)),
+    "hbm_again": dict(plugin=False, engram={"cpu_offload": False}),
     "host": dict(plugin=False, engram=None, models=QWEN),
     "off": dict(plugin=True, engram={"cpu_offload": False}),
     "uva": dict(plugin=True, uvaple={"placement": "uva"}),
+    "uva_again": dict(plugin=True, uvaple={"placement": "uva"}, modes=("graph",)),
     "device": dict(plugin=True, uvaple={"placement": "device"}),
     "copy": dict(plugin=True, uvaple={"placement": "copy"},
                  expect={"graph": "placement 'copy' cannot run inside vLLM's CUDA graphs"}),
     "copy_again": dict(plugin=True, uvaple={"placement": "copy"}, modes=("eager",)),
     "split": dict(plugin=True, uvaple={"placement": "split"}, modes=("eager",),
                   expect={"eager": "'split' cannot serve vLLM"}),
+    "hbm_inproc": dict(plugin=False, engram={"cpu_offload": False}, models=QWEN, modes=("graph",), inproc=True),
+    "uva_inproc": dict(plugin=True, uvaple={"placement": "uva"}, models=QWEN, modes=("graph",), inproc=True,
+                       ref="hbm_inproc"),
+    "hbm_sync": dict(plugin=False, engram={"cpu_offload": False}, models=QWEN, modes=("graph",),
+                     engine={"async_scheduling": False}),
+    "uva_sync": dict(plugin=True, uvaple={"placement": "uva"}, models=QWEN, modes=("graph",),
+                     engine={"async_scheduling": False}, ref="hbm_sync"),
     "uva_dedup": dict(plugin=True, uvaple={"placement": "uva", "dedup": True}),
     "uva_hot": dict(plugin=True, uvaple={"placement": "uva", "hot_cache_gb": 0.01}, models=("gemma3n",)),
     "uva_fp8row": dict(plugin=True, uvaple={"placement": "uva", "quantize": "fp8_row"}, models=("qwen4exp_bf16",),
@@ -143,7 +156,8 @@ def vllm_env(plugin: bool, logging_config_path: str, cache_root: str, **extra: s
 
 def child_env(spec: dict) -> dict:
     # eager engines run in this process (the copy question asks for it)
-    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if spec["mode"] == "eager" else {}
+    inproc = spec["mode"] == "eager" or CONFIGS[spec["config"]].get("inproc", False)
+    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else {}
     return vllm_env(CONFIGS[spec["config"]]["plugin"], spec["logging_config"], spec["cache_root"], **extra)
 
 
@@ -153,6 +167,7 @@ def engine_kwargs(spec: dict) -> dict:
     kw = dict(model=spec["ckpt"], tokenizer=spec["ckpt"], dtype="bfloat16", seed=0, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=GPU_UTIL, kv_cache_memory_bytes=KV_CACHE_BYTES,
               attention_backend="TRITON_ATTN", enforce_eager=spec["mode"] == "eager", disable_log_stats=False)
+    kw.update(c.get("engine", {}))
     additional = {}
     if spec["model"] in QWEN:
         additional["gdn_prefill_backend"] = "triton"
@@ -569,7 +584,7 @@ print("ENV" + json.dumps(out))
             entry["configs"][c] = row
             if row.get("identical") is False:
                 self.log(f"{model} {mode} {c}: tokens differ from {ref_name}: {row['first_difference']}")
-        entry["repeats"] = {f"{c} vs {c}_again": _diff(runs[c], runs[c + "_again"]) for c in ("hbm", "copy")
+        entry["repeats"] = {f"{c} vs {c}_again": _diff(runs[c], runs[c + "_again"]) for c in ("hbm", "copy", "uva")
                             if runs.get(c, {}).get("ok") and runs.get(c + "_again", {}).get("ok")}
         if runs.get("hbm", {}).get("ok") and runs.get("copy_again", {}).get("ok"):
             entry["repeats"]["hbm vs copy_again"] = _diff(runs["hbm"], runs["copy_again"])
