@@ -406,6 +406,12 @@ def test_a_refusal_counts_where_the_engine_core_printed_it_in_its_own_process():
     assert not ec.refused(dict(core, ok=True), expect)  # an engine that ran was not refused
 
 
+def test_a_group_needs_what_the_longest_group_of_its_mode_took():
+    assert ec.group_need("graph", None) == ec.GROUP_S["graph"]  # nothing run yet in this WORK
+    assert ec.group_need("graph", 100.0) == pytest.approx(140.0)  # a warm cache's group, with a margin
+    assert ec.group_need("eager", 190.0) > 190.0
+
+
 def test_every_configuration_has_a_reference_that_runs_where_it_runs():
     for model in ec.MODELS:
         for mode in ec.MODES:

@@ -117,6 +117,17 @@ def applies(config: str, model: str, mode: str) -> bool:
     return model in (c.get("models") or (model,)) and mode in (c.get("modes") or MODES)
 
 
+#: the seconds a group of engines takes before one has run in this WORK (the first eager group on a fresh
+#: machine, Triton compiling into an empty cache: ~190 s; a graph group: ~100 s once the cache is warm)
+GROUP_S = {"eager": 150, "graph": 330}
+
+
+def group_need(mode: str, seen: float | None) -> float:
+    """The time left that a group of ``mode`` needs to start: the longest group of that mode this WORK has run,
+    with a margin, or :data:`GROUP_S` before any has."""
+    return GROUP_S[mode] if not seen else 1.2 * seen + 20
+
+
 def reference(config: str) -> str:
     return CONFIGS[config].get("ref", "hbm")
 
@@ -521,7 +532,7 @@ print("ENV" + json.dumps(out))
             levels = GRAPH_LEVELS if mode == "graph" else (("eager", None),)
             for level, compilation in levels:
                 todo = [c for c in configs if not self.done(self.run_key(model, mode, c, level))]
-                need = 150 if mode == "eager" else 330
+                need = group_need(mode, self.res.get("group_s", {}).get(mode))
                 if todo and self.left() < need:
                     self.note(f"{model} {mode}: skipped, {self.left():.0f} s left (a group needs ~{need} s); "
                               "the next call continues")
@@ -535,8 +546,12 @@ print("ENV" + json.dumps(out))
                         return None
                     self.log(f"{model} {mode} ({level}): {', '.join(group)} side by side, kv_cache_memory_bytes "
                              f"{KV_CACHE_BYTES / GIB:g} GiB each")
+                    t0 = time.monotonic()
                     self.launch([self.spec(model, mode, c, level, compilation) for c in group],
                                 timeout=min(self.left() - 10, 420 if mode == "graph" else 300))
+                    seen = self.res.setdefault("group_s", {})
+                    seen[mode] = round(max(seen.get(mode, 0.0), time.monotonic() - t0), 1)
+                    need = group_need(mode, seen[mode])
                 runs = {}
                 for c in configs:
                     path = os.path.join(self.runs_dir, self.run_key(model, mode, c, level) + ".json")
