@@ -164,7 +164,10 @@ class Lookup(abc.ABC):
             raise self._too_many(n)
         want = (*shape, c1 - c0)
         if out is not None:
-            check_out(out, want, self._out_dtype, self.device)
+            # the usual call passes every test at once; check_out names what a call got wrong
+            if not (isinstance(out, torch.Tensor) and out.dtype is self._out_dtype and out.shape == want
+                    and out.device == self.device and out.is_contiguous()):
+                check_out(out, want, self._out_dtype, self.device)
         elif allocate:
             out = torch.empty(want, dtype=self._out_dtype, device=self.device)
         return out, c0, c1

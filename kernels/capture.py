@@ -23,7 +23,12 @@ _CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: registered or pinned host memo
 
 def capturing(t: torch.Tensor) -> bool:
     """Whether this thread's current stream is capturing (only CUDA launches can be captured)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return t.is_cuda and _stream_capturing()
+
+
+# what torch.cuda.is_current_stream_capturing calls (one frame less on every eager launch); it exists in CUDA builds,
+# the only ones where a tensor is_cuda
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def is_host_memory(t: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from .encodings import FP8_FORMATS, encoding_of_code
 
 __all__ = ["OOB_POLICIES", "OOB_MODES", "ID_BASE_LIMIT", "OUT_DTYPES", "ID_DTYPES", "column_range", "check_policy",
            "check_ids", "check_out", "check_table", "scale_bits", "check_fixed", "check_call", "check_hot",
-           "check_workspace"]
+           "check_workspace", "check_reach"]
 
 OOB_POLICIES = ("zero", "row0", "neg_zero")
 #: oob policy -> the kernels' ``oob_mode``
@@ -187,6 +187,29 @@ def check_call(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, col_st
     if out.device != ids.device or (dq_scale is not None and dq_scale.device != ids.device):
         raise ValueError(f"uvaple::{what}: out (and an fp8 scale) must be on the ids' device {ids.device}")
     return ncols
+
+
+def check_reach(table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, has_scale: bool, oob_mode: int,
+                dequant: int, what: str) -> None:
+    """What an operator's full path checks beyond :func:`check_fixed` and :func:`check_call`: the table readable
+    by a launch on ``device`` (the ids': :func:`check_table`) and ``out_dtype`` one the policy writes (the
+    functional path's :func:`check_policy`, from the operator's codes)."""
+    try:
+        check_table(table, device)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"uvaple::{what}: {e}") from None
+    if dequant:
+        ok, want = out_dtype in OUT_DTYPES, f"one of {OUT_DTYPES}"
+    else:
+        ok = out_dtype == table.dtype or (out_dtype in OUT_DTYPES and table.dtype in FLOAT_DTYPES)
+        want = f"one of {OUT_DTYPES}" if table.dtype in FLOAT_DTYPES else f"{table.dtype}"
+    if not ok:
+        raise TypeError(f"uvaple::{what}: out has dtype {out_dtype}; rows of this {table.dtype} table are written as "
+                        f"{want}")
+    if has_scale and not dequant and table.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"uvaple::{what}: a scale needs a float table, this one is {table.dtype}")
+    if oob_mode == 2 and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"uvaple::{what}: oob_mode 2 writes -0.0 rows: it needs a float output, not {out_dtype}")
 
 
 def check_hot(table: torch.Tensor, device: torch.device, counters, hot_rows, slot_map, id_counts) -> None:

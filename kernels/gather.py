@@ -56,6 +56,7 @@ from .checks import (
     check_ids,
     check_out,
     check_policy,
+    check_reach,
     check_table,
     column_range,
     scale_bits,
@@ -216,57 +217,63 @@ class DirectGather:
     def __init__(self, table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, *,
                  config: LaunchConfig | None = None, **policy) -> None:
         self.interpret = device.type != "cuda"
+        # the device calls launch on: their ids' and out's (every caller checks that they are on it)
+        self.index = -1 if self.interpret else device.index if device.index is not None else torch.cuda.current_device()
         self.kernels = jit.variant(sys.modules[__name__], self.interpret)
         self.args = a = FixedArgs(table, out_dtype, **policy)
         self.views = () if a.as_int is None else ((2, a.as_int),)
         # the item a program writes sizes its tile: fp8 codes are widened in the kernel (tuning.launch_config)
         self.item = out_dtype.itemsize if a.dequant else table.element_size()
         self.config = config
-        self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch]] = {}
+        self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch, int]] = {}  # config, launcher, tiles a row
 
-    def _for_cols(self, ncols: int) -> tuple[LaunchConfig, KernelLaunch]:
+    def _for_cols(self, ncols: int) -> tuple[LaunchConfig, KernelLaunch, int]:
         cfg = self.config or launch_config(ncols * self.item, self.item, 0)
         constants = dict(self.args.constants, BLOCK=cfg.block, ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps)
         launch = KernelLaunch(self.kernels.gather_rows_kernel, constants, interpret=self.interpret, views=self.views)
-        self._by_cols[ncols] = cfg, launch
-        return cfg, launch
+        entry = self._by_cols[ncols] = cfg, launch, -(-ncols // cfg.block)
+        return entry
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, col_start: int, n: int) -> None:
+        # launch_of's launch, written out: one frame less on the eager hot path
         ncols = out.shape[-1]
-        cfg, launch = self._by_cols.get(ncols) or self._for_cols(ncols)
+        cfg, launch, tiles = self._by_cols.get(ncols) or self._for_cols(ncols)
         a = self.args
         if a.host_memory and capture.capturing(ids):
             capture.keep_for_graph(a.source)
-        tiles = -(-ncols // cfg.block)
-        grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
-        launch(grid, (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
-               (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX),
-               ids.get_device())
+        launch((n * tiles,) if cfg.row_tiles else (n, tiles),
+               (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
+               (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX), self.index)
+
+    def launch_of(self, ids: torch.Tensor, out: torch.Tensor, col_start: int = 0) -> tuple:
+        """(the launcher, the grid, the runtime arguments, the call key, the device) of the call
+        ``self(ids, out, col_start, ids.numel())``: what :meth:`__call__` hands its launcher."""
+        n, ncols = ids.numel(), out.shape[-1]
+        cfg, launch, tiles = self._by_cols.get(ncols) or self._for_cols(ncols)
+        a = self.args
+        return (launch, (n * tiles,) if cfg.row_tiles else (n, tiles),
+                (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
+                (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX), self.index)
 
     def bare(self, ids: torch.Tensor, out: torch.Tensor, col_start: int = 0):
         """This call (made once first) as a zero-argument launch with everything bound: the floor of its host
         work (:meth:`~uvaple.kernels.launch.KernelLaunch.bare`)."""
-        n, ncols = ids.numel(), out.shape[-1]
-        cfg, launch = self._by_cols.get(ncols) or self._for_cols(ncols)
-        a = self.args
-        tiles = -(-ncols // cfg.block)
-        grid = (n * tiles,) if cfg.row_tiles else (n, tiles)
-        return launch.bare(grid, (a.view, ids, out, *a.mid, n, *a.fixed, col_start, ncols, *a.tail),
-                           (ids.dtype, ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, col_start, n <= _I32_MAX),
-                           ids.get_device())
+        launch, grid, args, key, device = self.launch_of(ids, out, col_start)
+        return launch.bare(grid, args, key, device)
 
 
 # ------------------------------------------------------------------ operator
 def _gather_rows(table, ids, out, counters, dq_scale, bits, has_scale, col_start, id_base, row_lo, oob_mode, dequant,
                  plan=-1) -> None:
     torch.autograd.graph.increment_version(out)  # `out` was written: autograd must know a saved one changed
-    mine = registry.find(plan, table)
+    mine = registry.find(plan, table, ids, out)
     if mine is not None:
         if check_call(table, ids, out, col_start, dequant, "gather_rows") and ids.numel():
             mine.direct(ids, out, col_start, ids.numel())
         return
     check_fixed(table, dq_scale, id_base, row_lo, oob_mode, dequant, "gather_rows")
     ncols = check_call(table, ids, out, col_start, dequant, "gather_rows", dq_scale)
+    check_reach(table, ids.device, out.dtype, has_scale, oob_mode, dequant, "gather_rows")
     if ids.numel() and ncols:
         DirectGather(table, ids.device, out.dtype, counters=counters, dq_scale=dq_scale, bits=bits, has_scale=has_scale,
                      id_base=id_base, row_lo=row_lo, oob_mode=oob_mode, dequant=dequant)(ids, out, col_start,

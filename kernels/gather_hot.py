@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .checks import check_call, check_fixed, check_hot, check_workspace
+from .checks import check_call, check_fixed, check_hot, check_reach, check_workspace
 from .gather import DirectGather
 from .gather_sorted import SortedGather
 
@@ -32,7 +32,7 @@ __all__: list[str] = []
 def _gather_rows_hot(table, ids, out, counters, dq_scale, hot_rows, slot_map, workspace, id_counts, bits, has_scale,
                      col_start, id_base, row_lo, oob_mode, dequant, dedup, plan=-1) -> None:
     torch.autograd.graph.increment_version(out)
-    mine = registry.find(plan, table)
+    mine = registry.find(plan, table, ids, out)
     if mine is not None and mine.hot_rows is hot_rows and (workspace is None or workspace is mine.workspace):
         if check_call(table, ids, out, col_start, dequant, "gather_rows_hot") and ids.numel():
             if workspace is None:
@@ -43,6 +43,7 @@ def _gather_rows_hot(table, ids, out, counters, dq_scale, hot_rows, slot_map, wo
         return
     check_fixed(table, dq_scale, id_base, row_lo, oob_mode, dequant, "gather_rows_hot")
     ncols = check_call(table, ids, out, col_start, dequant, "gather_rows_hot", dq_scale)
+    check_reach(table, ids.device, out.dtype, has_scale, oob_mode, dequant, "gather_rows_hot")
     check_hot(table, ids.device, counters, hot_rows, slot_map, id_counts)
     if workspace is not None:
         check_workspace(workspace, ids.numel(), ids.device)

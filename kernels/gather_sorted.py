@@ -44,7 +44,7 @@ import triton.language as tl
 
 from . import capture, jit, registry
 from . import rows as _rows
-from .checks import check_call, check_fixed, check_workspace
+from .checks import check_call, check_fixed, check_reach, check_workspace
 from .gather import FixedArgs
 from .launch import KernelLaunch
 from .tuning import NUM_WARPS, SORTED_TILE_BYTES, TILE_BYTES, SortedConfig, sorted_config, sorted_warps
@@ -363,7 +363,7 @@ class SortedGather:
 def _gather_rows_sorted(table, ids, out, counters, dq_scale, workspace, bits, has_scale, col_start, id_base, row_lo,
                         oob_mode, dequant, dedup, plan=-1) -> None:
     torch.autograd.graph.increment_version(out)
-    mine = registry.find(plan, table)
+    mine = registry.find(plan, table, ids, out)
     if mine is not None and mine.sorted is not None and workspace is mine.workspace:
         if check_call(table, ids, out, col_start, dequant, "gather_rows_sorted") and ids.numel():
             check_workspace(workspace, ids.numel(), ids.device)
@@ -371,6 +371,7 @@ def _gather_rows_sorted(table, ids, out, counters, dq_scale, workspace, bits, ha
         return
     check_fixed(table, dq_scale, id_base, row_lo, oob_mode, dequant, "gather_rows_sorted")
     ncols = check_call(table, ids, out, col_start, dequant, "gather_rows_sorted", dq_scale)
+    check_reach(table, ids.device, out.dtype, has_scale, oob_mode, dequant, "gather_rows_sorted")
     check_workspace(workspace, ids.numel(), ids.device)
     if ids.numel() and ncols:
         SortedGather(table, ids.device, out.dtype, workspace, dedup=dedup, counters=counters, dq_scale=dq_scale,

@@ -41,8 +41,11 @@ class _Hooks:
 
     @classmethod
     def set(cls) -> bool:
-        """Whether a Triton launch hook is installed (a chain of hooks, or one, or None)."""
-        if not cls.loaded:
+        """Whether a Triton launch hook is installed (a chain of hooks with a hook in it, or one hook)."""
+        rt = cls.runtime
+        if rt is None:
+            if cls.loaded:
+                return False
             try:
                 from triton import knobs
 
@@ -50,19 +53,21 @@ class _Hooks:
             except ImportError:  # older Triton: no knobs, no hooks to honour here
                 cls.runtime = None
             cls.loaded = True
-        rt = cls.runtime
-        if rt is None:
-            return False
-        for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-            if hook is not None and getattr(hook, "calls", True):
-                return True
-        return False
+            return cls.set()
+        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook  # read each time: a profiler may set them any time
+        return (enter is not None and bool(getattr(enter, "calls", True))) or \
+            (leave is not None and bool(getattr(leave, "calls", True)))
 
 
 class _Driver:
-    """Triton's active driver's device and stream getters, looked up once (the first compiled launch)."""
+    """Triton's active driver's device and stream getters, looked up once (the first compiled launch); until
+    then ``device`` answers -1, a device no compiled kernel is kept for."""
 
-    device = stream = None
+    stream = None
+
+    @staticmethod
+    def device() -> int:
+        return -1
 
     @classmethod
     def load(cls) -> None:
@@ -70,6 +75,10 @@ class _Driver:
 
         cls.device = driver.active.get_current_device
         cls.stream = driver.active.get_current_stream
+        if cls.device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+            # what torch.cuda.current_device returns once CUDA is initialised (it is: a kernel was compiled),
+            # without its lazy-initialisation check
+            cls.device = torch._C._cuda_getDevice
 
 
 class KernelLaunch:
@@ -103,19 +112,27 @@ class KernelLaunch:
         """Launch on ``grid`` (one or two dimensions) with the runtime ``args`` in parameter order; ``key``
         says what of them Triton specialises on; ``device``: the index of the CUDA device the tensors are on
         (see the module docstring; ignored when interpreted)."""
+        # the eager hot path, one frame: the kept compiled kernel of this key, on the current device, no hook set
+        compiled = self._compiled.get((device, key))
+        if compiled is not None and _Driver.device() == device and not _Hooks.set():
+            run, function, metadata = compiled
+            run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _Driver.stream(device), function, metadata, None, None,
+                None, *args, *self._values)
+            return
         if self.interpret:
             self.fn[grid](*self._viewed(args), **self.constants)
             return
-        if _Driver.device is None:
+        if _Driver.stream is None:
             _Driver.load()
-        current = _Driver.device()
-        if device != current:
+        if device != _Driver.device():
             with torch.cuda.device(device):
                 self._launch(grid, args, key, device)
             return
-        self._launch(grid, args, key, current)
+        self._launch(grid, args, key, device)
 
     def _launch(self, grid: tuple, args: tuple, key, device: int) -> None:
+        """The launch of a call on its device (current now): the kept compiled kernel, or Triton's own launch,
+        whose compiled kernel is then kept."""
         compiled = self._compiled.get((device, key))
         if compiled is not None and not _Hooks.set():
             run, function, metadata = compiled

@@ -57,10 +57,13 @@ class GatherPlan:
                  max_rows: int | None = None, workspace: torch.Tensor | None = None) -> None:
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if device.type == "cuda" and device.index is None:  # calls' tensors name their device's index
+            device = torch.device("cuda", torch.cuda.current_device())
         check_fixed(table, dq_scale, id_base, row_lo, oob_mode, dequant, "gather_rows")
         if hot_rows is not None:
             check_hot(table, device, counters, hot_rows, slot_map, id_counts)
         self.table_ptr, self.table_shape = table.data_ptr(), table.shape
+        self.device, self.out_dtype = device, out_dtype  # what the launchers are made for (registry.find)
         self.hot_rows = hot_rows
         kw = dict(counters=counters, dq_scale=dq_scale, bits=bits, has_scale=has_scale, id_base=id_base,
                   row_lo=row_lo, oob_mode=oob_mode, dequant=dequant, hot_rows=hot_rows, slot_map=slot_map,

@@ -414,6 +414,119 @@ def test_a_plan_refuses_what_the_operator_refuses(device):
     assert same_bits(out, table[ids.cpu()].to(device))
 
 
+def test_an_operator_given_a_plans_handle_with_another_out_dtype_takes_the_full_path(device):
+    """A plan's kernels write its output dtype: given an ``out`` of another dtype, the operator does not run the
+    plan (an ``out`` of narrower items would be written past its end) but its full path, which converts to a
+    wider float ``out`` exactly and names a dtype the table's rows are never written as, writing nothing; the
+    sorted operator the same."""
+    from uvaple.kernels.plan import GatherPlan
+
+    table = rand(40, 24, torch.bfloat16, seed=9).to(device)
+    ids = torch.tensor([3, 39, 0, 17, 3], device=device)
+    for order in ("direct", "sorted"):
+        plan = GatherPlan(table, torch.device(device), torch.bfloat16, order=order, max_rows=8)
+
+        def op(out, order=order, plan=plan):
+            if order == "direct":
+                torch.ops.uvaple.gather_rows(table, ids, out, None, None, 0, False, 0, 0, 0, 0, 0, plan.handle)
+            else:
+                torch.ops.uvaple.gather_rows_sorted(table, ids, out, None, None, plan.workspace, 0, False, 0, 0, 0,
+                                                    0, 0, False, plan.handle)
+
+        wide = poisoned((5, 24), torch.float32, device)
+        op(wide)
+        assert same_bits(wide, table[ids].float())
+        # out is the first half of a buffer whose second half holds random bytes: they must stay as they are
+        store = torch.randint(-128, 128, (2, 5, 24), dtype=torch.int8, device=device)
+        guard = store[1].clone()
+        with pytest.raises(TypeError, match=r"uvaple::gather_rows(_sorted)?: out has dtype torch.int8; rows of this "
+                                            r"torch.bfloat16 table are written as one of"):
+            op(store[0])
+        assert torch.equal(store[1], guard)
+
+
+def test_the_operators_full_path_names_a_table_and_an_output_no_policy_reads(device):
+    """What the functional gather refuses by its own checks, the operator refuses too when called directly (its
+    full path): a table of an unsupported dtype, a scale on an integer table, -0.0 rows into an integer output;
+    each named, nothing written."""
+    ids = torch.tensor([1, 2], device=device)
+    f64 = torch.randn(4, 3, dtype=torch.float64, device=device)
+    out = poisoned((2, 3), torch.float64, device)
+    with pytest.raises(TypeError, match=r"uvaple::gather_rows: table dtype torch.float64 is not supported"):
+        torch.ops.uvaple.gather_rows(f64, ids, out, None, None, 0, False, 0, 0, 0, 0, 0)
+    i8 = rand(4, 3, torch.int8).to(device)
+    out = poisoned((2, 3), torch.int8, device)
+    with pytest.raises(TypeError, match=r"uvaple::gather_rows: a scale needs a float table"):
+        torch.ops.uvaple.gather_rows(i8, ids, out, None, None, 0, True, 0, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match=r"uvaple::gather_rows: oob_mode 2 writes -0.0 rows"):
+        torch.ops.uvaple.gather_rows(i8, ids, out, None, None, 0, False, 0, 0, 0, 2, 0)
+    assert same_bits(out, poisoned((2, 3), torch.int8, device))
+
+
+@pytest.mark.gpu
+def test_an_operator_given_a_cuda_plans_handle_with_host_ids_is_refused_by_name():
+    """A plan launches on its device: host ids given with a CUDA plan's handle take the full path, which names the
+    table's device (a launch would otherwise read host addresses from the GPU); a plan made for ``cuda`` serves
+    calls on the current device's index."""
+    from uvaple.kernels import registry
+    from uvaple.kernels.plan import GatherPlan
+
+    table = rand(16, 8, torch.bfloat16).cuda()
+    plan = GatherPlan(table, torch.device("cuda"), torch.bfloat16)
+    ids, out = torch.tensor([1, 2], device="cuda"), poisoned((2, 8), torch.bfloat16, "cuda")
+    assert plan.device == torch.device("cuda", torch.cuda.current_device())
+    assert registry.find(plan.handle, table, ids, out) is plan
+    host_out = poisoned((2, 8), torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="uvaple::gather_rows: ids are on cpu but the table is on cuda"):
+        torch.ops.uvaple.gather_rows(table, ids.cpu(), host_out, None, None, 0, False, 0, 0, 0, 0, 0, plan.handle)
+    assert same_bits(host_out, poisoned((2, 8), torch.bfloat16, "cpu"))
+
+
+def test_a_kept_launch_gives_way_to_triton_while_a_launch_hook_is_set(monkeypatch):
+    """A profiler's launch hooks (Triton's knobs, read at every launch) see every launch: while a hook is in a
+    chain, or one hook is assigned in its place, a call of a kept key goes through Triton; once none is set, the
+    kept launcher runs again."""
+    from triton import knobs
+
+    from uvaple.kernels import launch as launch_mod
+
+    launched = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            launched.append("kept")
+
+    class Kernel:
+        params = ()
+
+        def __getitem__(self, grid):
+            def call(*args, **constants):
+                launched.append("triton")
+                return Compiled()
+            return call
+
+    monkeypatch.setattr(launch_mod._Driver, "device", lambda: 0)
+    monkeypatch.setattr(launch_mod._Driver, "stream", lambda d: 0)
+    k = launch_mod.KernelLaunch(Kernel(), {}, interpret=False)
+    k((1,), (), "key", 0)
+    k((1,), (), "key", 0)
+
+    def hook(*args):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        k((1,), (), "key", 0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    k((1,), (), "key", 0)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", hook)  # one hook in the chain's place
+    k((1,), (), "key", 0)
+    assert launched == ["triton", "kept", "triton", "kept", "triton"]
+
+
 def test_a_compiled_launch_enters_its_tensors_device_when_another_is_current(monkeypatch):
     """The device guard of :class:`KernelLaunch`, with Triton's driver and kernel stood in for (the launch on
     two real GPUs: ``test_gpu_lookup.py``): the first call of a key goes through Triton on the tensors'
