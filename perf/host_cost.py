@@ -25,11 +25,19 @@ make a launch wait for the GPU). The providers take turns in blocks of ``--block
 each per row count; the figure is the median call, with p20/p80. Outputs are compared bit for bit with
 ``index_select``'s first. ``--smoke`` runs the same code small on CPU tensors (interpreted): a correctness
 run, not a host-cost figure; without CUDA nothing else runs.
+
+``--stub-launch`` (any machine, no GPU): the project's own Python above Triton's launcher, alone. The lookup is
+built on the CPU, its rows checked once (interpreted), then the compiled kernel of the call's key is stood in for
+by a no-op and the current device and stream by constants: ``lookup``, ``plan`` and ``direct`` run every line of
+their own, and ``bare`` is the no-op called with every argument bound. ``lookup - bare`` is then what the
+lookup's layers cost this host's Python; a GPU's figure adds the CUDA calls (the capture state, the current
+device and stream: about 1 us on the H200's host) and Triton's launcher, which ``bare`` times there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -65,6 +73,29 @@ def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
     }
 
 
+STUBBED = ("lookup", "plan", "direct", "bare")  # --stub-launch's providers
+
+
+@contextlib.contextmanager
+def stubbed_launch(lk, ids: torch.Tensor, out: torch.Tensor):
+    """Within: the lookup's call ``lk.lookup(ids, out)`` finds a no-op kept as the compiled kernel of its key, and
+    Triton's current device and stream are constants (``--stub-launch``); everything is put back on leaving."""
+    from uvaple.kernels import launch as launch_mod
+
+    launch, _, _, key, device = lk.plan.direct.launch_of(ids, out)
+    driver = launch_mod._Driver
+    saved = launch.interpret, dict(launch._compiled), vars(driver)["device"], vars(driver)["stream"]
+    launch.interpret = False
+    launch._compiled[(device, key)] = (lambda *args: None, None, None)
+    driver.device, driver.stream = staticmethod(lambda: device), staticmethod(lambda index: 0)
+    try:
+        yield
+    finally:
+        launch.interpret, driver.device, driver.stream = saved[0], saved[2], saved[3]
+        launch._compiled.clear()
+        launch._compiled.update(saved[1])
+
+
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
@@ -98,12 +129,14 @@ def run(a, result: dict | None = None) -> dict:
     from uvaple.integration import make_lookup
     from uvaple.uva import HostTable
 
-    cuda = torch.cuda.is_available() and not a.smoke  # --smoke: the CPU, as every workload's
+    cuda = torch.cuda.is_available() and not a.smoke and not a.stub_launch  # the CPU, as every workload's smoke
     device = torch.device("cuda" if cuda else "cpu")
     g = torch.Generator().manual_seed(7)
     src = (torch.randn(a.table_rows, a.cols, generator=g) * 3).to(torch.bfloat16)
     result = {} if result is None else result
-    result.update({"device": torch.cuda.get_device_name() if cuda else "cpu (interpreted: not a host-cost figure)",
+    on = "cpu (interpreted: not a host-cost figure)" if not a.stub_launch else \
+        "cpu, launch stubbed (the project's Python above Triton's launcher)"
+    result.update({"device": torch.cuda.get_device_name() if cuda else on, "stub_launch": a.stub_launch,
                    "torch": torch.__version__, "cols": a.cols, "table_rows": a.table_rows, "calls": a.calls,
                    "rows": {}})
     with HostTable.from_tensor(src) as h:
@@ -120,15 +153,22 @@ def run(a, result: dict | None = None) -> dict:
                     got = fn()
                     got = out if got is None else got
                     exact[name] = bool(torch.equal(got.view(torch.int16).cpu(), want))
-                times = measure(fns, a.calls, a.block, a.sync_every, cuda)
+                if a.stub_launch:  # rows checked above, interpreted; now only the Python above the launch
+                    with stubbed_launch(lk, ids, out):
+                        fns = {k: v for k, v in fns.items() if k in STUBBED}
+                        fns["bare"] = lk.plan.direct.bare(ids, out)
+                        times = measure(fns, a.calls, a.block, a.sync_every, cuda)
+                else:
+                    times = measure(fns, a.calls, a.block, a.sync_every, cuda)
                 row = {}
                 for name, ts in times.items():
                     p20, med, p80 = quantiles(ts)
                     row[name] = {"median_us": round(med, 2), "p20_us": round(p20, 2), "p80_us": round(p80, 2),
                                  "mean_us": round(statistics.fmean(ts), 2), "exact": exact[name]}
-                bar = row["index_select"]["median_us"]
-                for name in row:
-                    row[name]["x_index_select"] = round(row[name]["median_us"] / bar, 2)
+                if "index_select" in row:
+                    bar = row["index_select"]["median_us"]
+                    for name in row:
+                        row[name]["x_index_select"] = round(row[name]["median_us"] / bar, 2)
                 row["lookup"]["above_bare_us"] = round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
                 result["rows"][str(n)] = row
                 command.say(_line(n, row))
@@ -136,9 +176,10 @@ def run(a, result: dict | None = None) -> dict:
 
 
 def _line(n: int, row: dict) -> str:
-    cells = " ".join(f"{row[p]['median_us']:>9.2f}{'' if row[p]['exact'] else '!'}" for p in PROVIDERS)
-    return (f"{n:>6} {cells} {row['lookup']['x_index_select']:>10.2f} {row['operator']['x_index_select']:>10.2f} "
-            f"{row['lookup']['above_bare_us']:>10.2f}")
+    cells = " ".join(f"{row[p]['median_us']:>9.2f}{'' if row[p]['exact'] else '!'}" for p in PROVIDERS if p in row)
+    ratios = f" {row['lookup']['x_index_select']:>10.2f} {row['operator']['x_index_select']:>10.2f}" \
+        if "index_select" in row else ""
+    return f"{n:>6} {cells}{ratios} {row['lookup']['above_bare_us']:>10.2f}"
 
 
 SMOKE = {"calls": 40, "block": 10, "table_rows": 512, "cols": 64, "rows": [1, 7]}  # --smoke: ~10 s on 2 cores
@@ -165,6 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"a small run on the CPU on any machine: {SMOKE['calls']} calls at 1 and 7 ids on a "
                         f"{SMOKE['table_rows']}-row table of {SMOKE['cols']} columns, interpreted kernels, "
                         "correctness only (about 10 s); it sets the sizes above itself")
+    p.add_argument("--stub-launch", action="store_true",
+                   help="any machine, no GPU: the lookup's own Python above Triton's launcher, with the compiled "
+                        "kernel stood in for by a no-op (lookup, plan, direct, bare; rows checked once, "
+                        "interpreted); the sizes default to --smoke's but for --calls")
     p.add_argument("--out", help="directory for host_cost.json, made and checked writable before any work "
                                  "(default ./uvaple-results/<UTC time>_host_<gpu or cpu>/)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -179,14 +224,19 @@ def main(argv=None) -> int:
         if a.smoke and given:
             raise command.Refused(f"--smoke sets its own sizes; {', '.join(given)} would be ignored: drop "
                                   f"{'them' if len(given) > 1 else 'it'}, or drop --smoke to run the sizes given")
-        vars(a).update({k: v for k, v in (SMOKE if a.smoke else DEFAULTS).items() if getattr(a, k) is None})
-        if not a.smoke:
+        if a.smoke and a.stub_launch:
+            raise command.Refused("--smoke and --stub-launch are two runs: --smoke checks the rows of every "
+                                  "provider, --stub-launch times the lookup's Python with the launch stubbed; "
+                                  "pick one")
+        sizes = dict(SMOKE, calls=DEFAULTS["calls"]) if a.stub_launch else SMOKE if a.smoke else DEFAULTS
+        vars(a).update({k: v for k, v in sizes.items() if getattr(a, k) is None})
+        if not a.smoke and not a.stub_launch:
             command.needs_cuda("the host workload (it times GPU launches)",
                                "--smoke runs it small on the CPU (correctness only, about 10 s)")
         # the random source and the host table made from it
         command.check_fits(2 * a.table_rows * a.cols * 2, f"a {a.table_rows:,} x {a.cols:,} bf16 table (and its "
                            "source)", "Pass a smaller --table-rows or --cols, or --smoke")
-        out = command.workload_out("host", a.out, not a.smoke)
+        out = command.workload_out("host", a.out, not a.smoke and not a.stub_launch)
     except command.Refused as e:
         return command.refuse(prog, e)
     if a.smoke:
@@ -194,8 +244,13 @@ def main(argv=None) -> int:
                     "not a GPU's host cost: this run checks the rows")
     command.say(f"# host us per eager call (median of {a.calls}); rows of {a.cols} bf16 columns; "
                 "'!' marks a provider whose rows differ from index_select's")
-    command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} {'op/is':>10} "
-                f"{'lk-bare us':>10}")
+    if a.stub_launch:
+        command.say("# CPU run (--stub-launch): the compiled launch is a no-op; the times are this host's Python "
+                    "above Triton's launcher (a GPU adds its CUDA calls and the launcher itself)")
+        command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in STUBBED) + f" {'lk-bare us':>10}")
+    else:
+        command.say(f"{'ids':>6} " + " ".join(f"{p[:9]:>9}" for p in PROVIDERS) + f" {'lookup/is':>10} "
+                    f"{'op/is':>10} {'lk-bare us':>10}")
     result: dict = {"smoke": a.smoke}
     with command.progress(not a.quiet):
         with command.kept_on_failure(out, "host_cost.json", result):

@@ -217,6 +217,35 @@ def test_time_budget_skips_tables():
     assert bench.exit_code(rows) == 0
 
 
+def test_host_workload_with_the_launch_stubbed_times_the_lookups_own_layers_and_puts_the_launch_back(tmp_path,
+                                                                                                     capsys):
+    """``uvaple bench --workload host --stub-launch`` runs on a CPU: the lookup's rows checked once (interpreted),
+    then the lookup, the plan, its direct gather and the bare call timed with the compiled kernel stood in for by a
+    no-op; afterwards the launcher is interpreted again, with nothing kept, and Triton's driver getters are back;
+    --smoke beside it is refused by name."""
+    import json
+
+    from uvaple.kernels import launch as launch_mod
+    from uvaple.perf import bench, host_cost
+
+    before = dict(vars(launch_mod._Driver))
+    assert bench.main(["--workload", "host", "--stub-launch", "--calls", "50", "--rows", "1,5",
+                       "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "host_cost.json").read_text())
+    assert result["stub_launch"] and "launch stubbed" in result["device"]
+    assert set(result["rows"]) == {"1", "5"}
+    for row in result["rows"].values():
+        assert set(row) == {"lookup", "plan", "direct", "bare"}
+        assert all(r["exact"] and r["median_us"] > 0 for r in row.values())
+        assert row["lookup"]["above_bare_us"] == round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
+    assert dict(vars(launch_mod._Driver)) == before
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("ids"))
+    assert "--stub-launch" in out and header.split() == ["ids", "lookup", "plan", "direct", "bare", "lk-bare", "us"]
+    assert host_cost.main(["--smoke", "--stub-launch", "--out", str(tmp_path)]) == 2
+    assert "pick one" in capsys.readouterr().err
+
+
 def test_host_workload_smoke_is_exact(tmp_path, capsys):
     """``uvaple bench --workload host --smoke``: every provider (the lookup, the operator given the lookup's
     plan, the functional gather, the plan alone, its direct gather alone, the bare launch, torch's index_select
