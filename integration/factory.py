@@ -91,11 +91,11 @@ PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
               graph_refusal="each copy-placement call waits on the host for its ids and records events on the "
                             "calling stream"),
     Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True,
-              graph_refusal="a disk call plans its rows and reads the missing ones from the file on the calling "
-                            "thread, from ids on the host",
-              model_refusal="the disk placement plans each call from ids on the host and reads its missing rows on "
-                            "the calling thread, and a model's PLE layer has its ids on the GPU: use 'uva' (the "
-                            "GPU reads the rows it needs from host memory)"),
+              graph_refusal="a disk call plans its rows on the host and reads the missing ones from the file on "
+                            "the calling thread",
+              model_refusal="the disk placement reads a table file written beforehand (uvaple.uva.write_table_file), "
+                            "and model layers build their tables in host memory from the checkpoint: use 'uva' "
+                            "(the GPU reads the rows it needs from host memory)"),
 )}
 
 #: Placements :func:`make_lookup` builds.

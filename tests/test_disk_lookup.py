@@ -263,9 +263,8 @@ def test_bad_options_and_calls_are_named(tmp_path, device):
             lk.lookup(torch.arange(5))
         with pytest.raises(TypeError, match="ids must be an int32 or int64 tensor"):
             lk.lookup(torch.arange(3).float())
-        if device.type == "cuda":
-            with pytest.raises(ValueError, match="ids are on cuda:0; this call takes host ids"):
-                lk.lookup(torch.arange(3, device=device))
+        if device.type == "cuda":  # ids on the device are copied to the host: the same rows
+            assert torch.equal(bits(lk.lookup(torch.arange(3, device=device))), bits(t[:3]))
         assert torch.equal(bits(lk.lookup(torch.tensor([[1, 2]]))), bits(t[torch.tensor([[1, 2]])]))
         lk.close()
         with pytest.raises(BackendClosed):
@@ -305,6 +304,36 @@ def test_a_forked_child_is_refused_by_name(tmp_path, device):
     assert os.read(r, 100) == b"LookupForkedError"
     os.close(r)
     lk.close()
+
+
+@pytest.mark.gpu
+def test_gpu_ids_on_the_device_are_read_after_the_work_that_writes_them(tmp_path):
+    """Ids on the GPU, written by a copy queued behind a sleeping stream: each call copies them to the host after
+    that work (its one synchronisation), so its rows are those ids' rows, the bits of the same ids passed on the
+    host; int32 and int64 ids, shaped; the poison the ids held before (-1, a zero row) is never what is read."""
+    device = torch.device("cuda")
+    t = rand(3000, 96, torch.bfloat16, seed=14)
+    write_table_file(tmp_path / "t.uvt", t)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=64, slots=100) as lk, \
+            make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=64, slots=100) as host_lk:
+        lk.lookup(torch.arange(8), torch.empty(8, 96, dtype=torch.bfloat16, device=device))  # the gather's JIT
+        torch.cuda.synchronize()
+        g = torch.Generator().manual_seed(15)
+        for step in range(6):
+            shape = [(5,), (4, 16), (64,)][step % 3]
+            want = torch.randint(0, 3000, shape, generator=g, dtype=torch.int32 if step % 2 else torch.int64)
+            src = want.to(device)
+            ids = torch.full(shape, -1, dtype=want.dtype, device=device)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)  # ~50 ms: the ids are written well after the call is made
+            ids.copy_(src)
+            out = torch.full((*shape, 96), POISON, dtype=torch.bfloat16, device=device)
+            lk.lookup(ids, out)
+            on_host = host_lk.lookup(want)
+            torch.cuda.synchronize()
+            assert torch.equal(bits(out), bits(t[want.long()])), step
+            assert torch.equal(bits(out), bits(on_host)), step
+        assert lk.stats()["lookups"] == 7 and lk.stats()["out_of_range_ids"] == 0
 
 
 @pytest.mark.gpu

@@ -2,8 +2,12 @@
 
 For tables larger than the host memory a server can give them. The table is a file in the project's row layout
 (:mod:`uvaple.uva.table_file`: written once, checksummed, opened without reading its data); a
-:class:`~uvaple.uva.RowCache` holds a budget of its rows in pinned, mapped host memory, by slot. Ids come on
-the host (a serving engine knows a step's ids when it prepares the step), so each call is planned there:
+:class:`~uvaple.uva.RowCache` holds a budget of its rows in pinned, mapped host memory, by slot. Each call is
+planned on the host, from its ids there: a serving engine knows a step's ids when it prepares the step, and
+passes them on the CPU; ids on the lookup's device (transformers' ``generate()``, an n-gram hash on the GPU) are
+copied to the host first, one small copy a call into pinned memory that waits for the stream's work before it
+(the ids must exist before they are read), so such a call holds the host until the GPU has caught up with it:
+0. **Ids** on the device: copied into the lookup's pinned buffer in the stream, then the stream synchronised.
 
 1. **Plan** (this thread): the call's table rows (ids less ``id_offset``, inside the spec's window; under
    ``oob="row0"`` the window's first row stands in for the others) go to :meth:`RowCache.plan` as step ``k``:
@@ -31,8 +35,8 @@ So the only order between the host's reads and the GPU's is the stream's: the ho
 the completion word (written by the stream after the last gather that read it) says so (seed 004's race),
 and launches a gather only after its rows are read in. Calls of one lookup run on one stream (the first
 call's; a call on another is a named error): the completion word is that stream's. The steps' host work
-(plan, reads) is on the calling thread, so CUDA graphs cannot capture a call and model layers, whose ids are
-on the GPU, do not serve it (:data:`~uvaple.integration.factory.PLACEMENTS`).
+(plan, reads) is on the calling thread, so CUDA graphs cannot capture a call
+(:data:`~uvaple.integration.factory.PLACEMENTS`).
 
 Counters (``stats()``, ``progress()``): kept on the host (every id passes it), with the cache's hits, misses,
 evictions and the pages read; no synchronisation.
@@ -121,6 +125,8 @@ class DiskLookup(Lookup):
             self._staging = HostTable.empty(steps_in_flight, max_rows * 4, torch.uint8, register=register,
                                             device=index)
             self._host_ids = self._staging.tensor.view(torch.int32)  # [steps_in_flight, max_rows]
+            # a call's ids copied from the device (as bytes: the ids' own dtype, no conversion on the way)
+            self._ids_in = torch.empty(max_rows * 8, dtype=torch.uint8, pin_memory=True) if on_gpu else None
             self._dev_ids = (self._staging.cuda_view(index) if on_gpu else self._staging.tensor).view(torch.int32)
             rows_view, self._done_word = self.cache.views(self.device)
             scale = self._check_scale(dequant_scale)
@@ -150,13 +156,15 @@ class DiskLookup(Lookup):
 
     # ------------------------------------------------------------------ calls
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
-        ids, out, c0, _ = self._prepare(ids, out, columns, ids_on="host")
+        ids, out, c0, _ = self._prepare(ids, out, columns, ids_on="either")
         n = ids.numel()
         if n == 0:
             return out
         with self._lock:  # one call at a time: the steps are numbered in the order they are planned
             if self.device.type == "cuda":
                 self._check_stream()
+                if ids.is_cuda:
+                    ids = self._ids_to_host(ids)
             step = self._step + 1
             slot = (step - 1) % self._ring
             self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
@@ -193,6 +201,14 @@ class DiskLookup(Lookup):
             raise DiskStreamError(f"this disk lookup's calls run on {self._stream} (its first call's: the "
                                   f"completion word of its row cache is written in that stream's order); this call "
                                   f"is on {stream}")
+
+    def _ids_to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """The call's device ids in the pinned buffer: copied in this lookup's stream, after the work that made
+        them, and waited for (the one synchronisation of a call whose ids are on the device)."""
+        host = self._ids_in[:ids.numel() * ids.element_size()].view(ids.dtype)
+        host.copy_(ids.reshape(-1), non_blocking=True)
+        self._stream.synchronize()
+        return host.view(ids.shape)
 
     def _read_in(self, rows: np.ndarray, step: int) -> None:
         """The step planned and its misses read into their slots (:meth:`RowCache.read_in`); a cache too full of
