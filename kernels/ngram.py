@@ -25,7 +25,9 @@ Operator schema::
                        int eos) -> ()
 
 ``out`` is ``[B, last, (N - 1) * heads_per_ngram]`` int64; N is ``multipliers.numel()`` and
-``heads_per_ngram`` follows from ``sizes.numel()``. ``sizes`` must be positive (a layer's buffers are).
+``heads_per_ngram`` follows from ``sizes.numel()``. ``sizes`` are positive in a layer's buffers; a head whose size
+is not gives the row -1, which every lookup's row policy treats as outside the table (no remainder by zero,
+whatever the buffers hold when the kernel reads them).
 """
 
 from __future__ import annotations
@@ -97,11 +99,14 @@ def mix_token(row, pos, s, mixed, clean, live, end, mult_ptr):
 @kernel
 def head_row(mixed, j, sizes_ptr, offsets_ptr):
     """Head ``j``'s table row of a mix: its floor remainder by the head's size (C's % truncates: negative for a
-    negative mix), plus the head's offset."""
+    negative mix), plus the head's offset; -1 (outside every table: the row policy's row) for a size <= 0, which
+    no remainder is defined for (the buffers are the caller's to change, and are read at launch)."""
     size = tl.load(sizes_ptr + j)
+    ok = size > 0
+    size = tl.where(ok, size, 1)
     r = mixed % size
     r = tl.where(r < 0, r + size, r)
-    return r + tl.load(offsets_ptr + j)
+    return tl.where(ok, r + tl.load(offsets_ptr + j), -1)
 
 
 # ------------------------------------------------------------------ launcher

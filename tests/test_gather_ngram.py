@@ -179,6 +179,23 @@ def test_the_paths_that_hash_then_gather_give_the_same_rows(device, monkeypatch,
     h.close()
 
 
+def test_a_head_of_no_size_reads_the_policys_row_in_either_launch(device):
+    """A head of size 0 hashes to a row outside the table in the fused launch as in the hash's own: the
+    policy's zero row at each of its positions, counted as out of range, the same bits either way."""
+    t, h, spec = make_table("bf16 copy window")
+    buffers = layer(3, 2, size=80, seed=12, device=device)
+    buffers["sizes"][1] = 0
+    history = histories(2, 5, seed=8, device=device)
+    want, want_stats, ids = two_launches(h, spec, device, history, buffers, 5)
+    assert (ids[..., 1] == -1).all()
+    with make_lookup("uva", h, device=device, spec=spec) as lk:
+        got = lk.lookup_ngrams(history, eos=EOS, last=5, **buffers)
+        assert torch.equal(bits(got), bits(want))
+        assert lk.stats()["out_of_range_ids"] == want_stats["out_of_range_ids"] >= 10
+    assert not bits(got[:, :, 1]).any()  # +0.0 rows
+    h.close()
+
+
 def test_bad_calls_are_named_and_write_nothing(device):
     t, h, spec = make_table("bf16 scaled row0")
     buffers = layer(3, 2, size=80, seed=9, device=device)

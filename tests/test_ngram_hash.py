@@ -67,6 +67,22 @@ def test_any_token_values_give_the_definitions_rows(device):
         assert torch.equal(got, want)
 
 
+def test_a_head_of_no_size_gives_the_row_outside_every_table(device):
+    """A head whose size is 0 or negative (a layer's buffers are the caller's to change) has no remainder: it
+    gives -1 at every position, a row no lookup reads, and the other heads keep their definition's rows."""
+    eos = 151_643
+    buffers = layer(3, 2, device=device, seed=4)
+    good = buffers["sizes"].clone()
+    buffers["sizes"][1], buffers["sizes"][2] = 0, -5
+    history = histories(2, 9, eos=eos, seed=5).to(device)
+    out = torch.full((2, 9, 4), POISON, dtype=torch.long, device=device)
+    got = ngram_rows(history, eos=eos, last=9, out=out, **buffers).cpu()
+    assert (got[..., 1] == -1).all() and (got[..., 2] == -1).all()
+    want = ngram_ids(history.cpu(), eos=eos, heads_per_ngram=2, last=9, multipliers=buffers["multipliers"].cpu(),
+                     sizes=good.cpu(), offsets=buffers["offsets"].cpu())
+    assert torch.equal(got[..., [0, 3]], want[..., [0, 3]])
+
+
 def test_nothing_to_hash_launches_nothing(device):
     buffers = layer(3, 2, device=device)
     empty = ngram_rows(torch.zeros(0, 5, dtype=torch.long, device=device), eos=1, last=5, **buffers)
