@@ -212,22 +212,33 @@ def check_reach(table: torch.Tensor, device: torch.device, out_dtype: torch.dtyp
         raise TypeError(f"uvaple::{what}: oob_mode 2 writes -0.0 rows: it needs a float output, not {out_dtype}")
 
 
-def check_hot(table: torch.Tensor, device: torch.device, counters, hot_rows, slot_map, id_counts) -> None:
-    """A hot set's buffers (and the counters it adds hits to) fit the table, on ``device``."""
+def check_hot(table: torch.Tensor, device: torch.device, counters, hot_rows, slot_map, id_counts,
+              hot_only_rows: int = 0) -> None:
+    """A hot set's buffers (and the counters it adds hits to) fit the table, on ``device``; with
+    ``hot_only_rows``, the map covers that many rows past the table's and names a hot slot for each (one read of
+    those entries)."""
+    rows = table.shape[0] + hot_only_rows
     if hot_rows.dim() != 2 or hot_rows.dtype != table.dtype or hot_rows.shape[1] != table.shape[1] or \
             hot_rows.stride(0) != table.stride(0) or hot_rows.stride(1) != 1 or hot_rows.device != device:
         raise ValueError(f"uvaple::gather_rows_hot: the hot rows must be a {table.dtype} [slots, {table.shape[1]}] "
                          f"tensor with the table's row stride ({table.stride(0)}) on {device}, got "
                          f"{hot_rows.dtype} {tuple(hot_rows.shape)} stride {hot_rows.stride()} on {hot_rows.device}")
     if slot_map is None or slot_map.dtype != torch.int32 or slot_map.dim() != 1 or \
-            slot_map.numel() < table.shape[0] or not slot_map.is_contiguous() or slot_map.device != device:
-        raise ValueError(f"uvaple::gather_rows_hot: the slot map must be a contiguous int32 [>= {table.shape[0]}] "
+            slot_map.numel() < rows or not slot_map.is_contiguous() or slot_map.device != device:
+        raise ValueError(f"uvaple::gather_rows_hot: the slot map must be a contiguous int32 [>= {rows}] "
                          f"tensor on {device}")
     if id_counts is not None and (id_counts.dtype != torch.int64 or id_counts.dim() != 1 or
-                                  id_counts.numel() < table.shape[0] or not id_counts.is_contiguous() or
+                                  id_counts.numel() < rows or not id_counts.is_contiguous() or
                                   id_counts.device != device):
-        raise ValueError(f"uvaple::gather_rows_hot: id counts must be a contiguous int64 [>= {table.shape[0]}] "
+        raise ValueError(f"uvaple::gather_rows_hot: id counts must be a contiguous int64 [>= {rows}] "
                          f"tensor on {device}")
+    if isinstance(hot_only_rows, bool) or not isinstance(hot_only_rows, int) or hot_only_rows < 0:
+        raise ValueError(f"uvaple::gather_rows_hot: hot_only_rows must be an int >= 0, got {hot_only_rows!r}")
+    if hot_only_rows:
+        past = slot_map[table.shape[0]:rows]
+        if not bool(((past >= 0) & (past < hot_rows.shape[0])).all()):
+            raise ValueError(f"uvaple::gather_rows_hot: each of the {hot_only_rows} rows past the table's "
+                             f"{table.shape[0]} must have a hot slot (0 .. {hot_rows.shape[0] - 1}) in the slot map")
     if counters is not None and counters.numel() < 4:
         raise ValueError("uvaple::gather_rows_hot: counters must be int64 [>= 4] (lookups, rows, out-of-range "
                          "ids, hits)")

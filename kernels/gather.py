@@ -182,11 +182,12 @@ class FixedArgs:
     """What either gather kernel takes that a plan fixes: the table as the kernel reads it (and a hot set's rows),
     the buffers (None where the constants say the kernel does not use them: Triton then takes them as
     constants, with no pointer for the launcher to look up on every call), the row range, the policy's
-    constants. ``policy``: the keywords of :class:`DirectGather`."""
+    constants. ``policy``: the keywords of :class:`DirectGather`; ``hot_only_rows``: rows past the table's last,
+    each held by the hot set alone (checked by the plan: :class:`~uvaple.kernels.plan.GatherPlan`)."""
 
     def __init__(self, table: torch.Tensor, out_dtype: torch.dtype, *, counters=None, dq_scale=None, bits: int = 0,
                  has_scale: bool = False, id_base: int = 0, row_lo: int = 0, oob_mode: int = 0, dequant: int = 0,
-                 hot_rows=None, slot_map=None, id_counts=None) -> None:
+                 hot_rows=None, slot_map=None, id_counts=None, hot_only_rows: int = 0) -> None:
         self.view, self.as_int, convert = kernel_views(table, out_dtype, has_scale, oob_mode, dequant)
         hot_view = None if hot_rows is None else kernel_views(hot_rows, out_dtype, has_scale, oob_mode, dequant)[0]
         self.source = table  # what a captured graph must keep alive (capture.keep_for_graph)
@@ -195,7 +196,7 @@ class FixedArgs:
         self.dequant, self.row_lo = dequant, row_lo
         self.mid = (counters, dq_scale if enc.scale == "global" else None, hot_view, slot_map,
                     0 if hot_view is None else hot_view.shape[0], id_counts)
-        self.fixed = (id_base, row_lo, self.view.shape[0], self.view.stride(0))
+        self.fixed = (id_base, row_lo, self.view.shape[0] + hot_only_rows, self.view.stride(0))
         self.tail = (bits, self.view.shape[1] - enc.trailer_bytes if enc.trailer_bytes else 0)
         self.constants = dict(HAS_SCALE=has_scale, CONVERT=convert, OOB_ROW0=oob_mode == 1, NEG_ZERO=oob_mode == 2,
                               **enc.kernel_constants(fmt), COUNT=counters is not None, HOT=hot_view is not None,

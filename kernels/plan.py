@@ -47,6 +47,10 @@ class GatherPlan:
     (:mod:`uvaple.kernels.gather`); ``hot_rows``/``slot_map``/``id_counts``: a hot set
     (:mod:`uvaple.kernels.gather_hot`); ``order``/``dedup``/``max_rows``: which calls are sorted (sorting needs
     ``max_rows``: the workspace is sized from it; ``workspace``: one made already, :func:`new_workspace`).
+
+    ``hot_only_rows``: rows past the table's last that the hot set alone holds, valid ids of their own (the disk
+    placement's hot rows, which no cache slot holds): the slot map's entries for them must each name a hot slot,
+    checked here (one read of the map), so no id reaches past the table; the direct gather only.
     """
 
     def __init__(self, table: torch.Tensor, device: torch.device, out_dtype: torch.dtype, *, bits: int = 0,
@@ -54,26 +58,31 @@ class GatherPlan:
                  counters: torch.Tensor | None = None, dq_scale: torch.Tensor | None = None,
                  hot_rows: torch.Tensor | None = None, slot_map: torch.Tensor | None = None,
                  id_counts: torch.Tensor | None = None, order: str = "direct", dedup: bool = False,
-                 max_rows: int | None = None, workspace: torch.Tensor | None = None) -> None:
+                 max_rows: int | None = None, workspace: torch.Tensor | None = None, hot_only_rows: int = 0) -> None:
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if device.type == "cuda" and device.index is None:  # calls' tensors name their device's index
             device = torch.device("cuda", torch.cuda.current_device())
         check_fixed(table, dq_scale, id_base, row_lo, oob_mode, dequant, "gather_rows")
         if hot_rows is not None:
-            check_hot(table, device, counters, hot_rows, slot_map, id_counts)
+            check_hot(table, device, counters, hot_rows, slot_map, id_counts, hot_only_rows)
+        elif hot_only_rows:
+            raise ValueError("uvaple::gather_rows: rows past the table (hot_only_rows) need a hot set holding them")
         self.table_ptr, self.table_shape = table.data_ptr(), table.shape
         self.device, self.out_dtype = device, out_dtype  # what the launchers are made for (registry.find)
         self.hot_rows = hot_rows
         kw = dict(counters=counters, dq_scale=dq_scale, bits=bits, has_scale=has_scale, id_base=id_base,
                   row_lo=row_lo, oob_mode=oob_mode, dequant=dequant, hot_rows=hot_rows, slot_map=slot_map,
                   id_counts=id_counts)
-        self.direct = DirectGather(table, device, out_dtype, **kw)
+        self.direct = DirectGather(table, device, out_dtype, hot_only_rows=hot_only_rows, **kw)
         self.row_bytes = table.shape[1] * table.element_size()
         self.span_bytes = (table.shape[0] - row_lo) * table.stride(0) * table.element_size()
         self.sort_from = first_sorted(order, dedup, max_rows, self.row_bytes, self.span_bytes, hot_rows is not None,
                                       dequant != 0)
         self.workspace = self.sorted = None
+        if hot_only_rows and self.sort_from <= (max_rows or 0):
+            raise ValueError("uvaple::gather_rows: rows past the table (hot_only_rows) are read by the direct gather "
+                             "only; plan with order='direct'")
         if max_rows is not None and self.sort_from <= max_rows:
             self.workspace = workspace if workspace is not None else new_workspace(max_rows, device)
             check_workspace(self.workspace, max_rows, device)

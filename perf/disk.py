@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="lanes a step (default 1,8,64)")
     steps.add_argument("--budgets", type=fractions, default=[0.25, 0.125],
                        help="the disk placement's row cache, as fractions of the table (default 0.25,0.125)")
+    steps.add_argument("--hot", type=fractions, default=[0.01],
+                       help="rows held in device memory above the smallest budget's cache, as fractions of the table: "
+                            "the most frequent rows of a profile run over another part of the text (default 0.01; "
+                            "each fraction is one more provider)")
+    steps.add_argument("--no-hot", dest="hot", action="store_const", const=[], help="leave out the hot rows' providers")
     steps.add_argument("--steps", type=command.number(int, meaning="decode steps a run"), default=400)
     steps.add_argument("--cold-steps", type=command.number(int, meaning="first steps reported as the cold start"),
                        default=50)

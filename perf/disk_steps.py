@@ -14,6 +14,9 @@ synchronised (a decode step waits for its rows):
 * ``pinned``: every row in a registered host table (``uva``), the ids copied to the device: the ceiling;
 * ``disk``, at each budget of ``--budgets`` (a fraction of the table): :class:`~uvaple.integration.DiskLookup`
   over the file, started cold (``O_DIRECT`` reads, an empty row cache);
+* ``disk ... hot``, at the smallest budget, for each fraction of ``--hot``: the same with that fraction of the
+  table's rows held in device memory (``hot_rows``): the most frequent rows of a profile, the same number of
+  steps of lanes that start half the text away (so the profile is not the run's own ids);
 * ``mmap``: the file mapped (``np.memmap``, ``MADV_RANDOM``), each step's pages advised ``MADV_WILLNEED`` at
   once (their reads in flight together, as SGLang's prefetcher issues them), then gathered by numpy and copied
   to the device: vLLM's disk-offload and SGLang's file backend, built to win. Its memory cap is the page
@@ -126,22 +129,32 @@ class Pinned:
 
 
 class Disk:
-    def __init__(self, path: str, device: torch.device, budget: float, max_rows: int):
+    def __init__(self, path: str, device: torch.device, budget: float, max_rows: int, hot: tuple | None = None):
         with TableFile.open(path) as f:
             nbytes = int(f.layout.rows * f.layout.stride * budget)
         self.lookup: DiskLookup = make_lookup("disk", path, device=device, max_rows=max_rows,
-                                              budget_bytes=max(nbytes, 1 << 16))
-        self.name = f"disk {budget:g}"
+                                              budget_bytes=max(nbytes, 1 << 16),
+                                              **({} if hot is None else {"hot_rows": hot[1]}))
+        self.name = f"disk {budget:g}" + ("" if hot is None else f" hot {hot[0]:g}")
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lookup.lookup(ids)
 
-    def counts(self) -> tuple[int, int, int]:
+    def counts(self) -> tuple[int, int, int, int]:
         st = self.lookup.stats()
-        return st["cache"]["hits"], st["cache"]["misses"], st["pages_read"]
+        return st["cache"]["hits"], st["cache"]["misses"], st["pages_read"], st["hot_hits"]
 
     def close(self) -> None:
         self.lookup.close()
+
+
+def hot_rows(tokens: np.ndarray, rows: int, batch: int, steps: int, fraction: float) -> torch.Tensor:
+    """The ``fraction`` of the table's rows most often read by ``steps`` steps of ``batch`` lanes that start half the
+    text away from the run's (a profile of the same kind of text, not of the run's own ids)."""
+    profile = Steps(np.roll(tokens, len(tokens) // 2), rows, batch, steps)
+    ids = torch.cat([profile.ids(s).reshape(-1) for s in range(steps)])
+    counts = torch.bincount(ids, minlength=rows)
+    return torch.argsort(counts, descending=True, stable=True)[:max(1, int(rows * fraction))]
 
 
 class Mmap:
@@ -217,8 +230,10 @@ def time_steps(provider, steps: Steps, src_of, device: torch.device, cold: int, 
          "steady_min_us": round(min(medians), 1), "steady_max_us": round(max(medians), 1),
          "steps": steps.count, "exact": exact}
     if pages0 is not None:
-        hits, misses, pages = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
+        hits, misses, pages, hot = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
         r.update(hit_rate=round(hits / max(1, hits + misses), 3), pages_per_step=round(pages / steps.count, 1))
+        if provider.lookup.stats()["hot_rows"]:  # of every id: served from device memory
+            r["hot_hit_rate"] = round(hot / max(1, steps.count * steps.batch * HEADS), 3)
     return r
 
 
@@ -243,6 +258,8 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                 out = res["batches"][str(b)] = {}
                 providers = ([lambda: pinned] if pinned else []) + \
                     [lambda q=q, b=b: Disk(path, device, q, b * HEADS) for q in a.budgets] + \
+                    [lambda h=h, b=b: Disk(path, device, min(a.budgets), b * HEADS,
+                                           (h, hot_rows(tokens, rows, b, a.steps, h))) for h in a.hot] + \
                     ([lambda: Mmap(path, device, a.mmap_cap_gib)] if a.mmap else [])
                 for make in providers:
                     p = make()
@@ -260,6 +277,8 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                         r["io_floor_us"] = round(floor, 1)
                         line += f"; hits {r['hit_rate']:.1%}, {r['pages_per_step']} pages a step (I/O floor " \
                                 f"{floor:,.1f} us)"
+                        if "hot_hit_rate" in r:
+                            line += f", {r['hot_hit_rate']:.1%} of ids from the hot rows"
                         if pinned:
                             added = r["steady_median_us"] - out["pinned"]["steady_median_us"]
                             r["added_us"] = round(added, 1)

@@ -45,10 +45,12 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
     steps = res["steps"]  # the disk placement's decode steps, small and interpreted: every provider's rows exact
     assert set(steps["batches"]) == {"1", "3"} and steps["tokens"] >= 1000
     for batch in steps["batches"].values():
-        assert set(batch) == {"pinned", "disk 0.25", "mmap"} and all(r["exact"] for r in batch.values())
-        disk = batch["disk 0.25"]
+        assert set(batch) == {"pinned", "disk 0.25", "disk 0.25 hot 0.01", "mmap"}
+        assert all(r["exact"] for r in batch.values())
+        disk, hot = batch["disk 0.25"], batch["disk 0.25 hot 0.01"]
         assert 0 <= disk["hit_rate"] <= 1 and disk["pages_per_step"] > 0 and disk["io_floor_us"] > 0
-    assert "batch   3  disk 0.25: steady" in out
+        assert "hot_hit_rate" not in disk and 0 <= hot["hot_hit_rate"] <= 1
+    assert "batch   3  disk 0.25: steady" in out and "of ids from the hot rows" in out
     assert os.listdir(tmp_path) == ["out"]  # the file it wrote is gone (no --keep)
     if not res["file"]["direct"]:
         assert "O_DIRECT is refused on this filesystem" in out

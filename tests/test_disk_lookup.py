@@ -86,6 +86,61 @@ def test_every_call_is_the_references_bits_over_steps_that_evict(tmp_path, devic
     assert lk.file.closed  # opened from its path by make_lookup: closed with the lookup
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hot_rows_come_from_device_memory_and_the_others_through_the_cache(tmp_path, device, kind):
+    """Every fifth row of the window held in device memory: calls of random ids (hot, cached, missing, outside
+    the window) through a cache that evicts are the reference's bits; a call of hot ids only reads no page and
+    plans nothing in the cache; every id a hot row serves is a hot hit (under row0, an id outside the window
+    too: it reads the window's first row)."""
+    t, path, encoding, opts, scale = table_file(tmp_path, kind)
+    with TableFile.open(path) as f:
+        spec = TableSpec.of(f, **opts)
+    lo, hi = spec.window
+    hot = torch.arange(lo, hi, 5)
+    dq = None if scale is None else torch.tensor([scale], device=device)
+    g = torch.Generator().manual_seed(6)
+    with make_lookup("disk", str(path), device=device, spec=spec, max_rows=70, slots=60, dequant_scale=dq,
+                     hot_rows=hot.flip(0)) as lk:
+        hot_ids = 0
+        for step in range(10):
+            shape = [(1,), (7,), (3, 11), (2, 5, 7)][step % 4]
+            ids = torch.randint(-20, t.shape[0] + 20, shape, generator=g)
+            ids.view(-1)[0] = int(hot[step]) + spec.id_offset  # a hot id in every call
+            out = torch.full((*shape, spec.value_cols), POISON, dtype=spec.output_dtype, device=device)
+            assert lk.lookup(ids, out) is out
+            assert torch.equal(bits(out), bits(reference(t, ids, spec, scale))), step
+            rows = ids - spec.id_offset
+            inside = (rows >= lo) & (rows < hi)
+            if spec.oob == "row0":  # an id outside the window reads the window's first row, itself hot
+                rows, inside = torch.where(inside, rows, lo), torch.ones_like(inside)
+            hot_ids += int((torch.isin(rows, hot) & inside).sum())
+        st = lk.stats()
+        assert st["hot_hits"] == hot_ids and st["hot_rows"] == hot.numel() and st["cache"]["evictions"] > 0
+        ids = hot[[4, 0, 9, 4]] + spec.id_offset
+        before = lk.stats()
+        out = lk.lookup(ids)
+        assert torch.equal(bits(out), bits(reference(t, ids, spec, scale)))
+        after = lk.stats()
+        rows_of = {k: v for k, v in before["cache"].items() if k != "steps"}  # a step is still numbered
+        assert after["pages_read"] == before["pages_read"] and {k: after["cache"][k] for k in rows_of} == rows_of
+        assert after["hot_hits"] == before["hot_hits"] + 4
+
+
+def test_bad_hot_rows_are_named(tmp_path, device):
+    t = rand(100, 8, torch.bfloat16, seed=16)
+    write_table_file(tmp_path / "t.uvt", t)
+    with TableFile.open(tmp_path / "t.uvt") as f:
+        spec = TableSpec.of(f, row_window=(10, 90))
+        for hot, match in [([], "non-empty 1-D sequence"), ([[1, 2]], "non-empty 1-D sequence"),
+                           ([1.5], "non-empty 1-D sequence"), ([10, 90], "rows of the table's window 10 .. 89"),
+                           ([9], "rows of the table's window")]:
+            with pytest.raises(ValueError, match=match):
+                make_lookup("disk", f, device=device, spec=spec, max_rows=4, slots=4, hot_rows=hot)
+        with make_lookup("disk", f, device=device, spec=spec, max_rows=4, slots=4, hot_rows=[10, 89, 10]) as lk:
+            assert lk.stats()["hot_rows"] == 2  # once each
+            assert torch.equal(bits(lk.lookup(torch.tensor([89, 10, 11]))), bits(t[[89, 10, 11]]))
+
+
 def test_a_step_never_takes_the_slots_of_a_step_in_flight(tmp_path, device):
     """Seed 004's race, driven by hand: with the completion word held back, the previous step's slots and bytes stay
     as they are while the next step, which needs them, waits; the word advanced, it evicts them and is exact."""

@@ -482,6 +482,35 @@ def test_an_operator_given_a_cuda_plans_handle_with_host_ids_is_refused_by_name(
     assert same_bits(host_out, poisoned((2, 8), torch.bfloat16, "cpu"))
 
 
+def test_rows_past_the_table_are_read_from_the_hot_set_that_alone_holds_them(device):
+    """A plan with ``hot_only_rows``: ids of the rows past the table's read the hot slots the map names for them,
+    ids past those are out of range (the policy's row); the plan refuses such rows without a hot set, with a map
+    entry that names no hot slot, and with a sorted order."""
+    from uvaple.kernels.plan import GatherPlan
+
+    table = rand(30, 12, torch.bfloat16, seed=21).to(device)
+    hot = rand(5, 12, torch.bfloat16, seed=22).to(device)
+    slot_map = torch.full((33,), -1, dtype=torch.int32, device=device)
+    slot_map[30:] = torch.tensor([4, 0, 2], dtype=torch.int32)
+    plan = GatherPlan(table, torch.device(device), torch.bfloat16, hot_rows=hot, slot_map=slot_map, hot_only_rows=3)
+    ids = torch.tensor([31, 0, 30, 29, 32, 33, -1, 7], device=device)
+    out = poisoned((8, 12), torch.bfloat16, device)
+    plan.run(ids, out)
+    want = torch.stack([hot[0], table[0], hot[4], table[29], hot[2], torch.zeros(12), torch.zeros(12), table[7]])
+    assert same_bits(out, want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="need a hot set holding them"):
+        GatherPlan(table, torch.device(device), torch.bfloat16, hot_only_rows=3)
+    bad = slot_map.clone()
+    bad[31] = 5  # past the hot set's 5 slots
+    with pytest.raises(ValueError, match="each of the 3 rows past the table's 30 must have a hot slot"):
+        GatherPlan(table, torch.device(device), torch.bfloat16, hot_rows=hot, slot_map=bad, hot_only_rows=3)
+    with pytest.raises(ValueError, match=r"slot map must be a contiguous int32 \[>= 34\]"):
+        GatherPlan(table, torch.device(device), torch.bfloat16, hot_rows=hot, slot_map=slot_map, hot_only_rows=4)
+    with pytest.raises(ValueError, match="read by the direct gather only"):
+        GatherPlan(table, torch.device(device), torch.bfloat16, hot_rows=hot, slot_map=slot_map, hot_only_rows=3,
+                   order="sorted", max_rows=8)
+
+
 def test_a_kept_launch_gives_way_to_triton_while_a_launch_hook_is_set(monkeypatch):
     """A profiler's launch hooks (Triton's knobs, read at every launch) see every launch: while a hook is in a
     chain, or one hook is assigned in its place, a call of a kept key goes through Triton; once none is set, the

@@ -27,6 +27,11 @@ copied to the host first, one small copy a call into pinned memory that waits fo
    same stream, the completion word is set to ``k`` (a one-word write into host memory): from then on step
    ``k``'s slots and staging row may be reused.
 
+**Hot rows** (``hot_rows``): table rows held in device memory, read from the file once, when the lookup is
+built, and never planned in the cache: a call stages each hot id as a row past the cache's (the cache's ``S``
+slots, then hot row ``k`` as cache id ``S + 1 + k``), and the same gather reads those from device memory (the
+hot set's slot map names a hot slot for each of them, checked by the plan), the others from their slots.
+
 A call that fails once its step is planned (a full cache, a failed read, an interrupt) still completes that
 step in stream order (after whatever it launched): its hits are released when the steps before it are done,
 and the next call takes the next number.
@@ -88,6 +93,10 @@ class DiskLookup(Lookup):
         a call waits for them before :class:`~uvaple.uva.ReadTimeout` (default 30 s).
     dequant_scale : torch.Tensor, optional
         An ``fp8_global`` file's float32 ``[1]`` scale on ``device``.
+    hot_rows : sequence of int or 1-D integer tensor, optional
+        Table rows (ids less the spec's ``id_offset``) to hold in device memory: read from the file here, served
+        from there by every call, never read again nor held in the cache (the hottest rows of a profile, such as
+        ``uvaple bench --workload hotset``'s).
     """
 
     kind = "disk"
@@ -95,7 +104,7 @@ class DiskLookup(Lookup):
     def __init__(self, table: TableFile, spec: TableSpec | None = None, device=None, *, owns_table: bool = False,
                  max_rows: int | None = None, budget_bytes: int | None = None, slots: int | None = None,
                  steps_in_flight: int = 4, wait_s: float = 10.0, read_depth: int = 32, read_timeout_s: float = 30.0,
-                 dequant_scale: torch.Tensor | None = None) -> None:
+                 dequant_scale: torch.Tensor | None = None, hot_rows=None) -> None:
         if not isinstance(table, TableFile):
             raise TypeError(f"the disk placement reads a table file (uvaple.uva.TableFile, or its path through "
                             f"make_lookup), got {type(table).__name__}; write one with write_table_file()")
@@ -130,9 +139,11 @@ class DiskLookup(Lookup):
             self._dev_ids = (self._staging.cuda_view(index) if on_gpu else self._staging.tensor).view(torch.int32)
             rows_view, self._done_word = self.cache.views(self.device)
             scale = self._check_scale(dequant_scale)
+            self._hot_sorted = np.empty(0, dtype=np.int64)  # the hot rows, ascending: hot row k is the k-th
+            hot = self._hot_set(hot_rows, rows_view) if hot_rows is not None else {}
             self._plan = GatherPlan(rows_view, self.device, spec.output_dtype, bits=spec.scale_arg,
                                     has_scale=spec.has_scale, oob_mode=spec.oob_mode, dequant=spec.dequant,
-                                    id_base=1, dq_scale=scale)
+                                    id_base=1, dq_scale=scale, **hot)
         except BaseException:
             self._release()
             raise
@@ -140,8 +151,33 @@ class DiskLookup(Lookup):
         self._step = 0
         self._stream = None  # the stream of the first call: every call's (the completion word is written there)
         self._lock = threading.Lock()
-        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0}  # waits: for earlier steps
+        # waits: for earlier steps; hot_hits: ids read from the hot rows
+        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0, "hot_hits": 0}
         self._row_bytes = spec.value_cols * table.dtype.itemsize
+
+    def _hot_set(self, hot_rows, rows_view: torch.Tensor) -> dict:
+        """The hot rows read from the file into device memory (the cache's row layout), the slot map that gives each
+        its id past the cache's slots, and the plan's keywords for them."""
+        rows = torch.as_tensor(hot_rows)
+        if rows.dim() != 1 or rows.numel() == 0 or rows.dtype.is_floating_point or rows.dtype == torch.bool \
+                or rows.is_complex():
+            raise ValueError(f"hot_rows must be a non-empty 1-D sequence of table rows (ints), got {hot_rows!r:.80}")
+        rows = torch.unique(rows.to(torch.int64))  # ascending, once each
+        lo, hi = self.spec.window
+        if int(rows[0]) < lo or int(rows[-1]) >= hi:
+            raise ValueError(f"hot_rows must be rows of the table's window {lo} .. {hi - 1} (ids less the spec's "
+                             f"id_offset {self.spec.id_offset}), got {int(rows[0])} .. {int(rows[-1])}")
+        slots, count = rows_view.shape[0], rows.numel()
+        if slots + count + 1 > np.iinfo(np.int32).max:
+            raise ValueError(f"{count} hot rows and {slots} cache slots: the staged ids (int32) cannot name them all")
+        stride = rows_view.stride(0)
+        hot = torch.empty(count, stride, dtype=rows_view.dtype, device=self.device)[:, :rows_view.shape[1]]
+        for a in range(0, count, 4096):  # read in rounds: the pages of a round are held at once
+            hot[a:a + 4096].copy_(self.file.read_rows(rows[a:a + 4096]))
+        slot_map = torch.full((slots + count,), -1, dtype=torch.int32, device=self.device)
+        slot_map[slots:] = torch.arange(count, dtype=torch.int32, device=self.device)
+        self._hot_sorted = rows.numpy()
+        return dict(hot_rows=hot, slot_map=slot_map, hot_only_rows=count)
 
     def _check_scale(self, s) -> torch.Tensor | None:
         if _REGISTRY[self.spec.encoding].scale != "global":
@@ -173,11 +209,17 @@ class DiskLookup(Lookup):
             outside = n - int(np.count_nonzero(valid))
             if outside:
                 rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
+            hot, at = self._hot_of(rows)
+            cached = valid if outside and self.spec.oob != "row0" else None
+            if hot is not None:
+                cached = ~hot if cached is None else cached & ~hot
             try:
                 # planned and read in as one: a failure leaves no row this step placed mapped
-                self._read_in(rows if outside == 0 or self.spec.oob == "row0" else rows[valid], step)
+                self._read_in(rows if cached is None else rows[cached], step)
                 staged = self._host_ids[slot, :n].numpy()
                 self.cache.cache_ids(rows, staged)
+                if hot is not None:  # past the cache's slots: the hot rows in device memory
+                    staged[hot] = self.cache.slots + 1 + at[hot]
                 if outside and self.spec.oob != "row0":
                     staged[~valid] = 0  # outside the cache: the policy's zero row
                 self._plan.run(self._dev_ids[slot, :n].view(ids.shape), out, c0)
@@ -188,7 +230,20 @@ class DiskLookup(Lookup):
             self._counts["lookups"] += 1
             self._counts["rows"] += n
             self._counts["out_of_range_ids"] += outside
+            if hot is not None:  # the hot ids read (an id outside the window reads a row only under row0)
+                served = hot & valid if outside and self.spec.oob != "row0" else hot
+                self._counts["hot_hits"] += int(np.count_nonzero(served))
         return out
+
+    def _hot_of(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(which of ``rows`` are hot, each one's hot row), or (None, None) without hot rows or without a hot one."""
+        table = self._hot_sorted
+        if not table.size:
+            return None, None
+        at = np.searchsorted(table, rows)
+        np.minimum(at, table.size - 1, out=at)
+        hot = table[at] == rows
+        return (hot, at) if hot.any() else (None, None)
 
     def _check_stream(self) -> None:
         if torch.cuda.is_current_stream_capturing():
@@ -239,7 +294,8 @@ class DiskLookup(Lookup):
     # ------------------------------------------------------------------ reading
     def stats(self) -> dict:
         st = super().stats()
-        st.update(self._counts, cache=dict(self.cache.stats), slots=self.cache.slots, completed_step=self.cache.done(),
+        st.update(self._counts, cache=dict(self.cache.stats), slots=self.cache.slots, hot_rows=self._hot_sorted.size,
+                  completed_step=self.cache.done(),
                   planned_step=self._step, pages_read=self._reader.pages_read if self._reader else 0,
                   file=self.file.path)
         return st
