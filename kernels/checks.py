@@ -206,7 +206,10 @@ def check_reach(table: torch.Tensor, device: torch.device, out_dtype: torch.dtyp
     if not ok:
         raise TypeError(f"uvaple::{what}: out has dtype {out_dtype}; rows of this {table.dtype} table are written as "
                         f"{want}")
-    if has_scale and not dequant and table.dtype not in FLOAT_DTYPES:
+    if has_scale and dequant:
+        raise TypeError(f"uvaple::{what}: fp8 rows are scaled by their dequantisation scale; a second scale is not "
+                        "supported")
+    if has_scale and table.dtype not in FLOAT_DTYPES:
         raise TypeError(f"uvaple::{what}: a scale needs a float table, this one is {table.dtype}")
     if oob_mode == 2 and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"uvaple::{what}: oob_mode 2 writes -0.0 rows: it needs a float output, not {out_dtype}")

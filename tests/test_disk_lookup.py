@@ -100,7 +100,7 @@ def test_hot_rows_come_from_device_memory_and_the_others_through_the_cache(tmp_p
     dq = None if scale is None else torch.tensor([scale], device=device)
     g = torch.Generator().manual_seed(6)
     with make_lookup("disk", str(path), device=device, spec=spec, max_rows=70, slots=60, dequant_scale=dq,
-                     hot_rows=hot.flip(0)) as lk:
+                     hot_rows=hot.flip(0).to(device)) as lk:  # a profile's rows may come on the GPU
         hot_ids = 0
         for step in range(10):
             shape = [(1,), (7,), (3, 11), (2, 5, 7)][step % 4]
@@ -123,7 +123,15 @@ def test_hot_rows_come_from_device_memory_and_the_others_through_the_cache(tmp_p
         after = lk.stats()
         rows_of = {k: v for k, v in before["cache"].items() if k != "steps"}  # a step is still numbered
         assert after["pages_read"] == before["pages_read"] and {k: after["cache"][k] for k in rows_of} == rows_of
-        assert after["hot_hits"] == before["hot_hits"] + 4
+        assert after["hot_hits"] == before["hot_hits"] + 4 and lk.progress().hot_hits == after["hot_hits"]
+        assert lk.device_bytes() == (hot.numel() * f_stride(path) + (60 + hot.numel()) * 4 if device.type == "cuda"
+                                     else 0)
+
+
+def f_stride(path) -> int:
+    """Bytes of a row at the table file's (and its cache's) row stride."""
+    with TableFile.open(path) as f:
+        return f.layout.stride
 
 
 def test_bad_hot_rows_are_named(tmp_path, device):
@@ -389,6 +397,31 @@ def test_gpu_ids_on_the_device_are_read_after_the_work_that_writes_them(tmp_path
             assert torch.equal(bits(out), bits(t[want.long()])), step
             assert torch.equal(bits(out), bits(on_host)), step
         assert lk.stats()["lookups"] == 7 and lk.stats()["out_of_range_ids"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_hot_rows_outlive_a_close_while_their_gathers_are_queued_on_another_stream(tmp_path):
+    """The hot rows and their slot map are made on the stream current when the lookup is built; its gathers run on
+    another. Closed while gathers are queued there, their blocks are not handed to the building stream's next
+    allocations before those gathers have run: the rows come out exact though that stream fills new blocks at
+    once."""
+    device = torch.device("cuda")
+    t = rand(2000, 64, torch.bfloat16, seed=17)
+    write_table_file(tmp_path / "t.uvt", t)
+    lk = make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=32, slots=64,
+                     hot_rows=torch.arange(0, 2000, 2))
+    ids = torch.arange(0, 64, 2)  # 32 hot rows
+    out = torch.full((32, 64), POISON, dtype=torch.bfloat16, device=device)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        lk.lookup(torch.arange(4), torch.empty(4, 64, dtype=torch.bfloat16, device=device))  # the JIT, this stream
+        side.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~100 ms
+        lk.lookup(ids, out)
+        lk.close()
+    junk = [torch.full((n,), -1, dtype=torch.int32, device=device) for n in (1066, 32_768, 1066, 32_768) * 8]
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(t[ids])) and len(junk) == 32
 
 
 @pytest.mark.gpu

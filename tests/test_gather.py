@@ -461,6 +461,12 @@ def test_the_operators_full_path_names_a_table_and_an_output_no_policy_reads(dev
     with pytest.raises(TypeError, match=r"uvaple::gather_rows: oob_mode 2 writes -0.0 rows"):
         torch.ops.uvaple.gather_rows(i8, ids, out, None, None, 0, False, 0, 0, 0, 2, 0)
     assert same_bits(out, poisoned((2, 3), torch.int8, device))
+    fp8 = rand(4, 3, torch.float32).to(torch.float8_e4m3fn).to(device)
+    out = poisoned((2, 3), torch.bfloat16, device)
+    with pytest.raises(TypeError, match=r"uvaple::gather_rows: fp8 rows are scaled by their dequantisation scale"):
+        torch.ops.uvaple.gather_rows(fp8, ids, out, None, torch.ones(1, device=device), scale_bits(4.0, torch.bfloat16),
+                                     True, 0, 0, 0, 0, 1)
+    assert same_bits(out, poisoned((2, 3), torch.bfloat16, device))
 
 
 @pytest.mark.gpu

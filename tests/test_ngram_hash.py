@@ -81,6 +81,9 @@ def test_a_head_of_no_size_gives_the_row_outside_every_table(device):
     want = ngram_ids(history.cpu(), eos=eos, heads_per_ngram=2, last=9, multipliers=buffers["multipliers"].cpu(),
                      sizes=good.cpu(), offsets=buffers["offsets"].cpu())
     assert torch.equal(got[..., [0, 3]], want[..., [0, 3]])
+    definition = ngram_ids(history.cpu(), eos=eos, heads_per_ngram=2, last=9, **{k: v.cpu() for k, v in
+                                                                                 buffers.items()})
+    assert torch.equal(got, definition)  # the torch definition says the same
 
 
 def test_nothing_to_hash_launches_nothing(device):

@@ -123,7 +123,9 @@ def ngram_ids(history: torch.Tensor, *, eos: int, multipliers: torch.Tensor, siz
     for k in range(1, n):  # n-grams of order k + 1
         mixed = mixed ^ (tokens[k] * multipliers[k])
         h = slice((k - 1) * heads_per_ngram, k * heads_per_ngram)
-        rows.append(torch.remainder(mixed.unsqueeze(-1), sizes[h]) + offsets[h])  # [B, last, heads_per_ngram]
+        size = sizes[h]  # a size <= 0 has no remainder: its rows are -1, outside every table (the kernel's too)
+        row = torch.remainder(mixed.unsqueeze(-1), size.clamp(min=1)) + offsets[h]
+        rows.append(torch.where(size > 0, row, -1))  # [B, last, heads_per_ngram]
     return torch.cat(rows, dim=-1)
 
 

@@ -140,6 +140,7 @@ class DiskLookup(Lookup):
             rows_view, self._done_word = self.cache.views(self.device)
             scale = self._check_scale(dequant_scale)
             self._hot_sorted = np.empty(0, dtype=np.int64)  # the hot rows, ascending: hot row k is the k-th
+            self._hot_buffers: tuple[torch.Tensor, ...] = ()  # their rows and the slot map, in device memory
             hot = self._hot_set(hot_rows, rows_view) if hot_rows is not None else {}
             self._plan = GatherPlan(rows_view, self.device, spec.output_dtype, bits=spec.scale_arg,
                                     has_scale=spec.has_scale, oob_mode=spec.oob_mode, dequant=spec.dequant,
@@ -158,7 +159,7 @@ class DiskLookup(Lookup):
     def _hot_set(self, hot_rows, rows_view: torch.Tensor) -> dict:
         """The hot rows read from the file into device memory (the cache's row layout), the slot map that gives each
         its id past the cache's slots, and the plan's keywords for them."""
-        rows = torch.as_tensor(hot_rows)
+        rows = torch.as_tensor(hot_rows).to("cpu")  # a profile's top rows may come on the GPU
         if rows.dim() != 1 or rows.numel() == 0 or rows.dtype.is_floating_point or rows.dtype == torch.bool \
                 or rows.is_complex():
             raise ValueError(f"hot_rows must be a non-empty 1-D sequence of table rows (ints), got {hot_rows!r:.80}")
@@ -177,6 +178,7 @@ class DiskLookup(Lookup):
         slot_map = torch.full((slots + count,), -1, dtype=torch.int32, device=self.device)
         slot_map[slots:] = torch.arange(count, dtype=torch.int32, device=self.device)
         self._hot_sorted = rows.numpy()
+        self._hot_buffers = (hot, slot_map)
         return dict(hot_rows=hot, slot_map=slot_map, hot_only_rows=count)
 
     def _check_scale(self, s) -> torch.Tensor | None:
@@ -303,10 +305,20 @@ class DiskLookup(Lookup):
     def progress(self) -> Progress:
         c = self._counts
         return Progress(kind=self.kind, closed=self._closed, lookups=c["lookups"], rows=c["rows"],
-                        bytes=c["rows"] * self._row_bytes, out_of_range_ids=c["out_of_range_ids"], age_s=0.0)
+                        bytes=c["rows"] * self._row_bytes, out_of_range_ids=c["out_of_range_ids"],
+                        hot_hits=c["hot_hits"] if self._hot_sorted.size else None, age_s=0.0)
+
+    def device_bytes(self) -> int:
+        """The hot rows' device memory (and their slot map)."""
+        return sum(t.untyped_storage().nbytes() for t in self._hot_buffers if t.is_cuda)
 
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
+        stream = getattr(self, "_stream", None)
+        for t in getattr(self, "_hot_buffers", ()):
+            if stream is not None and t.is_cuda:  # gathers still queued there read them: not reused before they run
+                t.record_stream(stream)
+        self._hot_buffers = ()
         self._plan = None
         if self._reader is not None:
             self._reader.close()
