@@ -25,13 +25,14 @@ from .host_table import HostTable
 from .memory import SUPPORTED_DTYPES, row_stride_bytes
 from .page_reader import PageReader, ReadTimeout
 from .row_cache import Misses, RowCache, RowCacheFull
-from .table_file import TableFile, TableFileError, write_table_file
+from .table_file import RowSource, TableFile, TableFileError, write_table_file
 
 __all__ = [
     "HostTable",
     "TableFile",
     "TableFileError",
     "write_table_file",
+    "RowSource",
     "RowCache",
     "PageReader",
     "ReadTimeout",

@@ -15,8 +15,9 @@ any page into a page-aligned buffer:
 * the sums: one CRC-32 (zlib's) per data page, little-endian uint32, zero-padded to a page.
 
 Written once (:func:`write_table_file`): into ``PATH.partial``, the data pages and their sums by several
-threads (each a range of pages, from a tensor, a :class:`~uvaple.uva.HostTable` or a safetensors tensor read
-in blocks, so a table larger than host memory streams through), then ``fsync``, then the header with
+threads (each a range of pages, from a tensor, a :class:`~uvaple.uva.HostTable`, a safetensors tensor read
+in blocks, or a :class:`RowSource` that computes its rows block by block, such as a quantiser over one of
+those, so a table larger than host memory streams through), then ``fsync``, then the header with
 ``complete`` true, ``fsync``, and a rename to ``PATH`` (and an ``fsync`` of the folder): a file at ``PATH``
 was written whole. A full disk, or any write error, is a :class:`TableFileError` and leaves no file behind.
 
@@ -54,7 +55,7 @@ from .errors import UvapleError
 from .memory import row_stride_bytes
 from .workers import default_threads, parallel
 
-__all__ = ["TableFile", "FileLayout", "TableFileError", "write_table_file", "PAGE", "MAGIC"]
+__all__ = ["TableFile", "FileLayout", "TableFileError", "RowSource", "write_table_file", "PAGE", "MAGIC"]
 
 PAGE = 4096
 MAGIC = b"UVAPLE-TABLE\x00\x00v1"
@@ -155,11 +156,31 @@ class FileLayout:
 
 
 # ------------------------------------------------------------------ writing
+@dataclass(frozen=True)
+class RowSource:
+    """Rows a table file is written from, block by block: ``block(a, b)`` gives rows ``a .. b - 1`` as a
+    ``[b - a, cols]`` CPU tensor of ``dtype`` (called from the writing threads, each block once).
+    :meth:`of` makes one of anything :func:`write_table_file` takes, to compute other rows from (a quantiser)."""
+
+    rows: int
+    cols: int
+    dtype: torch.dtype
+    block: Callable[[int, int], torch.Tensor]
+
+    @classmethod
+    def of(cls, source) -> RowSource:
+        """The rows of a 2-D CPU tensor, a HostTable, a safetensors TensorInfo or a RowSource."""
+        return source if isinstance(source, RowSource) else cls(*_row_source(source))
+
+
 def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], torch.Tensor]]:
-    """``(rows, cols, dtype, block(a, b))`` of a 2-D CPU tensor, a HostTable or a safetensors TensorInfo."""
+    """``(rows, cols, dtype, block(a, b))`` of a 2-D CPU tensor, a HostTable, a safetensors TensorInfo or a
+    RowSource."""
     from .host_table import HostTable
     from .loading import TensorInfo
 
+    if isinstance(source, RowSource):
+        return source.rows, source.cols, source.dtype, source.block
     if isinstance(source, HostTable):
         source = source.tensor
     if isinstance(source, torch.Tensor):
@@ -185,8 +206,8 @@ def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], tor
             return out
 
         return info.shape[0], info.shape[1], info.dtype, block
-    raise TableFileError(f"a table file is written from a 2-D CPU tensor, a HostTable or a safetensors tensor "
-                         f"(uvaple.uva.loading.locate_tensor), not {type(source).__name__}")
+    raise TableFileError(f"a table file is written from a 2-D CPU tensor, a HostTable, a safetensors tensor "
+                         f"(uvaple.uva.loading.locate_tensor) or a RowSource, not {type(source).__name__}")
 
 
 def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", overwrite: bool = False,
@@ -227,6 +248,10 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
             except (OSError, UvapleError) as e:  # the source, not the file being written
                 raise TableFileError(f"reading rows {r0} .. {r1 - 1} of the source failed: "
                                      f"{getattr(e, 'strerror', None) or e}") from None
+            if not isinstance(got, torch.Tensor) or got.dtype != dtype or tuple(got.shape) != (r1 - r0, cols) \
+                    or got.device.type != "cpu":
+                raise TableFileError(f"the source gave rows {r0} .. {r1 - 1} as {_described(got)}; expected a CPU "
+                                     f"{dtype} tensor of shape {(r1 - r0, cols)}")
             rows_bytes = got.contiguous().view(torch.uint8).reshape(r1 - r0, layout.row_bytes).numpy()
             if layout.rows_per_page:  # a page's rows at the host stride, the rest of the page zero
                 i = np.arange(r1 - r0)
@@ -271,6 +296,12 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     finally:
         os.close(folder)
     return layout
+
+
+def _described(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return f"a {type(t).__name__}"
 
 
 def _pwrite(fd: int, data, offset: int, path: str) -> None:

@@ -1,5 +1,6 @@
-"""The ``uvaple`` command: ``doctor`` (can this machine run the UVA path?), ``bench`` (benchmarks) and
-``shm`` (shared tables). ``uvaple COMMAND --help`` gives each command's options and exit statuses.
+"""The ``uvaple`` command: ``doctor`` (can this machine run the UVA path?), ``bench`` (benchmarks), ``table``
+(the disk placement's table files) and ``shm`` (shared tables). ``uvaple COMMAND --help`` gives each command's
+options and exit statuses.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ COMMANDS = {
                                          "host memory; exit 0 usable, 3 no usable GPU, 1 the measurement failed"),
     "bench": ("uvaple.perf.bench", "benchmarks: --workload ple (default), ngram, hotset, host or disk; --smoke runs "
                                    "any of them small on a CPU; results in --out (default ./uvaple-results/...)"),
+    "table": ("uvaple.commands.table", "table files for the disk placement: write one from a checkpoint's tensor "
+                                       "(write), print its header (info), check every page (verify)"),
     "shm": ("uvaple.commands.shm", "list the named shared tables in /dev/shm (list); remove the ones nobody uses "
                                    "(clean)"),
 }

@@ -1,0 +1,166 @@
+"""``uvaple table``: a table file written from a checkpoint's tensor (raw, or quantised to fp8_row on the way) holds
+the rows a disk lookup serves exactly; ``info`` and ``verify`` read it; every bad request is refused by name
+before any work, with no file left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import bits, rand
+from safetensors.torch import save_file
+
+from uvaple.commands import cli
+from uvaple.commands import table as table_cmd
+from uvaple.integration import TableSpec, make_lookup
+from uvaple.kernels import reference_gather
+from uvaple.kernels.encodings import quantize_fp8_rows
+from uvaple.uva import TableFile
+from uvaple.uva.table_file import PAGE
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A sharded checkpoint: the table in the second file (bf16, 3,001 rows of 40), beside other tensors."""
+    emb = rand(3001, 40, torch.bfloat16, seed=31)
+    save_file({"a": torch.randn(4, 4), "ids": torch.arange(10)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"model.emb.weight": emb, "flat": torch.randn(7)}, tmp_path / "model-00002-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "ids": "model-00001-of-00002.safetensors",
+                            "model.emb.weight": "model-00002-of-00002.safetensors",
+                            "flat": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tmp_path, emb
+
+
+def run(capsys, *args):
+    code = cli.main(["table", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_raw_table_file_holds_the_tensors_rows_and_a_disk_lookup_serves_them(tmp_path, checkpoint, capsys):
+    ckpt, emb = checkpoint
+    path = tmp_path / "emb.uvt"
+    code, out, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", path, "--threads", 3)
+    assert code == 0 and f"wrote {path}" in out and "3,001 rows of 40 bfloat16 values, as stored" in err
+    with TableFile.open(path) as f:
+        assert f.encoding == "raw" and torch.equal(bits(f.read_rows(range(3001))), bits(emb))
+    code, out, _ = run(capsys, "info", path, "--json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["rows"], doc["cols"], doc["dtype"], doc["encoding"]) == (3001, 40, "bfloat16", "raw")
+    assert doc["file_bytes"] == os.path.getsize(path)
+    code, out, _ = run(capsys, "verify", path, "--quiet")
+    assert code == 0 and f"every one of its {doc['data_pages']:,} data pages matches its sum" in out
+    ids = torch.tensor([[0, 3000, 17], [5, -1, 3001]])
+    with make_lookup("disk", str(path), max_rows=8, slots=4) as lk:
+        assert torch.equal(bits(lk.lookup(ids)), bits(reference_gather(emb, ids)))
+
+
+@pytest.mark.parametrize("fp8", ["e4m3fn", "e5m2"])
+def test_an_fp8_row_table_file_holds_the_quantisers_rows(tmp_path, checkpoint, capsys, fp8):
+    """``--encoding fp8_row``: each row the torch definition's codes and scale; a disk lookup dequantises them as
+    the reference does."""
+    ckpt, emb = checkpoint
+    fmt = table_cmd.FP8[fp8]
+    path = tmp_path / "emb8.uvt"
+    code, _, err = run(capsys, "write", ckpt / "model-00002-of-00002.safetensors", "--tensor", "model.emb.weight",
+                       "--out", path, "--encoding", "fp8_row", "--fp8", fp8)
+    assert code == 0 and f"as fp8_row ({fp8} codes and a float32 scale a row)" in err
+    want = quantize_fp8_rows(emb, fmt)
+    with TableFile.open(path) as f:
+        assert f.encoding == "fp8_row" and f.dtype == fmt and torch.equal(bits(f.read_rows(range(3001))), bits(want))
+        spec = TableSpec.of(f, encoding="fp8_row", out_dtype=torch.bfloat16)
+    ids = torch.tensor([2999, 0, 1234, 7, 7])
+    with make_lookup("disk", str(path), spec=spec, max_rows=8, slots=4) as lk:
+        ref = reference_gather(want, ids, encoding="fp8_row", out_dtype=torch.bfloat16)
+        assert torch.equal(bits(lk.lookup(ids)), bits(ref))
+
+
+def test_verify_names_a_damaged_page(tmp_path, checkpoint, capsys):
+    ckpt, _ = checkpoint
+    path = tmp_path / "emb.uvt"
+    assert run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", path, "--quiet")[0] == 0
+    with open(path, "r+b") as fh:
+        fh.seek(3 * PAGE + 100)  # data page 2
+        byte = fh.read(1)
+        fh.seek(3 * PAGE + 100)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    code, out, err = run(capsys, "verify", path, "--quiet")
+    assert code == table_cmd.EXIT_DAMAGED and "page 2" in err and out == ""
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--tensor", "model.emb.weigth"], "tensor 'model.emb.weigth' is not in the checkpoint"),
+    (["--tensor", "flat"], "has shape [7]; a table must be 2-D"),
+    (["--tensor", "ids"], "has shape [10]; a table must be 2-D"),
+    (["--tensor", "a", "--encoding", "fp8_row", "--fp8", "e5m2", "--out", "{tmp}/sub/none.uvt"],
+     "its folder {tmp}/sub is not a writable directory"),
+])
+def test_bad_requests_are_refused_before_any_work(tmp_path, checkpoint, capsys, args, says):
+    ckpt, _ = checkpoint
+    args = [x.replace("{tmp}", str(tmp_path)) for x in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "t.uvt")]
+    code, out, err = run(capsys, "write", ckpt, *args)
+    assert code == table_cmd.EXIT_REFUSED and says.replace("{tmp}", str(tmp_path)) in err and out == ""
+    assert not (tmp_path / "t.uvt").exists()
+
+
+def test_refusals_of_the_destination_the_source_and_the_options(tmp_path, checkpoint, capsys, monkeypatch):
+    ckpt, _ = checkpoint
+    out = tmp_path / "t.uvt"
+    ints = rand(50, 8, torch.int8)
+    save_file({"codes": ints}, tmp_path / "codes.safetensors")
+    code, _, err = run(capsys, "write", tmp_path / "codes.safetensors", "--tensor", "codes", "--out", out,
+                       "--encoding", "fp8_row")
+    assert code == 2 and "holds torch.int8 values; fp8_row quantises float rows" in err
+    code, _, err = run(capsys, "write", tmp_path / "missing", "--tensor", "x", "--out", out)
+    assert code == 2 and "missing does not exist" in err
+    monkeypatch.setattr(table_cmd, "_free_bytes", lambda path: 4096)
+    code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out)
+    assert code == 2 and "and its disk has 4.00 KiB free" in err and not out.exists()
+    monkeypatch.undo()
+    assert run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet")[0] == 0
+    code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out)
+    assert code == 2 and "exists: pass --overwrite" in err
+    assert run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--overwrite", "--quiet")[0] == 0
+    for argv, says in [(["write", ckpt, "--tensor", "x", "--out", out, "--fp8", "e5m2"], "add --encoding fp8_row"),
+                       (["write", ckpt, "--tensor", "x", "--out", out, "--threads", "0"], "--threads 0"),
+                       ([], "say what to do: write, info or verify")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["table", *map(str, argv)])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    (tmp_path / "not_a_table").write_bytes(b"x" * 5000)
+    for sub in ("info", "verify"):
+        code, _, err = run(capsys, sub, tmp_path / "not_a_table")
+        assert code == 2 and f"uvaple table {sub}: " in err
+
+
+def test_a_source_that_fails_part_way_leaves_no_file(tmp_path, checkpoint, capsys, monkeypatch):
+    """A shard shorter than its header says is refused before any work; a source whose read fails part way
+    (an I/O error on a later block) is the failed status, named, and neither the file nor its partial copy is
+    left."""
+    ckpt, emb = checkpoint
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    out = tmp_path / "t.uvt"
+    real = table_cmd._source
+
+    def failing(a):
+        given, src = real(a)
+
+        def block(lo, hi):
+            if hi > 2000:
+                raise OSError(5, "Input/output error")
+            return src.block(lo, hi)
+        return given, table_cmd.RowSource(src.rows, src.cols, src.dtype, block)
+
+    monkeypatch.setattr(table_cmd, "_source", failing)
+    code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet", "--threads", 2)
+    assert code == table_cmd.EXIT_FAILED and "failed: Input/output error" in err
+    assert not out.exists() and not (tmp_path / "t.uvt.partial").exists()
+    monkeypatch.undo()
+    os.truncate(shard, os.path.getsize(shard) - 2000)
+    code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet")
+    assert code == table_cmd.EXIT_REFUSED and "model-00002-of-00002.safetensors" in err and not out.exists()

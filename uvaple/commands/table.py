@@ -1,0 +1,181 @@
+"""``uvaple table``: write a table file from a checkpoint's tensor, and look at or check one (the disk placement's
+storage, :mod:`uvaple.uva.table_file`).
+
+``write SOURCE --tensor NAME --out PATH`` streams a 2-D tensor of a safetensors file or checkpoint directory
+into a table file, block by block on several threads (a table larger than host memory goes through), with its
+progress on stderr; ``--encoding fp8_row`` stores each row as fp8 codes and its own float32 scale
+(:func:`uvaple.kernels.encodings.quantize_fp8_rows`: the torch definition the lookups' dequantisation is checked
+against), half the bytes of bf16 rows. The file's size is checked against the free space of its disk before any
+write; the file appears at ``PATH`` whole or not at all. ``info PATH`` prints the header (no data read);
+``verify PATH`` reads every page and checks its sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from uvaple.dtypes import fmt_bytes
+from uvaple.uva import CheckpointError, RowSource, TableFile, TableFileError, UvapleError, write_table_file
+from uvaple.uva.table_file import FileLayout
+
+EXIT_DONE, EXIT_DAMAGED, EXIT_REFUSED, EXIT_FAILED = 0, 1, 2, 3
+EXITS = (f"exit status: {EXIT_DONE} done; {EXIT_DAMAGED} verify found a page that does not match its sum; "
+         f"{EXIT_REFUSED} a usage error, or a source, destination or file refused before any work; {EXIT_FAILED} "
+         "the work failed part way (no file is left at --out)")
+FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+class _Refused(Exception):
+    pass
+
+
+def _bar(total: int, desc: str, unit: str, quiet: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=quiet, delay=0.5,
+                leave=False)
+
+
+def _source(a) -> tuple[RowSource, RowSource]:
+    """(the checkpoint's rows, the rows to write: those, quantised on the way for ``--encoding fp8_row``)."""
+    from uvaple.uva.loading import locate_tensor
+
+    if not os.path.exists(a.source):
+        raise _Refused(f"{a.source} does not exist: give a .safetensors file or a checkpoint directory")
+    try:
+        info = locate_tensor(a.source, a.tensor)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise _Refused(str(e)) from None
+    rows = RowSource.of(info)
+    if a.encoding == "raw":
+        return rows, rows
+    if rows.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise _Refused(f"{a.tensor} holds {rows.dtype} values; fp8_row quantises float rows (bf16, fp16, fp32): "
+                       "write it with --encoding raw")
+    from uvaple.kernels.encodings import ROW_SCALE_BYTES, quantize_fp8_rows
+
+    fmt = FP8[a.fp8]
+    return rows, RowSource(rows.rows, rows.cols + ROW_SCALE_BYTES, fmt,
+                           lambda lo, hi: quantize_fp8_rows(rows.block(lo, hi), fmt, row_start=lo))
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+    return st.f_bavail * st.f_frsize
+
+
+def write(a) -> int:
+    if os.path.exists(a.out) and not a.overwrite:
+        raise _Refused(f"--out {a.out} exists: pass --overwrite to replace it, or another path")
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise _Refused(f"--out {a.out}: its folder {folder} is not a writable directory")
+    given, src = _source(a)
+    layout = FileLayout.of(src.rows, src.cols, src.dtype, a.encoding)
+    free = _free_bytes(a.out) + (os.path.getsize(a.out) if os.path.exists(a.out) else 0)
+    if layout.file_bytes > free:
+        raise _Refused(f"--out {a.out}: the table file takes {fmt_bytes(layout.file_bytes)}, and its disk has "
+                       f"{fmt_bytes(free)} free; free the difference or write it elsewhere")
+    stored = "as stored" if a.encoding == "raw" else f"as fp8_row ({a.fp8} codes and a float32 scale a row)"
+    print(f"writing {a.tensor} ({given.rows:,} rows of {given.cols:,} {str(given.dtype).replace('torch.', '')} "
+          f"values, {stored}) to {a.out}: {fmt_bytes(layout.file_bytes)}", file=sys.stderr)
+    t0 = time.monotonic()
+    with _bar(src.rows, "rows written", "row", a.quiet) as bar:
+        seen = [0]
+
+        def progress(done: int, total: int) -> None:  # from the writing threads, under the writer's lock
+            bar.update(done - seen[0])
+            seen[0] = done
+
+        write_table_file(a.out, src, encoding=a.encoding, overwrite=a.overwrite, threads=a.threads,
+                         progress=progress)
+    took = time.monotonic() - t0
+    print(f"wrote {a.out}: {fmt_bytes(layout.file_bytes)} in {took:.1f} s "
+          f"({layout.file_bytes / max(took, 1e-9) / 1e9:.2f} GB/s)")
+    return EXIT_DONE
+
+
+def info(a) -> int:
+    with _open(a.path) as f:
+        lay = f.layout
+        doc = {"path": f.path, "rows": lay.rows, "cols": lay.cols, "dtype": str(lay.dtype).replace("torch.", ""),
+               "encoding": lay.encoding, "row_bytes": lay.row_bytes, "stride": lay.stride,
+               "rows_per_page": lay.rows_per_page, "pages_per_row": lay.pages_per_row, "data_pages": lay.data_pages,
+               "file_bytes": lay.file_bytes, "direct_io": f.direct}
+    if a.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print("\n".join(f"{k:>14}: {v}" for k, v in doc.items()))
+    return EXIT_DONE
+
+
+def verify(a) -> int:
+    with _open(a.path) as f:
+        total = f.layout.data_pages
+        with _bar(total, "pages checked", "page", a.quiet) as bar:
+            seen = [0]
+
+            def progress(done: int, _total: int) -> None:
+                bar.update(done - seen[0])
+                seen[0] = done
+
+            try:
+                f.verify(progress=progress)
+            except TableFileError as e:
+                print(f"uvaple table verify: {e}", file=sys.stderr)
+                return EXIT_DAMAGED
+    print(f"{a.path}: every one of its {total:,} data pages matches its sum")
+    return EXIT_DONE
+
+
+def _open(path: str) -> TableFile:
+    try:
+        return TableFile.open(path)
+    except TableFileError as e:
+        raise _Refused(str(e)) from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="uvaple table", description=__doc__.split("\n\n")[0], epilog=EXITS)
+    sub = p.add_subparsers(dest="cmd", metavar="{write,info,verify}")
+    w = sub.add_parser("write", help="write a table file from a checkpoint's 2-D tensor", epilog=EXITS)
+    w.add_argument("source", help="a .safetensors file or a checkpoint directory (sharded or not)")
+    w.add_argument("--tensor", required=True, help="the tensor's name in the checkpoint")
+    w.add_argument("--out", required=True, help="the table file to write (on the disk the lookups will read)")
+    w.add_argument("--encoding", choices=("raw", "fp8_row"), default="raw",
+                   help="raw: the rows as stored (default); fp8_row: fp8 codes and a float32 scale per row")
+    w.add_argument("--fp8", choices=tuple(FP8), default="e4m3fn", help="fp8_row's code format (default e4m3fn)")
+    w.add_argument("--threads", type=int, help="writing threads (default: one per core, at most 16)")
+    w.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    w.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    i = sub.add_parser("info", help="print a table file's header (nothing else is read)", epilog=EXITS)
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    v = sub.add_parser("verify", help="read every page of a table file and check it against its sum", epilog=EXITS)
+    v.add_argument("path")
+    v.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    a = p.parse_args(argv)
+    if a.cmd is None:
+        p.error("say what to do: write, info or verify (uvaple table --help)")
+    if a.cmd == "write" and a.threads is not None and a.threads < 1:
+        w.error(f"--threads {a.threads}: give a count of threads >= 1")
+    if a.cmd == "write" and a.encoding == "raw" and "--fp8" in (argv or sys.argv[1:]):
+        w.error(f"--fp8 {a.fp8} is fp8_row's code format; add --encoding fp8_row, or drop --fp8")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        return {"write": write, "info": info, "verify": verify}[a.cmd](a)
+    except _Refused as e:
+        print(f"uvaple table {a.cmd}: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (TableFileError, UvapleError, OSError) as e:
+        print(f"uvaple table {a.cmd}: {e}", file=sys.stderr)
+        return EXIT_FAILED
