@@ -17,7 +17,7 @@ from uvaple.commands import table as table_cmd
 from uvaple.integration import TableSpec, make_lookup
 from uvaple.kernels import reference_gather
 from uvaple.kernels.encodings import quantize_fp8_rows
-from uvaple.uva import TableFile
+from uvaple.uva import RowSource, TableFile, TableFileError
 from uvaple.uva.table_file import PAGE
 
 
@@ -164,3 +164,45 @@ def test_a_source_that_fails_part_way_leaves_no_file(tmp_path, checkpoint, capsy
     os.truncate(shard, os.path.getsize(shard) - 2000)
     code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet")
     assert code == table_cmd.EXIT_REFUSED and "model-00002-of-00002.safetensors" in err and not out.exists()
+
+
+def test_row_shards_are_stacked_in_natural_order(tmp_path, capsys):
+    """A table saved as row shards (Qwen4Exp's n-gram tables: ``...shard_{k}.weight``) over two files: a pattern
+    stacks them in natural order (shard_2 before shard_10), as does the flag given again; a shard of another
+    width, or a pattern no tensor matches, is refused by name."""
+    g = torch.Generator().manual_seed(41)
+    shards = {f"ple.shard_{k}.weight": (torch.randn(17 + k, 12, generator=g) * 3).to(torch.bfloat16) for k in range(12)}
+    names = list(shards)
+    save_file({n: shards[n] for n in names[:5]}, tmp_path / "a.safetensors")
+    save_file({n: shards[n] for n in names[5:]} | {"odd.weight": torch.randn(4, 13).to(torch.bfloat16)},
+              tmp_path / "b.safetensors")
+    want = torch.cat([shards[f"ple.shard_{k}.weight"] for k in range(12)])
+    out = tmp_path / "t.uvt"
+    code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.shard_*.weight", "--out", out, "--quiet")
+    assert code == 0 and "12 tensors (ple.shard_0.weight .. ple.shard_11.weight, stacked)" in err
+    with TableFile.open(out) as f:
+        assert torch.equal(bits(f.read_rows(range(want.shape[0]))), bits(want))
+    code, _, _ = run(capsys, "write", tmp_path, "--tensor", "ple.shard_3.weight", "--tensor", "ple.shard_1.weight",
+                     "--out", out, "--overwrite", "--quiet")
+    with TableFile.open(out) as f:
+        two = torch.cat([shards["ple.shard_3.weight"], shards["ple.shard_1.weight"]])
+        assert code == 0 and torch.equal(bits(f.read_rows(range(two.shape[0]))), bits(two))
+    code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.shard_1.weight", "--tensor", "odd.weight",
+                       "--out", tmp_path / "u.uvt")
+    assert code == 2 and "source 1 holds rows of 13 torch.bfloat16 values; source 0's are 12" in err
+    code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.part_*", "--out", tmp_path / "u.uvt")
+    assert code == 2 and "no tensor of the checkpoint matches --tensor 'ple.part_*'" in err
+    assert not (tmp_path / "u.uvt").exists()
+
+
+def test_a_stacked_source_gives_every_block_across_its_parts():
+    """Every block ``a .. b`` of stacked parts (an empty one among them) is those rows of their concatenation."""
+    parts = [rand(n, 5, torch.float32, seed=n) for n in (3, 0, 5, 1, 7)]
+    whole = torch.cat(parts)
+    src = RowSource.stacked(parts)
+    assert (src.rows, src.cols, src.dtype) == (16, 5, torch.float32)
+    for a in range(16):
+        for b in range(a + 1, 17):
+            assert torch.equal(src.block(a, b), whole[a:b]), (a, b)
+    with pytest.raises(TableFileError, match="no sources to stack"):
+        RowSource.stacked([])

@@ -172,6 +172,33 @@ class RowSource:
         """The rows of a 2-D CPU tensor, a HostTable, a safetensors TensorInfo or a RowSource."""
         return source if isinstance(source, RowSource) else cls(*_row_source(source))
 
+    @classmethod
+    def stacked(cls, sources) -> RowSource:
+        """The rows of ``sources`` one after another (a table saved as row shards): each of what :meth:`of`
+        takes, all of one width and dtype (a TableFileError names the first that is not)."""
+        parts = [cls.of(x) for x in sources]
+        if not parts:
+            raise TableFileError("no sources to stack")
+        for i, x in enumerate(parts):
+            if (x.cols, x.dtype) != (parts[0].cols, parts[0].dtype):
+                raise TableFileError(f"source {i} holds rows of {x.cols} {x.dtype} values; source 0's are "
+                                     f"{parts[0].cols} {parts[0].dtype}: stacked sources have one row layout")
+        if len(parts) == 1:
+            return parts[0]
+        starts = np.cumsum([0] + [x.rows for x in parts])
+
+        def block(a: int, b: int) -> torch.Tensor:
+            out = []
+            for i in range(int(np.searchsorted(starts, a, side="right")) - 1, len(parts)):
+                lo, hi = max(a, int(starts[i])), min(b, int(starts[i + 1]))
+                if lo >= b:
+                    break
+                if lo < hi:
+                    out.append(parts[i].block(lo - int(starts[i]), hi - int(starts[i])))
+            return out[0] if len(out) == 1 else torch.cat(out)
+
+        return cls(int(starts[-1]), parts[0].cols, parts[0].dtype, block)
+
 
 def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], torch.Tensor]]:
     """``(rows, cols, dtype, block(a, b))`` of a 2-D CPU tensor, a HostTable, a safetensors TensorInfo or a

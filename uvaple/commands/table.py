@@ -2,8 +2,9 @@
 storage, :mod:`uvaple.uva.table_file`).
 
 ``write SOURCE --tensor NAME --out PATH`` streams a 2-D tensor of a safetensors file or checkpoint directory
-into a table file, block by block on several threads (a table larger than host memory goes through), with its
-progress on stderr; ``--encoding fp8_row`` stores each row as fp8 codes and its own float32 scale
+(or several stacked on rows: a table saved as row shards, such as Qwen4Exp's n-gram tables) into a table file,
+block by block on several threads (a table larger than host memory goes through), with its progress on stderr;
+``--encoding fp8_row`` stores each row as fp8 codes and its own float32 scale
 (:func:`uvaple.kernels.encodings.quantize_fp8_rows`: the torch definition the lookups' dequantisation is checked
 against), half the bytes of bf16 rows. The file's size is checked against the free space of its disk before any
 write; the file appears at ``PATH`` whole or not at all. ``info PATH`` prints the header (no data read);
@@ -13,8 +14,10 @@ write; the file appears at ``PATH`` whole or not at all. ``info PATH`` prints th
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
+import re
 import sys
 import time
 
@@ -41,21 +44,34 @@ def _bar(total: int, desc: str, unit: str, quiet: bool) -> tqdm:
                 leave=False)
 
 
+def _names(pattern: str, names) -> list[str]:
+    """The checkpoint's tensor names ``pattern`` matches (a name, or a pattern with ``*``, ``?`` or ``[...]``),
+    in natural order (``shard_2`` before ``shard_10``)."""
+    if not any(c in pattern for c in "*?["):
+        return [pattern]
+    found = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    if not found:
+        raise _Refused(f"no tensor of the checkpoint matches --tensor {pattern!r}")
+    return sorted(found, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+
+
 def _source(a) -> tuple[RowSource, RowSource]:
     """(the checkpoint's rows, the rows to write: those, quantised on the way for ``--encoding fp8_row``)."""
-    from uvaple.uva.loading import locate_tensor
+    from uvaple.uva.loading import checkpoint_files, locate_tensor
 
     if not os.path.exists(a.source):
         raise _Refused(f"{a.source} does not exist: give a .safetensors file or a checkpoint directory")
     try:
-        info = locate_tensor(a.source, a.tensor)
-    except (CheckpointError, OSError, ValueError) as e:
+        files = checkpoint_files(a.source)
+        names = [n for pattern in a.tensor for n in _names(pattern, files)]
+        rows = RowSource.stacked([locate_tensor(a.source, n) for n in names])
+    except (CheckpointError, TableFileError, OSError, ValueError) as e:
         raise _Refused(str(e)) from None
-    rows = RowSource.of(info)
+    a.what = names[0] if len(names) == 1 else f"{len(names)} tensors ({names[0]} .. {names[-1]}, stacked)"
     if a.encoding == "raw":
         return rows, rows
     if rows.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise _Refused(f"{a.tensor} holds {rows.dtype} values; fp8_row quantises float rows (bf16, fp16, fp32): "
+        raise _Refused(f"{a.what} holds {rows.dtype} values; fp8_row quantises float rows (bf16, fp16, fp32): "
                        "write it with --encoding raw")
     from uvaple.kernels.encodings import ROW_SCALE_BYTES, quantize_fp8_rows
 
@@ -82,7 +98,7 @@ def write(a) -> int:
         raise _Refused(f"--out {a.out}: the table file takes {fmt_bytes(layout.file_bytes)}, and its disk has "
                        f"{fmt_bytes(free)} free; free the difference or write it elsewhere")
     stored = "as stored" if a.encoding == "raw" else f"as fp8_row ({a.fp8} codes and a float32 scale a row)"
-    print(f"writing {a.tensor} ({given.rows:,} rows of {given.cols:,} {str(given.dtype).replace('torch.', '')} "
+    print(f"writing {a.what} ({given.rows:,} rows of {given.cols:,} {str(given.dtype).replace('torch.', '')} "
           f"values, {stored}) to {a.out}: {fmt_bytes(layout.file_bytes)}", file=sys.stderr)
     t0 = time.monotonic()
     with _bar(src.rows, "rows written", "row", a.quiet) as bar:
@@ -145,7 +161,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="cmd", metavar="{write,info,verify}")
     w = sub.add_parser("write", help="write a table file from a checkpoint's 2-D tensor", epilog=EXITS)
     w.add_argument("source", help="a .safetensors file or a checkpoint directory (sharded or not)")
-    w.add_argument("--tensor", required=True, help="the tensor's name in the checkpoint")
+    w.add_argument("--tensor", required=True, action="append",
+                   help="the tensor's name in the checkpoint; a pattern (*, ?, [...]) or the flag again stacks "
+                        "several on rows, in natural order (a table saved as row shards: '...ngram_embedding."
+                        "shard_*.weight')")
     w.add_argument("--out", required=True, help="the table file to write (on the disk the lookups will read)")
     w.add_argument("--encoding", choices=("raw", "fp8_row"), default="raw",
                    help="raw: the rows as stored (default); fp8_row: fp8 codes and a float32 scale per row")
