@@ -526,7 +526,7 @@ def test_checkpoint_wrong_name_wrong_shape_missing(ckpt, tmp_path):
     path, _ = ckpt
     with pytest.raises(CheckpointError, match="similar name: model.language_model.embed_tokens_per_layer"):
         HostTable.from_safetensors(path, "model.embed_tokens_per_layer.weight")
-    with pytest.raises(CheckpointError, match="must be 2-D"):
+    with pytest.raises(CheckpointError, match="a table is 2-D, with rows and columns"):
         HostTable.from_safetensors(path, "vec")
     with pytest.raises(TypeError, match="not supported"):
         HostTable.from_safetensors(path, "wide")  # int64 table

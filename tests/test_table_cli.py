@@ -93,19 +93,27 @@ def test_verify_names_a_damaged_page(tmp_path, checkpoint, capsys):
 
 @pytest.mark.parametrize("args,says", [
     (["--tensor", "model.emb.weigth"], "tensor 'model.emb.weigth' is not in the checkpoint"),
-    (["--tensor", "flat"], "has shape [7]; a table must be 2-D"),
-    (["--tensor", "ids"], "has shape [10]; a table must be 2-D"),
+    (["--tensor", "flat"], "has shape [7]; a table is 2-D"),
+    (["--tensor", "ids"], "has shape [10]; a table is 2-D"),
+    (["--tensor", "model.emb.weight", "--tensor", "model.*.weight"], "names model.emb.weight more than once"),
+    (["--tensor", "model.emb.weight", "--out", "{tmp}"], "is not a file's path"),
+    (["--tensor", "model.emb.weight", "--out", "{tmp}/new/"], "is not a file's path"),
+    (["--tensor", "model.emb.weight", "--out", ""], "is not a file's path"),
+    (["--tensor", "model.emb.weight", "--out", "{ckpt}/model-00002-of-00002.safetensors", "--overwrite"],
+     "is a file the rows are read from"),
     (["--tensor", "a", "--encoding", "fp8_row", "--fp8", "e5m2", "--out", "{tmp}/sub/none.uvt"],
      "its folder {tmp}/sub is not a writable directory"),
 ])
 def test_bad_requests_are_refused_before_any_work(tmp_path, checkpoint, capsys, args, says):
     ckpt, _ = checkpoint
-    args = [x.replace("{tmp}", str(tmp_path)) for x in args]
+    args = [x.replace("{tmp}", str(tmp_path)).replace("{ckpt}", str(ckpt)) for x in args]
     if "--out" not in args:
         args += ["--out", str(tmp_path / "t.uvt")]
     code, out, err = run(capsys, "write", ckpt, *args)
     assert code == table_cmd.EXIT_REFUSED and says.replace("{tmp}", str(tmp_path)) in err and out == ""
-    assert not (tmp_path / "t.uvt").exists()
+    assert not (tmp_path / "t.uvt").exists() and not list(tmp_path.rglob("*.partial*"))
+    assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors") == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
 def test_refusals_of_the_destination_the_source_and_the_options(tmp_path, checkpoint, capsys, monkeypatch):
@@ -126,8 +134,22 @@ def test_refusals_of_the_destination_the_source_and_the_options(tmp_path, checkp
     code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out)
     assert code == 2 and "exists: pass --overwrite" in err
     assert run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--overwrite", "--quiet")[0] == 0
+    code, _, err = run(capsys, "write", ckpt, "--tensor", "ids", "--tensor", "a", "--out", tmp_path / "u.uvt")
+    assert code == 2 and "ids: " not in err and "has shape [10]" in err
+    save_file({"f64": torch.randn(6, 3, dtype=torch.float64)}, tmp_path / "f64.safetensors")
+    code, _, err = run(capsys, "write", tmp_path / "f64.safetensors", "--tensor", "f64", "--out", tmp_path / "u.uvt")
+    assert code == 2 and "f64: a table file holds rows of" in err and "save the tensor as one of those" in err
+    nan = torch.randn(40, 8)
+    nan[33, 2] = float("nan")
+    save_file({"nan": nan}, tmp_path / "nan.safetensors")
+    code, _, err = run(capsys, "write", tmp_path / "nan.safetensors", "--tensor", "nan", "--out", tmp_path / "u.uvt",
+                       "--encoding", "fp8_row", "--quiet")
+    assert code == 3 and "row 33 holds inf or NaN" in err and err.count("\n") == 1  # named, not a traceback
+    assert not (tmp_path / "u.uvt").exists() and not list(tmp_path.glob("*.partial*"))
     for argv, says in [(["write", ckpt, "--tensor", "x", "--out", out, "--fp8", "e5m2"], "add --encoding fp8_row"),
+                       (["write", ckpt, "--tensor", "x", "--out", out, "--fp8=e4m3fn"], "add --encoding fp8_row"),
                        (["write", ckpt, "--tensor", "x", "--out", out, "--threads", "0"], "--threads 0"),
+                       (["write", ckpt, "--tensor", "x", "--out", out, "--threads", "100000"], "from 1 to 256"),
                        ([], "say what to do: write, info or verify")]:
         with pytest.raises(SystemExit) as e:
             cli.main(["table", *map(str, argv)])
@@ -159,7 +181,7 @@ def test_a_source_that_fails_part_way_leaves_no_file(tmp_path, checkpoint, capsy
     monkeypatch.setattr(table_cmd, "_source", failing)
     code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet", "--threads", 2)
     assert code == table_cmd.EXIT_FAILED and "failed: Input/output error" in err
-    assert not out.exists() and not (tmp_path / "t.uvt.partial").exists()
+    assert not out.exists() and not list(tmp_path.glob("*.partial*"))
     monkeypatch.undo()
     os.truncate(shard, os.path.getsize(shard) - 2000)
     code, _, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet")
@@ -178,7 +200,7 @@ def test_row_shards_are_stacked_in_natural_order(tmp_path, capsys):
               tmp_path / "b.safetensors")
     want = torch.cat([shards[f"ple.shard_{k}.weight"] for k in range(12)])
     out = tmp_path / "t.uvt"
-    code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.shard_*.weight", "--out", out, "--quiet")
+    code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.shard_*.weight", "--out", out)
     assert code == 0 and "12 tensors (ple.shard_0.weight .. ple.shard_11.weight, stacked)" in err
     with TableFile.open(out) as f:
         assert torch.equal(bits(f.read_rows(range(want.shape[0]))), bits(want))
@@ -189,7 +211,7 @@ def test_row_shards_are_stacked_in_natural_order(tmp_path, capsys):
         assert code == 0 and torch.equal(bits(f.read_rows(range(two.shape[0]))), bits(two))
     code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.shard_1.weight", "--tensor", "odd.weight",
                        "--out", tmp_path / "u.uvt")
-    assert code == 2 and "source 1 holds rows of 13 torch.bfloat16 values; source 0's are 12" in err
+    assert code == 2 and "odd.weight holds rows of 13 torch.bfloat16 values and ple.shard_1.weight rows of 12" in err
     code, _, err = run(capsys, "write", tmp_path, "--tensor", "ple.part_*", "--out", tmp_path / "u.uvt")
     assert code == 2 and "no tensor of the checkpoint matches --tensor 'ple.part_*'" in err
     assert not (tmp_path / "u.uvt").exists()
@@ -206,3 +228,27 @@ def test_a_stacked_source_gives_every_block_across_its_parts():
             assert torch.equal(src.block(a, b), whole[a:b]), (a, b)
     with pytest.raises(TableFileError, match="no sources to stack"):
         RowSource.stacked([])
+
+
+def test_an_interrupt_leaves_no_file_and_says_so(tmp_path, checkpoint, capsys, monkeypatch):
+    """Ctrl-C while the rows are written (several threads): the failed status, one line that says nothing is left,
+    and nothing left; --quiet prints nothing on stderr but that line."""
+    ckpt, _ = checkpoint
+    real = table_cmd._source
+
+    def interrupted(a):
+        given, src = real(a)
+
+        def block(lo, hi):
+            if lo > 0:
+                raise KeyboardInterrupt
+            return src.block(lo, hi)
+        return given, RowSource(src.rows, src.cols, src.dtype, block)
+
+    monkeypatch.setattr(table_cmd, "_source", interrupted)
+    monkeypatch.setattr("uvaple.uva.table_file._WRITE_PAGES", 3)  # many blocks
+    out = tmp_path / "t.uvt"
+    code, stdout, err = run(capsys, "write", ckpt, "--tensor", "model.emb.weight", "--out", out, "--quiet",
+                            "--threads", 3)
+    assert code == table_cmd.EXIT_FAILED and err == "uvaple table write: interrupted (no file is left at --out)\n"
+    assert stdout == "" and not out.exists() and not list(tmp_path.glob("*.partial*"))

@@ -44,7 +44,7 @@ def test_rows_come_back_bit_for_bit(tmp_path, monkeypatch, rows, cols, dtype, pe
     lay = write_table_file(path, data, threads=3, progress=lambda done, total: seen.append((done, total)))
     assert (lay.rows_per_page, lay.pages_per_row) == (per, pages)
     assert os.path.getsize(path) == lay.file_bytes and lay.file_bytes % PAGE == 0
-    assert not (tmp_path / "t.uvt.partial").exists()
+    assert not list(tmp_path.glob("*.partial*"))
     assert seen[-1] == (rows, rows) and all(b[0] > a[0] for a, b in zip(seen, seen[1:], strict=False))
     with TableFile.open(path) as f:
         assert f.layout == lay
@@ -212,11 +212,11 @@ def test_writing_refuses_what_it_cannot_write_and_leaves_nothing(tmp_path, monke
             write_table_file(tmp_path / "bad.uvt", bad)
     with pytest.raises(TableFileError, match="encoding must be the name"):
         write_table_file(tmp_path / "bad.uvt", data, encoding="")
-    assert not (tmp_path / "bad.uvt").exists() and not (tmp_path / "bad.uvt.partial").exists()
-    (tmp_path / "dir.uvt").mkdir()  # the rename at the end fails: named, and the partial file goes
-    with pytest.raises(TableFileError, match="writing .*dir.uvt failed"):
+    assert not (tmp_path / "bad.uvt").exists() and not list(tmp_path.glob("*.partial*"))
+    (tmp_path / "dir.uvt").mkdir()  # a directory is no table file's path, overwrite or not: refused before writing
+    with pytest.raises(TableFileError, match="dir.uvt is a directory: give the table file's own path"):
         write_table_file(tmp_path / "dir.uvt", data, overwrite=True)
-    assert not (tmp_path / "dir.uvt.partial").exists()
+    assert not list(tmp_path.glob("*.partial*"))
     (tmp_path / "dir.uvt").rmdir()
     from safetensors.torch import save_file
 
@@ -231,8 +231,8 @@ def test_writing_refuses_what_it_cannot_write_and_leaves_nothing(tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)  # the disk fills while the data is written
-    with pytest.raises(TableFileError, match="no space left on the disk of .*full.uvt.partial for a table file of "
-                                             "44.00 KiB: free that much"):
+    with pytest.raises(TableFileError, match=r"no space left on the disk of .*full.uvt.partial.\d+ for a table file "
+                                             "of 44.00 KiB: free that much"):
         write_table_file(tmp_path / "full.uvt", data)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.uvt"]
     monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
@@ -251,3 +251,28 @@ def test_a_layout_is_what_its_shape_makes_it():
     assert big.pages_of(1, 2) == (5, 10) and big.rows_of(5, 15) == (1, 3)
     assert big.rows_of(1, 6) == (0, 2) and big.rows_of(6, 7) == (1, 2)  # a page inside a row: that row
     assert lay.pages_of(13, 13) == (13, 13) and big.pages_of(2, 1) == (2, 2)  # no rows: no pages
+
+
+def test_a_failed_range_stops_the_ranges_not_started_and_waits_for_the_started_ones():
+    """``uva.workers.parallel``: the first failure (an interrupt too) is raised once every range started has
+    finished, and the ranges not started by then never start."""
+    import threading
+    import time
+
+    from uvaple.uva.workers import parallel
+
+    for error in (OSError(5, "Input/output error"), KeyboardInterrupt()):
+        ran, lock = [], threading.Lock()
+
+        def fn(i, error=error, ran=ran, lock=lock):
+            if i == 0:
+                raise error
+            time.sleep(0.05)
+            with lock:
+                ran.append(i)
+
+        with pytest.raises(type(error)):
+            parallel(fn, [(i,) for i in range(40)], threads=2)
+        done = len(ran)
+        time.sleep(0.2)
+        assert len(ran) == done < 10  # none ran after the raise, and most never started

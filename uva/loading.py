@@ -157,7 +157,8 @@ def locate_tensor(path: str | os.PathLike, name: str) -> TensorInfo:
         raise CheckpointError(f"tensor {name!r} is not in {file}.{_suggest(name, header)}")
     info = _entry(str(file), name, header, data_start)
     if len(info.shape) != 2 or info.shape[0] == 0 or info.shape[1] == 0:
-        raise CheckpointError(f"tensor {name!r} in {file} has shape {list(info.shape)}; a table must be 2-D")
+        raise CheckpointError(f"tensor {name!r} in {file} has shape {list(info.shape)}; a table is 2-D, with rows "
+                              "and columns")
     return info
 
 

@@ -14,7 +14,8 @@ any page into a page-aligned buffer:
   of a page lie at the host stride, so a page copies into a host table's rows as it is;
 * the sums: one CRC-32 (zlib's) per data page, little-endian uint32, zero-padded to a page.
 
-Written once (:func:`write_table_file`): into ``PATH.partial``, the data pages and their sums by several
+Written once (:func:`write_table_file`): into ``PATH.partial.<pid>`` (the writer's own: two writers of one path
+never share it), the data pages and their sums by several
 threads (each a range of pages, from a tensor, a :class:`~uvaple.uva.HostTable`, a safetensors tensor read
 in blocks, or a :class:`RowSource` that computes its rows block by block, such as a quantiser over one of
 those, so a table larger than host memory streams through), then ``fsync``, then the header with
@@ -249,7 +250,9 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     layout = FileLayout.of(rows, cols, dtype, encoding)
     if os.path.exists(path) and not overwrite:
         raise TableFileError(f"{path} exists: pass overwrite=True to replace it, or another path")
-    partial = path + ".partial"
+    if os.path.isdir(path):
+        raise TableFileError(f"{path} is a directory: give the table file's own path")
+    partial = f"{path}.partial.{os.getpid()}"
     threads = max(1, threads or default_threads())
     sums = np.zeros(layout.sums_pages * PAGE // 4, dtype="<u4")
     done, lock = [0], threading.Lock()
@@ -272,7 +275,7 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
             r0, r1 = layout.rows_of(p0, p0 + n)
             try:
                 got = block(r0, r1)
-            except (OSError, UvapleError) as e:  # the source, not the file being written
+            except (OSError, UvapleError, ValueError, TypeError) as e:  # the source, not the file being written
                 raise TableFileError(f"reading rows {r0} .. {r1 - 1} of the source failed: "
                                      f"{getattr(e, 'strerror', None) or e}") from None
             if not isinstance(got, torch.Tensor) or got.dtype != dtype or tuple(got.shape) != (r1 - r0, cols) \

@@ -27,18 +27,22 @@ def chunks(total: int, chunk: int) -> list[tuple[int, int]]:
 
 def parallel(fn: Callable[..., None], ranges: list[tuple], threads: int, name: str = "uvaple-populate") -> None:
     """Run ``fn(*r)`` (mostly ``fn(start, length)``) for each ``r`` of ``ranges`` on ``threads`` threads;
-    re-raise the first failure (every range started has finished by then)."""
+    re-raise the first failure (an interrupt of the waiting thread included). After a failure the ranges not
+    started are not started; every range started has finished when this returns or raises."""
     if threads <= 1 or len(ranges) <= 1:
         for r in ranges:
             fn(*r)
         return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) as pool:
+    with ThreadPoolExecutor(max_workers=min(threads, len(ranges)), thread_name_prefix=name) as pool:
         futures = [pool.submit(fn, *r) for r in ranges]
         first = None
         for f in futures:
             try:
                 f.result()
             except BaseException as e:  # noqa: BLE001 - collect, then raise the first
-                first = first or e
+                if first is None:
+                    first = e
+                    for g in futures:  # what has not started never will
+                        g.cancel()
         if first is not None:
             raise first

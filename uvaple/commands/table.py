@@ -33,6 +33,7 @@ EXITS = (f"exit status: {EXIT_DONE} done; {EXIT_DAMAGED} verify found a page tha
          f"{EXIT_REFUSED} a usage error, or a source, destination or file refused before any work; {EXIT_FAILED} "
          "the work failed part way (no file is left at --out)")
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+MAX_THREADS = 256
 
 
 class _Refused(Exception):
@@ -64,9 +65,18 @@ def _source(a) -> tuple[RowSource, RowSource]:
     try:
         files = checkpoint_files(a.source)
         names = [n for pattern in a.tensor for n in _names(pattern, files)]
-        rows = RowSource.stacked([locate_tensor(a.source, n) for n in names])
-    except (CheckpointError, TableFileError, OSError, ValueError) as e:
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise _Refused(f"--tensor names {', '.join(twice)} more than once: each tensor's rows are written once")
+        infos = [locate_tensor(a.source, n) for n in names]
+    except (CheckpointError, OSError, ValueError) as e:
         raise _Refused(str(e)) from None
+    for info in infos[1:]:
+        if (info.shape[1], info.dtype) != (infos[0].shape[1], infos[0].dtype):
+            raise _Refused(f"{info.name} holds rows of {info.shape[1]} {info.dtype} values and {infos[0].name} rows of "
+                           f"{infos[0].shape[1]} {infos[0].dtype}: stacked tensors need one row layout")
+    a.sources = {os.path.realpath(i.path) for i in infos}
+    rows = RowSource.stacked(infos)
     a.what = names[0] if len(names) == 1 else f"{len(names)} tensors ({names[0]} .. {names[-1]}, stacked)"
     if a.encoding == "raw":
         return rows, rows
@@ -75,7 +85,7 @@ def _source(a) -> tuple[RowSource, RowSource]:
                        "write it with --encoding raw")
     from uvaple.kernels.encodings import ROW_SCALE_BYTES, quantize_fp8_rows
 
-    fmt = FP8[a.fp8]
+    fmt = FP8[a.fp8 or "e4m3fn"]
     return rows, RowSource(rows.rows, rows.cols + ROW_SCALE_BYTES, fmt,
                            lambda lo, hi: quantize_fp8_rows(rows.block(lo, hi), fmt, row_start=lo))
 
@@ -86,20 +96,30 @@ def _free_bytes(path: str) -> int:
 
 
 def write(a) -> int:
+    if not a.out or a.out.endswith(os.sep) or os.path.isdir(a.out):
+        raise _Refused(f"--out {a.out!r} is not a file's path: give the table file's own path (a directory's "
+                       "file, such as DIR/emb.uvt)")
     if os.path.exists(a.out) and not a.overwrite:
         raise _Refused(f"--out {a.out} exists: pass --overwrite to replace it, or another path")
     folder = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise _Refused(f"--out {a.out}: its folder {folder} is not a writable directory")
     given, src = _source(a)
-    layout = FileLayout.of(src.rows, src.cols, src.dtype, a.encoding)
-    free = _free_bytes(a.out) + (os.path.getsize(a.out) if os.path.exists(a.out) else 0)
+    if os.path.realpath(a.out) in a.sources:
+        raise _Refused(f"--out {a.out} is a file the rows are read from: write the table file elsewhere")
+    try:
+        layout = FileLayout.of(src.rows, src.cols, src.dtype, a.encoding)
+    except TableFileError as e:
+        raise _Refused(f"{a.what}: {e}; save the tensor as one of those") from None
+    free = _free_bytes(a.out)  # an old file at --out stays until the new one is whole
     if layout.file_bytes > free:
         raise _Refused(f"--out {a.out}: the table file takes {fmt_bytes(layout.file_bytes)}, and its disk has "
                        f"{fmt_bytes(free)} free; free the difference or write it elsewhere")
-    stored = "as stored" if a.encoding == "raw" else f"as fp8_row ({a.fp8} codes and a float32 scale a row)"
-    print(f"writing {a.what} ({given.rows:,} rows of {given.cols:,} {str(given.dtype).replace('torch.', '')} "
-          f"values, {stored}) to {a.out}: {fmt_bytes(layout.file_bytes)}", file=sys.stderr)
+    stored = "as stored" if a.encoding == "raw" else \
+        f"as fp8_row ({a.fp8 or 'e4m3fn'} codes and a float32 scale a row)"
+    if not a.quiet:
+        print(f"writing {a.what} ({given.rows:,} rows of {given.cols:,} {str(given.dtype).replace('torch.', '')} "
+              f"values, {stored}) to {a.out}: {fmt_bytes(layout.file_bytes)}", file=sys.stderr)
     t0 = time.monotonic()
     with _bar(src.rows, "rows written", "row", a.quiet) as bar:
         seen = [0]
@@ -153,7 +173,7 @@ def _open(path: str) -> TableFile:
     try:
         return TableFile.open(path)
     except TableFileError as e:
-        raise _Refused(str(e)) from None
+        raise _Refused(f"{e} (table files are written by uvaple table write)") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -168,8 +188,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--out", required=True, help="the table file to write (on the disk the lookups will read)")
     w.add_argument("--encoding", choices=("raw", "fp8_row"), default="raw",
                    help="raw: the rows as stored (default); fp8_row: fp8 codes and a float32 scale per row")
-    w.add_argument("--fp8", choices=tuple(FP8), default="e4m3fn", help="fp8_row's code format (default e4m3fn)")
-    w.add_argument("--threads", type=int, help="writing threads (default: one per core, at most 16)")
+    w.add_argument("--fp8", choices=tuple(FP8), help="fp8_row's code format (default e4m3fn)")
+    w.add_argument("--threads", type=int, help=f"writing threads, 1 to {MAX_THREADS} (default: one per core, at "
+                                               "most 16)")
     w.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     w.add_argument("--quiet", action="store_true", help="no progress on stderr")
     i = sub.add_parser("info", help="print a table file's header (nothing else is read)", epilog=EXITS)
@@ -181,9 +202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.cmd is None:
         p.error("say what to do: write, info or verify (uvaple table --help)")
-    if a.cmd == "write" and a.threads is not None and a.threads < 1:
-        w.error(f"--threads {a.threads}: give a count of threads >= 1")
-    if a.cmd == "write" and a.encoding == "raw" and "--fp8" in (argv or sys.argv[1:]):
+    if a.cmd == "write" and a.threads is not None and not 1 <= a.threads <= MAX_THREADS:
+        w.error(f"--threads {a.threads}: give a count of threads from 1 to {MAX_THREADS}")
+    if a.cmd == "write" and a.encoding == "raw" and a.fp8 is not None:
         w.error(f"--fp8 {a.fp8} is fp8_row's code format; add --encoding fp8_row, or drop --fp8")
     return a
 
@@ -197,4 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     except (TableFileError, UvapleError, OSError) as e:
         print(f"uvaple table {a.cmd}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        left = " (no file is left at --out)" if a.cmd == "write" else ""
+        print(f"uvaple table {a.cmd}: interrupted{left}", file=sys.stderr)
         return EXIT_FAILED
