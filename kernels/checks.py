@@ -18,7 +18,7 @@ from .encodings import FP8_FORMATS, encoding_of_code
 
 __all__ = ["OOB_POLICIES", "OOB_MODES", "ID_BASE_LIMIT", "OUT_DTYPES", "ID_DTYPES", "column_range", "check_policy",
            "check_ids", "check_out", "check_table", "scale_bits", "check_fixed", "check_call", "check_hot",
-           "check_workspace", "check_reach"]
+           "check_workspace", "check_reach", "writes_as"]
 
 OOB_POLICIES = ("zero", "row0", "neg_zero")
 #: oob policy -> the kernels' ``oob_mode``
@@ -48,6 +48,14 @@ def column_range(columns, cols: int) -> tuple[int, int]:
     return c0, c1
 
 
+def writes_as(table_dtype: torch.dtype, out_dtype: torch.dtype, dequant: bool) -> bool:
+    """Whether rows of a ``table_dtype`` table are written as ``out_dtype``: as stored, or converted to a float
+    output (from a float table, or dequantised fp8 codes)."""
+    if dequant:
+        return out_dtype in OUT_DTYPES
+    return out_dtype == table_dtype or (out_dtype in OUT_DTYPES and table_dtype in FLOAT_DTYPES)
+
+
 def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype, dequant: bool = False) -> torch.dtype:
     """Policy checks (once per spec, or per functional call): returns the output dtype.
 
@@ -64,7 +72,7 @@ def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype, dequan
             raise TypeError("an fp8 table's rows are scaled by its dequantisation scale; a second scale is not "
                             "supported")
         dtype = out_dtype or torch.bfloat16
-        if dtype not in OUT_DTYPES:
+        if not writes_as(table_dtype, dtype, True):
             raise TypeError(f"fp8 rows dequantise to one of {OUT_DTYPES}, not {dtype}")
         return dtype
     if scale is not None:
@@ -73,7 +81,7 @@ def check_policy(table_dtype: torch.dtype, *, scale, oob: str, out_dtype, dequan
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
     dtype = out_dtype or table_dtype
-    if dtype != table_dtype and (dtype not in OUT_DTYPES or table_dtype not in FLOAT_DTYPES):
+    if not writes_as(table_dtype, dtype, False):
         raise TypeError(f"cannot convert a {table_dtype} table to {dtype} output; "
                         f"supported outputs are {OUT_DTYPES} from float tables")
     if oob == "neg_zero" and dtype not in FLOAT_DTYPES:
@@ -198,12 +206,8 @@ def check_reach(table: torch.Tensor, device: torch.device, out_dtype: torch.dtyp
         check_table(table, device)
     except (TypeError, ValueError) as e:
         raise type(e)(f"uvaple::{what}: {e}") from None
-    if dequant:
-        ok, want = out_dtype in OUT_DTYPES, f"one of {OUT_DTYPES}"
-    else:
-        ok = out_dtype == table.dtype or (out_dtype in OUT_DTYPES and table.dtype in FLOAT_DTYPES)
-        want = f"one of {OUT_DTYPES}" if table.dtype in FLOAT_DTYPES else f"{table.dtype}"
-    if not ok:
+    if not writes_as(table.dtype, out_dtype, bool(dequant)):
+        want = f"one of {OUT_DTYPES}" if dequant or table.dtype in FLOAT_DTYPES else f"{table.dtype}"
         raise TypeError(f"uvaple::{what}: out has dtype {out_dtype}; rows of this {table.dtype} table are written as "
                         f"{want}")
     if has_scale and dequant:

@@ -125,20 +125,14 @@ class KernelLaunch:
         if _Driver.stream is None:
             _Driver.load()
         if device != _Driver.device():
-            with torch.cuda.device(device):
-                self._launch(grid, args, key, device)
+            with torch.cuda.device(device):  # then this call again, its device current: the kept kernel, if any
+                self(grid, args, key, device)
             return
         self._launch(grid, args, key, device)
 
     def _launch(self, grid: tuple, args: tuple, key, device: int) -> None:
-        """The launch of a call on its device (current now): the kept compiled kernel, or Triton's own launch,
-        whose compiled kernel is then kept."""
-        compiled = self._compiled.get((device, key))
-        if compiled is not None and not _Hooks.set():
-            run, function, metadata = compiled
-            run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _Driver.stream(device), function, metadata, None, None,
-                None, *args, *self._values)
-            return
+        """Triton's own launch of a call on its device (current now), whose compiled kernel is then kept (a launch
+        hook set: Triton's launch every time, which the hooks see)."""
         kernel = self.fn[grid](*self._viewed(args), **self.constants)
         kernel = kernel.result() if hasattr(kernel, "result") and not hasattr(kernel, "function") else kernel
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):

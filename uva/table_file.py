@@ -171,7 +171,7 @@ class RowSource:
     @classmethod
     def of(cls, source) -> RowSource:
         """The rows of a 2-D CPU tensor, a HostTable, a safetensors TensorInfo or a RowSource."""
-        return source if isinstance(source, RowSource) else cls(*_row_source(source))
+        return _row_source(source)
 
     @classmethod
     def stacked(cls, sources) -> RowSource:
@@ -201,14 +201,13 @@ class RowSource:
         return cls(int(starts[-1]), parts[0].cols, parts[0].dtype, block)
 
 
-def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], torch.Tensor]]:
-    """``(rows, cols, dtype, block(a, b))`` of a 2-D CPU tensor, a HostTable, a safetensors TensorInfo or a
-    RowSource."""
+def _row_source(source) -> RowSource:
+    """:meth:`RowSource.of`."""
     from .host_table import HostTable
     from .loading import TensorInfo
 
     if isinstance(source, RowSource):
-        return source.rows, source.cols, source.dtype, source.block
+        return source
     if isinstance(source, HostTable):
         source = source.tensor
     if isinstance(source, torch.Tensor):
@@ -217,7 +216,7 @@ def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], tor
                                  f"or a safetensors tensor; got a tensor of shape {tuple(source.shape)} on "
                                  f"{source.device}")
         src = source
-        return src.shape[0], src.shape[1], src.dtype, lambda a, b: src[a:b]
+        return RowSource(src.shape[0], src.shape[1], src.dtype, lambda a, b: src[a:b])
     if isinstance(source, TensorInfo):
         info = source
         if len(info.shape) != 2:
@@ -233,7 +232,7 @@ def _row_source(source) -> tuple[int, int, torch.dtype, Callable[[int, int], tor
                 os.close(fd)
             return out
 
-        return info.shape[0], info.shape[1], info.dtype, block
+        return RowSource(info.shape[0], info.shape[1], info.dtype, block)
     raise TableFileError(f"a table file is written from a 2-D CPU tensor, a HostTable, a safetensors tensor "
                          f"(uvaple.uva.loading.locate_tensor) or a RowSource, not {type(source).__name__}")
 
@@ -246,7 +245,8 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     ``progress(rows_done, rows)`` is called as blocks land, from the writing threads. An existing ``path`` is
     refused unless ``overwrite``."""
     path = os.fspath(path)
-    rows, cols, dtype, block = _row_source(source)
+    src = RowSource.of(source)
+    rows, cols, dtype, block = src.rows, src.cols, src.dtype, src.block
     layout = FileLayout.of(rows, cols, dtype, encoding)
     if os.path.exists(path) and not overwrite:
         raise TableFileError(f"{path} exists: pass overwrite=True to replace it, or another path")

@@ -211,8 +211,9 @@ class DiskLookup(Lookup):
             outside = n - int(np.count_nonzero(valid))
             if outside:
                 rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
+            masked = outside and self.spec.oob != "row0"  # ids outside read the policy's zero row, not a row
             hot, at = self._hot_of(rows)
-            cached = valid if outside and self.spec.oob != "row0" else None
+            cached = valid if masked else None
             if hot is not None:
                 cached = ~hot if cached is None else cached & ~hot
             try:
@@ -222,7 +223,7 @@ class DiskLookup(Lookup):
                 self.cache.cache_ids(rows, staged)
                 if hot is not None:  # past the cache's slots: the hot rows in device memory
                     staged[hot] = self.cache.slots + 1 + at[hot]
-                if outside and self.spec.oob != "row0":
+                if masked:
                     staged[~valid] = 0  # outside the cache: the policy's zero row
                 self._plan.run(self._dev_ids[slot, :n].view(ids.shape), out, c0)
             finally:
@@ -233,8 +234,7 @@ class DiskLookup(Lookup):
             self._counts["rows"] += n
             self._counts["out_of_range_ids"] += outside
             if hot is not None:  # the hot ids read (an id outside the window reads a row only under row0)
-                served = hot & valid if outside and self.spec.oob != "row0" else hot
-                self._counts["hot_hits"] += int(np.count_nonzero(served))
+                self._counts["hot_hits"] += int(np.count_nonzero(hot & valid if masked else hot))
         return out
 
     def _hot_of(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:

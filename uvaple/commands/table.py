@@ -14,17 +14,19 @@ write; the file appears at ``PATH`` whole or not at all. ``info PATH`` prints th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
 import torch
-from tqdm import tqdm
 
 from uvaple.dtypes import fmt_bytes
+from uvaple.perf import command
 from uvaple.uva import CheckpointError, RowSource, TableFile, TableFileError, UvapleError, write_table_file
 from uvaple.uva.table_file import FileLayout
 
@@ -40,9 +42,18 @@ class _Refused(Exception):
     pass
 
 
-def _bar(total: int, desc: str, unit: str, quiet: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=quiet, delay=0.5,
-                leave=False)
+@contextlib.contextmanager
+def _progress(total: int, desc: str, unit: str, quiet: bool):
+    """The project's progress bar on stderr (``uvaple.perf.command.bar``; none under ``--quiet``), as the
+    ``progress(done, total)`` callback the table file's writer and checker call."""
+    with command.progress(not quiet), command.bar(total=total, desc=desc, unit=unit) as bar:
+        seen = [0]
+
+        def advance(done: int, _total: int) -> None:  # the writer calls it from its threads, under its lock
+            bar.update(done - seen[0])
+            seen[0] = done
+
+        yield advance
 
 
 def _names(pattern: str, names) -> list[str]:
@@ -91,8 +102,7 @@ def _source(a) -> tuple[RowSource, RowSource]:
 
 
 def _free_bytes(path: str) -> int:
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
-    return st.f_bavail * st.f_frsize
+    return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
 
 
 def write(a) -> int:
@@ -121,13 +131,7 @@ def write(a) -> int:
         print(f"writing {a.what} ({given.rows:,} rows of {given.cols:,} {str(given.dtype).replace('torch.', '')} "
               f"values, {stored}) to {a.out}: {fmt_bytes(layout.file_bytes)}", file=sys.stderr)
     t0 = time.monotonic()
-    with _bar(src.rows, "rows written", "row", a.quiet) as bar:
-        seen = [0]
-
-        def progress(done: int, total: int) -> None:  # from the writing threads, under the writer's lock
-            bar.update(done - seen[0])
-            seen[0] = done
-
+    with _progress(src.rows, "rows written", "row", a.quiet) as progress:
         write_table_file(a.out, src, encoding=a.encoding, overwrite=a.overwrite, threads=a.threads,
                          progress=progress)
     took = time.monotonic() - t0
@@ -153,13 +157,7 @@ def info(a) -> int:
 def verify(a) -> int:
     with _open(a.path) as f:
         total = f.layout.data_pages
-        with _bar(total, "pages checked", "page", a.quiet) as bar:
-            seen = [0]
-
-            def progress(done: int, _total: int) -> None:
-                bar.update(done - seen[0])
-                seen[0] = done
-
+        with _progress(total, "pages checked", "page", a.quiet) as progress:
             try:
                 f.verify(progress=progress)
             except TableFileError as e:
