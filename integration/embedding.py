@@ -162,8 +162,7 @@ class HostScaledEmbedding(nn.Module):
                  init_std: float = 0.02, backend_options: dict | None = None, register="auto",
                  own_table: bool | None = None, materialize: bool | None = None, max_tokens: int | None = None):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self._check_backend(backend)
         if oob not in OOB_RULES:
             raise ValueError(f"oob must be one of {OOB_RULES}, got {oob!r}")
         self.num_embeddings = int(num_embeddings)
@@ -199,6 +198,15 @@ class HostScaledEmbedding(nn.Module):
             self.attach_table(table, own=bool(own_table))
         elif materialize or (materialize is None and torch.get_default_device().type != "meta"):
             self._allocate_random(init_std)
+
+    def _check_backend(self, backend: str) -> None:
+        """Refuse a placement this module cannot serve its table through (by name)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if placement(backend).reads_file:
+            raise ValueError(f"the {backend} placement serves a table file, and this embedding's table is in host "
+                             "memory: serve it with 'uva', or build a FileEmbedding over a table file "
+                             "(uvaple.integration.file_embedding; Qwen4Exp's entry points write one per PLE layer)")
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -343,8 +351,7 @@ class HostScaledEmbedding(nn.Module):
 
     def set_backend(self, backend: str, backend_options: dict | None = None) -> None:
         """Read rows through ``backend`` from now on (the current backends are closed; the table stays)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self._check_backend(backend)
         options = dict(backend_options or {})
         fmt = quantize_format(backend, options)
         devices = {torch.device(t, i) if i is not None else torch.device(t) for t, i, _ in self._backends}

@@ -3,7 +3,7 @@
 :data:`PLACEMENTS` is the one list of placements. Each entry (a :class:`Placement`) says how its lookup is
 built and what it serves: which row encodings it reads, whether an HBM hot set may stand in front of it,
 whether its rows stay in host memory and whether the GPU maps them, whether CUDA graphs can capture its
-calls and whether model layers (the HF swap-ins, the vLLM plugin) serve it, each refusal with its reason.
+calls and whether model layers (the HF swap-ins; the vLLM plugin) serve it, each refusal with its reason.
 Everything above the library (``embedding``, ``encoded_embedding``, the hot set's options, the vLLM
 plugin's settings and shards) asks the entry, never a placement's name: a new placement is its module under
 ``placements/`` and one entry here.
@@ -49,8 +49,10 @@ class Placement:
     gather_options: bool = True
     #: why a CUDA graph cannot capture its calls (None: graphs capture them like any other op)
     graph_refusal: str | None = None
-    #: why model layers do not serve it (None: the HF swap-ins and the vLLM plugin do)
+    #: why model layers do not serve it (None: the HF swap-ins do, and the vLLM plugin unless ``engine_refusal``)
     model_refusal: str | None = None
+    #: why the vLLM plugin does not serve it where the HF swap-ins do (None: it does)
+    engine_refusal: str | None = None
     #: its table is a table file on disk (``TableFile``; ``make_lookup`` opens a path), not a ``HostTable``
     reads_file: bool = False
 
@@ -93,9 +95,10 @@ PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
     Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True,
               graph_refusal="a disk call plans its rows on the host and reads the missing ones from the file on "
                             "the calling thread",
-              model_refusal="the disk placement reads a table file written beforehand (uvaple.uva.write_table_file), "
-                            "and model layers build their tables in host memory from the checkpoint: use 'uva' "
-                            "(the GPU reads the rows it needs from host memory)"),
+              engine_refusal="the disk placement serves table files, and the plugin builds each table in host memory "
+                             "as vLLM loads the checkpoint: use 'uva' (the GPU reads the rows it needs from host "
+                             "memory), or serve the model with transformers (load_qwen4_exp_with_host_ple with "
+                             "backend='disk' writes the table files once)"),
 )}
 
 #: Placements :func:`make_lookup` builds.
@@ -110,9 +113,11 @@ def placement(name: str) -> Placement:
     return entry
 
 
-def model_placements() -> tuple[str, ...]:
-    """The placements model layers serve (the HF swap-ins' ``backend``, the vLLM plugin's ``placement``)."""
-    return tuple(name for name, p in PLACEMENTS.items() if p.model_refusal is None)
+def model_placements(*, engine: bool = False) -> tuple[str, ...]:
+    """The placements model layers serve: the HF swap-ins' ``backend``, or with ``engine`` the vLLM plugin's
+    ``placement``."""
+    return tuple(name for name, p in PLACEMENTS.items()
+                 if p.model_refusal is None and not (engine and p.engine_refusal is not None))
 
 
 def make_lookup(kind: str, table, *, device=None, spec: TableSpec | None = None, max_rows: int | None = None,

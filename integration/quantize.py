@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from uvaple.kernels.encodings import FP8_MAX, ROW_SCALE_BYTES
-from uvaple.uva import HostTable
+from uvaple.uva import HostTable, RowSource
 from uvaple.uva.workers import default_threads, parallel
 
-__all__ = ["fp8_row_table", "quantize_fp8_rows_into", "QuantError"]
+__all__ = ["fp8_row_table", "fp8_row_source", "quantize_fp8_rows_into", "QuantError"]
 
 # Source bytes per task: 8 MiB keeps 16 threads evenly busy on a 4 GiB table (512 tasks) and the per-call
 # cost of the kernel (a few microseconds) below 0.1%.
@@ -353,3 +353,20 @@ def fp8_row_table(src: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn, *, 
         table.close()
         raise
     return table, err
+
+
+def fp8_row_source(rows: RowSource, fmt: torch.dtype = torch.float8_e4m3fn) -> RowSource:
+    """``rows`` (bf16, fp16 or fp32) as ``fp8_row`` rows, each block quantised as a table file's writer asks for
+    it (by the kernel, on the writer's thread: the bytes of ``quantize_fp8_rows``); a table larger than host memory
+    streams through. A row holding inf or NaN is a ValueError naming it."""
+    if rows.dtype not in _KIND:
+        raise TypeError(f"fp8_row quantises bf16, fp16 or fp32 rows, not {rows.dtype}: keep this table as stored")
+    if fmt not in _FP8_BITS:
+        raise TypeError(f"fp8_row codes are float8_e4m3fn or float8_e5m2, not {fmt}")
+
+    def block(a: int, b: int) -> torch.Tensor:
+        out = torch.empty(b - a, rows.cols + ROW_SCALE_BYTES, dtype=torch.uint8)
+        quantize_fp8_rows_into(rows.block(a, b), out.numpy(), fmt, row_start=a, threads=1)
+        return out.view(fmt)
+
+    return RowSource(rows.rows, rows.cols + ROW_SCALE_BYTES, fmt, block)

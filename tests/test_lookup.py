@@ -161,7 +161,7 @@ def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeyp
             assert torch.equal(lk.lookup(ids).cpu(), reference_gather(h.tensor, ids.cpu()))
         with pytest.raises(ValueError, match="a hot set stands in front of .* not of the 'toy' placement"):
             hot_set_from_options(h, device, {"cache_gb": 0.001}, placement("toy"))
-        with pytest.raises(ValueError, match="'fp8_row' serves the \\('uva', 'device'\\) placements, not 'toy'"):
+        with pytest.raises(ValueError, match="'fp8_row' serves the \\('uva', 'device', 'disk'\\) placements, not 'toy"):
             quantize_format("toy", {"quantize": "fp8_row"})
         assert "toy" in model_placements() and not placement("toy").reads("fp8_row")
         assert placement("uva").reads("fp8_row") and placement("split").reads("fp8_global")
@@ -169,10 +169,13 @@ def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeyp
         h.close()
     with pytest.raises(ValueError, match="unknown placement 'tpu'; choose one of \\['uva', 'device', 'split', 'copy'"):
         placement("tpu")
-    # what the consumers offer, from the entries: split is refused to model layers (its ids are on the host), the
-    # copy placement is the fallback where the GPU cannot map host memory (its rows are read by the CPU)
-    assert BACKENDS == vllm_config.PLACEMENTS == ("uva", "device", "copy")
+    # what the consumers offer, from the entries: split is refused to model layers (its ids are on the host), disk
+    # to the vLLM plugin (which builds its tables in host memory as vLLM loads them), the copy placement is the
+    # fallback where the GPU cannot map host memory (its rows are read by the CPU)
+    assert BACKENDS == ("uva", "device", "copy", "disk") and vllm_config.PLACEMENTS == ("uva", "device", "copy")
     assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split", "disk"]
+    assert vllm_config.REFUSED_PLACEMENTS["disk"] == PLACEMENTS["disk"].engine_refusal
+    assert PLACEMENTS["split"].model_refusal and PLACEMENTS["split"].engine_refusal is None
     assert [n for n, p in PLACEMENTS.items() if p.graph_refusal] == ["split", "copy", "disk"]
 
 

@@ -5,7 +5,8 @@ any page into a page-aligned buffer:
 
 * page 0, the header: :data:`MAGIC` (16 bytes), then UTF-8 JSON (``version``, ``rows``, ``cols``, ``dtype``
   as safetensors names it, ``encoding``, ``row_bytes``, ``stride``, ``rows_per_page``, ``pages_per_row``,
-  ``data_pages``, ``complete``), zero-padded to the page;
+  ``data_pages``, ``complete``, and ``source`` where the writer named what the rows were written from),
+  zero-padded to the page;
 * the data, from page 1. Each row is its ``row_bytes`` (an encoding's scale bytes inside the row, as a
   host table holds it) at the host table's stride (the row rounded up to 16 bytes). Rows no larger than a
   page are packed whole into pages: ``rows_per_page = PAGE // stride``, row ``r`` in data page
@@ -123,14 +124,16 @@ class FileLayout:
             return page_lo * self.rows_per_page, min(self.rows, page_hi * self.rows_per_page)
         return page_lo // self.pages_per_row, -(-page_hi // self.pages_per_row)
 
-    def header(self, complete: bool) -> bytes:
+    def header(self, complete: bool, source: str | None = None) -> bytes:
         meta = {k: v for k, v in asdict(self).items() if k != "dtype"}
         meta.update(version=VERSION, dtype=dtype_name(self.dtype), complete=complete)
+        if source is not None:
+            meta["source"] = source
         body = MAGIC + json.dumps(meta, sort_keys=True).encode()
         return body + bytes(PAGE - len(body))
 
     @classmethod
-    def from_header(cls, page: bytes, path: str) -> tuple[FileLayout, bool]:
+    def from_header(cls, page: bytes, path: str) -> tuple[FileLayout, bool, str | None]:
         if page[: len(MAGIC)] != MAGIC:
             raise TableFileError(f"{path} is not a uvaple table file (its first bytes are not {MAGIC!r}); write one "
                                  "with uvaple.uva.table_file.write_table_file")
@@ -143,6 +146,9 @@ class FileLayout:
                                      f"version {VERSION}: write it again")
             layout = cls.of(meta["rows"], meta["cols"], SAFETENSORS_DTYPES[meta["dtype"]], meta["encoding"])
             complete = meta["complete"] is True
+            source = meta.get("source")
+            if source is not None and not isinstance(source, str):
+                raise TypeError(f"its source is a {type(source).__name__}, not a string")
         except TableFileError:
             raise
         except (ValueError, KeyError, TypeError) as e:
@@ -153,7 +159,7 @@ class FileLayout:
         if stored != want:
             raise TableFileError(f"{path}: its header's layout {stored} is not the layout of its shape {want}; write "
                                  "the file again")
-        return layout, complete
+        return layout, complete, source
 
 
 # ------------------------------------------------------------------ writing
@@ -237,17 +243,25 @@ def _row_source(source) -> RowSource:
                          f"(uvaple.uva.loading.locate_tensor) or a RowSource, not {type(source).__name__}")
 
 
+#: the longest ``source`` a header holds (characters)
+MAX_SOURCE = 1024
+
+
 def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", overwrite: bool = False,
-                     threads: int | None = None, progress: Callable[[int, int], None] | None = None) -> FileLayout:
+                     threads: int | None = None, progress: Callable[[int, int], None] | None = None,
+                     source_id: str | None = None) -> FileLayout:
     """Write ``source`` (a 2-D CPU tensor, a HostTable, or a safetensors tensor from
     :func:`uvaple.uva.loading.locate_tensor`) as a table file at ``path`` (see the module docstring); returns its
     layout. ``encoding`` names how the rows are stored (the integration layer checks it against its registry).
     ``progress(rows_done, rows)`` is called as blocks land, from the writing threads. An existing ``path`` is
-    refused unless ``overwrite``."""
+    refused unless ``overwrite``. ``source_id`` (at most :data:`MAX_SOURCE` characters) is kept in the header as
+    :attr:`TableFile.source`: what the rows were written from, for a reader that reuses the file to compare."""
     path = os.fspath(path)
     src = RowSource.of(source)
     rows, cols, dtype, block = src.rows, src.cols, src.dtype, src.block
     layout = FileLayout.of(rows, cols, dtype, encoding)
+    if source_id is not None and (not isinstance(source_id, str) or len(source_id) > MAX_SOURCE):
+        raise TableFileError(f"source_id must be a string of at most {MAX_SOURCE} characters, got {source_id!r:.80}")
     if os.path.exists(path) and not overwrite:
         raise TableFileError(f"{path} exists: pass overwrite=True to replace it, or another path")
     if os.path.isdir(path):
@@ -304,7 +318,7 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
         parallel(write_pages, ranges, threads, name="uvaple-table-file")
         _pwrite(fd, sums.tobytes(), (1 + layout.data_pages) * PAGE, partial)
         os.fsync(fd)
-        _pwrite(fd, layout.header(complete=True), 0, partial)
+        _pwrite(fd, layout.header(complete=True, source=source_id), 0, partial)
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -354,8 +368,11 @@ class TableFile:
     """A table file opened for reading (see the module docstring): :attr:`layout`, :meth:`read_pages`,
     :meth:`read_rows`, :meth:`verify`, :meth:`close` (also a context manager)."""
 
-    def __init__(self, path: str, fd: int, layout: FileLayout, sums: np.ndarray, direct: bool) -> None:
+    def __init__(self, path: str, fd: int, layout: FileLayout, sums: np.ndarray, direct: bool,
+                 source: str | None = None) -> None:
         self.path, self._fd, self.layout, self._sums, self.direct = path, fd, layout, sums, direct
+        #: what the rows were written from, as the writer named it (``write_table_file``'s ``source_id``), or None
+        self.source = source
         self.owner_pid = os.getpid()
         self._closed = False
 
@@ -416,7 +433,7 @@ class TableFile:
                                      "or truncated): write it again")
             head = page_buffer(1)
             _read_exact(fd, head, 0, path, what="the header")
-            layout, complete = FileLayout.from_header(bytes(head.numpy()), path)
+            layout, complete, source = FileLayout.from_header(bytes(head.numpy()), path)
             if not complete:
                 raise TableFileError(f"{path} was not written to the end (its header does not say complete): write "
                                      "it again")
@@ -431,7 +448,7 @@ class TableFile:
             raise
         if not is_direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # the page cache, read ahead by nothing
-        return cls(path, fd, layout, sums, direct=is_direct)
+        return cls(path, fd, layout, sums, direct=is_direct, source=source)
 
     def fileno(self) -> int:
         """The descriptor the file is read through (``O_DIRECT`` where :attr:`direct`)."""

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..embedding import HostScaledEmbedding, host_state_dict_excluded
+from ..factory import PLACEMENTS
 
 log = logging.getLogger("uvaple.integration.models.hf")
 
@@ -65,6 +66,8 @@ class PleSpec:
         Dotted path of ``load(path, opts, from_pretrained_kw) -> tables`` (``attach(model)``, ``close()``).
     checkpoint_keys : tuple of str
         Regexes of the checkpoint keys transformers' loader must skip (default: ``attr``'s weight).
+    table_files : bool
+        Its modules serve a placement that reads table files (``disk``), writing them from the checkpoint.
     """
 
     attr: str
@@ -76,6 +79,7 @@ class PleSpec:
     replacement: str | None = None
     loader: str | None = None
     checkpoint_keys: tuple[str, ...] = ()
+    table_files: bool = False
 
 
 def _gemma3n_ctor_args(cfg) -> dict:
@@ -104,6 +108,7 @@ _QWEN4_EXP = PleSpec(
     replacement="uvaple.integration.models.qwen4_exp.ngram_embedding_class",
     loader="uvaple.integration.models.ngram_tables.load_ngram_tables",
     checkpoint_keys=(r"(^|\.)ngram_embedding\.weight$", r"(^|\.)ngram_embedding\.weight_scale$"),
+    table_files=True,
 )
 
 #: ``config.model_type`` -> spec. ``gemma3n`` / ``qwen4_exp`` are the multimodal configs, ``*_text`` the text ones.
@@ -122,6 +127,15 @@ def supported_model_types() -> list[str]:
 def _resolve(dotted: str):
     mod, _, name = dotted.rpartition(".")
     return getattr(importlib.import_module(mod), name)
+
+
+def _check_backend(spec: PleSpec, model_type: str | None, backend) -> None:
+    """Refuse, before any work, a placement reading table files for a model whose spec writes none."""
+    entry = PLACEMENTS.get(backend) if isinstance(backend, str) else None
+    if entry is not None and entry.reads_file and not spec.table_files:
+        writers = sorted(t for t, sp in SPECS.items() if sp.table_files)
+        raise ValueError(f"backend={backend!r} serves table files, which uvaple writes for the PLE tables of "
+                         f"{writers}; this model's ({model_type or spec.attr}) is served from host memory: use 'uva'")
 
 
 def _spec_for(model: nn.Module | None, model_type: str | None) -> PleSpec:
@@ -180,8 +194,8 @@ def apply_uvaple(model: nn.Module | None = None, *, model_type: str | None = Non
         models built afterwards create the host-table module directly (until ``revert()``).
     model_type : str, optional
         ``config.model_type`` (default: ``model.config.model_type``); see :data:`SPECS`.
-    backend : {"uva", "device", "copy"}
-        How rows are read.
+    backend : {"uva", "device", "copy", "disk"}
+        How rows are read (``disk``: the model's spec writes table files, :attr:`PleSpec.table_files`).
     oob : {"row0", "zero"}, optional
         Rule for ids outside the table (default: the spec's, i.e. what transformers does).
     backend_options : dict, optional
@@ -192,6 +206,7 @@ def apply_uvaple(model: nn.Module | None = None, *, model_type: str | None = Non
         Most ids per forward: the modules write into a preallocated output (no allocation per step).
     """
     spec = _spec_for(model, model_type)
+    _check_backend(spec, model_type or getattr(getattr(model, "config", None), "model_type", None), backend)
     opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register,
                 max_tokens=max_tokens)
     if model is not None:
@@ -446,6 +461,7 @@ def from_pretrained_with_host_tables(model_class, path, *, model_type: str | Non
         with open(cfg_path) as f:
             model_type = json.load(f).get("model_type")
     spec = _spec_for(None, model_type)
+    _check_backend(spec, model_type, backend)
     opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register,
                 max_tokens=max_tokens)
     # a loader checks the checkpoint and fills the tables first: a bad one fails before the GPU is touched

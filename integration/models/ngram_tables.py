@@ -32,9 +32,12 @@ A table whose fill fails is released by its constructor; the tables filled befor
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,14 +45,17 @@ import torch
 
 from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
-from uvaple.uva import HostMemoryError, HostTable
+from uvaple.uva import HostMemoryError, HostTable, RowSource, TableFile, TableFileError
 from uvaple.uva.errors import CheckpointError
 from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
 from uvaple.uva.memory import row_stride_bytes
 from uvaple.uva.system import PAGE_SIZE, mem_available_bytes, round_up
+from uvaple.uva.table_file import FileLayout
 
 from ..embedding import QUANTIZE
 from ..encoded_embedding import HostEncodedEmbedding
+from ..factory import PLACEMENTS
+from ..file_embedding import FileEmbedding, table_file_for
 
 __all__ = ["NGramLayout", "NGramTables", "NoPleLayersError", "ShardMissingError", "ShardShapeError",
            "ngram_layout", "find_shards", "load_ngram_tables"]
@@ -234,7 +240,18 @@ class NGramTables:
         for mod in mods:
             kind, table, extra = self.tables.pop(mod.layer_idx)
             old = mod.ngram_embedding
-            if kind == "raw":
+            if kind == "file":  # a table file: its own module (an fp8_global file also takes its scale)
+                opts = dict(backend=old.backend_kind, oob=old.oob, backend_options=dict(old.backend_options),
+                            register=old.register_mode, max_tokens=old.max_tokens)
+                try:
+                    mod.ngram_embedding = FileEmbedding(old.num_embeddings, old.embedding_dim, table,
+                                                        out_dtype=old.compute_dtype, weight_scale=extra,
+                                                        table_path=table.path, **opts)
+                except BaseException:
+                    table.close()
+                    raise
+                old.close()
+            elif kind == "raw":
                 want = old.compute_dtype  # the model's dtype; the table keeps the checkpoint's
                 old.attach_table(table, own=True)
                 old.compute_dtype = want
@@ -271,6 +288,9 @@ def load_ngram_tables(path, opts: dict, from_pretrained_kw: dict | None = None) 
     if quantize is not None and sources[0].dtype in FP8_FORMATS:
         raise ValueError(f"this checkpoint's n-gram tables are stored as {sources[0].dtype} already: they are served "
                          "as stored; drop backend_options['quantize']")
+    folder = check_file_options(opts.get("backend", "uva"), options, opts.get("max_tokens"))
+    if folder is not None:
+        return _file_tables(sources, opts, folder, quantize)
     from_shards = quantize is not None and not options.get("keep_source", True)
     need = 0
     for src in sources:
@@ -312,3 +332,94 @@ def _quantized_from_shards(src: LayerSource, fmt: torch.dtype, register):
         table.close()
         raise
     return table, err
+
+
+# ---------------------------------------------------------------------- table files (a placement that reads them)
+def check_file_options(backend: str, backend_options: dict | None, max_tokens) -> str | None:
+    """For a placement that reads table files (``disk``): the folder of the table files (``backend_options
+    ["table_dir"]``), and ``max_tokens`` given; named errors otherwise. None for the other placements."""
+    entry = PLACEMENTS.get(backend) if isinstance(backend, str) else None
+    if entry is None or not entry.reads_file:
+        return None
+    folder = (backend_options or {}).get("table_dir")
+    if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
+        raise ValueError(f"backend={backend!r} serves each n-gram table from a table file: give their folder as "
+                         "backend_options['table_dir'] (written there once, reused while the checkpoint is the same)")
+    if max_tokens is None:
+        raise ValueError(f"backend={backend!r} stages each forward's ids in pinned memory sized once: pass max_tokens "
+                         "(the most tokens a forward brings: batch x prompt length for a prefill)")
+    return os.fspath(folder)
+
+
+def table_file_path(folder: str, layer_idx: int, encoding: str) -> str:
+    """The table file of decoder layer ``layer_idx``'s n-gram table in ``encoding``, in ``folder``."""
+    return os.path.join(folder, f"qwen4_exp_ngram_layer{layer_idx:03d}_{encoding}.uvtable")
+
+
+def _source_id(src: LayerSource, encoding: str) -> str:
+    """What a layer's table file is written from: each part's tensor, where it lies in which file (the file's name,
+    size and modification time: a checkpoint written again is another source), and the encoding; a digest."""
+    parts = []
+    for info in [*src.parts, *([src.scale] if src.scale is not None else [])]:
+        st = os.stat(info.path)
+        parts.append([os.path.basename(info.path), st.st_size, st.st_mtime_ns, info.name, info.begin, info.end])
+    text = json.dumps({"tensors": parts, "encoding": encoding}, sort_keys=True)
+    return "checkpoint sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: str | None) -> NGramTables:
+    """Each layer's table file in ``folder``: the one there when it was written from the same shards in the same
+    encoding, else written now from the shards (quantised on the way for ``quantize``). The free space of the
+    folder's disk is checked against the files to write (each beside the file it replaces, one at a time) before
+    the first is written."""
+    from ..quantize import fp8_row_source
+
+    plans = []  # (layer source, path, rows, encoding, source id, reusable)
+    for src in sources:
+        rows = RowSource.stacked(src.parts)
+        if src.scale is not None:
+            encoding = "fp8_global"  # fp8 codes as stored, with the table's scale
+        elif quantize is not None:
+            encoding, rows = "fp8_row", fp8_row_source(rows, QUANTIZE[quantize])
+        else:
+            encoding = "raw"
+        path = table_file_path(folder, src.layout.layer_idx, encoding)
+        sid = _source_id(src, encoding)
+        plans.append((src, path, rows, encoding, sid, _written_from(path, sid)))
+    # the files are written one at a time, each beside the one it replaces until it is renamed over it: the most
+    # the folder's disk must hold at once beyond what it holds now
+    peak = extra = 0
+    for _, path, r, enc, _, ok in plans:
+        if not ok:
+            extra += FileLayout.of(r.rows, r.cols, r.dtype, enc).file_bytes
+            peak = max(peak, extra)
+            extra -= os.path.getsize(path) if os.path.exists(path) else 0
+    if peak:
+        os.makedirs(folder, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+        if peak > free:
+            raise TableFileError(f"the n-gram table files to write in {folder} need {fmt_bytes(peak)} more on its disk "
+                                 f"(each new file is written beside the one it replaces); it has {fmt_bytes(free)} "
+                                 "free: free space, or give backend_options['table_dir'] on a larger disk")
+    tables = NGramTables(opts)
+    try:
+        for src, path, rows, encoding, sid, _ in plans:
+            lay = src.layout
+            what = f"PLE layer {lay.ple_index + 1} of {len(plans)} (decoder layer {lay.layer_idx})'s n-gram table"
+            file = table_file_for(path, rows, encoding=encoding, source_id=sid, what=what)
+            tables.tables[src.layout.layer_idx] = ("file", file, None if src.scale is None else _read_scale(src.scale))
+    except BaseException:
+        tables.close()
+        raise
+    return tables
+
+
+def _written_from(path: str, source_id: str) -> bool:
+    """Whether the table file at ``path`` is complete and was written from ``source_id`` (its header alone)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        with TableFile.open(path) as f:
+            return f.source == source_id
+    except Exception:
+        return False

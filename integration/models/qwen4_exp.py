@@ -58,6 +58,12 @@ table), ``backend_options`` (hot set, ``order`` / ``dedup``, ``quantize``; with 
 ``fp8_row`` table is made straight from the source, the loader's shards or a live model's table, block by block,
 and no table of the source's dtype is kept: a live model's ``revert()`` then gives back the rows as served),
 ``max_tokens`` (tokens per forward; the lookup's static output holds ``max_tokens * ngram_heads`` rows).
+
+Tables larger than host memory (``backend="disk"``, :mod:`uvaple.integration.file_embedding`): each PLE layer's
+table is a table file in ``backend_options["table_dir"]`` (written once from the checkpoint's shards or the live
+table, :mod:`uvaple.integration.models.ngram_tables`), read through a host row cache. The disk placement plans a
+call on the host, so each PLE layer's forward copies its hashed ids to the host and waits for them: the one
+synchronisation a forward with this placement makes per PLE layer, and no CUDA graph captures it.
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ from uvaple.kernels.encodings import ENCODINGS
 
 from ..embedding import HostScaledEmbedding, quantize_format
 from ..encoded_embedding import HostEncodedEmbedding
+from ..file_embedding import FileEmbedding
 from ..quantize import fp8_row_table
 from .hf import apply_uvaple, from_pretrained_with_host_tables
-from .ngram_tables import NoPleLayersError
+from .ngram_tables import NoPleLayersError, check_file_options, table_file_path
 
 __all__ = ["apply_uvaple_to_qwen4_exp", "revert_uvaple_to_qwen4_exp", "load_qwen4_exp_with_host_ple",
            "ngram_embedding_class", "ngram_ids", "layer_multipliers", "NoPleLayersError"]
@@ -143,8 +150,8 @@ def _cached_context(cache, layer_idx: int) -> torch.Tensor | None:
 
 def _embedding_options(opts: dict, heads: int) -> dict:
     """The :class:`HostScaledEmbedding` arguments of the module options (``max_tokens`` counts tokens, the
-    lookup rows: ``heads`` per token; ``keep_source`` is the loader's)."""
-    options = {k: v for k, v in (opts.get("backend_options") or {}).items() if k != "keep_source"}
+    lookup rows: ``heads`` per token; ``keep_source`` and ``table_dir`` are the loader's)."""
+    options = {k: v for k, v in (opts.get("backend_options") or {}).items() if k not in ("keep_source", "table_dir")}
     max_tokens = opts.get("max_tokens")
     return dict(backend=opts.get("backend", "uva"), oob=opts.get("oob") or "zero", backend_options=options,
                 register=opts.get("register", "auto"), max_tokens=None if max_tokens is None else max_tokens * heads)
@@ -175,6 +182,15 @@ def _quantized_embedding(emb: nn.Embedding, options: dict) -> HostEncodedEmbeddi
         raise
 
 
+def _file_embedding(rows: int, dim: int, dtype: torch.dtype, folder: str, layer_idx: int, options: dict,
+                    **kw) -> FileEmbedding:
+    """A layer's :class:`FileEmbedding`, its file in ``folder`` (named by the layer and the encoding a weight
+    assigned to it is written in)."""
+    encoding = "raw" if options["backend_options"].get("quantize") is None else "fp8_row"
+    return FileEmbedding(rows, dim, out_dtype=dtype, table_path=table_file_path(folder, layer_idx, encoding),
+                         **options, **kw)
+
+
 class _HostNGram:
     """The n-gram embedding with its table in host memory (see the module docstring). Mixed into transformers'
     ``Qwen4ExpTextNGramEmbedding`` by :func:`ngram_embedding_class`."""
@@ -193,10 +209,15 @@ class _HostNGram:
         if device.type != "meta":
             self._set_constants(device)
         emb = self.ngram_embedding
+        options = _embedding_options(opts, self.ngram_heads)
+        folder = check_file_options(options["backend"], opts.get("backend_options"), opts.get("max_tokens"))
+        if folder is not None:  # its rows are written to its file when transformers assigns the weight
+            self.ngram_embedding = _file_embedding(emb.num_embeddings, emb.embedding_dim, torch.get_default_dtype(),
+                                                   folder, layer_idx, options)
+            return
         self.ngram_embedding = HostScaledEmbedding(
             emb.num_embeddings, emb.embedding_dim, None, 1.0, dtype=torch.get_default_dtype(),
-            init_std=getattr(config, "initializer_range", 0.02), materialize=device.type != "meta",
-            **_embedding_options(opts, self.ngram_heads))
+            init_std=getattr(config, "initializer_range", 0.02), materialize=device.type != "meta", **options)
 
     def _set_constants(self, device: torch.device) -> None:
         """The hash buffers, computed here (transformers' ``_init_weights`` writes the same values)."""
@@ -223,6 +244,16 @@ class _HostNGram:
         source = child.ngram_embedding.weight
         new._source_place = (source.device, source.dtype)
         options = _embedding_options(opts, child.ngram_heads)
+        folder = check_file_options(backend, backend_options, max_tokens)
+        if ngram_embedding is None and folder is not None:  # the live table written to its file, block by block
+            emb = child.ngram_embedding
+            ngram_embedding = _file_embedding(emb.num_embeddings, emb.embedding_dim, source.dtype, folder,
+                                              child.layer_idx, options)
+            try:
+                ngram_embedding.load_weight_(source)
+            except BaseException:
+                ngram_embedding.close()
+                raise
         if ngram_embedding is None and _quantize_from_source(backend_options):
             ngram_embedding = _quantized_embedding(child.ngram_embedding, options)
         new.ngram_embedding = ngram_embedding if ngram_embedding is not None else HostScaledEmbedding.from_embedding(
@@ -242,8 +273,11 @@ class _HostNGram:
         device, dtype = self._source_place
         emb = self.ngram_embedding
         encoding = getattr(emb, "encoding", None)  # an encoded table: its rows as served, through its reference
-        rows = emb.weight if encoding is None else \
-            ENCODINGS[encoding].dequantise(emb.weight, dtype, getattr(emb, "weight_scale", None))
+        if isinstance(emb, FileEmbedding):  # read back from its file
+            rows = emb.read_table()
+        else:
+            rows = emb.weight if encoding is None else \
+                ENCODINGS[encoding].dequantise(emb.weight, dtype, getattr(emb, "weight_scale", None))
         child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=rows is emb.weight)
 
     def host_embeddings(self) -> list[HostScaledEmbedding]:
@@ -298,7 +332,17 @@ def apply_uvaple_to_qwen4_exp(model: nn.Module | None = None, *, backend: str = 
     Without: bind transformers' ``Qwen4ExpTextNGramEmbedding`` name to it, so models built afterwards never
     allocate the tables as parameters. Returns a :class:`uvaple.integration.models.hf.UvaplePatch` (``revert()``,
     context manager). A model whose config has no ``ple_layer_ids`` is a :class:`NoPleLayersError`.
+
+    ``backend="disk"`` (a live model only): each table is written to a table file in ``backend_options
+    ["table_dir"]`` (quantised on the way with ``quantize``), served through a host row cache of
+    ``budget_bytes`` per PLE layer; ``max_tokens`` is required. ``revert()`` reads the tables back from the files.
     """
+    folder = check_file_options(backend, backend_options, max_tokens)  # named before any module is touched
+    if folder is not None and model is None:
+        raise ValueError(f"backend={backend!r} is not served by the class patch: transformers' loader would build each "
+                         "n-gram table whole in memory first. Load the model with load_qwen4_exp_with_host_ple(path, "
+                         f"backend={backend!r}, ...), which writes the table files from the checkpoint's shards block "
+                         "by block, or apply it to a built model (model=...)")
     if model is not None:
         config = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -325,6 +369,13 @@ def load_qwen4_exp_with_host_ple(path, *, model_class=None, backend: str = "uva"
     transformers builds the model with the class patch (no table becomes a parameter) and loads every other
     tensor as usual (``device_map=``, ``dtype=`` ... pass through); the tables never touch the GPU.
     ``model_class`` defaults to ``Qwen4ExpForCausalLM``.
+
+    ``backend="disk"``: the tables larger than host memory. Each PLE layer's table is a table file in
+    ``backend_options["table_dir"]``, written once from the shards (block by block, quantised on the way with
+    ``quantize``; an fp8 checkpoint's codes as stored), reused while the checkpoint's files are the same (their
+    size and modification time, in the file's header), and served through a host row cache of
+    ``backend_options["budget_bytes"]`` (or ``slots``) per PLE layer; ``max_tokens`` is required. The free space
+    of the folder's disk is checked before the first file is written.
     """
     if model_class is None:
         from transformers import Qwen4ExpForCausalLM as model_class

@@ -4,11 +4,11 @@ storage, :mod:`uvaple.uva.table_file`).
 ``write SOURCE --tensor NAME --out PATH`` streams a 2-D tensor of a safetensors file or checkpoint directory
 (or several stacked on rows: a table saved as row shards, such as Qwen4Exp's n-gram tables) into a table file,
 block by block on several threads (a table larger than host memory goes through), with its progress on stderr;
-``--encoding fp8_row`` stores each row as fp8 codes and its own float32 scale
-(:func:`uvaple.kernels.encodings.quantize_fp8_rows`: the torch definition the lookups' dequantisation is checked
-against), half the bytes of bf16 rows. The file's size is checked against the free space of its disk before any
-write; the file appears at ``PATH`` whole or not at all. ``info PATH`` prints the header (no data read);
-``verify PATH`` reads every page and checks its sum.
+``--encoding fp8_row`` stores each row as fp8 codes and its own float32 scale (the bytes of
+:func:`uvaple.kernels.encodings.quantize_fp8_rows`, the definition, made by the quantise-on-load kernel:
+:func:`uvaple.integration.quantize.fp8_row_source`), half the bytes of bf16 rows. The file's size is checked
+against the free space of its disk before any write; the file appears at ``PATH`` whole or not at all.
+``info PATH`` prints the header (no data read); ``verify PATH`` reads every page and checks its sum.
 """
 
 from __future__ import annotations
@@ -94,11 +94,9 @@ def _source(a) -> tuple[RowSource, RowSource]:
     if rows.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise _Refused(f"{a.what} holds {rows.dtype} values; fp8_row quantises float rows (bf16, fp16, fp32): "
                        "write it with --encoding raw")
-    from uvaple.kernels.encodings import ROW_SCALE_BYTES, quantize_fp8_rows
+    from uvaple.integration.quantize import fp8_row_source
 
-    fmt = FP8[a.fp8 or "e4m3fn"]
-    return rows, RowSource(rows.rows, rows.cols + ROW_SCALE_BYTES, fmt,
-                           lambda lo, hi: quantize_fp8_rows(rows.block(lo, hi), fmt, row_start=lo))
+    return rows, fp8_row_source(rows, FP8[a.fp8 or "e4m3fn"])
 
 
 def _free_bytes(path: str) -> int:
@@ -146,7 +144,7 @@ def info(a) -> int:
         doc = {"path": f.path, "rows": lay.rows, "cols": lay.cols, "dtype": str(lay.dtype).replace("torch.", ""),
                "encoding": lay.encoding, "row_bytes": lay.row_bytes, "stride": lay.stride,
                "rows_per_page": lay.rows_per_page, "pages_per_row": lay.pages_per_row, "data_pages": lay.data_pages,
-               "file_bytes": lay.file_bytes, "direct_io": f.direct}
+               "file_bytes": lay.file_bytes, "direct_io": f.direct, "source": f.source}
     if a.json:
         print(json.dumps(doc, indent=1))
     else:

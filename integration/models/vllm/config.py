@@ -71,13 +71,14 @@ from uvaple.integration.factory import model_placements, placement
 __all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources", "check_engine"]
 
 #: the placements the plugin serves: the library's, less those model layers cannot serve
-PLACEMENTS = model_placements()
+PLACEMENTS = model_placements(engine=True)
 #: what serves a table where the GPU cannot map host memory: a placement whose rows stay in host memory, read
 #: without the GPU mapping them
 FALLBACKS = ("none", *(name for name in PLACEMENTS if placement(name).host_rows and not placement(name).mapped))
 QUANTIZE = ("none", "fp8_row")
 #: placements of the library that the plugin cannot serve, and why (named in the error)
-REFUSED_PLACEMENTS = {name: p.model_refusal for name, p in _ALL_PLACEMENTS.items() if p.model_refusal}
+REFUSED_PLACEMENTS = {name: p.model_refusal or p.engine_refusal for name, p in _ALL_PLACEMENTS.items()
+                      if name not in PLACEMENTS}
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 # the test suite's knobs (tests/test_equivalence.py, tests/test_fuzz.py): read there, never by the plugin
 _OTHER_VARS = ("UVAPLE_EQUIV_SCHEDULES", "UVAPLE_EQUIV_FIRST_SEED", "UVAPLE_EQUIV_DEADLINE_S", "UVAPLE_EQUIV_SUMMARY",

@@ -1,0 +1,201 @@
+"""Qwen4Exp with its n-gram tables in table files (``backend="disk"``): transformers' own bits over a prefill and
+decode steps from a cache too small to hold a table, for a loaded checkpoint (bf16, quantised to fp8_row on the way,
+an fp8 checkpoint as stored) and a live model; the files written once and reused while the checkpoint is the same,
+written again when it changes; every missing option, a disk too small and a model that writes no files named before
+any work. The tiny model and its checkpoint are ``tests/test_qwen4_exp.py``'s."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'uvaple[hf]')")
+pytest.importorskip("transformers.models.qwen4_exp", reason="this transformers has no Qwen4Exp (5.17 or later)")
+from helpers import bits  # noqa: E402
+from test_qwen4_exp import (  # noqa: E402
+    assert_same_steps,
+    build_reference,
+    fp8_checkpoint,
+    ngram_modules,
+    prompts,
+    run_steps,
+)
+from transformers import Qwen4ExpForCausalLM  # noqa: E402
+
+from uvaple.integration.file_embedding import FileEmbedding  # noqa: E402
+from uvaple.integration.models import hf, ngram_tables  # noqa: E402
+from uvaple.integration.models.qwen4_exp import apply_uvaple_to_qwen4_exp, load_qwen4_exp_with_host_ple  # noqa: E402
+from uvaple.kernels.encodings import quantize_fp8_rows  # noqa: E402
+from uvaple.uva import TableFile, TableFileError  # noqa: E402
+
+SLOTS = 48  # rows each layer's cache holds: fewer than the rows a prefill and four decode steps read, so steps evict
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return build_reference()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(ref, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen4_exp_disk") / "bf16"
+    ref.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def want(checkpoint):
+    """transformers' own model of the checkpoint: prefill and decode steps."""
+    model = Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    return run_steps(model, prompts((2, 5), seed=7), STEPS)
+
+
+def disk(folder, **options) -> dict:
+    return dict(backend="disk", backend_options={"table_dir": str(folder), "slots": SLOTS, **options}, max_tokens=16)
+
+
+def files(folder) -> dict:
+    """The table files in ``folder``: name -> inode (a file written again is a new inode: the writer renames)."""
+    return {n: os.stat(os.path.join(folder, n)).st_ino for n in sorted(os.listdir(folder))}
+
+
+def close(model) -> None:
+    for mod in ngram_modules(model):
+        mod.close()
+
+
+def test_loaded_tables_are_files_served_with_transformers_bits_and_reused_while_the_checkpoint_is_the_same(
+        checkpoint, want, tmp_path):
+    model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
+    written = files(tmp_path)
+    assert list(written) == [f"qwen4_exp_ngram_layer{i:03d}_raw.uvtable" for i in range(3)]
+    for mod in ngram_modules(model):
+        emb = mod.ngram_embedding
+        assert isinstance(emb, FileEmbedding) and emb.encoding == "raw" and emb.max_tokens == 16 * 4
+    assert not any(p.shape[-1] == 8 and p.shape[0] >= 240 for p in model.parameters())  # no table in memory
+    assert not any("ngram_embedding.weight" in k for k in model.state_dict())  # a serving copy
+    got = run_steps(model, prompts((2, 5), seed=7), STEPS)
+    assert_same_steps(got, want)
+    stats = [mod.ngram_embedding.lookups[0].stats() for mod in ngram_modules(model)]
+    assert all(s["slots"] == SLOTS and s["cache"]["evictions"] > 0 for s in stats)
+    close(model)
+    again = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
+    assert files(tmp_path) == written  # opened as they were: nothing written
+    assert_same_steps(run_steps(again, prompts((2, 5), seed=7), STEPS), want)
+    close(again)
+
+
+def test_a_checkpoint_written_again_has_its_files_written_again(checkpoint, want, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    load_qwen4_exp_with_host_ple(ckpt, dtype=torch.bfloat16, **disk(tmp_path / "t"))
+    first = files(tmp_path / "t")
+    shard = ckpt / "model.safetensors"
+    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 10**9))  # saved again
+    model = load_qwen4_exp_with_host_ple(ckpt, dtype=torch.bfloat16, **disk(tmp_path / "t"))
+    now = files(tmp_path / "t")
+    assert list(now) == list(first) and all(now[n] != first[n] for n in now)
+    assert_same_steps(run_steps(model, prompts((2, 5), seed=7), STEPS), want)
+    close(model)
+
+
+def test_fp8_tables_in_files_serve_the_host_tables_bits(ref, checkpoint, tmp_path):
+    """Quantised on the way to the file (fp8_row), and an fp8 checkpoint's codes as stored (fp8_global): the same
+    bits as the same encoding in host memory."""
+    prompt = prompts((2, 5), seed=8)
+    q = {"quantize": "fp8_row"}
+    model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path / "q", **q))
+    host = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, backend_options={**q, "keep_source": False})
+    for mod, hf_mod in zip(ngram_modules(model), ngram_modules(ref), strict=True):
+        emb = mod.ngram_embedding
+        assert emb.encoding == "fp8_row"
+        stored = emb.table.read_rows(torch.arange(emb.num_embeddings))
+        assert torch.equal(stored.view(torch.uint8), quantize_fp8_rows(hf_mod.ngram_embedding.weight).view(torch.uint8))
+    assert_same_steps(run_steps(model, prompt, 2), run_steps(host, prompt, 2))
+    close(model)
+    fp8_checkpoint(checkpoint, tmp_path / "fp8", quantization_config=False)
+    model = load_qwen4_exp_with_host_ple(tmp_path / "fp8", dtype=torch.bfloat16, **disk(tmp_path / "g"))
+    host = load_qwen4_exp_with_host_ple(tmp_path / "fp8", dtype=torch.bfloat16)
+    assert [m.ngram_embedding.encoding for m in ngram_modules(model)] == ["fp8_global"] * 3
+    assert list(files(tmp_path / "g"))[0] == "qwen4_exp_ngram_layer000_fp8_global.uvtable"
+    for a, b in zip(ngram_modules(model), ngram_modules(host), strict=True):
+        assert torch.equal(a.ngram_embedding.weight_scale, b.ngram_embedding.weight_scale)
+    assert_same_steps(run_steps(model, prompt, 2), run_steps(host, prompt, 2))
+    close(model)
+
+
+def test_a_live_model_is_written_to_files_and_reverted_from_them(ref, tmp_path):
+    model = copy.deepcopy(ref)
+    children = ngram_modules(model)
+    prompt = prompts((2, 5), seed=9)
+    with apply_uvaple_to_qwen4_exp(model, **disk(tmp_path)) as patch:
+        assert len(patch.modules) == 3 and all(isinstance(m, FileEmbedding) for m in patch.modules)
+        assert all(c.ngram_embedding.weight.numel() == 0 for c in children)  # the tables in memory are freed
+        assert_same_steps(run_steps(model, prompt, 2), run_steps(ref, prompt, 2))
+    assert len(files(tmp_path)) == 3
+    for a, b in zip(ngram_modules(model), ngram_modules(ref), strict=True):
+        assert torch.equal(bits(a.ngram_embedding.weight), bits(b.ngram_embedding.weight))
+    fp8 = copy.deepcopy(ref)
+    with apply_uvaple_to_qwen4_exp(fp8, **disk(tmp_path / "q", quantize="fp8_row")):
+        with TableFile.open(tmp_path / "q" / "qwen4_exp_ngram_layer001_fp8_row.uvtable") as f:
+            stored = f.read_rows(torch.arange(f.rows)).view(torch.uint8)
+            w = ngram_modules(ref)[1].ngram_embedding.weight
+            assert torch.equal(stored, quantize_fp8_rows(w).view(torch.uint8))
+
+
+def test_every_missing_setting_is_named_before_any_work(ref, checkpoint, tmp_path, monkeypatch):
+    model = copy.deepcopy(ref)
+    for kw, match in [(dict(backend_options={"slots": SLOTS}, max_tokens=16), "give their folder as backend_options"),
+                      (dict(backend_options={"table_dir": str(tmp_path)}), "pass max_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            apply_uvaple_to_qwen4_exp(model, backend="disk", **kw)
+        with pytest.raises(ValueError, match=match):
+            load_qwen4_exp_with_host_ple(checkpoint, backend="disk", **kw)
+    assert all(type(m).__name__ == "Qwen4ExpTextNGramEmbedding" for m in ngram_modules(model))  # untouched
+    with pytest.raises(ValueError, match="not served by the class patch.*load_qwen4_exp_with_host_ple"):
+        apply_uvaple_to_qwen4_exp(**disk(tmp_path))
+    with pytest.raises(ValueError, match="serves table files, which uvaple writes for the PLE tables of \\['qwen4"):
+        hf.apply_uvaple(model_type="gemma3n_text", backend="disk")
+    with pytest.raises(ValueError, match="serves table files.*use 'uva'"):
+        hf.from_pretrained_with_host_tables(Qwen4ExpForCausalLM, checkpoint, model_type="gemma3n_text", backend="disk")
+    free = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ngram_tables.shutil, "disk_usage", lambda p: free._replace(free=40 << 10))
+    with pytest.raises(TableFileError, match="need 44.00 KiB more on its disk .*it has 40.00 KiB free"):
+        load_qwen4_exp_with_host_ple(checkpoint, **disk(tmp_path / "small"))
+    assert not (tmp_path / "small").exists() or not os.listdir(tmp_path / "small")  # nothing written
+    monkeypatch.undo()
+    close(load_qwen4_exp_with_host_ple(checkpoint, **disk(tmp_path / "t")))
+    shard = checkpoint / "model.safetensors"
+    st = os.stat(shard)
+    monkeypatch.setattr(ngram_tables.shutil, "disk_usage", lambda p: free._replace(free=16 << 10))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the checkpoint saved again: every file stale
+    try:  # each new file beside the one it replaces: the largest, 16 KiB, at most at once
+        model = load_qwen4_exp_with_host_ple(checkpoint, **disk(tmp_path / "t"))
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    close(model)
+    monkeypatch.setattr(ngram_tables.shutil, "disk_usage", lambda p: free._replace(free=(16 << 10) - 1))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    try:
+        with pytest.raises(TableFileError, match="need 16.00 KiB more on its disk"):
+            load_qwen4_exp_with_host_ple(checkpoint, **disk(tmp_path / "t"))
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.gpu
+def test_gpu_a_model_on_the_gpu_serves_its_files_with_the_host_tables_bits(checkpoint, tmp_path):
+    """On the GPU: each PLE layer's hashed ids copied to the host, planned, read from the file into the pinned cache
+    and gathered over UVA in the model's stream; the same bits as the tables in host memory over the same steps."""
+    prompt = prompts((2, 5), seed=11).cuda()
+    host = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16).cuda()
+    model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path)).cuda()
+    assert all(m.ngram_embedding.lookups[0].device.type == "cuda" for m in ngram_modules(model))  # built on .cuda()
+    assert_same_steps(run_steps(model, prompt, STEPS), run_steps(host, prompt, STEPS))
+    assert all(m.ngram_embedding.lookups[0].stats()["cache"]["evictions"] > 0 for m in ngram_modules(model))
+    close(model)
