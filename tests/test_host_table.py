@@ -501,6 +501,8 @@ def corrupt(path, how):
         path.write_bytes(raw)
     elif how == "tiny":
         path.write_bytes(b"abc")
+    elif how == "torch_save":  # a checkpoint in torch's own format under a safetensors name
+        torch.save({"odd": torch.ones(3, 5)}, path)
     elif how == "bad_offsets":
         (n,) = struct.unpack("<Q", raw[:8])
         header = json.loads(raw[8:8 + n])
@@ -512,7 +514,8 @@ def corrupt(path, how):
 
 @pytest.mark.parametrize("how,match", [("truncated", "truncated"), ("garbage_json", "corrupt"),
                                        ("huge_header", "corrupt or truncated"), ("tiny", "too short"),
-                                       ("bad_offsets", "corrupt")])
+                                       ("bad_offsets", "corrupt"),
+                                       ("torch_save", "not a safetensors file \\(a zip archive: torch.save's format")])
 def test_bad_checkpoints_are_named(ckpt, how, match):
     path, _ = ckpt
     corrupt(path, how)

@@ -73,6 +73,12 @@ def test_a_host_table_and_a_safetensors_tensor_write_the_same_file(tmp_path):
     write_table_file(tmp_path / "c.uvt", data, threads=1)
     a, b, c = ((tmp_path / n).read_bytes() for n in ("a.uvt", "b.uvt", "c.uvt"))
     assert a == b == c
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "link.uvt").symlink_to(tmp_path / "disk" / "d.uvt")  # dangling until written through
+    write_table_file(tmp_path / "link.uvt", data)
+    write_table_file(tmp_path / "link.uvt", data, overwrite=True)
+    assert (tmp_path / "link.uvt").is_symlink() and (tmp_path / "disk" / "d.uvt").read_bytes() == a
+    assert sorted(os.listdir(tmp_path / "disk")) == ["d.uvt"]
 
 
 def test_a_page_holds_host_table_rows_as_they_are(tmp_path):

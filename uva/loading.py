@@ -55,16 +55,32 @@ class TensorInfo:
         return self.shape[1] * self.dtype.itemsize
 
 
+def _kind_of(head: bytes) -> str:
+    """What a file that is not safetensors looks like, from its first bytes."""
+    if head[:2] == b"PK":
+        return "a zip archive: torch.save's format, such as pytorch_model.bin"
+    if head[:1] == b"\x80":
+        return "a Python pickle"
+    if head[:4] == b"GGUF":
+        return "a GGUF file"
+    return f"its first bytes are {head!r}"
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     """Parse and validate a safetensors header; returns (entries, data start offset)."""
     path = str(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
+            raw = f.read(9)
+            if len(raw) < 9:
                 raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, too short for a header")
-            (n,) = struct.unpack("<Q", raw)
+            if raw[8:9] != b"{":  # a safetensors header is a JSON object after its 8-byte length
+                raise CheckpointError(f"{path} is not a safetensors file ({_kind_of(raw)}): uvaple reads safetensors "
+                                      "checkpoints; save it as one (transformers: save_pretrained(dir, "
+                                      "safe_serialization=True); torch: safetensors.torch.save_file)")
+            (n,) = struct.unpack("<Q", raw[:8])
+            f.seek(8)
             if n <= 0 or n > _MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(
                     f"{path} has a corrupt or truncated safetensors header (length {n}, file {size} bytes); "

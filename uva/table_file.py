@@ -183,13 +183,15 @@ class RowSource:
     def stacked(cls, sources) -> RowSource:
         """The rows of ``sources`` one after another (a table saved as row shards): each of what :meth:`of`
         takes, all of one width and dtype (a TableFileError names the first that is not)."""
+        sources = list(sources)
         parts = [cls.of(x) for x in sources]
         if not parts:
             raise TableFileError("no sources to stack")
         for i, x in enumerate(parts):
             if (x.cols, x.dtype) != (parts[0].cols, parts[0].dtype):
-                raise TableFileError(f"source {i} holds rows of {x.cols} {x.dtype} values; source 0's are "
-                                     f"{parts[0].cols} {parts[0].dtype}: stacked sources have one row layout")
+                first, this = (getattr(sources[k], "name", None) or f"source {k}" for k in (0, i))  # a tensor's name
+                raise TableFileError(f"{this} holds rows of {x.cols} {x.dtype} values and {first} rows of "
+                                     f"{parts[0].cols} {parts[0].dtype}: stacked sources need one row layout")
         if len(parts) == 1:
             return parts[0]
         starts = np.cumsum([0] + [x.rows for x in parts])
@@ -254,9 +256,12 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     :func:`uvaple.uva.loading.locate_tensor`) as a table file at ``path`` (see the module docstring); returns its
     layout. ``encoding`` names how the rows are stored (the integration layer checks it against its registry).
     ``progress(rows_done, rows)`` is called as blocks land, from the writing threads. An existing ``path`` is
-    refused unless ``overwrite``. ``source_id`` (at most :data:`MAX_SOURCE` characters) is kept in the header as
-    :attr:`TableFile.source`: what the rows were written from, for a reader that reuses the file to compare."""
+    refused unless ``overwrite``; a symbolic link is written through (its target gets the table). ``source_id``
+    (at most :data:`MAX_SOURCE` characters) is kept in the header as :attr:`TableFile.source`: what the rows were
+    written from, for a reader that reuses the file to compare."""
     path = os.fspath(path)
+    if os.path.islink(path):  # written through: the link's target gets the table, the link stays
+        path = os.path.realpath(path)
     src = RowSource.of(source)
     rows, cols, dtype, block = src.rows, src.cols, src.dtype, src.block
     layout = FileLayout.of(rows, cols, dtype, encoding)

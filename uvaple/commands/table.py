@@ -82,12 +82,11 @@ def _source(a) -> tuple[RowSource, RowSource]:
         infos = [locate_tensor(a.source, n) for n in names]
     except (CheckpointError, OSError, ValueError) as e:
         raise _Refused(str(e)) from None
-    for info in infos[1:]:
-        if (info.shape[1], info.dtype) != (infos[0].shape[1], infos[0].dtype):
-            raise _Refused(f"{info.name} holds rows of {info.shape[1]} {info.dtype} values and {infos[0].name} rows of "
-                           f"{infos[0].shape[1]} {infos[0].dtype}: stacked tensors need one row layout")
     a.sources = {os.path.realpath(i.path) for i in infos}
-    rows = RowSource.stacked(infos)
+    try:
+        rows = RowSource.stacked(infos)  # each a 2-D tensor, all of one row layout
+    except TableFileError as e:
+        raise _Refused(str(e)) from None
     a.what = names[0] if len(names) == 1 else f"{len(names)} tensors ({names[0]} .. {names[-1]}, stacked)"
     if a.encoding == "raw":
         return rows, rows
@@ -100,7 +99,7 @@ def _source(a) -> tuple[RowSource, RowSource]:
 
 
 def _free_bytes(path: str) -> int:
-    return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    return shutil.disk_usage(os.path.dirname(os.path.realpath(path))).free  # a link's target is written
 
 
 def write(a) -> int:
