@@ -293,12 +293,7 @@ class HostScaledEmbedding(nn.Module):
         """Write ``weight [num_embeddings, embedding_dim]`` (any device) into the host table."""
         from uvaple.uva import HostTable
 
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected "
-                             f"({self.num_embeddings}, {self.embedding_dim})")
-        if weight.device.type == "meta":
+        if not self._checked_weight(weight):
             return
         weight = weight.detach()
         if self._table is not None and self._table.tensor.data_ptr() == weight.data_ptr():
@@ -309,6 +304,16 @@ class HostScaledEmbedding(nn.Module):
         else:
             self._close_backends()  # a device copy would be stale
             self._table.write_rows(weight)
+
+    def _checked_weight(self, weight) -> bool:
+        """Whether ``weight`` holds rows to load: a tensor of this module's shape (a named error otherwise), not on
+        the meta device."""
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected "
+                             f"({self.num_embeddings}, {self.embedding_dim})")
+        return weight.device.type != "meta"
 
     # ------------------------------------------------------------------ state dict
     def _state_weight(self) -> torch.Tensor:

@@ -184,12 +184,7 @@ class FileEmbedding(HostScaledEmbedding):
     def load_weight_(self, weight: torch.Tensor) -> None:
         """Write ``weight [num_embeddings, embedding_dim]`` (any device) to :attr:`table_path` (quantised when
         ``backend_options["quantize"]`` says so) and serve that file."""
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected "
-                             f"({self.num_embeddings}, {self.embedding_dim})")
-        if weight.device.type == "meta":
+        if not self._checked_weight(weight):
             return
         if self.table_path is None:
             raise TypeError("this embedding's rows are a table file and it has no table_path to write a weight to: "
