@@ -66,6 +66,8 @@ __all__ = ["HostScaledEmbedding", "host_state_dict_excluded", "QUANTIZE", "quant
 
 #: the placements a module serves (the factory's entries without a refusal for model layers)
 BACKENDS = model_placements()
+#: those that serve a table in host memory (the others serve a table file: ``file_embedding.FileEmbedding``)
+HOST_BACKENDS = tuple(name for name in BACKENDS if not placement(name).reads_file)
 OOB_RULES = ("row0", "zero")
 #: ``backend_options["quantize"]`` values: the fp8 format of the ``fp8_row`` table served instead of the rows
 QUANTIZE = {"fp8_row": torch.float8_e4m3fn, "fp8_row_e5m2": torch.float8_e5m2}
@@ -202,7 +204,7 @@ class HostScaledEmbedding(nn.Module):
     def _check_backend(self, backend: str) -> None:
         """Refuse a placement this module cannot serve its table through (by name)."""
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise ValueError(f"backend must be one of {HOST_BACKENDS}, got {backend!r}")
         if placement(backend).reads_file:
             raise ValueError(f"the {backend} placement serves a table file, and this embedding's table is in host "
                              "memory: serve it with 'uva', or build a FileEmbedding over a table file "

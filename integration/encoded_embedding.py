@@ -24,7 +24,7 @@ from torch import nn
 from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
 from uvaple.uva import HostTable
 
-from .embedding import BACKENDS, HostScaledEmbedding
+from .embedding import BACKENDS, HOST_BACKENDS, HostScaledEmbedding
 from .factory import placement
 from .spec import TableSpec
 
@@ -63,7 +63,7 @@ class HostEncodedEmbedding(HostScaledEmbedding):
         if encoding not in ENCODED:
             raise ValueError(f"encoding must be one of {sorted(ENCODED)}, got {encoding!r}")
         if backend in BACKENDS and not placement(backend).reads(encoding):  # (another name: refused below)
-            readers = [name for name in BACKENDS if placement(name).reads(encoding)]
+            readers = [name for name in HOST_BACKENDS if placement(name).reads(encoding)]
             raise ValueError(f"the {backend} placement reads rows as stored; an {encoding} table is served by "
                              f"{readers}")
         if (backend_options or {}).get("quantize") is not None:

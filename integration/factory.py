@@ -55,6 +55,21 @@ class Placement:
     engine_refusal: str | None = None
     #: its table is a table file on disk (``TableFile``; ``make_lookup`` opens a path), not a ``HostTable``
     reads_file: bool = False
+    #: the options its lookups take beyond ``max_rows`` (None: not declared, so not checked before a build)
+    options: frozenset[str] | None = None
+    #: options of which a build needs one (its size, say)
+    needs_one_of: tuple[str, ...] = ()
+
+    def check_options(self, options: dict) -> None:
+        """A ValueError naming an option its lookups do not take, or the missing one of :attr:`needs_one_of`:
+        for a caller that builds the lookups later, after work that a bad option would waste."""
+        if self.options is not None:
+            unknown = sorted(k for k in options if k not in self.options)
+            if unknown:
+                raise ValueError(f"the {self.name} placement takes no option {unknown} (its options: "
+                                 f"{sorted(self.options)})")
+        if self.needs_one_of and sum(options.get(k) is not None for k in self.needs_one_of) != 1:
+            raise ValueError(f"the {self.name} placement needs one of {list(self.needs_one_of)} (its size)")
 
     def reads(self, encoding: str) -> bool:
         """Whether its lookups read rows stored in ``encoding``."""
@@ -93,6 +108,8 @@ PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
               graph_refusal="each copy-placement call waits on the host for its ids and records events on the "
                             "calling stream"),
     Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True,
+              options=frozenset({"budget_bytes", "slots", "steps_in_flight", "wait_s", "read_depth", "read_timeout_s",
+                                 "dequant_scale", "hot_rows"}), needs_one_of=("budget_bytes", "slots"),
               graph_refusal="a disk call plans its rows on the host and reads the missing ones from the file on "
                             "the calling thread",
               engine_refusal="the disk placement serves table files, and the plugin builds each table in host memory "

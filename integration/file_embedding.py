@@ -41,7 +41,7 @@ from .embedding import BACKENDS, QUANTIZE, HostScaledEmbedding, _exact_scale
 from .factory import placement
 from .spec import TableSpec
 
-__all__ = ["FileEmbedding", "table_file_for", "FILE_ENCODINGS", "MODULE_OPTIONS"]
+__all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "FILE_ENCODINGS", "MODULE_OPTIONS"]
 
 log = logging.getLogger("uvaple.integration.file_embedding")
 
@@ -56,6 +56,32 @@ def _width(encoding: str, dim: int) -> int:
     return dim + ENCODINGS[encoding].trailer
 
 
+def check_options(backend: str, backend_options: dict | None) -> dict:
+    """The placement's own options of ``backend_options`` (the module's, :data:`MODULE_OPTIONS`, left out),
+    checked against its entry (an option it does not take, its size missing: named errors), for a caller that
+    writes table files before any lookup is built."""
+    options = {k: v for k, v in (backend_options or {}).items() if k not in MODULE_OPTIONS}
+    placement(backend).check_options(options)
+    return options
+
+
+def reusable(path: str | os.PathLike, rows: RowSource, encoding: str, source_id: str | None) -> TableFile | None:
+    """The table file at ``path``, opened, where it is complete and holds ``rows`` as its header says (written from
+    ``source_id``, in ``encoding``, of their shape and dtype); else None (also without a ``source_id``)."""
+    if source_id is None or not os.path.exists(path):
+        return None
+    try:
+        file = TableFile.open(path)
+    except Exception as e:  # a damaged or partial file: not reused
+        log.warning("uvaple: %s cannot be reused (%s)", path, e)
+        return None
+    if (file.source, file.shape, file.dtype, file.encoding) == (source_id, (rows.rows, rows.cols), rows.dtype,
+                                                                encoding):
+        return file
+    file.close()
+    return None
+
+
 def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = "raw",
                    source_id: str | None = None, what: str = "a table") -> TableFile:
     """The table file at ``path`` holding ``rows`` (already in ``encoding``), opened.
@@ -65,20 +91,12 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
     otherwise the file is written (replacing one there, whose source differs), then opened. Without a
     ``source_id`` (a live module's rows: nothing identifies them) the file is always written."""
     path = os.fspath(path)
-    if source_id is not None and os.path.exists(path):
-        try:
-            file = TableFile.open(path)
-        except Exception as e:  # a damaged or partial file: written again below
-            log.warning("uvaple: %s cannot be reused (%s): writing it again", path, e)
-        else:
-            same = (file.source == source_id and file.shape == (rows.rows, rows.cols) and file.dtype == rows.dtype
-                    and file.encoding == encoding)
-            if same:
-                log.info("uvaple: %s <- %s (the table file written before, from the same source)", what, path)
-                return file
-            file.close()
-            log.warning("uvaple: %s holds other rows than %s (written from %s): writing it again", path, what,
-                        "an unnamed source" if file.source is None else "another source")
+    file = reusable(path, rows, encoding, source_id)
+    if file is not None:
+        log.info("uvaple: %s <- %s (the table file written before, from the same source)", what, path)
+        return file
+    if os.path.exists(path):
+        log.warning("uvaple: %s does not hold %s as its header names them: writing it again", path, what)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     started = time.monotonic()
@@ -111,7 +129,8 @@ class FileEmbedding(HostScaledEmbedding):
     out_dtype : torch.dtype
         The model's dtype (follows ``model.to(dtype)``).
     embed_scale : float
-        The output scale of a ``raw`` file's rows (an encoded file holds its rows as served).
+        The output scale of a ``raw`` file's rows (an encoded file holds its rows as served: ``quantize`` with a
+        scale other than 1 is refused).
     weight_scale : tensor, optional
         ``fp8_global``: the table's scale (one value).
     table_path : str, optional
@@ -132,6 +151,14 @@ class FileEmbedding(HostScaledEmbedding):
         if max_tokens is None:
             raise ValueError(f"the {backend} placement stages each call's ids in pinned memory sized once: build the "
                              "embedding with max_tokens (the most ids a forward brings)")
+        check_options(backend, backend_options)  # named now, not at the first forward
+        if (backend_options or {}).get("quantize") is not None and embed_scale != 1.0:
+            raise ValueError(f"a file embedding quantises its rows as they are, not times embed_scale={embed_scale}: "
+                             "write the file raw (no quantize), or quantise the scaled rows into it yourself")
+        if weight_scale is not None and (not isinstance(weight_scale, torch.Tensor) or weight_scale.numel() != 1
+                                         or not weight_scale.dtype.is_floating_point):
+            raise ValueError(f"weight_scale must be a float tensor of one value (an fp8_global table's scale), got "
+                             f"{weight_scale!r:.80}")
         super().__init__(num_embeddings, embedding_dim, None, embed_scale, backend=backend, oob=oob, dtype=out_dtype,
                          backend_options=backend_options, register=register, materialize=False, max_tokens=max_tokens)
         self.table_path = None if table_path is None else os.fspath(table_path)
@@ -159,6 +186,9 @@ class FileEmbedding(HostScaledEmbedding):
         enc = table.encoding
         if enc not in FILE_ENCODINGS:
             raise ValueError(f"{table.path} holds {enc!r} rows; a file embedding serves {list(FILE_ENCODINGS)}")
+        if enc == "raw" and (not table.dtype.is_floating_point or table.dtype.itemsize < 2):
+            raise ValueError(f"{table.path} holds raw {table.dtype} rows; a file embedding serves raw rows of bf16, "
+                             "fp16 or fp32 (fp8 codes are fp8_row or fp8_global files)")
         cols = _width(enc, self.embedding_dim)
         if table.shape != (self.num_embeddings, cols):
             raise ValueError(f"{table.path} is {table.rows}x{table.cols} ({enc}); this embedding's rows are "
@@ -189,6 +219,11 @@ class FileEmbedding(HostScaledEmbedding):
         if self.table_path is None:
             raise TypeError("this embedding's rows are a table file and it has no table_path to write a weight to: "
                             "build it with table_path=..., or attach a TableFile")
+        if hasattr(self, "weight_scale"):
+            raise TypeError("this embedding serves an fp8_global file (a checkpoint's codes and its weight_scale): "
+                            "a weight is not written into it; load the checkpoint again")
+        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"a file embedding writes a bf16, fp16 or fp32 weight, got {weight.dtype}")
         rows = _tensor_rows(weight)
         q = self.backend_options.get("quantize")
         if q is not None:
@@ -196,8 +231,13 @@ class FileEmbedding(HostScaledEmbedding):
 
             rows = fp8_row_source(rows, QUANTIZE[q])
         self._close_backends()
-        self.attach_table(table_file_for(self.table_path, rows, encoding="raw" if q is None else "fp8_row",
-                                         what=f"a {self.num_embeddings}x{self.embedding_dim} weight"), own=True)
+        file = table_file_for(self.table_path, rows, encoding="raw" if q is None else "fp8_row",
+                              what=f"a {self.num_embeddings}x{self.embedding_dim} weight")
+        try:
+            self.attach_table(file, own=True)
+        except BaseException:
+            file.close()
+            raise
 
     def read_table(self) -> torch.Tensor:
         """The whole table as a CPU tensor of values: a ``raw`` file's rows as stored, an encoded file's
@@ -257,12 +297,17 @@ class FileEmbedding(HostScaledEmbedding):
     # ------------------------------------------------------------------ lifetime
     def __deepcopy__(self, memo):
         scale = getattr(self, "weight_scale", None)
-        new = type(self)(self.num_embeddings, self.embedding_dim,
-                         None if self._table is None else TableFile.open(self._table.path),
-                         out_dtype=self.compute_dtype, embed_scale=self.scalar_embed_scale,
-                         weight_scale=None if scale is None else scale.detach().cpu(), table_path=self.table_path,
-                         backend=self.backend_kind, oob=self.oob, backend_options=dict(self.backend_options),
-                         register=self.register_mode, max_tokens=self.max_tokens)
+        file = None if self._table is None else self._table.duplicate()  # these bytes, whatever is at the path now
+        try:
+            new = type(self)(self.num_embeddings, self.embedding_dim, file,
+                             out_dtype=self.compute_dtype, embed_scale=self.scalar_embed_scale,
+                             weight_scale=None if scale is None else scale.detach().cpu(), table_path=self.table_path,
+                             backend=self.backend_kind, oob=self.oob, backend_options=dict(self.backend_options),
+                             register=self.register_mode, max_tokens=self.max_tokens)
+        except BaseException:
+            if file is not None:
+                file.close()
+            raise
         memo[id(self)] = new
         new.training = self.training
         return new

@@ -178,27 +178,37 @@ def test_a_copy_reads_the_same_file_through_its_own_descriptor(tmp_path, device)
 def test_every_misuse_is_named(tmp_path):
     rows = rand(ROWS, DIM, torch.bfloat16, seed=13)
     write_table_file(tmp_path / "t.uvtable", rows)
+    write_table_file(tmp_path / "i.uvtable", torch.arange(ROWS * DIM, dtype=torch.uint8).view(ROWS, DIM))
     f = TableFile.open(tmp_path / "t.uvtable")
+    kw = dict(out_dtype=torch.bfloat16, backend_options=DISK, max_tokens=8, own_file=False)
     try:
-        with pytest.raises(ValueError, match="build the embedding with max_tokens"):
-            FileEmbedding(ROWS, DIM, f, out_dtype=torch.bfloat16, own_file=False)
-        with pytest.raises(ValueError, match="served by \\['disk'\\], not 'uva'"):
-            FileEmbedding(ROWS, DIM, f, out_dtype=torch.bfloat16, backend="uva", max_tokens=8, own_file=False)
+        for bad, match in [(dict(max_tokens=None), "build the embedding with max_tokens"),
+                           (dict(backend="uva"), "served by \\['disk'\\], not 'uva'"),
+                           (dict(backend_options={}), "the disk placement needs one of \\['budget_bytes', 'slots'\\]"),
+                           (dict(backend_options={"slots": 9, "budget_bytes": 4096}), "needs one of"),
+                           (dict(backend_options={**DISK, "budget_byte": 1}), "takes no option \\['budget_byte'\\]"),
+                           (dict(backend_options={**DISK, "quantize": "fp8_row"}, embed_scale=16.0),
+                            "quantises its rows as they are, not times embed_scale=16.0"),
+                           (dict(weight_scale=torch.ones(2)), "weight_scale must be a float tensor of one value"),
+                           (dict(weight_scale=torch.ones(1)), "an fp8_global file needs the embedding's weight_scale")]:
+            with pytest.raises(ValueError, match=match):
+                FileEmbedding(ROWS, DIM, f, **{**kw, **bad})
+        with pytest.raises(ValueError, match="is 333x24 \\(raw\\); this embedding's rows are 334x24"):
+            FileEmbedding(ROWS + 1, DIM, f, **kw)
+        with TableFile.open(tmp_path / "i.uvtable") as ints:
+            with pytest.raises(ValueError, match="holds raw torch.uint8 rows; a file embedding serves raw rows of"):
+                FileEmbedding(ROWS, DIM, ints, **kw)
+        with pytest.raises(TypeError, match="serves a table file \\(uvaple.uva.TableFile\\), not HostTable"):
+            FileEmbedding(ROWS, DIM, HostTable.from_tensor(rows), **{**kw, "own_file": True})
         with pytest.raises(ValueError, match="the disk placement serves a table file, and this embedding's table is"):
             HostScaledEmbedding(ROWS, DIM, backend="disk")
+        with pytest.raises(ValueError, match="backend must be one of \\('uva', 'device', 'copy'\\), got 'tpu'"):
+            HostScaledEmbedding(ROWS, DIM, backend="tpu")
         host = HostScaledEmbedding(ROWS, DIM, table=HostTable.from_tensor(rows), own_table=True)
         with pytest.raises(ValueError, match="the disk placement serves a table file"):
             host.set_backend("disk", DISK)
         host.close()
-        with pytest.raises(ValueError, match="is 333x24 \\(raw\\); this embedding's rows are 334x24"):
-            FileEmbedding(ROWS + 1, DIM, f, out_dtype=torch.bfloat16, max_tokens=8, own_file=False)
-        with pytest.raises(ValueError, match="an fp8_global file needs the embedding's weight_scale"):
-            FileEmbedding(ROWS, DIM, f, out_dtype=torch.bfloat16, weight_scale=torch.ones(1), max_tokens=8,
-                          own_file=False)
-        with pytest.raises(TypeError, match="serves a table file \\(uvaple.uva.TableFile\\), not HostTable"):
-            FileEmbedding(ROWS, DIM, HostTable.from_tensor(rows), out_dtype=torch.bfloat16, max_tokens=8)
-        emb = FileEmbedding(ROWS, DIM, f, out_dtype=torch.bfloat16, backend_options=DISK, max_tokens=8,
-                            own_file=False)
+        emb = FileEmbedding(ROWS, DIM, f, **kw)
         with pytest.raises(TypeError, match="has no table_path to write a weight to"):
             emb.load_weight_(rows)
         with pytest.raises(ValueError, match="served by \\['disk'\\], not 'uva'"):
@@ -211,7 +221,7 @@ def test_every_misuse_is_named(tmp_path):
         assert torch.equal(bits(emb(torch.tensor([4]))), bits(rows[[4]]))  # left as it was
         emb.close()
         with pytest.raises(RuntimeError, match="no table"):
-            FileEmbedding(ROWS, DIM, out_dtype=torch.bfloat16, max_tokens=8).read_table()
+            FileEmbedding(ROWS, DIM, **kw).read_table()
     finally:
         f.close()
     inf = rand(ROWS, DIM, torch.bfloat16, seed=14)
@@ -221,3 +231,41 @@ def test_every_misuse_is_named(tmp_path):
     assert not (tmp_path / "inf.uvtable").exists()
     with pytest.raises(TypeError, match="fp8_row quantises bf16, fp16 or fp32 rows, not torch.int32"):
         fp8_row_source(RowSource.of(torch.zeros(4, 4, dtype=torch.int32)))
+
+
+def test_a_weight_is_not_written_over_a_checkpoints_fp8_codes(tmp_path):
+    codes = rand(ROWS, DIM, torch.float32, seed=15).to(torch.float8_e4m3fn)
+    path = tmp_path / "g.uvtable"
+    write_table_file(path, codes, encoding="fp8_global", source_id="ckpt")
+    before = path.read_bytes()
+    emb = FileEmbedding(ROWS, DIM, TableFile.open(path), out_dtype=torch.bfloat16, weight_scale=torch.ones(1),
+                        table_path=path, backend_options=DISK, max_tokens=8)
+    with pytest.raises(TypeError, match="serves an fp8_global file .* a weight is not written into it"):
+        emb.load_weight_(torch.ones(ROWS, DIM))
+    with pytest.raises(RuntimeError, match="a weight is not written into it"):
+        emb.load_state_dict({"weight": torch.ones(ROWS, DIM), "weight_scale": torch.ones(1)})
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["g.uvtable"]
+    assert torch.equal(emb(torch.tensor([1])), codes[[1]].to(torch.bfloat16))
+    raw = FileEmbedding(ROWS, DIM, out_dtype=torch.bfloat16, table_path=tmp_path / "r.uvtable", backend_options=DISK,
+                        max_tokens=8)
+    with pytest.raises(ValueError, match="writes a bf16, fp16 or fp32 weight, got torch.int64"):
+        raw.load_weight_(torch.ones(ROWS, DIM, dtype=torch.long))
+    assert not (tmp_path / "r.uvtable").exists()
+    emb.close()
+    raw.close()
+
+
+def test_a_copy_keeps_the_bytes_it_was_made_from_when_the_path_is_written_again(tmp_path, device):
+    a, b = rand(ROWS, DIM, torch.bfloat16, seed=16), rand(ROWS, DIM, torch.bfloat16, seed=17)
+    path = tmp_path / "t.uvtable"
+    write_table_file(path, a)
+    emb = FileEmbedding(ROWS, DIM, TableFile.open(path), out_dtype=torch.bfloat16, backend_options={"slots": ROWS},
+                        max_tokens=ROWS)
+    write_table_file(path, b, overwrite=True)  # another table renamed over the path
+    twin = copy.deepcopy(emb)
+    every = torch.arange(ROWS, device=device)
+    assert torch.equal(bits(twin(every).cpu()), bits(a)) and torch.equal(bits(emb(every).cpu()), bits(a))
+    write_table_file(path, b[:, :8].contiguous(), overwrite=True)  # and one of another shape: still a's bytes
+    assert torch.equal(bits(copy.deepcopy(twin)(every).cpu()), bits(a))
+    emb.close()
+    twin.close()

@@ -6,6 +6,7 @@ On CPU the gather runs under Triton's interpreter; on CUDA the same tests run co
 from __future__ import annotations
 
 import gc
+import inspect
 
 import pytest
 import torch
@@ -175,6 +176,12 @@ def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeyp
     assert BACKENDS == ("uva", "device", "copy", "disk") and vllm_config.PLACEMENTS == ("uva", "device", "copy")
     assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split", "disk"]
     assert vllm_config.REFUSED_PLACEMENTS["disk"] == PLACEMENTS["disk"].engine_refusal
+    # the options an entry declares are those its lookup takes (checked before work that a bad one would waste)
+    from uvaple.integration import DiskLookup
+
+    takes = set(inspect.signature(DiskLookup.__init__).parameters) - {"self", "table", "spec", "device", "owns_table",
+                                                                       "max_rows"}
+    assert PLACEMENTS["disk"].options == takes and set(PLACEMENTS["disk"].needs_one_of) <= takes
     assert PLACEMENTS["split"].model_refusal and PLACEMENTS["split"].engine_refusal is None
     assert [n for n, p in PLACEMENTS.items() if p.graph_refusal] == ["split", "copy", "disk"]
 

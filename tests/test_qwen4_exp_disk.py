@@ -141,22 +141,100 @@ def test_a_live_model_is_written_to_files_and_reverted_from_them(ref, tmp_path):
     for a, b in zip(ngram_modules(model), ngram_modules(ref), strict=True):
         assert torch.equal(bits(a.ngram_embedding.weight), bits(b.ngram_embedding.weight))
     fp8 = copy.deepcopy(ref)
-    with apply_uvaple_to_qwen4_exp(fp8, **disk(tmp_path / "q", quantize="fp8_row")):
+    with apply_uvaple_to_qwen4_exp(fp8, **disk(tmp_path / "q", quantize="fp8_row", keep_source=False)):
         with TableFile.open(tmp_path / "q" / "qwen4_exp_ngram_layer001_fp8_row.uvtable") as f:
             stored = f.read_rows(torch.arange(f.rows)).view(torch.uint8)
             w = ngram_modules(ref)[1].ngram_embedding.weight
             assert torch.equal(stored, quantize_fp8_rows(w).view(torch.uint8))
+    got = ngram_modules(fp8)[1].ngram_embedding.weight  # the rows as served: the fp8_row formula
+    codes, scale = stored[:, :-4].view(torch.float8_e4m3fn), stored[:, -4:].contiguous().view(torch.float32)
+    assert torch.equal(bits(got), bits(codes.to(torch.bfloat16) * scale.to(torch.bfloat16)))
+
+
+def test_a_failed_apply_leaves_every_table_as_it_was(ref, tmp_path, monkeypatch):
+    """The third table cannot be written: the two written before give way, and no table was freed or rounded."""
+    from uvaple.integration import file_embedding
+
+    model = copy.deepcopy(ref)
+    real, calls = file_embedding.write_table_file, []
+
+    def failing(*a, **kw):
+        calls.append(a[0])
+        if len(calls) == 3:
+            raise TableFileError("no space left on the disk (injected)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(file_embedding, "write_table_file", failing)
+    with pytest.raises(TableFileError, match="injected"):
+        apply_uvaple_to_qwen4_exp(model, **disk(tmp_path, quantize="fp8_row", keep_source=False))
+    assert len(calls) == 3 and all(type(m).__name__ == "Qwen4ExpTextNGramEmbedding" for m in ngram_modules(model))
+    for a, b in zip(ngram_modules(model), ngram_modules(ref), strict=True):
+        assert torch.equal(bits(a.ngram_embedding.weight), bits(b.ngram_embedding.weight))
+
+
+def test_a_revert_that_cannot_read_a_file_back_gives_back_the_others_and_names_it(ref, tmp_path):
+    model = copy.deepcopy(ref)
+    patch = apply_uvaple_to_qwen4_exp(model, **disk(tmp_path))
+    damaged = tmp_path / "qwen4_exp_ngram_layer002_raw.uvtable"
+    with open(damaged, "r+b") as f:  # one byte of data page 0 (the file's page 1) changed under the open table
+        f.seek(4096 + 10)
+        byte = f.read(1)
+        f.seek(4096 + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(TableFileError, match="data page 0 does not match its sum"):
+        patch.revert()
+    mods = ngram_modules(model)
+    assert [type(m).__name__ for m in mods] == ["Qwen4ExpTextNGramEmbedding"] * 2 + ["HostNGramEmbedding"]
+    for a, b in zip(mods[:2], ngram_modules(ref)[:2], strict=True):
+        assert torch.equal(bits(a.ngram_embedding.weight), bits(b.ngram_embedding.weight))
+    mods[2].close()
+
+
+def test_a_file_is_written_again_for_another_checkpoint_with_the_same_times_or_another_fp8_format(ref, checkpoint,
+                                                                                                   tmp_path):
+    load_qwen4_exp_with_host_ple(checkpoint, **disk(tmp_path / "t"))
+    first = files(tmp_path / "t")
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(other / "model.safetensors")
+    save_file({k: -v if "ngram_embedding" in k else v for k, v in sd.items()}, other / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copystat(checkpoint / "model.safetensors", other / "model.safetensors")  # its times are the first's
+    model = load_qwen4_exp_with_host_ple(other, dtype=torch.bfloat16, **disk(tmp_path / "t"))
+    now = files(tmp_path / "t")
+    assert all(now[n] != first[n] for n in now)  # written again
+    emb = ngram_modules(model)[0].ngram_embedding
+    assert torch.equal(bits(emb.read_table()), bits(-ngram_modules(ref)[0].ngram_embedding.weight))
+    close(model)
+    w = ngram_modules(ref)[0].ngram_embedding.weight
+    for q, fmt in [("fp8_row", torch.float8_e4m3fn), ("fp8_row_e5m2", torch.float8_e5m2)]:
+        model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path / "q", quantize=q))
+        with TableFile.open(tmp_path / "q" / "qwen4_exp_ngram_layer000_fp8_row.uvtable") as f:
+            stored = f.read_rows(torch.arange(f.rows))
+        assert torch.equal(stored.view(torch.uint8), quantize_fp8_rows(w, fmt).view(torch.uint8))
+        close(model)
 
 
 def test_every_missing_setting_is_named_before_any_work(ref, checkpoint, tmp_path, monkeypatch):
     model = copy.deepcopy(ref)
+    folder = str(tmp_path / "never")
     for kw, match in [(dict(backend_options={"slots": SLOTS}, max_tokens=16), "give their folder as backend_options"),
-                      (dict(backend_options={"table_dir": str(tmp_path)}), "pass max_tokens")]:
+                      (dict(backend_options={"table_dir": folder, "slots": SLOTS}), "pass max_tokens"),
+                      (dict(backend_options={"table_dir": folder, "slots": SLOTS}, max_tokens=0),
+                       "max_tokens must be a positive int"),
+                      (dict(backend_options={"table_dir": folder}, max_tokens=16), "needs one of \\['budget_bytes'"),
+                      (dict(backend_options={"table_dir": folder, "budget_byte": 1 << 20}, max_tokens=16),
+                       "takes no option \\['budget_byte'\\]")]:
         with pytest.raises(ValueError, match=match):
             apply_uvaple_to_qwen4_exp(model, backend="disk", **kw)
         with pytest.raises(ValueError, match=match):
             load_qwen4_exp_with_host_ple(checkpoint, backend="disk", **kw)
     assert all(type(m).__name__ == "Qwen4ExpTextNGramEmbedding" for m in ngram_modules(model))  # untouched
+    assert not os.path.exists(folder)  # nothing written
+    with pytest.raises(ValueError, match="with quantize writes each table's fp8_row rows .*'keep_source'\\]=False"):
+        apply_uvaple_to_qwen4_exp(model, **disk(tmp_path, quantize="fp8_row"))
     with pytest.raises(ValueError, match="not served by the class patch.*load_qwen4_exp_with_host_ple"):
         apply_uvaple_to_qwen4_exp(**disk(tmp_path))
     with pytest.raises(ValueError, match="serves table files, which uvaple writes for the PLE tables of \\['qwen4"):

@@ -257,16 +257,18 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     layout. ``encoding`` names how the rows are stored (the integration layer checks it against its registry).
     ``progress(rows_done, rows)`` is called as blocks land, from the writing threads. An existing ``path`` is
     refused unless ``overwrite``; a symbolic link is written through (its target gets the table). ``source_id``
-    (at most :data:`MAX_SOURCE` characters) is kept in the header as :attr:`TableFile.source`: what the rows were
-    written from, for a reader that reuses the file to compare."""
+    (at most :data:`MAX_SOURCE` characters in the header's JSON, where a non-ASCII character takes six) is kept in
+    the header as :attr:`TableFile.source`: what the rows were written from, for a reader that reuses the file to
+    compare."""
     path = os.fspath(path)
     if os.path.islink(path):  # written through: the link's target gets the table, the link stays
         path = os.path.realpath(path)
     src = RowSource.of(source)
     rows, cols, dtype, block = src.rows, src.cols, src.dtype, src.block
     layout = FileLayout.of(rows, cols, dtype, encoding)
-    if source_id is not None and (not isinstance(source_id, str) or len(source_id) > MAX_SOURCE):
-        raise TableFileError(f"source_id must be a string of at most {MAX_SOURCE} characters, got {source_id!r:.80}")
+    if source_id is not None and (not isinstance(source_id, str) or len(json.dumps(source_id)) > MAX_SOURCE + 2):
+        raise TableFileError(f"source_id must be a string of at most {MAX_SOURCE} characters as the header's JSON "
+                             f"writes it (a non-ASCII character takes 6), got {source_id!r:.80}")
     if os.path.exists(path) and not overwrite:
         raise TableFileError(f"{path} exists: pass overwrite=True to replace it, or another path")
     if os.path.isdir(path):
@@ -454,6 +456,12 @@ class TableFile:
         if not is_direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # the page cache, read ahead by nothing
         return cls(path, fd, layout, sums, direct=is_direct, source=source)
+
+    def duplicate(self) -> TableFile:
+        """Another open table of the same file, read through a duplicate of this one's descriptor: the bytes this
+        table checked, whatever has been written at :attr:`path` since (closed on its own)."""
+        self._check_open()
+        return TableFile(self.path, os.dup(self._fd), self.layout, self._sums.copy(), self.direct, self.source)
 
     def fileno(self) -> int:
         """The descriptor the file is read through (``O_DIRECT`` where :attr:`direct`)."""

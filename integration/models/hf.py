@@ -163,12 +163,20 @@ class UvaplePatch:
         self.reverted = False
 
     def revert(self) -> None:
-        """Undo the patch (idempotent). A live model gets its original modules back with their table."""
+        """Undo the patch (idempotent). A live model gets its original modules back with their table. Every step
+        is tried: one that fails (a table file that cannot be read back) leaves its module in place, and the first
+        such error is raised once the others are undone."""
         if self.reverted:
             return
         self.reverted = True
+        first = None
         while self._undo:
-            self._undo.pop()()
+            try:
+                self._undo.pop()()
+            except BaseException as e:  # the other modules are still given back
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> UvaplePatch:
         return self
@@ -207,6 +215,11 @@ def apply_uvaple(model: nn.Module | None = None, *, model_type: str | None = Non
     """
     spec = _spec_for(model, model_type)
     _check_backend(spec, model_type or getattr(getattr(model, "config", None), "model_type", None), backend)
+    if model is None and backend in PLACEMENTS and PLACEMENTS[backend].reads_file:
+        raise ValueError(f"backend={backend!r} is not served by the class patch: transformers' loader would build "
+                         "each table whole in memory first. Load the model with its loader (for Qwen4Exp "
+                         f"load_qwen4_exp_with_host_ple(path, backend={backend!r}, ...), which writes the table files "
+                         "from the checkpoint's shards block by block), or apply it to a built model (model=...)")
     opts = dict(backend=backend, oob=oob or spec.oob, backend_options=backend_options, register=register,
                 max_tokens=max_tokens)
     if model is not None:
@@ -256,23 +269,30 @@ def _swap_replacement(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatc
                if name == spec.attr and isinstance(child, module_class) and not isinstance(child, drop_in)]
     if not targets and not any(isinstance(m, drop_in) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no {spec.attr!r} module of type {module_class.__name__}")
+    swapped = []  # (child, new, freed): the sources are freed once every module is swapped
     try:
         for parent, name, child in targets:
             new = drop_in.from_module(child, **opts)
             setattr(parent, name, new)
-            new.free_source(child)  # revert() copies the rows back from the host table
+            state = [child, new, False]
+            swapped.append(state)
             patch.modules.extend(new.host_embeddings())
 
-            def undo(parent=parent, name=name, child=child, new=new):
+            def undo(parent=parent, name=name, state=state):
+                child, new, freed = state
                 if getattr(parent, name) is new:
-                    new.restore_source(child)
+                    if freed:
+                        new.restore_source(child)  # a failure here leaves the drop-in serving (revert() names it)
                     setattr(parent, name, child)
                 new.close()
 
             patch._undo.append(undo)
     except BaseException:
-        patch.revert()  # the modules swapped so far get their tables back
+        patch.revert()  # the modules swapped so far give way to the originals, their tables never freed
         raise
+    for state in swapped:
+        state[1].free_source(state[0])  # revert() copies the rows back from the host table (or file)
+        state[2] = True
     return patch
 
 

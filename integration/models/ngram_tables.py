@@ -45,7 +45,7 @@ import torch
 
 from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
-from uvaple.uva import HostMemoryError, HostTable, RowSource, TableFile, TableFileError
+from uvaple.uva import HostMemoryError, HostTable, RowSource, TableFileError
 from uvaple.uva.errors import CheckpointError
 from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
 from uvaple.uva.memory import row_stride_bytes
@@ -55,7 +55,7 @@ from uvaple.uva.table_file import FileLayout
 from ..embedding import QUANTIZE
 from ..encoded_embedding import HostEncodedEmbedding
 from ..factory import PLACEMENTS
-from ..file_embedding import FileEmbedding, table_file_for
+from ..file_embedding import FileEmbedding, check_options, reusable, table_file_for
 
 __all__ = ["NGramLayout", "NGramTables", "NoPleLayersError", "ShardMissingError", "ShardShapeError",
            "ngram_layout", "find_shards", "load_ngram_tables"]
@@ -348,6 +348,9 @@ def check_file_options(backend: str, backend_options: dict | None, max_tokens) -
     if max_tokens is None:
         raise ValueError(f"backend={backend!r} stages each forward's ids in pinned memory sized once: pass max_tokens "
                          "(the most tokens a forward brings: batch x prompt length for a prefill)")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    check_options(backend, backend_options)  # before any file is written
     return os.fspath(folder)
 
 
@@ -356,14 +359,16 @@ def table_file_path(folder: str, layer_idx: int, encoding: str) -> str:
     return os.path.join(folder, f"qwen4_exp_ngram_layer{layer_idx:03d}_{encoding}.uvtable")
 
 
-def _source_id(src: LayerSource, encoding: str) -> str:
-    """What a layer's table file is written from: each part's tensor, where it lies in which file (the file's name,
-    size and modification time: a checkpoint written again is another source), and the encoding; a digest."""
+def _source_id(src: LayerSource, encoding: str, fmt: torch.dtype | None) -> str:
+    """What a layer's table file is written from: each part's tensor, where it lies in which file (the file's path,
+    device, inode, size and its modification and change times: a checkpoint written again, copied or replaced is
+    another source, and ``utime`` cannot set a change time), the encoding and its fp8 format; a digest."""
     parts = []
     for info in [*src.parts, *([src.scale] if src.scale is not None else [])]:
         st = os.stat(info.path)
-        parts.append([os.path.basename(info.path), st.st_size, st.st_mtime_ns, info.name, info.begin, info.end])
-    text = json.dumps({"tensors": parts, "encoding": encoding}, sort_keys=True)
+        parts.append([os.path.realpath(info.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                      info.name, info.begin, info.end])
+    text = json.dumps({"tensors": parts, "encoding": encoding, "format": str(fmt)}, sort_keys=True)
     return "checkpoint sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -377,15 +382,17 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
     plans = []  # (layer source, path, rows, encoding, source id, reusable)
     for src in sources:
         rows = RowSource.stacked(src.parts)
+        fmt = None
         if src.scale is not None:
             encoding = "fp8_global"  # fp8 codes as stored, with the table's scale
         elif quantize is not None:
-            encoding, rows = "fp8_row", fp8_row_source(rows, QUANTIZE[quantize])
+            fmt = QUANTIZE[quantize]
+            encoding, rows = "fp8_row", fp8_row_source(rows, fmt)
         else:
             encoding = "raw"
         path = table_file_path(folder, src.layout.layer_idx, encoding)
-        sid = _source_id(src, encoding)
-        plans.append((src, path, rows, encoding, sid, _written_from(path, sid)))
+        sid = _source_id(src, encoding, fmt)
+        plans.append((src, path, rows, encoding, sid, _written_from(path, rows, encoding, sid)))
     # the files are written one at a time, each beside the one it replaces until it is renamed over it: the most
     # the folder's disk must hold at once beyond what it holds now
     peak = extra = 0
@@ -414,12 +421,10 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
     return tables
 
 
-def _written_from(path: str, source_id: str) -> bool:
-    """Whether the table file at ``path`` is complete and was written from ``source_id`` (its header alone)."""
-    if not os.path.exists(path):
+def _written_from(path: str, rows: RowSource, encoding: str, source_id: str) -> bool:
+    """Whether :func:`table_file_for` would reuse the table file at ``path`` (its header alone is read)."""
+    file = reusable(path, rows, encoding, source_id)
+    if file is None:
         return False
-    try:
-        with TableFile.open(path) as f:
-            return f.source == source_id
-    except Exception:
-        return False
+    file.close()
+    return True

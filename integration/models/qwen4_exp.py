@@ -251,6 +251,8 @@ class _HostNGram:
                                               child.layer_idx, options)
             try:
                 ngram_embedding.load_weight_(source)
+                if source.device.type == "cuda":
+                    ngram_embedding._lookup_for(source.device)
             except BaseException:
                 ngram_embedding.close()
                 raise
@@ -334,15 +336,17 @@ def apply_uvaple_to_qwen4_exp(model: nn.Module | None = None, *, backend: str = 
     context manager). A model whose config has no ``ple_layer_ids`` is a :class:`NoPleLayersError`.
 
     ``backend="disk"`` (a live model only): each table is written to a table file in ``backend_options
-    ["table_dir"]`` (quantised on the way with ``quantize``), served through a host row cache of
-    ``budget_bytes`` per PLE layer; ``max_tokens`` is required. ``revert()`` reads the tables back from the files.
+    ["table_dir"]`` (quantised on the way with ``quantize``, which needs ``keep_source=False``: the model's own
+    tables are freed, so ``revert()`` gives back the rows as served), served through a host row cache of
+    ``budget_bytes`` (or ``slots``) per PLE layer; ``max_tokens`` is required. ``revert()`` reads the tables back
+    from the files. The tables are freed only once every layer is served from its file.
     """
     folder = check_file_options(backend, backend_options, max_tokens)  # named before any module is touched
-    if folder is not None and model is None:
-        raise ValueError(f"backend={backend!r} is not served by the class patch: transformers' loader would build each "
-                         "n-gram table whole in memory first. Load the model with load_qwen4_exp_with_host_ple(path, "
-                         f"backend={backend!r}, ...), which writes the table files from the checkpoint's shards block "
-                         "by block, or apply it to a built model (model=...)")
+    if folder is not None and model is not None and (backend_options or {}).get("quantize") is not None \
+            and (backend_options or {}).get("keep_source", True):
+        raise ValueError(f"backend={backend!r} with quantize writes each table's fp8_row rows to its file and frees "
+                         "the model's own: revert() then gives back the rows as served, not the originals. Pass "
+                         "backend_options['keep_source']=False to say so, or write the files raw (no quantize)")
     if model is not None:
         config = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -372,8 +376,8 @@ def load_qwen4_exp_with_host_ple(path, *, model_class=None, backend: str = "uva"
 
     ``backend="disk"``: the tables larger than host memory. Each PLE layer's table is a table file in
     ``backend_options["table_dir"]``, written once from the shards (block by block, quantised on the way with
-    ``quantize``; an fp8 checkpoint's codes as stored), reused while the checkpoint's files are the same (their
-    size and modification time, in the file's header), and served through a host row cache of
+    ``quantize``; an fp8 checkpoint's codes as stored), reused while the checkpoint's files are the same files,
+    unchanged (their path, inode, size and times, in the file's header; a copy or a move writes it again), and served through a host row cache of
     ``backend_options["budget_bytes"]`` (or ``slots``) per PLE layer; ``max_tokens`` is required. The free space
     of the folder's disk is checked before the first file is written.
     """
