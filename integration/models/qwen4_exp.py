@@ -377,9 +377,9 @@ def load_qwen4_exp_with_host_ple(path, *, model_class=None, backend: str = "uva"
     ``backend="disk"``: the tables larger than host memory. Each PLE layer's table is a table file in
     ``backend_options["table_dir"]``, written once from the shards (block by block, quantised on the way with
     ``quantize``; an fp8 checkpoint's codes as stored), reused while the checkpoint's files are the same files,
-    unchanged (their path, inode, size and times, in the file's header; a copy or a move writes it again), and served through a host row cache of
-    ``backend_options["budget_bytes"]`` (or ``slots``) per PLE layer; ``max_tokens`` is required. The free space
-    of the folder's disk is checked before the first file is written.
+    unchanged (their path, inode, size and times, in the file's header; a copy or a move writes it again), and
+    served through a host row cache of ``backend_options["budget_bytes"]`` (or ``slots``) per PLE layer;
+    ``max_tokens`` is required. The free space of the folder's disk is checked before the first file is written.
     """
     if model_class is None:
         from transformers import Qwen4ExpForCausalLM as model_class
