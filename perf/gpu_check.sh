@@ -42,6 +42,8 @@ fi
 if has tests && [ -n "${TEST_GROUPS:-}" ]; then
   # groups of test files separated by ';', each its own pytest process, side by side on the one GPU
   step "pytest in parallel groups: $TEST_GROUPS"
+  left=$(for f in tests/test_*.py; do [[ " ${TEST_GROUPS//;/ } " == *" $f "* ]] || echo -n " $f"; done)
+  [ -z "$left" ] || echo "WARNING: test files in no group (not run):$left"
   i=0; pids=(); IFS=';' read -ra groups <<< "$TEST_GROUPS"
   for g in "${groups[@]}"; do
     i=$((i + 1))
