@@ -45,6 +45,8 @@ __all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "FILE
 
 log = logging.getLogger("uvaple.integration.file_embedding")
 
+#: how often a table file being written says how far it is (seconds)
+PROGRESS_EVERY_S = 10.0
 #: the encodings a file embedding serves
 FILE_ENCODINGS = ("raw", "fp8_row", "fp8_global")
 #: ``backend_options`` the module (or the model's entry point) consumes, never passed to the placement
@@ -101,11 +103,27 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
     os.makedirs(folder, exist_ok=True)
     started = time.monotonic()
     log.info("uvaple: writing %s to %s (%d rows, %s)", what, path, rows.rows, encoding)
-    layout = write_table_file(path, rows, encoding=encoding, overwrite=True, source_id=source_id)
+    layout = write_table_file(path, rows, encoding=encoding, overwrite=True, source_id=source_id,
+                              progress=_progress_log(what, started))
     took = time.monotonic() - started
     log.info("uvaple: wrote %s of %s in %.1f s (%s/s)", fmt_bytes(layout.file_bytes), what, took,
              fmt_bytes(int(layout.file_bytes / max(took, 1e-9))))
     return TableFile.open(path)
+
+
+def _progress_log(what: str, started: float, every_s: float = PROGRESS_EVERY_S):
+    """A writer's ``progress(done, total)`` that logs how far it is at most every ``every_s`` seconds (a table of
+    tens of GiB takes minutes)."""
+    last = [started]
+
+    def progress(done: int, total: int) -> None:  # called under the writer's lock
+        now = time.monotonic()
+        if now - last[0] >= every_s and done < total:
+            last[0] = now
+            log.info("uvaple: writing %s: %d of %d rows (%.0f%%) in %.0f s", what, done, total, 100 * done / total,
+                     now - started)
+
+    return progress
 
 
 def _tensor_rows(weight: torch.Tensor) -> RowSource:

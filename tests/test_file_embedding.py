@@ -124,6 +124,18 @@ def test_a_file_is_reused_only_when_its_header_names_the_same_source(tmp_path):
     assert sorted(os.listdir(path.parent)) == ["t.uvtable"]  # no partial file left behind
 
 
+def test_a_long_write_says_how_far_it_is(tmp_path, monkeypatch, caplog):
+    from uvaple.integration import file_embedding
+
+    monkeypatch.setattr(file_embedding._progress_log, "__defaults__", (0.0,))  # say it at every block
+    rows = rand(200_000, 8, torch.bfloat16, seed=18)  # 782 data pages: four of the writer's blocks
+    with caplog.at_level("INFO", logger="uvaple.integration.file_embedding"):
+        table_file_for(tmp_path / "p.uvtable", RowSource.of(rows), what="a long table").close()
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("uvaple: writing a long table to ") and said[-1].startswith("uvaple: wrote ")
+    assert any(" of 200000 rows (" in m for m in said[1:-1])
+
+
 def test_the_header_keeps_a_bounded_source(tmp_path):
     t = rand(10, 4, torch.float32, seed=8)
     write_table_file(tmp_path / "s.uvtable", t, source_id="x" * MAX_SOURCE)
