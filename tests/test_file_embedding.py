@@ -281,3 +281,27 @@ def test_a_copy_keeps_the_bytes_it_was_made_from_when_the_path_is_written_again(
     assert torch.equal(bits(copy.deepcopy(twin)(every).cpu()), bits(a))
     emb.close()
     twin.close()
+
+
+def test_compiled_code_calls_the_disk_lookup_eagerly_and_fullgraph_names_why(tmp_path, device):
+    """torch.compile never traces a disk call (host planning, a lock, file reads): with graph breaks allowed it runs
+    eagerly between the compiled parts, with the same bits; fullgraph=True refuses it, saying why."""
+    rows = rand(ROWS, DIM, torch.bfloat16, seed=19)
+    write_table_file(tmp_path / "t.uvtable", rows)
+    emb = FileEmbedding(ROWS, DIM, TableFile.open(tmp_path / "t.uvtable"), out_dtype=torch.bfloat16,
+                        embed_scale=2.0, backend_options=DISK, max_tokens=64)
+
+    def step(ids):
+        return emb(ids * 3 % ROWS) + 1.0  # work before and after the lookup
+
+    ids = ids_of(48, 20, device).clamp(0, ROWS - 1)
+    want = step(ids).clone()
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(bits(torch.compile(step, backend="eager")(ids)), bits(want))
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="disk placement plans each call on the host"):
+            torch.compile(step, backend="eager", fullgraph=True)(ids)
+    finally:
+        torch._dynamo.reset()
+        emb.close()

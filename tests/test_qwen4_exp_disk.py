@@ -24,7 +24,7 @@ from test_qwen4_exp import (  # noqa: E402
     prompts,
     run_steps,
 )
-from transformers import Qwen4ExpForCausalLM  # noqa: E402
+from transformers import CompileConfig, Qwen4ExpForCausalLM  # noqa: E402
 
 from uvaple.integration.file_embedding import FileEmbedding  # noqa: E402
 from uvaple.integration.models import hf, ngram_tables  # noqa: E402
@@ -277,3 +277,27 @@ def test_gpu_a_model_on_the_gpu_serves_its_files_with_the_host_tables_bits(check
     assert_same_steps(run_steps(model, prompt, STEPS), run_steps(host, prompt, STEPS))
     assert all(m.ngram_embedding.lookups[0].stats()["cache"]["evictions"] > 0 for m in ngram_modules(model))
     close(model)
+
+
+@pytest.mark.gpu
+def test_gpu_generate_compiled_by_transformers_with_a_static_cache_calls_the_files_eagerly(ref, tmp_path):
+    """The user's path: generate with a static cache compiles the decode forward (mode="reduce-overhead"); each
+    PLE layer's disk call runs eagerly between the captured parts (a graph break, never captured), and the tokens
+    are eager generate's and the host tables'."""
+    prompt = prompts((2, 6), seed=12).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    host = copy.deepcopy(ref).float().cuda()
+    patch = apply_uvaple_to_qwen4_exp(host, max_tokens=64)
+    want = host.generate(prompt, disable_compile=True, **kw)
+    patch.revert()
+    model = copy.deepcopy(ref).float().cuda()
+    patch = apply_uvaple_to_qwen4_exp(model, **{**disk(tmp_path), "max_tokens": 64})
+    assert torch.equal(model.generate(prompt, disable_compile=True, **kw), want)
+    torch._dynamo.reset()
+    try:
+        for run in range(2):  # compile and capture, then replay
+            got = model.generate(prompt, compile_config=CompileConfig(fullgraph=False, mode="reduce-overhead"), **kw)
+            assert hasattr(model, "_compiled_call") and torch.equal(got, want), f"run {run}"
+    finally:
+        torch._dynamo.reset()
+        patch.revert()

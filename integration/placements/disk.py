@@ -41,7 +41,8 @@ the completion word (written by the stream after the last gather that read it) s
 and launches a gather only after its rows are read in. Calls of one lookup run on one stream (the first
 call's; a call on another is a named error): the completion word is that stream's. The steps' host work
 (plan, reads) is on the calling thread, so CUDA graphs cannot capture a call
-(:data:`~uvaple.integration.factory.PLACEMENTS`).
+(:data:`~uvaple.integration.factory.PLACEMENTS`), and ``torch.compile`` never traces one: a compiled model calls
+it eagerly (a graph break; ``fullgraph=True`` refuses it, naming why).
 
 Counters (``stats()``, ``progress()``): kept on the host (every id passes it), with the cache's hits, misses,
 evictions and the pages read; no synchronisation.
@@ -68,6 +69,18 @@ from ..telemetry import Progress
 __all__ = ["DiskLookup", "DiskStepTimeout", "DiskStreamError"]
 
 _POLL_S = 0.0002  # how often a full step looks at the completion word again
+#: why torch.compile runs a call eagerly (a graph break), and what ``fullgraph=True`` names when it refuses one
+_EAGER = ("the disk placement plans each call on the host (the ids read there, the cache's map, reads from the "
+          "file): a compiled model calls it eagerly, and fullgraph=True cannot hold it; compile with graph breaks "
+          "allowed, or serve the table with the uva placement")
+
+
+def _eager(fn):
+    """``fn`` never traced by torch.compile: called eagerly from compiled code (a graph break), with the reason."""
+    try:
+        return torch.compiler.disable(fn, reason=_EAGER)
+    except TypeError:  # a torch whose disable() takes no reason
+        return torch.compiler.disable(fn)
 
 
 class DiskLookup(Lookup):
@@ -193,6 +206,7 @@ class DiskLookup(Lookup):
         return s.reshape(1)
 
     # ------------------------------------------------------------------ calls
+    @_eager
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
         ids, out, c0, _ = self._prepare(ids, out, columns, ids_on="either")
         n = ids.numel()
