@@ -35,13 +35,14 @@ from torch import nn
 
 from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import ENCODINGS
-from uvaple.uva import RowSource, TableFile, write_table_file
+from uvaple.uva import RowSource, TableFile, TableFileError, write_table_file
 
 from .embedding import BACKENDS, QUANTIZE, HostScaledEmbedding, _exact_scale
 from .factory import placement
 from .spec import TableSpec
 
-__all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "FILE_ENCODINGS", "MODULE_OPTIONS"]
+__all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "make_folder", "FILE_ENCODINGS",
+           "MODULE_OPTIONS"]
 
 log = logging.getLogger("uvaple.integration.file_embedding")
 
@@ -99,8 +100,7 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
         return file
     if os.path.exists(path):
         log.warning("uvaple: %s does not hold %s as its header names them: writing it again", path, what)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    make_folder(os.path.dirname(os.path.abspath(path)))
     started = time.monotonic()
     log.info("uvaple: writing %s to %s (%d rows, %s)", what, path, rows.rows, encoding)
     layout = write_table_file(path, rows, encoding=encoding, overwrite=True, source_id=source_id,
@@ -109,6 +109,18 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
     log.info("uvaple: wrote %s of %s in %.1f s (%s/s)", fmt_bytes(layout.file_bytes), what, took,
              fmt_bytes(int(layout.file_bytes / max(took, 1e-9))))
     return TableFile.open(path)
+
+
+def make_folder(folder: str) -> None:
+    """``folder`` made where it is missing; a TableFileError naming it where it cannot be."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise TableFileError(f"cannot make the folder {folder} for table files: {e.strerror or e}; give a folder "
+                             "this process can write") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise TableFileError(f"the folder {folder} for table files is not writable by this process; give a folder "
+                             "it can write")
 
 
 def _progress_log(what: str, started: float, every_s: float = PROGRESS_EVERY_S):

@@ -231,6 +231,10 @@ def test_every_missing_setting_is_named_before_any_work(ref, checkpoint, tmp_pat
             apply_uvaple_to_qwen4_exp(model, backend="disk", **kw)
         with pytest.raises(ValueError, match=match):
             load_qwen4_exp_with_host_ple(checkpoint, backend="disk", **kw)
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ValueError, match="table_dir'\\] '.*a_file' is a file, not a folder"):
+        load_qwen4_exp_with_host_ple(checkpoint, backend="disk", backend_options={"table_dir": str(tmp_path / "a_file"),
+                                                                                  "slots": SLOTS}, max_tokens=16)
     assert all(type(m).__name__ == "Qwen4ExpTextNGramEmbedding" for m in ngram_modules(model))  # untouched
     assert not os.path.exists(folder)  # nothing written
     with pytest.raises(ValueError, match="with quantize writes each table's fp8_row rows .*'keep_source'\\]=False"):

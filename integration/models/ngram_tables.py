@@ -55,7 +55,7 @@ from uvaple.uva.table_file import FileLayout
 from ..embedding import QUANTIZE
 from ..encoded_embedding import HostEncodedEmbedding
 from ..factory import PLACEMENTS
-from ..file_embedding import FileEmbedding, check_options, reusable, table_file_for
+from ..file_embedding import FileEmbedding, check_options, make_folder, reusable, table_file_for
 
 __all__ = ["NGramLayout", "NGramTables", "NoPleLayersError", "ShardMissingError", "ShardShapeError",
            "ngram_layout", "find_shards", "load_ngram_tables"]
@@ -345,6 +345,9 @@ def check_file_options(backend: str, backend_options: dict | None, max_tokens) -
     if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
         raise ValueError(f"backend={backend!r} serves each n-gram table from a table file: give their folder as "
                          "backend_options['table_dir'] (written there once, reused while the checkpoint is the same)")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"backend_options['table_dir'] {os.fspath(folder)!r} is a file, not a folder: give the folder "
+                         "the table files go in")
     if max_tokens is None:
         raise ValueError(f"backend={backend!r} stages each forward's ids in pinned memory sized once: pass max_tokens "
                          "(the most tokens a forward brings: batch x prompt length for a prefill)")
@@ -402,7 +405,7 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
             peak = max(peak, extra)
             extra -= os.path.getsize(path) if os.path.exists(path) else 0
     if peak:
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
         free = shutil.disk_usage(folder).free
         if peak > free:
             raise TableFileError(f"the n-gram table files to write in {folder} need {fmt_bytes(peak)} more on its disk "
