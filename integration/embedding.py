@@ -204,7 +204,7 @@ class HostScaledEmbedding(nn.Module):
     def _check_backend(self, backend: str) -> None:
         """Refuse a placement this module cannot serve its table through (by name)."""
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {HOST_BACKENDS}, got {backend!r}")
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if placement(backend).reads_file:
             raise ValueError(f"the {backend} placement serves a table file, and this embedding's table is in host "
                              "memory: serve it with 'uva', or build a FileEmbedding over a table file "

@@ -55,21 +55,16 @@ class Placement:
     engine_refusal: str | None = None
     #: its table is a table file on disk (``TableFile``; ``make_lookup`` opens a path), not a ``HostTable``
     reads_file: bool = False
-    #: the options its lookups take beyond ``max_rows`` (None: not declared, so not checked before a build)
-    options: frozenset[str] | None = None
-    #: options of which a build needs one (its size, say)
-    needs_one_of: tuple[str, ...] = ()
+    #: ``(options, max_rows=None, row_bytes=None) -> None``: a ValueError naming an option its lookups would refuse
+    #: (None: its lookups check their options when built)
+    option_check: Callable[..., None] | None = None
 
-    def check_options(self, options: dict) -> None:
-        """A ValueError naming an option its lookups do not take, or the missing one of :attr:`needs_one_of`:
-        for a caller that builds the lookups later, after work that a bad option would waste."""
-        if self.options is not None:
-            unknown = sorted(k for k in options if k not in self.options)
-            if unknown:
-                raise ValueError(f"the {self.name} placement takes no option {unknown} (its options: "
-                                 f"{sorted(self.options)})")
-        if self.needs_one_of and sum(options.get(k) is not None for k in self.needs_one_of) != 1:
-            raise ValueError(f"the {self.name} placement needs one of {list(self.needs_one_of)} (its size)")
+    def check_options(self, options: dict, **call) -> None:
+        """A ValueError naming an option its lookups would refuse (an option they do not take, a bad value, a size
+        too small for ``max_rows`` rows of ``row_bytes``): for a caller that builds the lookups after work a bad
+        option would waste."""
+        if self.option_check is not None:
+            self.option_check(options, **call)
 
     def reads(self, encoding: str) -> bool:
         """Whether its lookups read rows stored in ``encoding``."""
@@ -107,9 +102,7 @@ PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
     Placement("copy", _copy, encodings=frozenset({"raw"}), gather_options=False,
               graph_refusal="each copy-placement call waits on the host for its ids and records events on the "
                             "calling stream"),
-    Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True,
-              options=frozenset({"budget_bytes", "slots", "steps_in_flight", "wait_s", "read_depth", "read_timeout_s",
-                                 "dequant_scale", "hot_rows"}), needs_one_of=("budget_bytes", "slots"),
+    Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True, option_check=DiskLookup.check_options,
               graph_refusal="a disk call plans its rows on the host and reads the missing ones from the file on "
                             "the calling thread",
               engine_refusal="the disk placement serves table files, and the plugin builds each table in host memory "
@@ -184,6 +177,7 @@ def _file_lookup(entry: Placement, table, device, spec, max_rows, options, polic
         raise TypeError(f"the {entry.name} placement reads a table file: pass its path or a uvaple.uva.TableFile "
                         f"(write one with uvaple.uva.write_table_file), got {type(table).__name__}")
     try:
+        entry.check_options(options)
         spec = spec_for(table, spec, **policy)
         return entry.build(table, spec, device, owns, max_rows, options)
     except BaseException:

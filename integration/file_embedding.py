@@ -26,18 +26,23 @@ A serving copy of the rows: ``weight`` is a meta tensor (the rows are on disk) a
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import ENCODINGS
 from uvaple.uva import RowSource, TableFile, TableFileError, write_table_file
 
-from .embedding import BACKENDS, QUANTIZE, HostScaledEmbedding, _exact_scale
+from .embedding import BACKENDS, QUANTIZE, HostScaledEmbedding, _exact_scale, _excluded
 from .factory import placement
 from .spec import TableSpec
 
@@ -59,12 +64,13 @@ def _width(encoding: str, dim: int) -> int:
     return dim + ENCODINGS[encoding].trailer
 
 
-def check_options(backend: str, backend_options: dict | None) -> dict:
+def check_options(backend: str, backend_options: dict | None, *, max_rows: int | None = None,
+                  row_bytes: int | None = None) -> dict:
     """The placement's own options of ``backend_options`` (the module's, :data:`MODULE_OPTIONS`, left out),
-    checked against its entry (an option it does not take, its size missing: named errors), for a caller that
-    writes table files before any lookup is built."""
+    checked by its entry (an option it does not take, a bad value, a cache too small for ``max_rows`` rows of
+    ``row_bytes``: named errors), for a caller that writes table files before any lookup is built."""
     options = {k: v for k, v in (backend_options or {}).items() if k not in MODULE_OPTIONS}
-    placement(backend).check_options(options)
+    placement(backend).check_options(options, max_rows=max_rows, row_bytes=row_bytes)
     return options
 
 
@@ -100,15 +106,42 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
         return file
     if os.path.exists(path):
         log.warning("uvaple: %s does not hold %s as its header names them: writing it again", path, what)
-    make_folder(os.path.dirname(os.path.abspath(path)))
-    started = time.monotonic()
-    log.info("uvaple: writing %s to %s (%d rows, %s)", what, path, rows.rows, encoding)
-    layout = write_table_file(path, rows, encoding=encoding, overwrite=True, source_id=source_id,
-                              progress=_progress_log(what, started))
-    took = time.monotonic() - started
-    log.info("uvaple: wrote %s of %s in %.1f s (%s/s)", fmt_bytes(layout.file_bytes), what, took,
-             fmt_bytes(int(layout.file_bytes / max(took, 1e-9))))
-    return TableFile.open(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    make_folder(folder)
+    with _folder_lock(folder):  # one writer a folder: another process loading the same files waits, then reuses
+        file = reusable(path, rows, encoding, source_id)  # written by that process meanwhile
+        if file is not None:
+            log.info("uvaple: %s <- %s (written by another process meanwhile)", what, path)
+            return file
+        started = time.monotonic()
+        log.info("uvaple: writing %s to %s (%d rows, %s)", what, path, rows.rows, encoding)
+        bar = tqdm(total=rows.rows, desc=f"uvaple: writing {what}", unit="row", unit_scale=True, delay=2.0,
+                   leave=False, file=sys.stderr)
+        try:
+            layout = write_table_file(path, rows, encoding=encoding, overwrite=True, source_id=source_id,
+                                      progress=_progress(what, started, bar))
+        finally:
+            bar.close()
+        took = time.monotonic() - started
+        log.info("uvaple: wrote %s of %s in %.1f s (%s/s)", fmt_bytes(layout.file_bytes), what, took,
+                 fmt_bytes(int(layout.file_bytes / max(took, 1e-9))))
+        return TableFile.open(path)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str) -> Iterator[None]:
+    """An exclusive lock on ``folder`` (``flock`` on the folder itself: released by the kernel when this process
+    ends, however it ends), held while a table file there is checked and written."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("uvaple: another process is writing table files in %s: waiting for it", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def make_folder(folder: str) -> None:
@@ -123,12 +156,15 @@ def make_folder(folder: str) -> None:
                              "it can write")
 
 
-def _progress_log(what: str, started: float, every_s: float = PROGRESS_EVERY_S):
-    """A writer's ``progress(done, total)`` that logs how far it is at most every ``every_s`` seconds (a table of
-    tens of GiB takes minutes)."""
-    last = [started]
+def _progress(what: str, started: float, bar, every_s: float = PROGRESS_EVERY_S):
+    """A writer's ``progress(done, total)``: ``bar`` (a progress bar on stderr, shown once the write has taken two
+    seconds) moved on, and a log line of how far it is at most every ``every_s`` seconds (a table of tens of GiB
+    takes minutes)."""
+    last, seen = [started], [0]
 
     def progress(done: int, total: int) -> None:  # called under the writer's lock
+        bar.update(done - seen[0])
+        seen[0] = done
         now = time.monotonic()
         if now - last[0] >= every_s and done < total:
             last[0] = now
@@ -226,6 +262,8 @@ class FileEmbedding(HostScaledEmbedding):
         if (enc == "fp8_global") != hasattr(self, "weight_scale"):
             raise ValueError(f"{table.path} holds {enc} rows: an fp8_global file needs the embedding's weight_scale "
                              "(and only it does)")
+        check_options(self.backend_kind, self.backend_options, max_rows=self.max_tokens,
+                      row_bytes=table.layout.row_bytes)  # its cache holds a forward's rows
         old, old_own = self._table, self._own_table
         self._close_backends()
         if enc == "raw" and table.dtype != self.table_dtype:  # the scale as HF rounds it to the rows' dtype
@@ -234,6 +272,13 @@ class FileEmbedding(HostScaledEmbedding):
         self._table, self._own_table = table, own
         if old is not None and old is not table and old_own:
             old.close()
+
+    def _lookup_for(self, device: torch.device):
+        if self._table is None:
+            raise RuntimeError("this FileEmbedding has no table file yet: attach one (attach_table), assign its "
+                               "weight (written to table_path), or load the model with its loader (for Qwen4Exp "
+                               "load_qwen4_exp_with_host_ple(path, backend='disk', ...))")
+        return super()._lookup_for(device)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -254,8 +299,10 @@ class FileEmbedding(HostScaledEmbedding):
                             "a weight is not written into it; load the checkpoint again")
         if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"a file embedding writes a bf16, fp16 or fp32 weight, got {weight.dtype}")
-        rows = _tensor_rows(weight)
         q = self.backend_options.get("quantize")
+        row_bytes = self.embedding_dim * weight.dtype.itemsize if q is None else _width("fp8_row", self.embedding_dim)
+        check_options(self.backend_kind, self.backend_options, max_rows=self.max_tokens, row_bytes=row_bytes)
+        rows = _tensor_rows(weight)
         if q is not None:
             from .quantize import fp8_row_source
 
@@ -304,6 +351,11 @@ class FileEmbedding(HostScaledEmbedding):
     # ------------------------------------------------------------------ state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)  # a serving copy: no weight
+        if not _excluded() and not self.__dict__.get("_said_state"):  # not the loaders' own use of it
+            self._said_state = True
+            log.warning("uvaple: %sweight is served from the table file %s and is not in the state dict: a model saved "
+                        "now (save_pretrained) lacks it; save from the checkpoint the file was written from", prefix,
+                        "(none yet)" if self._table is None else self._table.path)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

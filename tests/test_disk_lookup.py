@@ -311,11 +311,16 @@ def test_bad_options_and_calls_are_named(tmp_path, device):
             make_lookup("uva", f, device=device)
         cases = [
             (dict(slots=4), ValueError, "the disk placement needs max_rows"),
-            (dict(max_rows=4), ValueError, "give a row cache its size as slots= or as budget_bytes="),
-            (dict(max_rows=4, slots=4, budget_bytes=1 << 20), ValueError, "one of them"),
+            (dict(max_rows=4), ValueError, "needs exactly one of budget_bytes .* or slots .* got neither"),
+            (dict(max_rows=4, slots=4, budget_bytes=1 << 20), ValueError, "got budget_bytes and slots"),
             (dict(max_rows=4, budget_bytes=3), ValueError, "budget must hold at least one row"),
-            (dict(max_rows=4, slots=4, steps_in_flight=0), ValueError, "steps_in_flight must be an int >= 1"),
+            (dict(max_rows=4, budget_bytes="4G"), ValueError, "budget_bytes must be a positive int, got '4G'"),
+            (dict(max_rows=4, slots=64.0), ValueError, "slots must be a positive int, got 64.0"),
+            (dict(max_rows=4, slots=4, steps_in_flight=0), ValueError, "steps_in_flight must be a positive int"),
+            (dict(max_rows=4, slots=4, read_depth=0), ValueError, "read_depth must be a positive int, got 0"),
             (dict(max_rows=4, slots=4, wait_s=-1), ValueError, "wait_s must be a number of seconds > 0"),
+            (dict(max_rows=4, slots=4, dedup=True), ValueError, "takes no option \\['dedup'\\] \\(its options: "
+                                                                "\\['budget_bytes', 'dequant_scale', 'hot_rows'"),
             (dict(max_rows=4, slots=4, dequant_scale=torch.ones(1)), ValueError, "dequant_scale is for fp8_global"),
         ]
         for kw, error, match in cases:

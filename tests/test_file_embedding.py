@@ -127,7 +127,7 @@ def test_a_file_is_reused_only_when_its_header_names_the_same_source(tmp_path):
 def test_a_long_write_says_how_far_it_is(tmp_path, monkeypatch, caplog):
     from uvaple.integration import file_embedding
 
-    monkeypatch.setattr(file_embedding._progress_log, "__defaults__", (0.0,))  # say it at every block
+    monkeypatch.setattr(file_embedding._progress, "__defaults__", (0.0,))  # say it at every block
     rows = rand(200_000, 8, torch.bfloat16, seed=18)  # 782 data pages: four of the writer's blocks
     with caplog.at_level("INFO", logger="uvaple.integration.file_embedding"):
         table_file_for(tmp_path / "p.uvtable", RowSource.of(rows), what="a long table").close()
@@ -196,8 +196,10 @@ def test_every_misuse_is_named(tmp_path):
     try:
         for bad, match in [(dict(max_tokens=None), "build the embedding with max_tokens"),
                            (dict(backend="uva"), "served by \\['disk'\\], not 'uva'"),
-                           (dict(backend_options={}), "the disk placement needs one of \\['budget_bytes', 'slots'\\]"),
-                           (dict(backend_options={"slots": 9, "budget_bytes": 4096}), "needs one of"),
+                           (dict(backend_options={}), "needs exactly one of budget_bytes .* got neither"),
+                           (dict(backend_options={"slots": 9, "budget_bytes": 4096}), "got budget_bytes and slots"),
+                           (dict(backend_options={"slots": 7}), "holds 7 rows of 48 B, and a call may bring 8 "
+                                                                "distinct rows: give budget_bytes >= 384"),
                            (dict(backend_options={**DISK, "budget_byte": 1}), "takes no option \\['budget_byte'\\]"),
                            (dict(backend_options={**DISK, "quantize": "fp8_row"}, embed_scale=16.0),
                             "quantises its rows as they are, not times embed_scale=16.0"),
@@ -214,7 +216,7 @@ def test_every_misuse_is_named(tmp_path):
             FileEmbedding(ROWS, DIM, HostTable.from_tensor(rows), **{**kw, "own_file": True})
         with pytest.raises(ValueError, match="the disk placement serves a table file, and this embedding's table is"):
             HostScaledEmbedding(ROWS, DIM, backend="disk")
-        with pytest.raises(ValueError, match="backend must be one of \\('uva', 'device', 'copy'\\), got 'tpu'"):
+        with pytest.raises(ValueError, match="backend must be one of \\('uva', 'device', 'copy', 'disk'\\), got 'tpu'"):
             HostScaledEmbedding(ROWS, DIM, backend="tpu")
         host = HostScaledEmbedding(ROWS, DIM, table=HostTable.from_tensor(rows), own_table=True)
         with pytest.raises(ValueError, match="the disk placement serves a table file"):
@@ -305,3 +307,28 @@ def test_compiled_code_calls_the_disk_lookup_eagerly_and_fullgraph_names_why(tmp
     finally:
         torch._dynamo.reset()
         emb.close()
+
+
+def test_a_second_writer_of_a_folder_waits_for_the_first_then_reuses_its_file(tmp_path):
+    """Two processes loading the same tables into one folder: the folder's lock has the second wait while the first
+    writes, then open the file the first wrote (never write it twice, nor both run out of space)."""
+    import fcntl
+    import threading
+
+    rows = rand(ROWS, DIM, torch.bfloat16, seed=21)
+    path = tmp_path / "t.uvtable"
+    got = {}
+    fd = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the first writer holds the folder (its own open: another lock owner)
+    second = threading.Thread(target=lambda: got.update(file=table_file_for(path, RowSource.of(rows),
+                                                                            source_id="ckpt")))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and not path.exists()  # waiting
+    write_table_file(path, rows, source_id="ckpt")  # the first writes it
+    inode = os.stat(path).st_ino
+    os.close(fd)  # and lets go
+    second.join(30)
+    assert not second.is_alive() and os.stat(path).st_ino == inode  # reused, not written again
+    with got["file"] as f:
+        assert torch.equal(f.read_rows(torch.arange(ROWS)), rows)

@@ -6,7 +6,6 @@ On CPU the gather runs under Triton's interpreter; on CUDA the same tests run co
 from __future__ import annotations
 
 import gc
-import inspect
 
 import pytest
 import torch
@@ -176,12 +175,12 @@ def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeyp
     assert BACKENDS == ("uva", "device", "copy", "disk") and vllm_config.PLACEMENTS == ("uva", "device", "copy")
     assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split", "disk"]
     assert vllm_config.REFUSED_PLACEMENTS["disk"] == PLACEMENTS["disk"].engine_refusal
-    # the options an entry declares are those its lookup takes (checked before work that a bad one would waste)
-    from uvaple.integration import DiskLookup
-
-    takes = set(inspect.signature(DiskLookup.__init__).parameters) - {"self", "table", "spec", "device", "owns_table",
-                                                                       "max_rows"}
-    assert PLACEMENTS["disk"].options == takes and set(PLACEMENTS["disk"].needs_one_of) <= takes
+    # an entry checks the options its lookups would refuse, before work that a bad one would waste
+    PLACEMENTS["disk"].check_options({"slots": 8, "read_depth": 4, "hot_rows": [1]}, max_rows=8, row_bytes=16)
+    with pytest.raises(ValueError, match="holds 7 rows of 16 B, and a call may bring 8 distinct rows: give "
+                                         "budget_bytes >= 128 \\(128 B\\) or slots >= 8"):
+        PLACEMENTS["disk"].check_options({"budget_bytes": 127}, max_rows=8, row_bytes=10)
+    PLACEMENTS["uva"].check_options({"anything": 1})  # its lookups check their own options when built
     assert PLACEMENTS["split"].model_refusal and PLACEMENTS["split"].engine_refusal is None
     assert [n for n, p in PLACEMENTS.items() if p.graph_refusal] == ["split", "copy", "disk"]
 

@@ -33,6 +33,7 @@ from uvaple.kernels.encodings import quantize_fp8_rows  # noqa: E402
 from uvaple.uva import TableFile, TableFileError  # noqa: E402
 
 SLOTS = 48  # rows each layer's cache holds: fewer than the rows a prefill and four decode steps read, so steps evict
+MAX_TOKENS = 12  # tokens a forward brings at most: 48 rows (4 heads a token), as many as a cache holds
 STEPS = 4
 
 
@@ -56,7 +57,8 @@ def want(checkpoint):
 
 
 def disk(folder, **options) -> dict:
-    return dict(backend="disk", backend_options={"table_dir": str(folder), "slots": SLOTS, **options}, max_tokens=16)
+    return dict(backend="disk", backend_options={"table_dir": str(folder), "slots": SLOTS, **options},
+                max_tokens=MAX_TOKENS)
 
 
 def files(folder) -> dict:
@@ -70,15 +72,20 @@ def close(model) -> None:
 
 
 def test_loaded_tables_are_files_served_with_transformers_bits_and_reused_while_the_checkpoint_is_the_same(
-        checkpoint, want, tmp_path):
+        checkpoint, want, tmp_path, caplog):
     model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
     written = files(tmp_path)
     assert list(written) == [f"qwen4_exp_ngram_layer{i:03d}_raw.uvtable" for i in range(3)]
     for mod in ngram_modules(model):
         emb = mod.ngram_embedding
-        assert isinstance(emb, FileEmbedding) and emb.encoding == "raw" and emb.max_tokens == 16 * 4
+        assert isinstance(emb, FileEmbedding) and emb.encoding == "raw" and emb.max_tokens == MAX_TOKENS * 4
     assert not any(p.shape[-1] == 8 and p.shape[0] >= 240 for p in model.parameters())  # no table in memory
-    assert not any("ngram_embedding.weight" in k for k in model.state_dict())  # a serving copy
+    with caplog.at_level("WARNING", logger="uvaple.integration.file_embedding"):
+        assert not any("ngram_embedding.weight" in k for k in model.state_dict())  # a serving copy
+        model.state_dict()  # said once a module
+    said = [r.getMessage() for r in caplog.records if "is not in the state dict" in r.getMessage()]
+    assert len(said) == 3 and "model.layers.0.ple.ple_embedding.ngram_embedding.weight is served from the table " \
+                              "file" in said[0] and "save_pretrained" in said[0]
     got = run_steps(model, prompts((2, 5), seed=7), STEPS)
     assert_same_steps(got, want)
     stats = [mod.ngram_embedding.lookups[0].stats() for mod in ngram_modules(model)]
@@ -190,8 +197,8 @@ def test_a_revert_that_cannot_read_a_file_back_gives_back_the_others_and_names_i
     mods[2].close()
 
 
-def test_a_file_is_written_again_for_another_checkpoint_with_the_same_times_or_another_fp8_format(ref, checkpoint,
-                                                                                                   tmp_path):
+def test_a_file_is_written_again_for_another_checkpoint_with_the_same_times_and_per_fp8_format(ref, checkpoint,
+                                                                                                tmp_path):
     load_qwen4_exp_with_host_ple(checkpoint, **disk(tmp_path / "t"))
     first = files(tmp_path / "t")
     other = tmp_path / "other"
@@ -211,7 +218,7 @@ def test_a_file_is_written_again_for_another_checkpoint_with_the_same_times_or_a
     w = ngram_modules(ref)[0].ngram_embedding.weight
     for q, fmt in [("fp8_row", torch.float8_e4m3fn), ("fp8_row_e5m2", torch.float8_e5m2)]:
         model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path / "q", quantize=q))
-        with TableFile.open(tmp_path / "q" / "qwen4_exp_ngram_layer000_fp8_row.uvtable") as f:
+        with TableFile.open(tmp_path / "q" / f"qwen4_exp_ngram_layer000_{q}.uvtable") as f:  # a file of each
             stored = f.read_rows(torch.arange(f.rows))
         assert torch.equal(stored.view(torch.uint8), quantize_fp8_rows(w, fmt).view(torch.uint8))
         close(model)
@@ -224,7 +231,9 @@ def test_every_missing_setting_is_named_before_any_work(ref, checkpoint, tmp_pat
                       (dict(backend_options={"table_dir": folder, "slots": SLOTS}), "pass max_tokens"),
                       (dict(backend_options={"table_dir": folder, "slots": SLOTS}, max_tokens=0),
                        "max_tokens must be a positive int"),
-                      (dict(backend_options={"table_dir": folder}, max_tokens=16), "needs one of \\['budget_bytes'"),
+                      (dict(backend_options={"table_dir": folder}, max_tokens=16), "needs exactly one of budget_bytes"),
+                      (dict(backend_options={"table_dir": folder, "slots": 63}, max_tokens=16),
+                       "holds 63 rows of 16 B, and a call may bring 64 distinct rows: give budget_bytes >= 1024"),
                       (dict(backend_options={"table_dir": folder, "budget_byte": 1 << 20}, max_tokens=16),
                        "takes no option \\['budget_byte'\\]")]:
         with pytest.raises(ValueError, match=match):
@@ -241,6 +250,19 @@ def test_every_missing_setting_is_named_before_any_work(ref, checkpoint, tmp_pat
         apply_uvaple_to_qwen4_exp(model, **disk(tmp_path, quantize="fp8_row"))
     with pytest.raises(ValueError, match="not served by the class patch.*load_qwen4_exp_with_host_ple"):
         apply_uvaple_to_qwen4_exp(**disk(tmp_path))
+    with pytest.raises(ValueError, match="table_dir'\\] is the folder of table files, which backend='uva' does not"):
+        apply_uvaple_to_qwen4_exp(model, backend_options={"table_dir": folder})
+    with pytest.raises(ValueError, match="backend must be one of \\('uva', 'device', 'copy', 'disk'\\), got 'dsik'"):
+        apply_uvaple_to_qwen4_exp(model, backend="dsik")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # "~" is the user's folder, not a folder named "~"
+    with apply_uvaple_to_qwen4_exp(model, **{**disk("~/tables"), "max_tokens": 2}) as patch:
+        assert (tmp_path / "home" / "tables").is_dir() and not os.path.exists("~")
+        with pytest.raises(ValueError, match="3 tokens in one forward, but this model's n-gram layers were built for "
+                                             "max_tokens=2"):
+            model(prompts((1, 3), seed=3))
+        with pytest.raises(ValueError, match="modules are uvaple's already .* set_backend"):
+            apply_uvaple_to_qwen4_exp(model, **disk(tmp_path))
+        assert len(patch.modules) == 3
     with pytest.raises(ValueError, match="serves table files, which uvaple writes for the PLE tables of \\['qwen4"):
         hf.apply_uvaple(model_type="gemma3n_text", backend="disk")
     with pytest.raises(ValueError, match="serves table files.*use 'uva'"):
@@ -295,7 +317,7 @@ def test_gpu_generate_compiled_by_transformers_with_a_static_cache_calls_the_fil
     want = host.generate(prompt, disable_compile=True, **kw)
     patch.revert()
     model = copy.deepcopy(ref).float().cuda()
-    patch = apply_uvaple_to_qwen4_exp(model, **{**disk(tmp_path), "max_tokens": 64})
+    patch = apply_uvaple_to_qwen4_exp(model, **{**disk(tmp_path, slots=256), "max_tokens": 64})
     assert torch.equal(model.generate(prompt, disable_compile=True, **kw), want)
     torch._dynamo.reset()
     try:

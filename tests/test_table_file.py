@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -79,6 +81,14 @@ def test_a_host_table_and_a_safetensors_tensor_write_the_same_file(tmp_path):
     write_table_file(tmp_path / "link.uvt", data, overwrite=True)
     assert (tmp_path / "link.uvt").is_symlink() and (tmp_path / "disk" / "d.uvt").read_bytes() == a
     assert sorted(os.listdir(tmp_path / "disk")) == ["d.uvt"]
+    # a writer killed part way leaves its partial file: the next writer of the path removes it, not a live one's
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for pid in (int(dead.stdout), os.getppid()):
+        (tmp_path / f"e.uvt.partial.{pid}").write_bytes(b"left by a writer")
+    (tmp_path / "e.uvt.partial.x").write_bytes(b"not a writer's")
+    write_table_file(tmp_path / "e.uvt", data)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("e.uvt")) == \
+        ["e.uvt", f"e.uvt.partial.{os.getppid()}", "e.uvt.partial.x"]
 
 
 def test_a_page_holds_host_table_rows_as_they_are(tmp_path):

@@ -16,7 +16,7 @@ any page into a page-aligned buffer:
 * the sums: one CRC-32 (zlib's) per data page, little-endian uint32, zero-padded to a page.
 
 Written once (:func:`write_table_file`): into ``PATH.partial.<pid>`` (the writer's own: two writers of one path
-never share it), the data pages and their sums by several
+never share it; one left by a writer that was killed is removed by the next), the data pages and their sums by several
 threads (each a range of pages, from a tensor, a :class:`~uvaple.uva.HostTable`, a safetensors tensor read
 in blocks, or a :class:`RowSource` that computes its rows block by block, such as a quantiser over one of
 those, so a table larger than host memory streams through), then ``fsync``, then the header with
@@ -57,7 +57,8 @@ from .errors import UvapleError
 from .memory import row_stride_bytes
 from .workers import default_threads, parallel
 
-__all__ = ["TableFile", "FileLayout", "TableFileError", "RowSource", "write_table_file", "PAGE", "MAGIC"]
+__all__ = ["TableFile", "FileLayout", "TableFileError", "RowSource", "write_table_file", "remove_dead_partials", "PAGE",
+           "MAGIC"]
 
 PAGE = 4096
 MAGIC = b"UVAPLE-TABLE\x00\x00v1"
@@ -273,6 +274,7 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
         raise TableFileError(f"{path} exists: pass overwrite=True to replace it, or another path")
     if os.path.isdir(path):
         raise TableFileError(f"{path} is a directory: give the table file's own path")
+    remove_dead_partials(path)
     partial = f"{path}.partial.{os.getpid()}"
     threads = max(1, threads or default_threads())
     sums = np.zeros(layout.sums_pages * PAGE // 4, dtype="<u4")
@@ -347,6 +349,37 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     finally:
         os.close(folder)
     return layout
+
+
+def remove_dead_partials(path: str | os.PathLike) -> list[str]:
+    """Remove the partial files a writer of ``path`` left when it was killed (``PATH.partial.<pid>`` of a process
+    that no longer runs; a live writer's is kept); returns their paths."""
+    path = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(path))
+    removed = []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return removed
+    prefix = name + ".partial."
+    for entry in entries:
+        pid = entry[len(prefix):]
+        if not entry.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, entry))
+            removed.append(os.path.join(folder, entry))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _described(t) -> str:
@@ -503,7 +536,8 @@ class TableFile:
         for k, page in enumerate(pages):
             if zlib.crc32(out[k].numpy()) != int(self._sums[page]):
                 raise TableFileError(f"{self.path}: data page {int(page)} does not match its sum (the file was "
-                                     "changed or damaged after it was written): write it again")
+                                     "changed or damaged after it was written): delete it and write it again (a "
+                                     "model's loader reuses a table file by its header alone)")
         return out
 
     def read_rows(self, rows, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -237,9 +237,8 @@ def _swap_live(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
                for parent in model.modules()
                for name, child in parent.named_children()
                if name == spec.attr and isinstance(child, module_class)]
-    if not targets and not any(isinstance(m, HostScaledEmbedding) for m in model.modules()):
-        raise ValueError(f"{type(model).__name__} has no {spec.attr!r} module of type "
-                         f"{module_class.__name__}")
+    if not targets:
+        _no_targets(model, spec, module_class, HostScaledEmbedding)
     for parent, name, child in targets:
         weight = child.weight
         device, dtype = weight.device, weight.dtype
@@ -261,14 +260,23 @@ def _swap_live(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
     return patch
 
 
+def _no_targets(model: nn.Module, spec: PleSpec, module_class, drop_in) -> None:
+    """The error of a live model with no PLE module left to swap: none at all, or uvaple's drop-ins already."""
+    if any(isinstance(m, drop_in) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__}'s {spec.attr!r} modules are uvaple's already (a patch applied "
+                         "before, or a model built or loaded with uvaple): to serve them another way call each "
+                         "module's set_backend(...), or revert() the patch that put them there and apply again")
+    raise ValueError(f"{type(model).__name__} has no {spec.attr!r} module of type {module_class.__name__}")
+
+
 def _swap_replacement(model: nn.Module, spec: PleSpec, opts: dict) -> UvaplePatch:
     """Replace every ``spec.attr`` module of ``module_class`` by the spec's drop-in (a subclass), built from it."""
     module_class, drop_in = _resolve(spec.module_class), _resolve(spec.replacement)()
     patch = UvaplePatch("model")
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if name == spec.attr and isinstance(child, module_class) and not isinstance(child, drop_in)]
-    if not targets and not any(isinstance(m, drop_in) for m in model.modules()):
-        raise ValueError(f"{type(model).__name__} has no {spec.attr!r} module of type {module_class.__name__}")
+    if not targets:
+        _no_targets(model, spec, module_class, drop_in)
     swapped = []  # (child, new, freed): the sources are freed once every module is swapped
     try:
         for parent, name, child in targets:

@@ -50,7 +50,7 @@ from uvaple.uva.errors import CheckpointError
 from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
 from uvaple.uva.memory import row_stride_bytes
 from uvaple.uva.system import PAGE_SIZE, mem_available_bytes, round_up
-from uvaple.uva.table_file import FileLayout
+from uvaple.uva.table_file import FileLayout, remove_dead_partials
 
 from ..embedding import QUANTIZE
 from ..encoded_embedding import HostEncodedEmbedding
@@ -339,12 +339,17 @@ def check_file_options(backend: str, backend_options: dict | None, max_tokens) -
     """For a placement that reads table files (``disk``): the folder of the table files (``backend_options
     ["table_dir"]``), and ``max_tokens`` given; named errors otherwise. None for the other placements."""
     entry = PLACEMENTS.get(backend) if isinstance(backend, str) else None
-    if entry is None or not entry.reads_file:
-        return None
     folder = (backend_options or {}).get("table_dir")
+    if entry is None or not entry.reads_file:
+        if folder is not None and entry is not None:
+            readers = [name for name, p in PLACEMENTS.items() if p.reads_file]
+            raise ValueError(f"backend_options['table_dir'] is the folder of table files, which backend={backend!r} "
+                             f"does not read: drop it, or serve the tables with {readers}")
+        return None
     if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
         raise ValueError(f"backend={backend!r} serves each n-gram table from a table file: give their folder as "
                          "backend_options['table_dir'] (written there once, reused while the checkpoint is the same)")
+    folder = os.path.expanduser(os.fspath(folder))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"backend_options['table_dir'] {os.fspath(folder)!r} is a file, not a folder: give the folder "
                          "the table files go in")
@@ -354,12 +359,13 @@ def check_file_options(backend: str, backend_options: dict | None, max_tokens) -
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     check_options(backend, backend_options)  # before any file is written
-    return os.fspath(folder)
+    return folder
 
 
-def table_file_path(folder: str, layer_idx: int, encoding: str) -> str:
-    """The table file of decoder layer ``layer_idx``'s n-gram table in ``encoding``, in ``folder``."""
-    return os.path.join(folder, f"qwen4_exp_ngram_layer{layer_idx:03d}_{encoding}.uvtable")
+def table_file_path(folder: str, layer_idx: int, form: str) -> str:
+    """The table file of decoder layer ``layer_idx``'s n-gram table in ``folder``, its rows in ``form``: ``raw``,
+    ``fp8_global`` (an fp8 checkpoint's codes) or a ``quantize`` value (``fp8_row``, ``fp8_row_e5m2``)."""
+    return os.path.join(folder, f"qwen4_exp_ngram_layer{layer_idx:03d}_{form}.uvtable")
 
 
 def _source_id(src: LayerSource, encoding: str, fmt: torch.dtype | None) -> str:
@@ -383,6 +389,7 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
     from ..quantize import fp8_row_source
 
     plans = []  # (layer source, path, rows, encoding, source id, reusable)
+    max_tokens = opts["max_tokens"]
     for src in sources:
         rows = RowSource.stacked(src.parts)
         fmt = None
@@ -393,13 +400,17 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
             encoding, rows = "fp8_row", fp8_row_source(rows, fmt)
         else:
             encoding = "raw"
-        path = table_file_path(folder, src.layout.layer_idx, encoding)
+        # each layer's cache holds a forward's rows: its tokens' ids of every head
+        check_options(opts["backend"], opts.get("backend_options"), max_rows=max_tokens * len(src.layout.head_sizes),
+                      row_bytes=rows.cols * rows.dtype.itemsize)
+        path = table_file_path(folder, src.layout.layer_idx, quantize or encoding)
         sid = _source_id(src, encoding, fmt)
         plans.append((src, path, rows, encoding, sid, _written_from(path, rows, encoding, sid)))
     # the files are written one at a time, each beside the one it replaces until it is renamed over it: the most
     # the folder's disk must hold at once beyond what it holds now
     peak = extra = 0
     for _, path, r, enc, _, ok in plans:
+        remove_dead_partials(path)  # a killed load's leftovers are not in the way
         if not ok:
             extra += FileLayout.of(r.rows, r.cols, r.dtype, enc).file_bytes
             peak = max(peak, extra)

@@ -186,8 +186,8 @@ def _file_embedding(rows: int, dim: int, dtype: torch.dtype, folder: str, layer_
                     **kw) -> FileEmbedding:
     """A layer's :class:`FileEmbedding`, its file in ``folder`` (named by the layer and the encoding a weight
     assigned to it is written in)."""
-    encoding = "raw" if options["backend_options"].get("quantize") is None else "fp8_row"
-    return FileEmbedding(rows, dim, out_dtype=dtype, table_path=table_file_path(folder, layer_idx, encoding),
+    form = options["backend_options"].get("quantize") or "raw"
+    return FileEmbedding(rows, dim, out_dtype=dtype, table_path=table_file_path(folder, layer_idx, form),
                          **options, **kw)
 
 
@@ -292,6 +292,10 @@ class _HostNGram:
         """``input_ids [B, S]`` -> ``[B, S, ngram_heads * head_dim]`` on the ids' device; updates ``cache``."""
         cache = cache if cache is not None else past_key_values
         ids = input_ids.long()
+        cap = getattr(self.ngram_embedding, "max_tokens", None)  # in rows: ngram_heads a token
+        if cap is not None and ids.numel() * self.ngram_heads > cap:
+            raise ValueError(f"{ids.numel()} tokens in one forward, but this model's n-gram layers were built for "
+                             f"max_tokens={cap // self.ngram_heads}; load or patch it with a larger max_tokens")
         ctx = self.context_len
         stored = _cached_context(cache, self.layer_idx)
         before = ids.new_full((ids.shape[0], ctx), self.eos_token_id) if stored is None else stored

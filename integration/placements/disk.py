@@ -50,6 +50,7 @@ evictions and the pages read; no synchronisation.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -57,9 +58,10 @@ import time
 import numpy as np
 import torch
 
+from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import GatherPlan
-from uvaple.uva import HostTable, PageReader, RowCache, RowCacheFull, TableFile
+from uvaple.uva import HostTable, PageReader, RowCache, RowCacheFull, TableFile, row_stride_bytes
 
 from ..errors import DiskStepTimeout, DiskStreamError
 from ..lookup import Lookup
@@ -69,6 +71,7 @@ from ..telemetry import Progress
 __all__ = ["DiskLookup", "DiskStepTimeout", "DiskStreamError"]
 
 _POLL_S = 0.0002  # how often a full step looks at the completion word again
+_NOT_OPTIONS = {"self", "table", "spec", "device", "owns_table", "max_rows"}  # the constructor's other parameters
 #: why torch.compile runs a call eagerly (a graph break), and what ``fullgraph=True`` names when it refuses one
 _EAGER = ("the disk placement plans each call on the host (the ids read there, the cache's map, reads from the "
           "file): a compiled model calls it eagerly, and fullgraph=True cannot hold it; compile with graph breaks "
@@ -113,6 +116,37 @@ class DiskLookup(Lookup):
     """
 
     kind = "disk"
+
+    @classmethod
+    def check_options(cls, options: dict, *, max_rows: int | None = None, row_bytes: int | None = None) -> None:
+        """A ValueError naming an option this lookup would refuse: one it does not take, a size given as neither or
+        both of ``budget_bytes`` and ``slots``, a count or a time that is not positive; with ``max_rows`` and
+        ``row_bytes`` (a row's bytes in the file), a cache too small to hold a call of ``max_rows`` distinct rows
+        (such a call would be :class:`~uvaple.uva.RowCacheFull`)."""
+        takes = sorted(set(inspect.signature(cls.__init__).parameters) - _NOT_OPTIONS)
+        unknown = sorted(k for k in options if k not in takes)
+        if unknown:
+            raise ValueError(f"the disk placement takes no option {unknown} (its options: {takes})")
+        given = [k for k in ("budget_bytes", "slots") if options.get(k) is not None]
+        if len(given) != 1:
+            raise ValueError("the disk placement needs exactly one of budget_bytes (bytes of host memory) or slots "
+                             f"(rows) as its row cache's size, got {' and '.join(given) if given else 'neither'}")
+        for key in ("budget_bytes", "slots", "steps_in_flight", "read_depth"):
+            value = options.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"the disk placement's {key} must be a positive int, got {value!r}")
+        for key in ("wait_s", "read_timeout_s"):
+            value = options.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"the disk placement's {key} must be a number of seconds > 0, got {value!r}")
+        if max_rows is None or row_bytes is None:
+            return
+        stride = row_stride_bytes(row_bytes)
+        slots = options.get("slots") or options["budget_bytes"] // stride
+        if slots < max_rows:
+            raise ValueError(f"the disk placement's row cache holds {slots} rows of {fmt_bytes(stride)}, and a call "
+                             f"may bring {max_rows} distinct rows: give budget_bytes >= {max_rows * stride} "
+                             f"({fmt_bytes(max_rows * stride)}) or slots >= {max_rows}")
 
     def __init__(self, table: TableFile, spec: TableSpec | None = None, device=None, *, owns_table: bool = False,
                  max_rows: int | None = None, budget_bytes: int | None = None, slots: int | None = None,
