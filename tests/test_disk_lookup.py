@@ -346,6 +346,16 @@ def test_bad_options_and_calls_are_named(tmp_path, device):
         make_lookup("disk", str(tmp_path / "missing.uvt"), device=device, max_rows=4, slots=4)
 
 
+def test_a_row_cache_larger_than_host_memory_is_named_by_its_own_option(tmp_path, device, monkeypatch):
+    from uvaple.uva import HostMemoryError, system
+
+    write_table_file(tmp_path / "t.uvt", rand(900, 40, torch.bfloat16, seed=11))
+    monkeypatch.setattr(system, "mem_available_bytes", lambda: 8 << 10)  # less than the 900 rows' 72 KiB
+    with pytest.raises(HostMemoryError, match="the disk placement's row cache \\(budget_bytes=1099511627776, "
+                                              "slots=None\\) does not fit in host memory: give it a smaller"):
+        make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=4, budget_bytes=1 << 40)
+
+
 def test_a_forked_child_is_refused_by_name(tmp_path, device):
     if device.type == "cuda":
         pytest.skip("a CUDA parent does not fork (its tests use spawn)")

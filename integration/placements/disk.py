@@ -61,7 +61,7 @@ import torch
 from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import GatherPlan
-from uvaple.uva import HostTable, PageReader, RowCache, RowCacheFull, TableFile, row_stride_bytes
+from uvaple.uva import HostMemoryError, HostTable, PageReader, RowCache, RowCacheFull, TableFile, row_stride_bytes
 
 from ..errors import DiskStepTimeout, DiskStreamError
 from ..lookup import Lookup
@@ -172,7 +172,12 @@ class DiskLookup(Lookup):
         on_gpu = self.device.type == "cuda"
         index = self.device.index if on_gpu else None
         register = True if on_gpu else "auto"  # the GPU reads the slots and the staging through UVA
-        self.cache = RowCache.for_file(table, slots=slots, budget_bytes=budget_bytes, register=register, device=index)
+        try:
+            self.cache = RowCache.for_file(table, slots=slots, budget_bytes=budget_bytes, register=register,
+                                           device=index)
+        except HostMemoryError as e:
+            raise HostMemoryError(f"the disk placement's row cache (budget_bytes={budget_bytes}, slots={slots}) does "
+                                  f"not fit in host memory: give it a smaller budget_bytes or slots ({e})") from None
         self._staging = self._reader = None
         try:
             per_row = max(1, table.layout.pages_per_row)  # a round of the reader holds a whole step where it can
