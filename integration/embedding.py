@@ -79,6 +79,11 @@ _INIT_BLOCK_BYTES = 64 << 20
 _local = threading.local()
 
 
+class TooManyIds(ValueError):
+    """More ids in one forward than the module's ``max_tokens`` holds (a module counting in other units, such as
+    Qwen4Exp's n-gram layer in tokens, restates it)."""
+
+
 def _excluded() -> bool:
     return getattr(_local, "exclude", 0) > 0
 
@@ -307,6 +312,11 @@ class HostScaledEmbedding(nn.Module):
             self._close_backends()  # a device copy would be stale
             self._table.write_rows(weight)
 
+    def read_table(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The table's values as a CPU tensor: here the host table's own rows as stored (no copy; ``dtype`` is for
+        the encoded and file tables, which make them)."""
+        return self.weight
+
     def _checked_weight(self, weight) -> bool:
         """Whether ``weight`` holds rows to load: a tensor of this module's shape (a named error otherwise), not on
         the meta device."""
@@ -493,7 +503,7 @@ class HostScaledEmbedding(nn.Module):
         for d in shape:
             n *= d
         if n > static.shape[0]:
-            raise ValueError(f"{n} ids in one forward, but this embedding was built with max_tokens="
+            raise TooManyIds(f"{n} ids in one forward, but this embedding was built with max_tokens="
                              f"{static.shape[0]}; build it with a larger max_tokens")
         return lookup, static[:n].view(*shape, self.embedding_dim)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from uvaple.kernels.encodings import FP8_FORMATS, ROW_SCALE_BYTES
+from uvaple.kernels.encodings import ENCODINGS, FP8_FORMATS, ROW_SCALE_BYTES
 from uvaple.uva import HostTable
 
 from .embedding import BACKENDS, HOST_BACKENDS, HostScaledEmbedding
@@ -113,6 +113,11 @@ class HostEncodedEmbedding(HostScaledEmbedding):
             options["dequant_scale"] = self.weight_scale.to(device=device, dtype=torch.float32)
         return self._table, TableSpec.of(self._table, encoding=self.encoding, oob=self.oob,
                                          out_dtype=self.compute_dtype)
+
+    def read_table(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rows as served, in ``dtype`` (default the output dtype): the codes through the entry's reference."""
+        return ENCODINGS[self.encoding].dequantise(self.weight, dtype or self.compute_dtype,
+                                                   getattr(self, "weight_scale", None))
 
     @property
     def quant_error(self):

@@ -47,7 +47,7 @@ from .factory import placement
 from .spec import TableSpec
 
 __all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "make_folder", "FILE_ENCODINGS",
-           "MODULE_OPTIONS"]
+           "MODULE_OPTIONS", "LOADER_OPTIONS"]
 
 log = logging.getLogger("uvaple.integration.file_embedding")
 
@@ -55,8 +55,10 @@ log = logging.getLogger("uvaple.integration.file_embedding")
 PROGRESS_EVERY_S = 10.0
 #: the encodings a file embedding serves
 FILE_ENCODINGS = ("raw", "fp8_row", "fp8_global")
+#: ``backend_options`` a model's entry point consumes (where its table files go, whether its source is kept)
+LOADER_OPTIONS = ("table_dir", "keep_source")
 #: ``backend_options`` the module (or the model's entry point) consumes, never passed to the placement
-MODULE_OPTIONS = ("quantize", "table_dir", "keep_source")
+MODULE_OPTIONS = ("quantize", *LOADER_OPTIONS)
 
 
 def _width(encoding: str, dim: int) -> int:
@@ -100,19 +102,15 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
     otherwise the file is written (replacing one there, whose source differs), then opened. Without a
     ``source_id`` (a live module's rows: nothing identifies them) the file is always written."""
     path = os.fspath(path)
-    file = reusable(path, rows, encoding, source_id)
-    if file is not None:
-        log.info("uvaple: %s <- %s (the table file written before, from the same source)", what, path)
-        return file
-    if os.path.exists(path):
-        log.warning("uvaple: %s does not hold %s as its header names them: writing it again", path, what)
     folder = os.path.dirname(os.path.abspath(path))
     make_folder(folder)
     with _folder_lock(folder):  # one writer a folder: another process loading the same files waits, then reuses
-        file = reusable(path, rows, encoding, source_id)  # written by that process meanwhile
+        file = reusable(path, rows, encoding, source_id)  # (written before, or by that process meanwhile)
         if file is not None:
-            log.info("uvaple: %s <- %s (written by another process meanwhile)", what, path)
+            log.info("uvaple: %s <- %s (the table file written before, from the same source)", what, path)
             return file
+        if os.path.exists(path):
+            log.warning("uvaple: %s does not hold %s as its header names them: writing it again", path, what)
         started = time.monotonic()
         log.info("uvaple: writing %s to %s (%d rows, %s)", what, path, rows.rows, encoding)
         bar = tqdm(total=rows.rows, desc=f"uvaple: writing {what}", unit="row", unit_scale=True, delay=2.0,
@@ -316,16 +314,17 @@ class FileEmbedding(HostScaledEmbedding):
             file.close()
             raise
 
-    def read_table(self) -> torch.Tensor:
+    def read_table(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole table as a CPU tensor of values: a ``raw`` file's rows as stored, an encoded file's
-        dequantised to the output dtype (its entry's reference). Reads every page (checked against its sum)."""
+        dequantised to ``dtype`` (default the output dtype; its entry's reference). Reads every page (checked
+        against its sum)."""
         if self._table is None:
             raise RuntimeError("this file embedding has no table file yet")
         stored = self._table.read_rows(torch.arange(self.num_embeddings))
         if self._table.encoding == "raw":
             return stored
         scale = getattr(self, "weight_scale", None)
-        return ENCODINGS[self._table.encoding].dequantise(stored, self.compute_dtype, scale)
+        return ENCODINGS[self._table.encoding].dequantise(stored, dtype or self.compute_dtype, scale)
 
     # ------------------------------------------------------------------ lookups
     def _served(self, options: dict, device: torch.device) -> tuple:

@@ -388,7 +388,7 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
     the first is written."""
     from ..quantize import fp8_row_source
 
-    plans = []  # (layer source, path, rows, encoding, source id, reusable)
+    plans = []  # (layer source, path, rows, encoding, source id, the file there if it is reused, open)
     max_tokens = opts["max_tokens"]
     for src in sources:
         rows = RowSource.stacked(src.parts)
@@ -405,13 +405,32 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
                       row_bytes=rows.cols * rows.dtype.itemsize)
         path = table_file_path(folder, src.layout.layer_idx, quantize or encoding)
         sid = _source_id(src, encoding, fmt)
-        plans.append((src, path, rows, encoding, sid, _written_from(path, rows, encoding, sid)))
-    # the files are written one at a time, each beside the one it replaces until it is renamed over it: the most
-    # the folder's disk must hold at once beyond what it holds now
+        plans.append((src, path, rows, encoding, sid, reusable(path, rows, encoding, sid)))
+    tables = NGramTables(opts)
+    try:
+        _check_space(folder, plans)
+        for src, path, rows, encoding, sid, kept in plans:
+            lay = src.layout
+            what = f"PLE layer {lay.ple_index + 1} of {len(plans)} (decoder layer {lay.layer_idx})'s n-gram table"
+            file = kept or table_file_for(path, rows, encoding=encoding, source_id=sid, what=what)
+            tables.tables[src.layout.layer_idx] = ("file", file, None if src.scale is None else _read_scale(src.scale))
+    except BaseException:
+        handed = {id(entry[1]) for entry in tables.tables.values()}
+        tables.close()
+        for *_, kept in plans:  # the files kept open for reuse and not handed over yet
+            if kept is not None and id(kept) not in handed:
+                kept.close()
+        raise
+    return tables
+
+
+def _check_space(folder: str, plans: list) -> None:
+    """The files are written one at a time, each beside the one it replaces until it is renamed over it: the most
+    the folder's disk must hold at once beyond what it holds now, against its free space (a TableFileError)."""
     peak = extra = 0
-    for _, path, r, enc, _, ok in plans:
+    for _, path, r, enc, _, kept in plans:
         remove_dead_partials(path)  # a killed load's leftovers are not in the way
-        if not ok:
+        if kept is None:
             extra += FileLayout.of(r.rows, r.cols, r.dtype, enc).file_bytes
             peak = max(peak, extra)
             extra -= os.path.getsize(path) if os.path.exists(path) else 0
@@ -422,23 +441,3 @@ def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: 
             raise TableFileError(f"the n-gram table files to write in {folder} need {fmt_bytes(peak)} more on its disk "
                                  f"(each new file is written beside the one it replaces); it has {fmt_bytes(free)} "
                                  "free: free space, or give backend_options['table_dir'] on a larger disk")
-    tables = NGramTables(opts)
-    try:
-        for src, path, rows, encoding, sid, _ in plans:
-            lay = src.layout
-            what = f"PLE layer {lay.ple_index + 1} of {len(plans)} (decoder layer {lay.layer_idx})'s n-gram table"
-            file = table_file_for(path, rows, encoding=encoding, source_id=sid, what=what)
-            tables.tables[src.layout.layer_idx] = ("file", file, None if src.scale is None else _read_scale(src.scale))
-    except BaseException:
-        tables.close()
-        raise
-    return tables
-
-
-def _written_from(path: str, rows: RowSource, encoding: str, source_id: str) -> bool:
-    """Whether :func:`table_file_for` would reuse the table file at ``path`` (its header alone is read)."""
-    file = reusable(path, rows, encoding, source_id)
-    if file is None:
-        return False
-    file.close()
-    return True

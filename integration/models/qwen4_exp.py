@@ -74,11 +74,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uvaple.kernels.encodings import ENCODINGS
-
-from ..embedding import HostScaledEmbedding, quantize_format
+from ..embedding import HostScaledEmbedding, TooManyIds, quantize_format
 from ..encoded_embedding import HostEncodedEmbedding
-from ..file_embedding import FileEmbedding
+from ..file_embedding import LOADER_OPTIONS, FileEmbedding
 from ..quantize import fp8_row_table
 from .hf import apply_uvaple, from_pretrained_with_host_tables
 from .ngram_tables import NoPleLayersError, check_file_options, table_file_path
@@ -151,7 +149,7 @@ def _cached_context(cache, layer_idx: int) -> torch.Tensor | None:
 def _embedding_options(opts: dict, heads: int) -> dict:
     """The :class:`HostScaledEmbedding` arguments of the module options (``max_tokens`` counts tokens, the
     lookup rows: ``heads`` per token; ``keep_source`` and ``table_dir`` are the loader's)."""
-    options = {k: v for k, v in (opts.get("backend_options") or {}).items() if k not in ("keep_source", "table_dir")}
+    options = {k: v for k, v in (opts.get("backend_options") or {}).items() if k not in LOADER_OPTIONS}
     max_tokens = opts.get("max_tokens")
     return dict(backend=opts.get("backend", "uva"), oob=opts.get("oob") or "zero", backend_options=options,
                 register=opts.get("register", "auto"), max_tokens=None if max_tokens is None else max_tokens * heads)
@@ -273,14 +271,9 @@ class _HostNGram:
         """Give ``child`` its table back, copied from the host table (an encoded table, such as the ``fp8_row``
         one made from the source with ``keep_source=False``, gives its rows as served: its entry's reference)."""
         device, dtype = self._source_place
-        emb = self.ngram_embedding
-        encoding = getattr(emb, "encoding", None)  # an encoded table: its rows as served, through its reference
-        if isinstance(emb, FileEmbedding):  # read back from its file
-            rows = emb.read_table()
-        else:
-            rows = emb.weight if encoding is None else \
-                ENCODINGS[encoding].dequantise(emb.weight, dtype, getattr(emb, "weight_scale", None))
-        child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=rows is emb.weight)
+        rows = self.ngram_embedding.read_table(dtype)  # as served: an encoded or file table's through its reference
+        host = self.ngram_embedding.weight  # the host table's own rows are copied, never aliased
+        child.ngram_embedding.weight.data = rows.to(device=device, dtype=dtype, copy=rows.data_ptr() == host.data_ptr())
 
     def host_embeddings(self) -> list[HostScaledEmbedding]:
         return [self.ngram_embedding]
@@ -292,10 +285,6 @@ class _HostNGram:
         """``input_ids [B, S]`` -> ``[B, S, ngram_heads * head_dim]`` on the ids' device; updates ``cache``."""
         cache = cache if cache is not None else past_key_values
         ids = input_ids.long()
-        cap = getattr(self.ngram_embedding, "max_tokens", None)  # in rows: ngram_heads a token
-        if cap is not None and ids.numel() * self.ngram_heads > cap:
-            raise ValueError(f"{ids.numel()} tokens in one forward, but this model's n-gram layers were built for "
-                             f"max_tokens={cap // self.ngram_heads}; load or patch it with a larger max_tokens")
         ctx = self.context_len
         stored = _cached_context(cache, self.layer_idx)
         before = ids.new_full((ids.shape[0], ctx), self.eos_token_id) if stored is None else stored
@@ -305,9 +294,14 @@ class _HostNGram:
             if stored is None and ids.shape[1] < ctx:  # the cache would pad with zeros: pad with eos
                 keep = F.pad(ids, (ctx - ids.shape[1], 0), value=self.eos_token_id)
             cache.update_conv_state(keep, self.layer_idx, state_idx=2, conv_kernel_size=ctx)
-        rows = self.ngram_embedding.forward_ngrams(  # the rows of ngram_ids's ids: hash and gather in one launch
-            history, eos=self.eos_token_id, multipliers=self.layer_multipliers, sizes=self.ngram_heads_vocab_sizes,
-            offsets=self.ngram_heads_offsets, last=ids.shape[1])
+        try:
+            rows = self.ngram_embedding.forward_ngrams(  # the rows of ngram_ids's ids: hash and gather in one launch
+                history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
+                sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets, last=ids.shape[1])
+        except TooManyIds:  # its max_tokens counts rows, ngram_heads a token: say it in the entry points' tokens
+            raise ValueError(f"{ids.numel()} tokens in one forward, but this model's n-gram layers were built for "
+                             f"max_tokens={self.ngram_embedding.max_tokens // self.ngram_heads}; load or patch it "
+                             "with a larger max_tokens") from None
         return rows.flatten(-2)  # [B, S, heads * dim]
 
 
