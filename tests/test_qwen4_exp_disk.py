@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 
 import pytest
@@ -76,6 +77,11 @@ def test_loaded_tables_are_files_served_with_transformers_bits_and_reused_while_
     model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
     written = files(tmp_path)
     assert list(written) == [f"qwen4_exp_ngram_layer{i:03d}_raw.uvtable" for i in range(3)]
+    with TableFile.open(tmp_path / "qwen4_exp_ngram_layer002_raw.uvtable") as f:  # says what it was written from
+        name = r"model\.layers\.\d+\.ple\.ple_embedding\.ngram_embedding\.shard_0\.weight"
+        at = re.escape(os.path.realpath(checkpoint))
+        want_source = rf"{name} and 2 more shard\(s\) of {at}/\S+ as raw; sha256:[0-9a-f]{{64}}"
+        assert re.fullmatch(want_source, f.source), f.source
     for mod in ngram_modules(model):
         emb = mod.ngram_embedding
         assert isinstance(emb, FileEmbedding) and emb.encoding == "raw" and emb.max_tokens == MAX_TOKENS * 4

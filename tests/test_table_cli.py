@@ -50,7 +50,11 @@ def test_a_raw_table_file_holds_the_tensors_rows_and_a_disk_lookup_serves_them(t
     code, out, _ = run(capsys, "info", path, "--json")
     doc = json.loads(out)
     assert code == 0 and (doc["rows"], doc["cols"], doc["dtype"], doc["encoding"]) == (3001, 40, "bfloat16", "raw")
-    assert doc["file_bytes"] == os.path.getsize(path) and doc["source"] is None  # the command names no source
+    assert doc["file_bytes"] == os.path.getsize(path)
+    assert doc["source"] == f"model.emb.weight of {os.path.realpath(ckpt)} as stored"
+    code, out, _ = run(capsys, "info", path)  # in words: the packing, not a count of 0
+    assert code == 0 and "pages_per_row" not in out and "packing: 51 rows a page" in out
+    assert f"source: model.emb.weight of {os.path.realpath(ckpt)} as stored" in out
     code, out, _ = run(capsys, "verify", path, "--quiet")
     assert code == 0 and f"every one of its {doc['data_pages']:,} data pages matches its sum" in out
     ids = torch.tensor([[0, 3000, 17], [5, -1, 3001]])

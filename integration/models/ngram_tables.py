@@ -50,7 +50,7 @@ from uvaple.uva.errors import CheckpointError
 from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
 from uvaple.uva.memory import row_stride_bytes
 from uvaple.uva.system import PAGE_SIZE, mem_available_bytes, round_up
-from uvaple.uva.table_file import FileLayout, remove_dead_partials
+from uvaple.uva.table_file import MAX_SOURCE, FileLayout, remove_dead_partials
 
 from ..embedding import QUANTIZE
 from ..encoded_embedding import HostEncodedEmbedding
@@ -378,7 +378,14 @@ def _source_id(src: LayerSource, encoding: str, fmt: torch.dtype | None) -> str:
         parts.append([os.path.realpath(info.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                       info.name, info.begin, info.end])
     text = json.dumps({"tensors": parts, "encoding": encoding, "format": str(fmt)}, sort_keys=True)
-    return "checkpoint sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    first = src.parts[0]
+    more = f" and {len(src.parts) - 1} more shard(s)" if len(src.parts) > 1 else ""
+    form = encoding if fmt is None else f"{encoding} {str(fmt).replace('torch.', '')}"
+    readable = f"{first.name}{more} of {os.path.realpath(first.path)} as {form}; {digest}"
+    if len(json.dumps(readable)) > MAX_SOURCE + 2:  # a long or non-ASCII path: the tensor and the digest name it
+        readable = f"{first.name}{more} as {form}; {digest}"
+    return readable if len(json.dumps(readable)) <= MAX_SOURCE + 2 else f"{form}; {digest}"
 
 
 def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: str | None) -> NGramTables:

@@ -28,7 +28,7 @@ import torch
 from uvaple.dtypes import fmt_bytes
 from uvaple.perf import command
 from uvaple.uva import CheckpointError, RowSource, TableFile, TableFileError, UvapleError, write_table_file
-from uvaple.uva.table_file import FileLayout
+from uvaple.uva.table_file import MAX_SOURCE, FileLayout
 
 EXIT_DONE, EXIT_DAMAGED, EXIT_REFUSED, EXIT_FAILED = 0, 1, 2, 3
 EXITS = (f"exit status: {EXIT_DONE} done; {EXIT_DAMAGED} verify found a page that does not match its sum; "
@@ -130,11 +130,21 @@ def write(a) -> int:
     t0 = time.monotonic()
     with _progress(src.rows, "rows written", "row", a.quiet) as progress:
         write_table_file(a.out, src, encoding=a.encoding, overwrite=a.overwrite, threads=a.threads,
-                         progress=progress)
+                         progress=progress, source_id=_source_id(a))
     took = time.monotonic() - t0
     print(f"wrote {a.out}: {fmt_bytes(layout.file_bytes)} in {took:.1f} s "
           f"({layout.file_bytes / max(took, 1e-9) / 1e9:.2f} GB/s)")
     return EXIT_DONE
+
+
+def _source_id(a) -> str | None:
+    """What ``info`` names as the file's source: the tensors, the checkpoint and the form they were written in (the
+    tensors alone where the path is too long for the header)."""
+    form = "as stored" if a.encoding == "raw" else f"as fp8_row {a.fp8 or 'e4m3fn'}"
+    for text in (f"{a.what} of {os.path.realpath(a.source)} {form}", f"{a.what} {form}"):
+        if len(json.dumps(text)) <= MAX_SOURCE + 2:
+            return text
+    return None
 
 
 def info(a) -> int:
@@ -146,7 +156,11 @@ def info(a) -> int:
                "file_bytes": lay.file_bytes, "direct_io": f.direct, "source": f.source}
     if a.json:
         print(json.dumps(doc, indent=1))
-    else:
+    else:  # the packing in words: one of the two counts is 0 by design
+        packing = (f"{lay.rows_per_page} rows a page" if lay.rows_per_page else f"{lay.pages_per_row} pages a row")
+        doc = {("packing" if k == "rows_per_page" else k): (packing if k == "rows_per_page" else v)
+               for k, v in doc.items() if k != "pages_per_row"}
+        doc["source"] = doc["source"] or "not recorded"
         print("\n".join(f"{k:>14}: {v}" for k, v in doc.items()))
     return EXIT_DONE
 
