@@ -29,6 +29,11 @@ bf16 and fp8 at real size do not fit one 128 GiB host together; run it twice for
 ``ceiling``: a table of ``--ceiling-base`` rows a head (9.5 GiB bf16 by default) in HBM (the ``device``
 placement: the ceiling) and the same table through ``uva``, decode tokens/s eager and captured.
 
+``disk`` (named in ``--phases``): a table of ``--disk-base`` rows a head served by ``uva`` and then from table
+files (the ``disk`` placement: the live tables written to ``--scratch``, row caches of ``--disk-fractions``
+of the table), eager: greedy tokens against ``uva``'s, decode tokens/s and one PLE layer's decode step at each
+batch, the caches' hit rates (random ids: the caches miss about as much as they can).
+
 ``startup``: a checkpoint of one ``--startup-gib`` table in ``split_ngram_parts`` = 512 shards written to
 ``--scratch`` (page cache warm): shard check, load into a host table (fill, page commit, registration),
 quantise a host bf16 table to ``fp8_row``, quantise from the shards; each in GB/s of source bytes, with
@@ -57,6 +62,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -408,6 +414,64 @@ def phase_ceiling(run, device):
         ple.ple_embedding.close()
 
 
+def _disk_stats(model) -> dict:
+    """The disk lookups' counts summed over the PLE layers: steps, hits, misses, pages read."""
+    out = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0, "pages_read": 0}
+    for ple in ngram_children(model):
+        for lk in ple.ple_embedding.ngram_embedding.lookups:
+            st = lk.stats()
+            for k in ("steps", "hits", "misses", "evictions"):
+                out[k] += st["cache"][k]
+            out["pages_read"] += st["pages_read"]
+    out["hit_rate"] = out["hits"] / max(1, out["hits"] + out["misses"])
+    return out
+
+
+def phase_disk(run, device):
+    """The disk placement in the model: a table of ``--disk-base`` rows a head served from host memory (``uva``,
+    the ceiling of a host table) and from table files under row caches of ``--disk-fractions`` of it (the
+    live tables written to ``--scratch``), eager: greedy tokens against ``uva``'s, decode tokens/s and one PLE
+    layer's decode step at each batch, the caches' hit rates. The prompts and each step's tokens are random
+    ids: nearly every n-gram is new, so the caches miss about as much as they can (real text repeats)."""
+    from uvaple.integration.models.qwen4_exp import apply_uvaple_to_qwen4_exp
+
+    args = run.args
+    model = build(args, device, args.disk_base)
+    res = run.res.setdefault("disk", {"table_gib": table_bytes(model) / GiB, "fractions": args.disk_fractions})
+    ids = prompts(4, args.prompt_len, model.config.vocab_size, device, 1)
+    folder = os.path.join(args.scratch, f"uvaple_disk_phase_{os.getpid()}")
+    rows = ngram_children(model)[0].ple_embedding.ngram_embedding.num_embeddings  # each layer's table, its cache
+    least = run.max_tokens * model.config.heads_per_ngram * (model.config.ngram_size - 1)  # a forward's rows
+    ref = None
+    try:
+        for name, frac in [("uva", None), *((f"disk_{f:g}", f) for f in args.disk_fractions)]:
+            slots = None if frac is None else max(math.ceil(rows * frac), least)
+            opts = {} if frac is None else dict(backend="disk", backend_options={"table_dir": folder, "slots": slots})
+            with run.step(f"disk phase {name}"):
+                r = res.setdefault(name, {} if frac is None else {"slots": slots, "of_rows": rows})
+                t = time.perf_counter()
+                patch = apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens, **opts)
+                r["swap_s"] = time.perf_counter() - t
+                try:
+                    got = greedy(model, ids, args.new_tokens)
+                    if ref is None:
+                        ref = got
+                    r["tokens_equal_uva"] = bool(torch.equal(got, ref))
+                    layer = ngram_children(model)[0]
+                    for b in args.batches:
+                        r.setdefault("decode_tok_s", {})[b] = decode_rate(model, b, args, device)
+                        r.setdefault("ple_layer_step_us", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
+                    if frac is not None:
+                        r["cache"] = _disk_stats(model)
+                finally:
+                    patch.revert()
+                    shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        del model
+        gc.collect()
+
+
 def phase_startup(run):
     """Startup stage by stage from a sharded checkpoint of ``--startup-gib`` (one table, 512 shards)."""
     from safetensors.torch import save_file
@@ -477,6 +541,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ple-dim", type=int, default=2560, help="values a token's 16 heads give (160 a head)")
     ap.add_argument("--ngram-base", type=int, default=20_000_000, help="rows a head (transformers' default)")
     ap.add_argument("--ceiling-base", type=int, default=2_000_000, help="rows a head of the HBM table (0: skip)")
+    ap.add_argument("--disk-base", type=int, default=2_000_000,
+                    help="rows a head of the disk phase's table (9.5 GiB bf16 by default; 0: skip)")
+    ap.add_argument("--disk-fractions", default="0.25,0.125",
+                    help="the disk phase's row caches, as fractions of its table")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -492,10 +560,14 @@ def main(argv=None) -> int:
         return 2
     if args.smoke_cpu:
         args.ngram_base, args.ceiling_base, args.ple_dim, args.experts = 50, 40, 32, 4
+        args.disk_base = min(args.disk_base, 4000)
         args.batches, args.prefill = "1,2", "16"
         args.new_tokens, args.short, args.long, args.repeats, args.prompt_len = 3, 1, 2, 1, 6
         args.startup_gib = min(args.startup_gib, 1 / 1024)
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.disk_fractions = [float(f) for f in args.disk_fractions.split(",") if f]
+    if not all(0 < f <= 1 for f in args.disk_fractions):
+        ap.error(f"--disk-fractions: each must be in (0, 1], got {args.disk_fractions}")
     args.prefill = [int(n) for n in args.prefill.split(",") if n]
     device = torch.device("cpu" if args.smoke_cpu else "cuda")
     run = Run(args)
@@ -532,6 +604,9 @@ def main(argv=None) -> int:
     if "ceiling" in phases and args.ceiling_base:
         with run.step("ceiling phase"):
             phase_ceiling(run, device)
+    if "disk" in phases and args.disk_base:
+        with run.step("disk phase"):
+            phase_disk(run, device)
     if "startup" in phases and args.startup_gib:
         with run.step("startup phase"):
             phase_startup(run)
