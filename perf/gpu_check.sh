@@ -47,12 +47,17 @@ if has tests && [ -n "${TEST_GROUPS:-}" ]; then
   i=0; pids=(); IFS=';' read -ra groups <<< "$TEST_GROUPS"
   for g in "${groups[@]}"; do
     i=$((i + 1))
-    ( timeout ${TESTS_TIMEOUT_S:-480} python3 -m pytest -q -ra --timeout 150 --durations=8 -p no:cacheprovider $g \
-      > "$R/pytest_group$i.log" 2>&1; echo "group $i ($g) exit $?" >> "$R/pytest_group$i.log" ) &
+    # at the deadline pytest is interrupted (SIGINT), so it still prints the failures so far and their summary
+    # (a SIGTERM would lose them with the process); killed 30 s later if it has not stopped
+    ( timeout -s INT -k 30 ${TESTS_TIMEOUT_S:-480} python3 -m pytest -q -ra --timeout 150 --durations=8 \
+      -p no:cacheprovider $g > "$R/pytest_group$i.log" 2>&1; echo "group $i ($g) exit $?" >> "$R/pytest_group$i.log" ) &
     pids+=($!)
   done
   wait "${pids[@]}"  # these only: a bare wait would also wait for the log's tee, which never ends
-  for f in "$R"/pytest_group*.log; do echo "--- $f"; tail -14 "$f"; done
+  for f in "$R"/pytest_group*.log; do
+    echo "--- $f"; tail -14 "$f"
+    grep -E "^(FAILED|ERROR) |KeyboardInterrupt" "$f" | grep -vxFf <(tail -14 "$f") || true  # not in the tail
+  done
 elif has tests; then
   step "pytest (CUDA present: compiled kernels, GPU tests un-skipped; ${UVAPLE_EQUIV_SCHEDULES:-1000} equivalence schedules)"
   UVAPLE_EQUIV_SCHEDULES=${UVAPLE_EQUIV_SCHEDULES:-1000} UVAPLE_EQUIV_SUMMARY="$R/equivalence.json" timeout 480 python3 -m pytest -q -ra --timeout 150 --durations=15 -p no:cacheprovider \

@@ -779,18 +779,19 @@ def test_the_e2e_study_refuses_without_cuda():
     assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
 
 
-@pytest.mark.extended  # ~50 s on 2 cores: three eager models of the toy config, each decoding at two batches
+@pytest.mark.extended  # ~30 s on 2 cores, up to 150 s on a loaded 16-core host: three eager models of the toy config
+@pytest.mark.timeout(600)
 def test_the_e2e_studys_disk_phase_serves_uvas_tokens_from_files_and_counts_the_cache(tmp_path):
     out = tmp_path / "disk.json"
     run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--smoke-cpu",
-                          "--phases", "disk", "--disk-fractions", "0.5,0.01", "--scratch", str(tmp_path),
-                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+                          "--phases", "disk", "--disk-fractions", "0.5,0.01", "--batches", "2", "--scratch",
+                          str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and set(res["disk"]) >= {"uva", "disk_0.5", "disk_0.01"}
     for name in ("disk_0.5", "disk_0.01"):
         r = res["disk"][name]
-        assert r["tokens_equal_uva"] is True and set(r["decode_tok_s"]) == set(r["ple_layer_step_us"]) == {"1", "2"}
+        assert r["tokens_equal_uva"] is True and set(r["decode_tok_s"]) == set(r["ple_layer_step_us"]) == {"2"}
         assert r["cache"]["misses"] > 0 and r["cache"]["pages_read"] > 0 and 0 <= r["cache"]["hit_rate"] < 1
     small, large = res["disk"]["disk_0.01"], res["disk"]["disk_0.5"]
     assert small["slots"] < large["slots"] == -(-large["of_rows"] // 2)  # a hundredth: a forward's rows at least

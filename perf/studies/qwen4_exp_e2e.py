@@ -76,6 +76,7 @@ import torch
 from uvaple.perf.timing import cuda_missing
 
 GiB = float(1 << 30)
+BATCHES = "1,8,64"  # decode batches timed (a smoke run: 1 and 2, unless given)
 # transformers' Qwen4ExpTextConfig defaults are kept (hidden 2048, 40 layers, vocab 248,320, linear attention
 # with an indexed-attention layer every 4th); what differs is named. The QSA indexer has no default (its
 # fields are None and transformers' default config does not build): a plausible one is set (its head as wide
@@ -545,7 +546,7 @@ def main(argv=None) -> int:
                     help="rows a head of the disk phase's table (9.5 GiB bf16 by default; 0: skip)")
     ap.add_argument("--disk-fractions", default="0.25,0.125",
                     help="the disk phase's row caches, as fractions of its table")
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--batches", default=BATCHES)
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -561,7 +562,8 @@ def main(argv=None) -> int:
     if args.smoke_cpu:
         args.ngram_base, args.ceiling_base, args.ple_dim, args.experts = 50, 40, 32, 4
         args.disk_base = min(args.disk_base, 4000)
-        args.batches, args.prefill = "1,2", "16"
+        args.batches = "1,2" if args.batches == BATCHES else args.batches  # a smoke keeps batches it is given
+        args.prefill = "16"
         args.new_tokens, args.short, args.long, args.repeats, args.prompt_len = 3, 1, 2, 1, 6
         args.startup_gib = min(args.startup_gib, 1 / 1024)
     args.batches = [int(b) for b in args.batches.split(",") if b]
