@@ -15,7 +15,9 @@
 #   narrows it; a later call continues where the last one stopped (results kept in /tmp/vllm_engine)
 #   vllm_decode: the same install, then perf/vllm_carry/decode_bench.py (decode tokens/s and TTFT of a Qwen4Exp at
 #   the served dimensions: HBM, vLLM's host path, the plugin; VLLM_DECODE_ARGS="--configs hbm,uva"); continues too
-#   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side
+#   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side;
+#   TEST_GROUPS=suite: every test file in the seven groups below (a file in none of them runs as an eighth), about
+#   8 minutes on the H200 or an H100 with TESTS_TIMEOUT_S=560
 #   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -39,11 +41,27 @@ if has doctor; then
   step "uvaple doctor"
   uvaple doctor | tee "$R/doctor.txt"; echo "doctor exit: ${PIPESTATUS[0]}"
 fi
+# the whole suite in groups of about equal time side by side (measured on an H100 and the H200, 2026-12-05)
+SUITE_GROUPS="tests/test_gather.py tests/test_gpu_lookup.py tests/test_sorted_gather.py tests/test_fuzz.py \
+tests/test_ngram_hash.py tests/test_gather_ngram.py;tests/test_lookup.py tests/test_cli.py tests/test_gpu_uva.py \
+tests/test_gpu_lifetime.py tests/test_copy_backend.py tests/test_copy_backend_gpu.py tests/test_metrics.py \
+tests/test_equivalence.py;tests/test_host_table.py tests/test_encodings.py tests/test_layers.py tests/test_quantize.py \
+tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py \
+tests/test_page_reader.py tests/test_table_cli.py tests/test_file_embedding.py;tests/test_shared.py \
+tests/test_lifetime.py tests/test_fork.py tests/test_vllm_tables.py tests/test_vllm_config.py;tests/test_vllm_perf.py \
+tests/test_perf_tools.py tests/test_bench.py tests/test_compile_sm90.py tests/test_vllm_carry.py \
+tests/test_disk_bench.py;tests/test_qwen4_exp.py tests/test_qwen4_exp_disk.py;tests/test_gemma3n.py \
+tests/test_gemma3n_e2e.py tests/test_gemma3n_fp8.py tests/test_gemma3n_levers.py"
 if has tests && [ -n "${TEST_GROUPS:-}" ]; then
   # groups of test files separated by ';', each its own pytest process, side by side on the one GPU
-  step "pytest in parallel groups: $TEST_GROUPS"
+  suite=0; [ "$TEST_GROUPS" != suite ] || { suite=1; TEST_GROUPS=$SUITE_GROUPS; }
   left=$(for f in tests/test_*.py; do [[ " ${TEST_GROUPS//;/ } " == *" $f "* ]] || echo -n " $f"; done)
-  [ -z "$left" ] || echo "WARNING: test files in no group (not run):$left"
+  if [ -n "$left" ] && [ $suite = 1 ]; then
+    TEST_GROUPS="$TEST_GROUPS;${left# }"; echo "test files in none of the suite's groups, run as a group of their own:$left"
+  elif [ -n "$left" ]; then
+    echo "WARNING: test files in no group (not run):$left"
+  fi
+  step "pytest in parallel groups: $TEST_GROUPS"
   i=0; pids=(); IFS=';' read -ra groups <<< "$TEST_GROUPS"
   for g in "${groups[@]}"; do
     i=$((i + 1))

@@ -131,3 +131,19 @@ def test_ngram_layer_smoke_gives_transformers_rows_and_ids(tmp_path):
     got = json.loads(out.read_text())["results"]
     assert set(got) == {"decode b1", "decode b3", "prefill 9"}
     assert all(r["rows_bit_identical"] and r["ids_identical"] and r["ours_us"]["n"] == 1 for r in got.values())
+
+
+def test_the_gpu_suites_groups_name_existing_test_files_once_each():
+    """``TEST_GROUPS=suite`` in ``perf/gpu_check.sh``: each group's files exist and no file runs twice (a file in
+    no group runs as a group of its own there)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "perf" / "gpu_check.sh").read_text()
+    groups = re.search(r'^SUITE_GROUPS="(.*?)"$', text, re.M | re.S).group(1).replace("\\\n", "").split(";")
+    files = [f for g in groups for f in g.split()]
+    assert len(groups) == 7 and all(g.split() for g in groups)
+    assert [f for f in files if not (root / f).is_file()] == [] and len(files) == len(set(files))
+    missing = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")} - set(files)
+    assert not missing, f"add {sorted(missing)} to a group of SUITE_GROUPS in perf/gpu_check.sh"
