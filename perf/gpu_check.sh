@@ -19,7 +19,16 @@
 #   TEST_GROUPS=suite: every test file in the seven groups below (a file in none of them runs as an eighth), about
 #   8 minutes on the H200 or an H100 with TESTS_TIMEOUT_S=560
 #   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
+#   digest: print the digest of the tree's sources and stop (anywhere: the copy of .git that travels to the GPU
+#   machine may name an older commit, so its log prints this digest; `bash perf/gpu_check.sh digest` on a
+#   checkout of a commit says whether the GPU ran that commit's sources)
 set -u
+digest() {  # every tracked-or-not source file the tests and the package read, by path and content
+  find kernels uva integration uvaple perf tests tests_vllm pyproject.toml -type f \( -name '*.py' -o -name '*.sh' \
+    -o -name '*.toml' \) -not -path '*/__pycache__/*' -not -path 'perf/results/*' 2>/dev/null | LC_ALL=C sort |
+    xargs sha256sum | sha256sum | cut -c1-16
+}
+if [ "${1:-}" = digest ]; then digest; exit 0; fi
 OUT=${OUT:-$PWD/gpu-out}
 R=$OUT/r
 mkdir -p "$R" "$R/vllm" "$R/ngram"
@@ -34,6 +43,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 grep -E "MemTotal|MemAvailable|HugePages_Total|AnonHugePages" /proc/meminfo
 cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null
 df -h /dev/shm /tmp; nproc; ulimit -l; git log --oneline -1 2>/dev/null
+echo "source digest: $(digest) (bash perf/gpu_check.sh digest on a checkout: the same digest, the same sources)"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" | tail -3
 

@@ -147,3 +147,28 @@ def test_the_gpu_suites_groups_name_existing_test_files_once_each():
     assert [f for f in files if not (root / f).is_file()] == [] and len(files) == len(set(files))
     missing = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")} - set(files)
     assert not missing, f"add {sorted(missing)} to a group of SUITE_GROUPS in perf/gpu_check.sh"
+
+
+def test_the_gpu_checks_source_digest_names_the_sources_by_content(tmp_path):
+    """``bash perf/gpu_check.sh digest``: 16 hex digits of the sources' paths and contents, the same in a copy of
+    the tree, another where one source changed; nothing else runs (no GPU machine's steps, no output folder)."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "tree"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".git", ".venv*", ".vllm-carry", "__pycache__",
+                                                               "results", "*.egg-info", "gpu-out"))
+
+    def digest(where: Path) -> str:
+        run = subprocess.run(["bash", "perf/gpu_check.sh", "digest"], cwd=where, capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0 and run.stderr == "", run.stderr
+        return run.stdout.strip()
+
+    here = digest(root)
+    assert re.fullmatch(r"[0-9a-f]{16}", here) and digest(copy) == here and not (copy / "gpu-out").exists()
+    (copy / "kernels" / "plan.py").write_text((copy / "kernels" / "plan.py").read_text() + "\n")
+    assert digest(copy) != here
