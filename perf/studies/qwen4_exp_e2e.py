@@ -441,8 +441,9 @@ def phase_disk(run, device):
     res = run.res.setdefault("disk", {"table_gib": table_bytes(model) / GiB, "fractions": args.disk_fractions})
     ids = prompts(4, args.prompt_len, model.config.vocab_size, device, 1)
     folder = os.path.join(args.scratch, f"uvaple_disk_phase_{os.getpid()}")
-    rows = ngram_children(model)[0].ple_embedding.ngram_embedding.num_embeddings  # each layer's table, its cache
-    least = run.max_tokens * model.config.heads_per_ngram * (model.config.ngram_size - 1)  # a forward's rows
+    ngram = ngram_children(model)[0].ple_embedding
+    rows = ngram.ngram_embedding.num_embeddings  # each layer's table, and its cache
+    least = run.max_tokens * ngram.ngram_heads  # the rows of a forward's tokens: a cache holds them at least
     ref = None
     try:
         for name, frac in [("uva", None), *((f"disk_{f:g}", f) for f in args.disk_fractions)]:
@@ -450,10 +451,11 @@ def phase_disk(run, device):
             opts = {} if frac is None else dict(backend="disk", backend_options={"table_dir": folder, "slots": slots})
             with run.step(f"disk phase {name}"):
                 r = res.setdefault(name, {} if frac is None else {"slots": slots, "of_rows": rows})
-                t = time.perf_counter()
-                patch = apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens, **opts)
-                r["swap_s"] = time.perf_counter() - t
+                patch = None
                 try:
+                    t = time.perf_counter()
+                    patch = apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens, **opts)
+                    r["swap_s"] = time.perf_counter() - t
                     got = greedy(model, ids, args.new_tokens)
                     if ref is None:
                         ref = got
@@ -464,11 +466,11 @@ def phase_disk(run, device):
                         r.setdefault("ple_layer_step_us", {})[b] = ple_step_us(layer, b, model, device, compiled=False)
                     if frac is not None:
                         r["cache"] = _disk_stats(model)
-                finally:
-                    patch.revert()
+                finally:  # the model's own tables back, the files gone, whatever failed
+                    if patch is not None:
+                        patch.revert()
                     shutil.rmtree(folder, ignore_errors=True)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
         del model
         gc.collect()
 
