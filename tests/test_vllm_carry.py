@@ -393,6 +393,23 @@ def test_two_engines_are_identical_only_with_every_logprob_equal():
         "refused as expected"
 
 
+def test_the_comparison_names_an_engine_whose_tokens_agree_but_whose_logprobs_do_not(tmp_path, capsys):
+    toks = [[5, 6, 7], [8, 9]]
+    lp = [[[-0.1, -2.5], [-0.2, -3.0], [-0.3, -1.0]], [[-0.5, -0.7], [-0.9, -1.9]]]
+    moved = json.loads(json.dumps(lp))
+    moved[0][1][0] = -0.2001
+    a = SimpleNamespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline_s=60.0, force=False)
+    check = ec.Check(a)
+    runs = {"hbm": _run(toks, lp), "uva": _run(toks, moved), "device": _run([[5, 6, 1], [8, 9]], lp)}
+    check.compare("qwen4exp_bf16", "graph", "default", runs)
+    rows = check.res["tokens"]["qwen4exp_bf16"]["graph"]["configs"]
+    assert rows["uva"]["tokens_identical"] and not rows["uva"]["identical"] and "first_difference" not in rows["uva"]
+    assert rows["device"]["first_difference"]["step"] == 2
+    out = capsys.readouterr().out
+    assert "uva against hbm: same tokens, 1 of 10 logprobs differ; first differing token: tokens identical" in out
+    assert "device against hbm: DIFFERENT tokens; first differing token: {'prompt': 0, 'step': 2" in out
+
+
 def test_a_refusal_counts_where_the_engine_core_printed_it_in_its_own_process():
     expect = ec.CONFIGS["copy"]["expect"]["graph"]
     named = (f"uvaple.integration.models.vllm.config.PluginConfigError: {expect} (each copy-placement call waits "
@@ -423,6 +440,25 @@ def test_every_configuration_has_a_reference_that_runs_where_it_runs():
     assert ec.CONFIGS["copy"]["expect"]["graph"] in "placement 'copy' cannot run inside vLLM's CUDA graphs (each"
 
 
+def test_the_gemma3n_vocabulary_holds_every_key_vllms_processing_reads(tmp_path):
+    pytest.importorskip("transformers")
+    import checkpoints as ck
+    from transformers import AutoTokenizer
+
+    ck.save_gemma3n_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))  # as vLLM loads it
+    vocab = tok.get_vocab()
+    keys = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]  # vLLM 0.33, gemma3n_mm.py: vocab["\n"] .. vocab["\n\n\n\n"]
+    assert set(keys) <= set(ck.GEMMA3N_VOCAB_LOOKUPS)
+    ids = [vocab[k] for k in keys]
+    assert len(set(ids)) == len(ids) and tok.unk_token_id not in ids
+    media = [tok.convert_tokens_to_ids(t) for t in ck.GEMMA3N_MEDIA_TOKENS.values()]
+    assert len(set(media)) == 6 and tok.unk_token_id not in media and not set(media) & set(ids)
+    assert len(vocab) == ck.VOCAB
+    words = tok(ck.prompts()[0], add_special_tokens=False)["input_ids"]
+    assert words and not set(words) & set(ids + media)  # the prompts are words, never a special
+
+
 def test_runs_of_an_earlier_lease_count_only_for_the_same_checkpoint_bytes(tmp_path):
     import checkpoints as ck
 
@@ -438,26 +474,49 @@ def test_runs_of_an_earlier_lease_count_only_for_the_same_checkpoint_bytes(tmp_p
     src = tmp_path / "runs"
     src.mkdir()
 
-    def result(key, dig, **kw):
+    def result(key, dig, gpu="H100", **kw):
         model = key.split(".")[0]
-        (src / f"{key}.json").write_text(json.dumps(dict(
-            {"spec": {"key": key, "model": model, "ckpt_digest": dig}, "ok": True, "tokens": [[1]]}, **kw)))
+        spec = {"key": key, "model": model, "ckpt_digest": dig}
+        if gpu is not None:
+            spec["gpu"] = gpu
+        (src / f"{key}.json").write_text(json.dumps(dict({"spec": spec, "ok": True, "tokens": [[1]]}, **kw)))
 
     result("qwen4exp_bf16.eager.hbm", "same")
     result("qwen4exp_bf16.eager.uva", "other")  # another checkpoint: run again
     result("qwen4exp_bf16.eager.copy", "same", ok=False, stage="timeout")  # stopped at its limit: run again
     result("qwen4exp_bf16.eager.device", "same", ok=False, stage="LLM()", error="E")  # a failure is a result
+    result("qwen4exp_bf16.graph-default.hbm", "same", gpu="H200")  # another GPU model: run again
+    result("qwen4exp_bf16.graph-default.uva", "same", gpu=None)  # its call's GPU, from engine_check.json
     (src / "qwen4exp_bf16.eager.hbm.spec.json").write_text(json.dumps({"key": "qwen4exp_bf16.eager.hbm"}))
-    (src / "engine_check.json").write_text(json.dumps({"runs": {}}))
-    a = SimpleNamespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline_s=60.0, force=False)
-    check = ec.Check(a)
-    check.res["checkpoints"] = {"qwen4exp_bf16": {"digest": "same"}}
-    check.resume(str(src))
+    (src / "engine_check.json").write_text(json.dumps({"runs": {}}))  # runs/ beside it: not a run's result
+
+    def resumed(call_gpu, env_gpu="H100"):
+        (tmp_path / "engine_check.json").write_text(json.dumps({"env": {"gpu": call_gpu}}))
+        work = tmp_path / f"work-{call_gpu}-{env_gpu}"
+        a = SimpleNamespace(out=str(tmp_path / "out"), work=str(work), deadline_s=60.0, force=False)
+        check = ec.Check(a)
+        check.res["checkpoints"] = {"qwen4exp_bf16": {"digest": "same"}}
+        check.res["env"] = {"gpu": env_gpu}
+        check.resume(str(src))
+        return check
+
+    check = resumed("H100")
     assert check.done("qwen4exp_bf16.eager.hbm")["tokens"] == [[1]]
     assert check.done("qwen4exp_bf16.eager.device")["error"] == "E"
     assert check.done("qwen4exp_bf16.eager.uva") is None and check.done("qwen4exp_bf16.eager.copy") is None
-    assert sorted(check.res["runs"]) == ["qwen4exp_bf16.eager.device", "qwen4exp_bf16.eager.hbm"]
-    assert "resumed 2 runs" in check.res["notes"][-1] and "qwen4exp_bf16.eager.uva" in check.res["notes"][-1]
+    assert check.done("qwen4exp_bf16.graph-default.hbm") is None
+    assert sorted(check.res["runs"]) == ["qwen4exp_bf16.eager.device", "qwen4exp_bf16.eager.hbm",
+                                         "qwen4exp_bf16.graph-default.uva"]
+    note = check.res["notes"][-1]
+    assert "resumed 3 runs" in note and "qwen4exp_bf16.eager.uva" in note
+    assert "1 run on another GPU than this call's H100: qwen4exp_bf16.graph-default.hbm" in note
+    copied = check.done("qwen4exp_bf16.graph-default.uva")  # names its GPU now, wherever it is committed next
+    assert copied["spec"]["gpu"] == "H100" and copied["resumed_from"] == str(src)
+    check = resumed("H200")  # the unnamed run now belongs to an H200's call
+    assert check.done("qwen4exp_bf16.graph-default.uva") is None and check.done("qwen4exp_bf16.eager.hbm")
+    assert "2 run on another GPU" in check.res["notes"][-1]
+    check = resumed("H100", env_gpu=None)  # this call's GPU unknown (env failed): nothing is taken
+    assert check.res.get("runs", {}) == {} and "resumed 0 runs" in check.res["notes"][-1]
     r = subprocess.run([sys.executable, str(CARRY / "engine_check.py"), "--resume", str(tmp_path / "nope"),
                         "--work", str(tmp_path / "w2")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--resume" in r.stderr and "not a folder" in r.stderr

@@ -7,8 +7,9 @@ strings (:func:`prompts`) and ``vllm serve`` takes them as text:
 
 * ``gemma3n``: the multimodal ``Gemma3nForConditionalGeneration``: transformers builds and saves the text
   model, its tensors are saved under the multimodal names (``model.language_model.*``) beside a
-  ``Gemma3nConfig`` and a ``Gemma3nProcessor`` (the tokenizer carries the image and audio tokens, and "\n" and
-  "\n\n", which vLLM's processing looks up). vLLM is given no image or audio per prompt and builds no tower.
+  ``Gemma3nConfig`` and a ``Gemma3nProcessor`` (the tokenizer carries the image and audio tokens, and the runs of
+  newlines that vLLM's processing looks up: ``GEMMA3N_VOCAB_LOOKUPS``). vLLM is given no image or audio per
+  prompt and builds no tower.
   bf16; the per-layer table is 65,536 x (4 x 256). ``hot_profile.txt``: the prompts' token ids (a hot set's
   profile).
 * ``qwen4exp_bf16``: ``Qwen4ExpForCausalLM``, three linear-attention layers and one attention layer, PLE
@@ -86,6 +87,23 @@ def _randomise(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 1.5)
 
 
+#: the media tokens of Gemma 3n's processor, by the names its tokenizer gives them
+GEMMA3N_MEDIA_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                        "image_token": "<image_soft_token>", "boa_token": "<start_of_audio>",
+                        "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
+#: what vLLM 0.33's Gemma 3n processing reads from ``tokenizer.get_vocab()`` by key for every prompt, images or
+#: none (``gemma3n_mm.py``: ``_apply_token_matches`` merges newline runs as Gemma's tokenizer does,
+#: ``_find_mm_placeholders`` splits them again). A key missing from the vocabulary stops ``LLM()`` with a KeyError
+#: before the model is built: "\n" did first, then "\n\n\n".
+GEMMA3N_VOCAB_LOOKUPS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+
+def save_gemma3n_tokenizer(path: str):
+    """Gemma 3n's word-level tokenizer: the usual specials, the media tokens, the newline runs vLLM looks up."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA3N_MEDIA_TOKENS.values(), *GEMMA3N_VOCAB_LOOKUPS]
+    return save_tokenizer(path, VOCAB, specials, GEMMA3N_MEDIA_TOKENS)
+
+
 def build_gemma3n(path: str, log: Callable[[str], object]) -> dict:
     """The multimodal Gemma 3n class: transformers' text model and save, under the multimodal names."""
     import torch
@@ -100,14 +118,8 @@ def build_gemma3n(path: str, log: Callable[[str], object]) -> dict:
     )
 
     g = GEMMA
-    # vLLM's Gemma 3n processing looks up "\n" and "\n\n" in the vocabulary (gemma3n_mm.py): a vocabulary
-    # without them stopped every engine at LLM() with KeyError: '\n'
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_image>", "<end_of_image>", "<image_soft_token>",
-                "<start_of_audio>", "<end_of_audio>", "<audio_soft_token>", "\n", "\n\n"]
-    extra = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
-             "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
-    tok = save_tokenizer(path, VOCAB, specials, extra)
-    ids = {k: tok.convert_tokens_to_ids(v) for k, v in extra.items()}
+    tok = save_gemma3n_tokenizer(path)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3N_MEDIA_TOKENS.items()}
     layer_types = ["sliding_attention", "full_attention"] * (g["layers"] // 2)
     text = Gemma3nTextConfig(
         vocab_size=VOCAB, vocab_size_per_layer_input=g["ple_vocab"], hidden_size=g["hidden"],

@@ -46,7 +46,8 @@ every configuration shares (vLLM itself) is recorded as ``blocker``. Runs alread
 repeated (``--force`` repeats them), so calls of one lease continue where the last one stopped. Writes
 ``DIR/engine_check.json`` and ``DIR/engine_check.log``. ``--resume RUNS`` takes an earlier lease's run results
 (its ``runs/`` folder, brought back and committed under ``perf/results/``) as done where they served the same
-checkpoint bytes (each run records its checkpoint's SHA-256), so the matrix can be finished over several leases.
+checkpoint bytes (each run records its checkpoint's SHA-256) on the same GPU model (each run records it; engines
+on an H100 and an H200 need not agree to the bit), so the matrix can be finished over several leases.
 """
 
 from __future__ import annotations
@@ -362,8 +363,17 @@ class Check:
     # ------------------------------------------------------------------ runs of an earlier lease
     def resume(self, src: str) -> None:
         """Take the run results in ``src`` (an earlier call's ``runs/``, brought back and committed) as done, where
-        they served this call's checkpoint (the same digest) and were not stopped at their time limit."""
-        taken, other = [], []
+        they served this call's checkpoint (the same digest) on this call's GPU model and were not stopped at their
+        time limit. Engines on two GPU models need not agree to the bit (their kernels and tile choices differ), so a
+        comparison never mixes them. A run that does not name its GPU takes the one its call's ``engine_check.json``
+        (beside ``src``) names, or none."""
+        taken, other, other_gpu = [], [], []
+        gpu = self.res.get("env", {}).get("gpu")
+        call_gpu = None
+        try:
+            call_gpu = json.load(open(os.path.join(src, os.pardir, "engine_check.json"))).get("env", {}).get("gpu")
+        except (OSError, ValueError, AttributeError):
+            pass
         names = sorted(f for f in os.listdir(src) if f.endswith(".json") and not f.endswith(".spec.json"))
         for name in names:
             dst = os.path.join(self.runs_dir, name)
@@ -378,13 +388,19 @@ class Check:
             if want is None or spec.get("ckpt_digest") != want or res.get("stage") == "timeout":
                 other.append(spec["key"])
                 continue
+            if gpu is None or spec.get("gpu", call_gpu) != gpu:
+                other_gpu.append(spec["key"])
+                continue
             if not os.path.exists(dst) or self.a.force:
+                spec["gpu"] = gpu  # the copy keeps where it ran, whatever call's folder it is committed in next
+                res.setdefault("resumed_from", src)
                 with open(dst, "w") as f:
                     json.dump(res, f, indent=1)
                 self.res.setdefault("runs", {})[spec["key"]] = dict(_brief(res), resumed_from=src)
                 taken.append(spec["key"])
         left = f"; left {len(other)} of another checkpoint or stopped at their time limit: {', '.join(other)}"
-        self.note(f"resumed {len(taken)} runs from {src}" + (left if other else ""))
+        elsewhere = f"; left {len(other_gpu)} run on another GPU than this call's {gpu}: {', '.join(other_gpu)}"
+        self.note(f"resumed {len(taken)} runs from {src}" + (left if other else "") + (elsewhere if other_gpu else ""))
 
     # ------------------------------------------------------------------ env
     def env(self) -> None:
@@ -466,7 +482,8 @@ print("ENV" + json.dumps(out))
         seg = "ec" + hashlib.sha256(f"{key}{time.time()}".encode()).hexdigest()[:10]
         return {"key": key, "model": model, "mode": mode, "config": config, "level": level,
                 "ckpt_digest": self.res.get("checkpoints", {}).get(model, {}).get("digest"),
-                "compilation": compilation, "segment": seg, "expect": CONFIGS[config].get("expect", {}).get(mode),
+                "gpu": self.res.get("env", {}).get("gpu"), "compilation": compilation, "segment": seg,
+                "expect": CONFIGS[config].get("expect", {}).get(mode),
                 "ckpt": os.path.join(self.work, "ckpt", model), "logging_config": self.logging_config,
                 "hot_profile": os.path.join(self.work, "ckpt", model, "hot_profile.txt"),
                 # one compile cache per model and configuration: engines that start side by side never write the
@@ -598,7 +615,8 @@ print("ENV" + json.dumps(out))
                 row.update(_diff(ref, r))
             entry["configs"][c] = row
             if row.get("identical") is False:
-                self.log(f"{model} {mode} {c}: tokens differ from {ref_name}: {row['first_difference']}")
+                where = row.get("first_difference") or "tokens identical where both have them"
+                self.log(f"{model} {mode} {c} against {ref_name}: {_verdict(c, row)}; first differing token: {where}")
         entry["repeats"] = {f"{c} vs {c}_again": _diff(runs[c], runs[c + "_again"]) for c in ("hbm", "copy", "uva")
                             if runs.get(c, {}).get("ok") and runs.get(c + "_again", {}).get("ok")}
         if runs.get("hbm", {}).get("ok") and runs.get("copy_again", {}).get("ok"):
@@ -748,9 +766,9 @@ print("ENV" + json.dumps(out))
         if a.checkpoints_only:
             self.save()
             return 0
+        self.env()
         if a.resume:
             self.resume(a.resume)
-        self.env()
         self.save()
         if self.res.get("blocker"):
             return 1
