@@ -19,6 +19,10 @@ provider gathers the same rows of the same registered host table (``--cols`` bf1
 * ``index_select``: ``torch.index_select(view, 0, ids, out=out)`` over ``table.cuda_view()``: the bar;
 * ``embedding``: ``F.embedding(ids, view)`` (allocates its output, as people use it).
 
+On a GPU the run then times, each alone, what the direct gather asks per call before it launches (the current
+device, the current stream, the capture state, the launch hooks) beside an empty call (the timer's floor):
+``queries`` in the JSON, which part of ``direct - bare`` the CUDA runtime takes.
+
 Method: the host time of each call is ``time.perf_counter`` around it alone; the device is synchronised
 every ``--sync-every`` calls outside the timed region, so the launch queue never fills (a full queue would
 make a launch wait for the GPU). The providers take turns in blocks of ``--block`` calls, ``--calls`` calls
@@ -74,6 +78,18 @@ def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
 
 
 STUBBED = ("lookup", "plan", "direct", "bare")  # --stub-launch's providers
+
+
+def _queries(device: int) -> dict:
+    """What the plan's direct gather asks per call before it launches (``kernels/launch.py``,
+    ``kernels/capture.py``), each alone, and the timer's own floor (``nothing``): which of ``direct - bare`` is
+    the CUDA runtime's and which is Python's. Needs the launcher loaded (a compiled launch made first)."""
+    from uvaple.kernels import capture
+    from uvaple.kernels import launch as launch_mod
+
+    driver = launch_mod._Driver
+    return {"nothing": lambda: None, "current_device": driver.device, "current_stream": lambda: driver.stream(device),
+            "capturing": capture._stream_capturing, "hooks": launch_mod._Hooks.set}
 
 
 @contextlib.contextmanager
@@ -172,6 +188,13 @@ def run(a, result: dict | None = None) -> dict:
                 row["lookup"]["above_bare_us"] = round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
                 result["rows"][str(n)] = row
                 command.say(_line(n, row))
+            if cuda:  # the launcher is loaded now (the rows above launched compiled kernels)
+                times = measure(_queries(torch.cuda.current_device()), a.calls, a.block, a.sync_every, cuda)
+                result["queries"] = {name: dict(zip(("p20_us", "median_us", "p80_us"),
+                                                    (round(q, 3) for q in quantiles(ts)), strict=True))
+                                     for name, ts in times.items()}
+                command.say("# the direct gather's per-call queries, each alone (median us): " + ", ".join(
+                    f"{name} {q['median_us']:.2f}" for name, q in result["queries"].items()))
     return result
 
 

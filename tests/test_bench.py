@@ -246,6 +246,26 @@ def test_host_workload_with_the_launch_stubbed_times_the_lookups_own_layers_and_
     assert "pick one" in capsys.readouterr().err
 
 
+def test_the_host_workloads_queries_are_the_direct_gathers_own_and_each_is_timed(monkeypatch):
+    """The per-call queries the host workload times on a GPU are the ones the direct gather makes (the launcher's
+    device and stream getters, the capture check, the hook check), each callable alone."""
+    from uvaple.kernels import capture
+    from uvaple.kernels import launch as launch_mod
+    from uvaple.perf import host_cost
+
+    asked = []
+    monkeypatch.setattr(launch_mod._Driver, "device", staticmethod(lambda: asked.append("device") or 0))
+    monkeypatch.setattr(launch_mod._Driver, "stream", staticmethod(lambda i: asked.append(("stream", i)) or 0))
+    q = host_cost._queries(3)
+    assert list(q) == ["nothing", "current_device", "current_stream", "capturing", "hooks"]
+    assert q["capturing"] is capture._stream_capturing and q["hooks"] == launch_mod._Hooks.set
+    if not torch.cuda.is_available():  # a CPU build's capture query is a placeholder that raises when called
+        q.pop("capturing")
+    times = host_cost.measure(q, calls=20, block=5, sync_every=8, cuda=False)
+    assert all(len(ts) == 20 and min(ts) >= 0 for ts in times.values())
+    assert asked.count("device") == 40 and asked.count(("stream", 3)) == 40  # 20 warm-up calls, 20 timed
+
+
 def test_host_workload_smoke_is_exact(tmp_path, capsys):
     """``uvaple bench --workload host --smoke``: every provider (the lookup, the operator given the lookup's
     plan, the functional gather, the plan alone, its direct gather alone, the bare launch, torch's index_select
