@@ -16,7 +16,7 @@ synchronised (a decode step waits for its rows):
   over the file, started cold (``O_DIRECT`` reads, an empty row cache);
 * ``disk ... hot``, at the smallest budget, for each fraction of ``--hot``: the same with that fraction of the
   table's rows held in device memory (``hot_rows``): the most frequent rows of a profile, the same number of
-  steps of lanes that start half the text away (so the profile is not the run's own ids);
+  steps of each lane's next tokens, right after the run's (text of the same kind that the run never reads);
 * ``mmap``: the file mapped (``np.memmap``, ``MADV_RANDOM``), each step's pages advised ``MADV_WILLNEED`` at
   once (their reads in flight together, as SGLang's prefetcher issues them), then gathered by numpy and copied
   to the device: vLLM's disk-offload and SGLang's file backend, built to win. Its memory cap is the page
@@ -79,13 +79,13 @@ def text_tokens(paths: list[str] | None) -> np.ndarray:
 class Steps:
     """The table rows of each decode step of ``batch`` lanes over ``tokens`` (see the module docstring)."""
 
-    def __init__(self, tokens: np.ndarray, rows: int, batch: int, steps: int, seed: int = 11):
+    def __init__(self, tokens: np.ndarray, rows: int, batch: int, steps: int, seed: int = 11, skip: int = 0):
         g = torch.Generator().manual_seed(seed)
         size = rows // HEADS
         sizes = (torch.randint(size - size // 8, size, (HEADS,), generator=g) | 1).clamp(max=size)
         self.buffers = dict(multipliers=torch.tensor(layer_multipliers(VOCAB, NGRAM, 1, seed), dtype=torch.long),
                             sizes=sizes, offsets=torch.arange(HEADS) * size)
-        starts = (np.arange(batch) * (len(tokens) // batch)).astype(np.int64)
+        starts = (np.arange(batch) * (len(tokens) // batch) + skip).astype(np.int64)  # ``skip``: tokens into a lane
         span = NGRAM - 1 + steps
         idx = (starts[:, None] + np.arange(span)) % len(tokens)
         self.history = torch.from_numpy(tokens[idx])  # [batch, NGRAM - 1 + steps]
@@ -149,9 +149,15 @@ class Disk:
 
 
 def hot_rows(tokens: np.ndarray, rows: int, batch: int, steps: int, fraction: float) -> torch.Tensor:
-    """The ``fraction`` of the table's rows most often read by ``steps`` steps of ``batch`` lanes that start half the
-    text away from the run's (a profile of the same kind of text, not of the run's own ids)."""
-    profile = Steps(np.roll(tokens, len(tokens) // 2), rows, batch, steps)
+    """The ``fraction`` of the table's rows most often read by ``steps`` steps of ``batch`` lanes, each starting
+    where the run's lane of the same number stops reading (a profile of the same kind of text, never of the
+    run's own ids; a profile shifted by half the text would be the run's own lanes at every even batch)."""
+    span = NGRAM - 1 + steps
+    if len(tokens) // batch < 2 * span:
+        raise command.Refused(f"--hot at batch {batch}: a hot set's profile needs text the run does not read, {batch} "
+                              f"lanes of twice {span} tokens ({2 * span * batch:,} words); the text has "
+                              f"{len(tokens):,}: give more --text, fewer --steps, or --no-hot")
+    profile = Steps(tokens, rows, batch, steps, skip=span)
     ids = torch.cat([profile.ids(s).reshape(-1) for s in range(steps)])
     counts = torch.bincount(ids, minlength=rows)
     return torch.argsort(counts, descending=True, stable=True)[:max(1, int(rows * fraction))]

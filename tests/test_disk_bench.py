@@ -8,6 +8,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,24 @@ def test_a_file_that_is_not_a_table_file_or_does_not_fit_is_refused(capsys, tmp_
     code, _, err = run(capsys, ["--file-gib", "4", "--dir", str(tmp_path), "--out", str(tmp_path / "out2")])
     assert code == 2 and "--file-gib 4: 4.00 GiB does not fit the 1.00 GiB free" in err
     assert sorted(os.listdir(tmp_path)) == ["junk", "out", "out2"]  # no directory left for the file
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8, 64])
+def test_the_hot_sets_profile_reads_text_the_run_never_reads(batch):
+    """The profile's lanes start where the run's lanes of the same number stop: no (lane, token) of the run is in
+    the profile, at even batches too (a profile half the text away is the run's own lanes there)."""
+    from uvaple.perf import command, disk_steps
+
+    steps, tokens = 40, np.arange(64 * 2 * 42 + 5, dtype=np.int64)  # every token distinct: windows by value
+    run_ = disk_steps.Steps(tokens, 10_000, batch, steps)
+    profile = disk_steps.Steps(tokens, 10_000, batch, steps, skip=steps + disk_steps.NGRAM - 1)
+    assert not set(run_.history.reshape(-1).tolist()) & set(profile.history.reshape(-1).tolist())
+    assert profile.history.shape == run_.history.shape
+    hot = disk_steps.hot_rows(tokens, 10_000, batch, steps, 0.01)
+    ids = torch.cat([profile.ids(s).reshape(-1) for s in range(steps)])
+    counts = torch.bincount(ids, minlength=10_000)
+    assert hot.numel() == 100 and hot.unique().numel() == 100
+    assert counts[hot].min() >= counts.sort(descending=True).values[99]  # the profile's most read rows
+    assert torch.equal(hot, torch.argsort(counts, descending=True, stable=True)[:100])
+    with pytest.raises(command.Refused, match=f"--hot at batch {batch * 8}: .* give more --text, fewer --steps"):
+        disk_steps.hot_rows(tokens[: 2 * 42 * batch * 8 - 1], 10_000, batch * 8, steps, 0.01)
