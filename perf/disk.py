@@ -297,6 +297,44 @@ def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth
             "pages_per_s": round(read / wall), "bit_exact": exact if src is not None else None}
 
 
+# ------------------------------------------------------------------ io_uring from one thread
+def uring_rates(path: str, data_pages: int, depths: list[int], seconds: float) -> dict:
+    """io_uring's random-read rate at each depth from one thread (:mod:`uvaple.perf.uring`), or why it cannot
+    run here."""
+    from . import uring
+
+    why = uring.unavailable()
+    if why is not None:
+        command.say(f"io_uring: not run ({why})")
+        return {"error": why}
+    out: dict = {"rate": []}
+    for d in depths:
+        r = uring.rate(path, 1, data_pages, d, seconds)
+        out["rate"].append(r)
+        command.say(f"io_uring, one thread, depth {d:>3}: {r['reads_per_s']:>9,} reads/s {r['MB_per_s']:>8} MB/s, "
+                    f"latency median {r['latency_us_median']} us, p99 {r['latency_us_p99']} us")
+    return out
+
+
+def uring_calls(path: str, lay, rows: list[int], res: dict) -> None:
+    """A call's time for ``n`` random pages through io_uring from the calling thread (at most 64 in flight),
+    beside the batched reader's call of ``n`` rows (its rows/s turned into a call's time)."""
+    from . import uring
+
+    if "rate" not in res["uring"]:
+        return
+    res["uring"]["call"] = []
+    for n in rows:
+        n = min(n, lay.data_pages)
+        c = uring.call(path, 1, lay.data_pages, n, 200 if n <= 256 else 20)
+        res["uring"]["call"].append(c)
+        threads = ", ".join(f"{r['depth']} threads {r['rows_per_call'] / r['rows_per_s'] * 1e6:,.0f}"
+                            for r in res["reader"] if r["depth"] and r["rows_per_call"] == n and r["rows_per_s"])
+        command.say(f"io_uring, {n:>5} pages a call: {c['median_us']:>9,.1f} us a call [{c['p20_us']:,.1f}-"
+                    f"{c['p80_us']:,.1f}]" + (f"; the batched reader's call of {n} rows, us: {threads}"
+                                               if threads else ""))
+
+
 # ------------------------------------------------------------------ the run
 def steps(a, path: str, best: float, res: dict) -> None:
     """The disk placement's decode steps (:mod:`uvaple.perf.disk_steps`) into ``res["steps"]``; without CUDA only
@@ -370,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                         if "error" not in fr:
                             command.say(f"fio   depth {d:>3}: {fr['reads_per_s']:>9,} reads/s {fr['MB_per_s']:>8} "
                                         f"MB/s, latency median {fr['latency_us_median']} us")
-                best = max([r["reads_per_s"] for r in res["probe"]] +
+                res["uring"] = uring_rates(path, lay.data_pages, a.depths, a.seconds)
+                best = max([r["reads_per_s"] for r in res["probe"] + res["uring"].get("rate", [])] +
                            [r["reads_per_s"] for r in res["fio"] or [] if "error" not in r])
                 res["limit_reads_per_s"] = best
                 res["reader"] = []
@@ -382,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                         who = "reference reader" if depth is None else f"batched reader, {depth:>3} threads"
                         command.say(f"{who}, {r['rows_per_call']:>5} rows a call: {r['rows_per_s']:>9,} rows/s, "
                                     f"{r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read rate")
+                uring_calls(path, lay, a.rows, res)
                 if a.steps_on:
                     steps(a, path, best, res)
     finally:

@@ -39,8 +39,15 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
     assert [(r["depth"], r["rows_per_call"]) for r in res["reader"]] == [(None, 1), (None, 300), (3, 1), (3, 300)]
     assert all(r["bit_exact"] is True and r["calls"] >= 1 and r["x_limit"] > 0 for r in res["reader"]), res["reader"]
     assert res["file"]["rows"] % 23 == 0 and res["file"]["row_bytes"] == 164
+    ur = res["uring"]  # io_uring from one thread, where the kernel allows it: its rates count toward the limit
     assert res["limit_reads_per_s"] == max(r["reads_per_s"] for r in res["probe"] + (res["fio"] or [])
-                                           if "error" not in r)
+                                           + ur.get("rate", []) if "error" not in r)
+    if "error" in ur:
+        assert f"io_uring: not run ({ur['error']})" in out
+    else:
+        assert [r["depth"] for r in ur["rate"]] == [1, 4] and all(r["reads_per_s"] > 0 for r in ur["rate"])
+        assert [c["pages_per_call"] for c in ur["call"]] == [1, 300] and all(c["median_us"] > 0 for c in ur["call"])
+        assert "io_uring,   300 pages a call:" in out and "the batched reader's call of 300 rows, us: 3 threads" in out
     assert "probe depth   4:" in out and "reference reader,   300 rows a call:" in out
     assert "batched reader,   3 threads,   300 rows a call:" in out
     steps = res["steps"]  # the disk placement's decode steps, small and interpreted: every provider's rows exact
