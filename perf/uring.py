@@ -104,10 +104,11 @@ def _loop():
 
     @numba.njit(nogil=True, cache=False)
     def run(ring_fd, sq, sq_idx, cq, cq_idx, sqes, file_fd, buf, offsets, total, depth, timeout_ns, ts, lat):
-        """``total`` reads of the 4 KiB pages at ``offsets`` (cycled) into ``buf``'s pages (cycled), at most
-        ``depth`` in flight, each completion followed at once by the next submission. Each read's ns from its
-        submission to its completion into ``lat``. Returns the reads completed; -1 - k where read k was short
-        or failed; -2**40 where nothing completed for ``timeout_ns``."""
+        """``total`` reads of the 4 KiB pages at ``offsets`` (cycled) into ``buf``'s pages (cycled: read k into page
+        k % len(buf); with fewer pages than reads, two reads in flight may share a page, whose bytes a rate does
+        not read), at most ``depth`` in flight, each completion followed at once by the next submission. Each
+        read's ns from its submission to its completion into ``lat``. Returns the reads completed; -1 - k where
+        read k was short or failed; -2**40 where nothing completed for ``timeout_ns``."""
         sq_mask = np.int64(sq[sq_idx[2]])  # every ring index in int64 (numba makes uint32 and int64 a float)
         cq_mask = np.int64(cq[cq_idx[2]])
         nbuf = buf.shape[0]
