@@ -175,21 +175,15 @@ def unavailable() -> str | None:
     return None
 
 
-def _open(path: str) -> tuple[int, bool]:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)), True
-    except OSError:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
-
-
 class _Reader:
     """``path`` opened (``O_DIRECT`` where the filesystem allows it), a ring of ``entries`` and a page buffer."""
 
     def __init__(self, path: str, entries: int):
-        from uvaple.uva.table_file import page_buffer
+        from uvaple.uva.table_file import _open_direct, page_buffer
 
         self.path = path
-        self.fd, self.direct = _open(path)
+        fd = _open_direct(path)  # as the thread probe opens it: O_DIRECT, or None where the filesystem refuses it
+        self.fd, self.direct = (fd, True) if fd is not None else (os.open(path, os.O_RDONLY | os.O_CLOEXEC), False)
         try:
             self.ring = Ring(max(8, 1 << (max(1, entries) - 1).bit_length()))
         except BaseException:
