@@ -256,11 +256,13 @@ def fio(path: str, depth: int, seconds: float) -> dict | None:
 
 
 # ------------------------------------------------------------------ the reference reader
-def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth: int | None = None) -> dict:
+def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth: int | None = None,
+           engine: str = "threads") -> dict:
     """``n`` distinct random rows a call, repeated for ``seconds`` over 16 id sets (each read once first, and
-    compared with ``src`` where given): rows/s, pages/s. ``depth`` None: ``TableFile.read_rows``, the reference
-    (one read at a time); else a :class:`~uvaple.uva.PageReader` of ``depth`` threads into slots, as the disk
-    placement reads its misses."""
+    compared with ``src`` where given): rows/s, pages/s, a call's median us. ``depth`` None:
+    ``TableFile.read_rows``, the reference (one read at a time); else a :class:`~uvaple.uva.PageReader` with
+    ``depth`` reads in flight by ``engine`` (``threads``, or ``uring``: the calling thread's io_uring) into slots,
+    as the disk placement reads its misses."""
     lay = f.layout
     g = np.random.default_rng(n)
     sets = [g.choice(lay.rows, size=n, replace=False) for _ in range(16)]
@@ -268,7 +270,8 @@ def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth
              for ids in sets]
     out = torch.empty((n, lay.cols), dtype=lay.dtype)
     slots = np.arange(n)
-    pool = None if depth is None else PageReader(f, depth=depth, buffer_pages=max(n * max(1, lay.pages_per_row), 1))
+    pool = None if depth is None else PageReader(f, depth=depth, engine=engine,
+                                                 buffer_pages=max(n * max(1, lay.pages_per_row), 1))
 
     def call(ids: np.ndarray) -> None:
         if pool is None:
@@ -282,19 +285,24 @@ def reader(f: TableFile, n: int, seconds: float, src: torch.Tensor | None, depth
             call(ids)
             exact = exact and (src is None or torch.equal(out, src[torch.from_numpy(ids)]))
         calls = read = 0
+        times = []
         t0 = time.perf_counter()
         while True:
+            t1 = time.perf_counter()
             call(sets[calls % 16])
+            times.append(time.perf_counter() - t1)
             read += pages[calls % 16]
             calls += 1
-            if time.perf_counter() - t0 >= seconds:
+            if t1 + times[-1] - t0 >= seconds:
                 break
         wall = time.perf_counter() - t0
     finally:
         if pool is not None:
             pool.close()
-    return {"rows_per_call": n, "depth": depth, "calls": calls, "rows_per_s": round(calls * n / wall),
-            "pages_per_s": round(read / wall), "bit_exact": exact if src is not None else None}
+    return {"rows_per_call": n, "depth": depth, "engine": None if depth is None else engine, "calls": calls,
+            "rows_per_s": round(calls * n / wall), "pages_per_s": round(read / wall),
+            "call_us_median": round(statistics.median(times) * 1e6, 1),
+            "bit_exact": exact if src is not None else None}
 
 
 # ------------------------------------------------------------------ io_uring from one thread
@@ -314,25 +322,6 @@ def uring_rates(path: str, data_pages: int, depths: list[int], seconds: float) -
         command.say(f"io_uring, one thread, depth {d:>3}: {r['reads_per_s']:>9,} reads/s {r['MB_per_s']:>8} MB/s, "
                     f"latency median {r['latency_us_median']} us, p99 {r['latency_us_p99']} us")
     return out
-
-
-def uring_calls(path: str, lay, rows: list[int], res: dict) -> None:
-    """A call's time for ``n`` random pages through io_uring from the calling thread (at most 64 in flight),
-    beside the batched reader's call of ``n`` rows (its rows/s turned into a call's time)."""
-    from . import uring
-
-    if "rate" not in res["uring"]:
-        return
-    res["uring"]["call"] = []
-    for n in rows:
-        n = min(n, lay.data_pages)
-        c = uring.call(path, 1, lay.data_pages, n, 200 if n <= 256 else 20)
-        res["uring"]["call"].append(c)
-        threads = ", ".join(f"{r['depth']} threads {r['rows_per_call'] / r['rows_per_s'] * 1e6:,.0f}"
-                            for r in res["reader"] if r["depth"] and r["rows_per_call"] == n and r["rows_per_s"])
-        command.say(f"io_uring, {n:>5} pages a call: {c['median_us']:>9,.1f} us a call [{c['p20_us']:,.1f}-"
-                    f"{c['p80_us']:,.1f}]" + (f"; the batched reader's call of {n} rows, us: {threads}"
-                                               if threads else ""))
 
 
 # ------------------------------------------------------------------ the run
@@ -413,15 +402,17 @@ def main(argv: list[str] | None = None) -> int:
                            [r["reads_per_s"] for r in res["fio"] or [] if "error" not in r])
                 res["limit_reads_per_s"] = best
                 res["reader"] = []
-                for depth in [None, *a.read_depths]:
+                engines = ["threads"] + (["uring"] if "rate" in res["uring"] else [])
+                for depth, engine in [(None, None)] + [(d, e) for e in engines for d in a.read_depths]:
                     for n in a.rows:
-                        r = reader(f, min(n, lay.rows), a.seconds, src, depth)
+                        r = reader(f, min(n, lay.rows), a.seconds, src, depth, engine or "threads")
                         r["x_limit"] = round(r["pages_per_s"] / best, 3)
                         res["reader"].append(r)
-                        who = "reference reader" if depth is None else f"batched reader, {depth:>3} threads"
-                        command.say(f"{who}, {r['rows_per_call']:>5} rows a call: {r['rows_per_s']:>9,} rows/s, "
-                                    f"{r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read rate")
-                uring_calls(path, lay, a.rows, res)
+                        who = "reference reader" if depth is None else \
+                            f"batched reader, {'io_uring' if engine == 'uring' else 'threads':>8}, depth {depth:>3}"
+                        command.say(f"{who}, {r['rows_per_call']:>5} rows a call: {r['call_us_median']:>10,.1f} us "
+                                    f"a call, {r['pages_per_s']:>9,} pages/s = {r['x_limit']} x the best random-read "
+                                    "rate")
                 if a.steps_on:
                     steps(a, path, best, res)
     finally:

@@ -14,6 +14,8 @@ synchronised (a decode step waits for its rows):
 * ``pinned``: every row in a registered host table (``uva``), the ids copied to the device: the ceiling;
 * ``disk``, at each budget of ``--budgets`` (a fraction of the table): :class:`~uvaple.integration.DiskLookup`
   over the file, started cold (``O_DIRECT`` reads, an empty row cache);
+* ``disk ... threads``, at the smallest budget, where the disk placement reads through io_uring: the same with
+  its reads kept in flight by threads instead (``read_engine="threads"``), in the same run;
 * ``disk ... hot``, at the smallest budget, for each fraction of ``--hot``: the same with that fraction of the
   table's rows held in device memory (``hot_rows``): the most frequent rows of a profile, the same number of
   steps of each lane's next tokens, right after the run's (text of the same kind that the run never reads);
@@ -45,7 +47,7 @@ import torch
 
 from uvaple.integration import DiskLookup, make_lookup
 from uvaple.integration.models.qwen4_exp import layer_multipliers, ngram_ids
-from uvaple.uva import HostTable, TableFile, system
+from uvaple.uva import HostTable, TableFile, system, uring
 from uvaple.uva.table_file import PAGE, page_buffer
 
 from . import command
@@ -129,13 +131,15 @@ class Pinned:
 
 
 class Disk:
-    def __init__(self, path: str, device: torch.device, budget: float, max_rows: int, hot: tuple | None = None):
+    def __init__(self, path: str, device: torch.device, budget: float, max_rows: int, hot: tuple | None = None,
+                 engine: str = "auto"):
         with TableFile.open(path) as f:
             nbytes = int(f.layout.rows * f.layout.stride * budget)
         self.lookup: DiskLookup = make_lookup("disk", path, device=device, max_rows=max_rows,
-                                              budget_bytes=max(nbytes, 1 << 16),
+                                              budget_bytes=max(nbytes, 1 << 16), read_engine=engine,
                                               **({} if hot is None else {"hot_rows": hot[1]}))
-        self.name = f"disk {budget:g}" + ("" if hot is None else f" hot {hot[0]:g}")
+        self.name = f"disk {budget:g}" + ("" if hot is None else f" hot {hot[0]:g}") + \
+            ("" if engine == "auto" else f" {engine}")
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lookup.lookup(ids)
@@ -264,6 +268,8 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                 out = res["batches"][str(b)] = {}
                 providers = ([lambda: pinned] if pinned else []) + \
                     [lambda q=q, b=b: Disk(path, device, q, b * HEADS) for q in a.budgets] + \
+                    ([lambda b=b: Disk(path, device, min(a.budgets), b * HEADS, engine="threads")]
+                     if uring.unavailable() is None else []) + \
                     [lambda h=h, b=b: Disk(path, device, min(a.budgets), b * HEADS,
                                            (h, hot_rows(tokens, rows, b, a.steps, h))) for h in a.hot] + \
                     ([lambda: Mmap(path, device, a.mmap_cap_gib)] if a.mmap else [])

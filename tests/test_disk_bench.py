@@ -36,24 +36,27 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
     assert [r["depth"] for r in res["probe"]] == [1, 4]
     assert all(r["reads"] > 0 and r["reads_per_s"] > 0 and r["latency_us_p99"] >= r["latency_us_median"] > 0
                for r in res["probe"])
-    assert [(r["depth"], r["rows_per_call"]) for r in res["reader"]] == [(None, 1), (None, 300), (3, 1), (3, 300)]
+    ur = res["uring"]  # io_uring from one thread, where the kernel allows it: its rates count toward the limit
+    engines = [("threads", 3)] + ([("uring", 3)] if "rate" in ur else [])
+    assert [(r["engine"], r["depth"], r["rows_per_call"]) for r in res["reader"]] == \
+        [(None, None, 1), (None, None, 300)] + [(e, d, n) for e, d in engines for n in (1, 300)]
+    assert all(r["call_us_median"] > 0 for r in res["reader"])
     assert all(r["bit_exact"] is True and r["calls"] >= 1 and r["x_limit"] > 0 for r in res["reader"]), res["reader"]
     assert res["file"]["rows"] % 23 == 0 and res["file"]["row_bytes"] == 164
-    ur = res["uring"]  # io_uring from one thread, where the kernel allows it: its rates count toward the limit
     assert res["limit_reads_per_s"] == max(r["reads_per_s"] for r in res["probe"] + (res["fio"] or [])
                                            + ur.get("rate", []) if "error" not in r)
     if "error" in ur:
         assert f"io_uring: not run ({ur['error']})" in out
     else:
         assert [r["depth"] for r in ur["rate"]] == [1, 4] and all(r["reads_per_s"] > 0 for r in ur["rate"])
-        assert [c["pages_per_call"] for c in ur["call"]] == [1, 300] and all(c["median_us"] > 0 for c in ur["call"])
-        assert "io_uring,   300 pages a call:" in out and "the batched reader's call of 300 rows, us: 3 threads" in out
+        assert "batched reader, io_uring, depth   3,   300 rows a call:" in out
     assert "probe depth   4:" in out and "reference reader,   300 rows a call:" in out
-    assert "batched reader,   3 threads,   300 rows a call:" in out
+    assert "batched reader,  threads, depth   3,   300 rows a call:" in out
     steps = res["steps"]  # the disk placement's decode steps, small and interpreted: every provider's rows exact
     assert set(steps["batches"]) == {"1", "3"} and steps["tokens"] >= 1000
     for batch in steps["batches"].values():
-        assert set(batch) == {"pinned", "disk 0.25", "disk 0.25 hot 0.01", "mmap"}
+        assert set(batch) == {"pinned", "disk 0.25", "disk 0.25 hot 0.01", "mmap"} | \
+            ({"disk 0.25 threads"} if "rate" in ur else set())
         assert all(r["exact"] for r in batch.values())
         disk, hot = batch["disk 0.25"], batch["disk 0.25 hot 0.01"]
         assert 0 <= disk["hit_rate"] <= 1 and disk["pages_per_step"] > 0 and disk["io_floor_us"] > 0

@@ -18,7 +18,7 @@ from helpers import bits, rand
 from uvaple.integration import DiskLookup, DiskStepTimeout, TableSpec, make_lookup
 from uvaple.integration.errors import BackendClosed
 from uvaple.kernels import reference_gather
-from uvaple.uva import HostTable, PageReader, RowCacheFull, TableFile, TableFileError, write_table_file
+from uvaple.uva import HostTable, PageReader, RowCacheFull, TableFile, TableFileError, uring, write_table_file
 from uvaple.uva.table_file import PAGE
 
 POISON = -31.0
@@ -232,8 +232,10 @@ def test_a_call_that_fails_after_its_plan_completes_its_step_and_maps_nothing_it
     write_table_file(tmp_path / "t.uvt", t)
     with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=20, wait_s=0.5) as lk:
         lk.lookup(torch.arange(20))
-        monkeypatch.setattr(PageReader, "_read_share", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
-        with pytest.raises(KeyboardInterrupt):  # met by the reader's threads, raised on the caller's
+        # met by the reader's ring on this thread, or by its threads and raised on this one
+        where = "_read_uring" if lk._reader.engine == "uring" else "_read_share"
+        monkeypatch.setattr(PageReader, where, lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
             lk.lookup(torch.cat([torch.arange(10), torch.arange(100, 110)]))  # 10 hits, 10 misses
         monkeypatch.undo()
         if device.type == "cuda":
@@ -319,6 +321,8 @@ def test_bad_options_and_calls_are_named(tmp_path, device):
             (dict(max_rows=4, slots=4, steps_in_flight=0), ValueError, "steps_in_flight must be a positive int"),
             (dict(max_rows=4, slots=4, read_depth=0), ValueError, "read_depth must be a positive int, got 0"),
             (dict(max_rows=4, slots=4, wait_s=-1), ValueError, "wait_s must be a number of seconds > 0"),
+            (dict(max_rows=4, slots=4, read_engine="aio"), ValueError,
+             "read_engine must be one of 'auto', 'uring', 'threads', got 'aio'"),
             (dict(max_rows=4, slots=4, dedup=True), ValueError, "takes no option \\['dedup'\\] \\(its options: "
                                                                 "\\['budget_bytes', 'dequant_scale', 'hot_rows'"),
             (dict(max_rows=4, slots=4, dequant_scale=torch.ones(1)), ValueError, "dequant_scale is for fp8_global"),
@@ -326,6 +330,10 @@ def test_bad_options_and_calls_are_named(tmp_path, device):
         for kw, error, match in cases:
             with pytest.raises(error, match=match):
                 make_lookup("disk", f, device=device, **kw)
+        for engine in ("threads", "auto"):  # each reader serves the same rows
+            with make_lookup("disk", f, device=device, max_rows=4, slots=4, read_engine=engine) as lk:
+                assert lk._reader.engine == ("threads" if engine == "threads" or uring.unavailable() else "uring")
+                assert torch.equal(bits(lk.lookup(torch.tensor([7, 2, 9]))), bits(t[torch.tensor([7, 2, 9])]))
         lk = make_lookup("disk", f, device=device, max_rows=4, slots=4)
         with pytest.raises(ValueError, match="5 ids in one call, but this lookup was built for max_rows=4"):
             lk.lookup(torch.arange(5))

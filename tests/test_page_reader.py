@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import rand
 
-from uvaple.uva import PageReader, ReadTimeout, TableFile, TableFileError, page_reader, write_table_file
+from uvaple.uva import PageReader, ReadTimeout, TableFile, TableFileError, page_reader, uring, write_table_file
 from uvaple.uva.table_file import PAGE
 
 POISON = 0xA5
@@ -22,25 +22,36 @@ def slots_for(n: int, row_bytes: int) -> torch.Tensor:
     return torch.full((n, row_bytes + 16), POISON, dtype=torch.uint8)  # wider than a row: the tail stays
 
 
-@pytest.fixture(params=["compiled", "interpreted"])
-def loop(request, monkeypatch):
-    """Each thread's loop: the compiled one (zlib found), or the interpreted one (as without zlib's library)."""
-    if request.param == "compiled":
+URING = uring.unavailable()
+
+
+@pytest.fixture(params=["uring", "threads, compiled", "threads, interpreted"])
+def engine(request, monkeypatch):
+    """How the reads are kept in flight: this thread's io_uring (where the kernel allows it), or threads, each with
+    the compiled loop (zlib found) or the interpreted one (as without zlib's library)."""
+    if request.param == "uring":
+        if URING is not None:
+            pytest.skip(f"io_uring cannot be used here: {URING}")
+        return "uring"
+    if request.param == "threads, compiled":
         if page_reader._compiled_reader() is None:
             pytest.skip("zlib's library is not found here: the compiled loop is not used")
     else:
         monkeypatch.setattr(page_reader, "_compiled_reader", lambda: None)
-    return request.param
+    return "threads"
 
 
 @pytest.mark.parametrize("cols,dtype", [(16, torch.bfloat16), (7, torch.float32), (3000, torch.bfloat16)])
 @pytest.mark.parametrize("depth,buffer_pages", [(1, 4096), (8, 3), (32, 4096)])
-def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, loop, cols, dtype, depth, buffer_pages):
+def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, engine, cols, dtype, depth,
+                                                                 buffer_pages):
     """Packed rows (many to a page) and rows of two pages; one thread or many; rounds of three pages (a two-page
     row is never split); rows sharing a page read it once."""
     t = rand(700, cols, dtype, seed=cols)
     write_table_file(tmp_path / "t.uvt", t)
-    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=depth, buffer_pages=buffer_pages) as r:
+    with TableFile.open(tmp_path / "t.uvt") as f, \
+            PageReader(f, depth=depth, buffer_pages=buffer_pages, engine=engine) as r:
+        assert r.engine == engine
         g = np.random.default_rng(depth)
         rows = g.choice(700, size=120, replace=False)
         slots = g.permutation(200)[:120]
@@ -58,11 +69,11 @@ def test_rows_land_in_their_slots_whatever_the_depth_and_rounds(tmp_path, loop, 
 
 
 @pytest.mark.parametrize("fault", ["a page changed", "truncated"])
-def test_a_damaged_file_is_the_files_named_error_and_no_slot_is_written(tmp_path, loop, fault):
+def test_a_damaged_file_is_the_files_named_error_and_no_slot_is_written(tmp_path, engine, fault):
     t = rand(2000, 16, torch.bfloat16, seed=3)
     path = tmp_path / "t.uvt"
     write_table_file(path, t)
-    with TableFile.open(path) as f, PageReader(f, depth=8) as r:
+    with TableFile.open(path) as f, PageReader(f, depth=8, engine=engine) as r:
         with open(path, "r+b") as raw:
             if fault == "a page changed":
                 raw.seek((1 + 10) * PAGE + 7)  # rows 1,280 .. 1,407
@@ -81,7 +92,7 @@ def test_a_read_that_never_returns_is_named_in_time_and_its_late_bytes_go_nowher
     t = rand(500, 16, torch.bfloat16, seed=4)
     write_table_file(tmp_path / "t.uvt", t)
     release = threading.Event()
-    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, timeout_s=0.3) as r:
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, timeout_s=0.3, engine="threads") as r:
         real = PageReader._read_share
 
         def stuck(self, pages, out):
@@ -104,6 +115,86 @@ def test_a_read_that_never_returns_is_named_in_time_and_its_late_bytes_go_nowher
         time.sleep(0.1)
         want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
         assert torch.equal(dst[: len(rows), :32], want)
+
+
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+def test_an_io_uring_read_that_never_returns_is_named_in_time_and_its_late_bytes_go_nowhere(tmp_path, monkeypatch):
+    """A read that does not complete (a FIFO with nothing written stands in for a disk that stopped answering): a
+    ReadTimeout in about the timeout, the ring and buffer left to the read, the next call on a new ring exact; the
+    late bytes land in the abandoned buffer only."""
+    import os
+
+    t = rand(500, 16, torch.bfloat16, seed=4)
+    write_table_file(tmp_path / "t.uvt", t)
+    os.mkfifo(tmp_path / "stuck")
+    stuck = os.open(tmp_path / "stuck", os.O_RDWR)
+    try:
+        with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, timeout_s=0.3, engine="uring") as r:
+            r.read_rows_into(np.array([3]), slots_for(1, 32), np.array([0]))  # compiled and warm
+            monkeypatch.setattr(f, "fileno", lambda: stuck)
+            dst = slots_for(60, 32)
+            abandoned = len(uring._ABANDONED)
+            t0 = time.monotonic()
+            with pytest.raises(ReadTimeout, match="had not completed after 0.3 s"):
+                r.read_rows_into(np.arange(0, 500, 13), dst, np.arange(39))
+            assert time.monotonic() - t0 < 5.0
+            assert len(uring._ABANDONED) == abandoned + 1 and r._ring is None
+            old_buf = uring._ABANDONED[-1][1]
+            monkeypatch.undo()
+            rows = np.arange(1, 500, 11)
+            r.read_rows_into(rows, dst, np.arange(len(rows)))  # a new ring and buffer
+            os.write(stuck, b"\x11" * (4 * PAGE))  # the stuck reads complete now, into the abandoned buffer
+            time.sleep(0.1)
+            want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
+            assert torch.equal(dst[: len(rows), :32], want)
+            assert bool((old_buf[:4] == 0x11).all())
+    finally:
+        os.close(stuck)
+
+
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path):
+    """A ring is one process's: a reader used before a fork makes the child a new ring (the parent's stays the
+    parent's, and keeps working); both read the rows asked for."""
+    import multiprocessing as mp
+
+    t = rand(400, 16, torch.bfloat16, seed=5)
+    write_table_file(tmp_path / "t.uvt", t)
+    rows = np.arange(3, 400, 17)
+    want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, engine="uring") as r:
+        dst = slots_for(len(rows), 32)
+        r.read_rows_into(rows, dst, np.arange(len(rows)))
+        parent_ring = r._ring
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+
+        def child():
+            d = slots_for(len(rows), 32)
+            r.read_rows_into(rows, d, np.arange(len(rows)))
+            q.put((r._ring is not parent_ring, bool(torch.equal(d[:, :32], want))))
+
+        p = ctx.Process(target=child)
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0 and q.get(timeout=5) == (True, True)
+        dst.fill_(POISON)
+        r.read_rows_into(rows, dst, np.arange(len(rows)))  # the parent's ring, untouched by the child
+        assert r._ring is parent_ring and torch.equal(dst[:, :32], want)
+
+
+def test_the_engine_is_chosen_and_checked(tmp_path, monkeypatch):
+    write_table_file(tmp_path / "t.uvt", rand(10, 4, torch.float32))
+    with TableFile.open(tmp_path / "t.uvt") as f:
+        assert PageReader(f).engine == ("uring" if URING is None else "threads")  # auto
+        assert PageReader(f, engine="threads").engine == "threads"
+        with pytest.raises(ValueError, match="engine must be one of 'auto', 'uring', 'threads', got 'aio'"):
+            PageReader(f, engine="aio")
+        monkeypatch.setattr(uring, "unavailable", lambda: "io_uring_setup(8): Operation not permitted")
+        assert PageReader(f).engine == "threads"
+        with pytest.raises(ValueError, match=r"engine 'uring': io_uring cannot be used here \(io_uring_setup\(8\): "
+                                             r"Operation not permitted\); use engine 'threads' or 'auto'"):
+            PageReader(f, engine="uring")
 
 
 def test_bad_settings_are_named(tmp_path):

@@ -1,25 +1,32 @@
-"""The batched reader of a table file: a step's missing rows read by ``depth`` threads at once, each page checked
-against its sum, then copied into the rows' slots by the caller's thread.
+"""The batched reader of a table file: a step's missing rows read with ``depth`` reads in flight, each page
+checked against its sum, then copied into the rows' slots by the caller's thread.
 
-Why threads. A miss costs one 4 KiB page (:mod:`.table_file`); a local NVMe disk serves hundreds of thousands of
-random 4 KiB reads a second only with many in flight (queue depth 32 to 64), and
-:meth:`~uvaple.uva.table_file.TableFile.read_rows`, the reference, issues them one at a time. Here ``depth``
-threads each ``pread`` (``O_DIRECT`` where the filesystem allows it) their share of the step's pages into one
-page-aligned buffer; a ``pread`` releases the GIL, so ``depth`` reads are in flight together, as a thread pool
-keeps them in kvikio's POSIX reader. (io_uring keeps the same depth from one thread; which is faster on the
-serving host is a measurement: ``uvaple bench --workload disk`` times this reader against the disk's own rate
-at each depth, from its probe and from fio.)
+Why many in flight. A miss costs one 4 KiB page (:mod:`.table_file`); a local NVMe disk serves hundreds of
+thousands of random 4 KiB reads a second only with many in flight (queue depth 32 to 64), and
+:meth:`~uvaple.uva.table_file.TableFile.read_rows`, the reference, issues them one at a time.
 
-How a thread reads. Where this host's zlib is found, each thread runs one compiled loop (numba, ``nogil``) over its
-pages: ``pread`` and zlib's ``crc32`` called through ctypes, no interpreter and no GIL between two reads
-(1.7 us of CPU a page from the page cache, where the interpreted loop took 6 us and held the GIL for most of
-it); a page it cannot read or check whole is read again by the interpreted path, whose error names the file,
-the page and the cause. Without zlib's library, the interpreted path (:meth:`TableFile.read_pages`) does it all.
+Two engines keep them in flight (``engine``; ``"auto"`` takes the first that can run here):
 
-What may write where. The threads write only into the reader's page buffer, each into its own pages; the
-caller's thread copies the rows out into their slots once every read of the round has returned and passed its
-sum. A read that has not returned after ``timeout_s`` is a named error (:class:`ReadTimeout`): the round's
-buffer and threads are abandoned to it (its late bytes land in memory nothing reads) and the next call starts
+* ``"uring"``: the calling thread's io_uring (:mod:`.uring`): one submission of a round's reads (``O_DIRECT``
+  where the filesystem allows it), the completions reaped and each page checked on the same thread, in a
+  compiled loop. No other thread runs, so nothing waits for one to wake: a decode step's few misses cost the
+  reads. On a GPU server's host (an H100's) a call of one page through the threads took 298 us where the disk
+  answers one read in 35.5 us, and more threads made calls slower; on the development machine io_uring's call of
+  1 / 64 / 4,096 pages took 53 / 640 / 44,474 us against the threads' 160 / 1,364 / 49,516
+  (``uvaple bench --workload disk`` times both against the disk's own rate).
+* ``"threads"`` (where io_uring is refused: an old kernel, ``kernel.io_uring_disabled``, a container's seccomp
+  filter): ``depth`` threads each ``pread`` their share of the round's pages, as kvikio's POSIX reader keeps
+  them; a ``pread`` releases the GIL. Where this host's zlib is found, each thread runs one compiled loop (numba,
+  ``nogil``) over its pages: ``pread`` and zlib's ``crc32`` through ctypes, no interpreter and no GIL between two
+  reads; without zlib's library, the interpreted path (:meth:`TableFile.read_pages`) does it all.
+
+Either way, a page not read whole or unlike its sum is read again by the interpreted path, whose error names the
+file, the page and the cause.
+
+What may write where. The reads write only into the reader's page buffer, each into its own page; the caller's
+thread copies the rows out into their slots once every read of the round has returned and passed its sum. A read
+that has not returned after ``timeout_s`` is a named error (:class:`ReadTimeout`): the round's buffer and its
+threads, or its ring, are abandoned to it (its late bytes land in memory nothing reads) and the next call starts
 new ones; a failed or damaged read is the file's own named error (:class:`~uvaple.uva.table_file.TableFileError`).
 So no slot is written by a read that came too late, and none outside the rows asked for.
 
@@ -34,13 +41,18 @@ import concurrent.futures as cf
 import ctypes
 import ctypes.util
 import functools
+import os
 
 import numpy as np
 import torch
 
+from . import uring
 from .table_file import PAGE, TableFile, TableFileError, page_buffer
 
-__all__ = ["PageReader", "ReadTimeout"]
+__all__ = ["PageReader", "ReadTimeout", "ENGINES"]
+
+#: how a reader keeps its reads in flight: io_uring where it can be used, else threads; or one of them
+ENGINES = ("auto", "uring", "threads")
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,7 +101,8 @@ class PageReader:
     ``buffer_pages``: pages a round reads at most (its buffer: ``buffer_pages`` x 4 KiB, made once);
     ``timeout_s``: how long a round waits for its reads."""
 
-    def __init__(self, file: TableFile, *, depth: int = 32, buffer_pages: int = 4096, timeout_s: float = 30.0):
+    def __init__(self, file: TableFile, *, depth: int = 32, buffer_pages: int = 4096, timeout_s: float = 30.0,
+                 engine: str = "auto"):
         if not isinstance(file, TableFile):
             raise TypeError(f"a page reader reads a TableFile, got {type(file).__name__}")
         for name, value, lo in (("depth", depth, 1), ("buffer_pages", buffer_pages, 1)):
@@ -97,12 +110,23 @@ class PageReader:
                 raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+        why = uring.unavailable() if engine != "threads" else None
+        if engine == "uring" and why is not None:
+            raise ValueError(f"engine 'uring': io_uring cannot be used here ({why}); use engine 'threads' or 'auto'")
+        if engine == "uring" and depth > 4096:
+            raise ValueError(f"engine 'uring' keeps at most 4096 reads in flight, got depth {depth}")
+        #: the engine in use: "uring" (this thread's io_uring) or "threads"
+        self.engine = "uring" if engine != "threads" and why is None and depth <= 4096 else "threads"
         lay = file.layout
         self.file, self.depth, self.timeout_s = file, depth, float(timeout_s)
         per = max(1, lay.pages_per_row)
         self.buffer_pages = max(per, buffer_pages // per * per)  # whole rows a round
         self._buf: torch.Tensor | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._ring: uring.Ring | None = None
+        self._ring_pid = 0
         self.pages_read = 0
         self._closed = False
 
@@ -139,8 +163,10 @@ class PageReader:
             dst[torch.from_numpy(slots[mine]), : lay.row_bytes] = src
 
     def _read(self, pages: np.ndarray) -> torch.Tensor:
-        """``pages`` (sorted, at most ``buffer_pages``) into the buffer by ``depth`` threads; the buffer's first
-        ``len(pages)`` pages."""
+        """``pages`` (sorted, at most ``buffer_pages``) into the buffer, ``depth`` reads in flight (this thread's
+        io_uring, or ``depth`` threads); the buffer's first ``len(pages)`` pages."""
+        if self.engine == "uring":
+            return self._read_uring(pages)
         buf, pool = self._ready()
         n = len(pages)
         cuts = np.linspace(0, n, min(self.depth, n) + 1).astype(np.int64)
@@ -154,6 +180,37 @@ class PageReader:
                               "nothing they read will be used")
         for f in futures:
             f.result()  # the first failure, named by the file (a short read, an I/O error, a sum)
+        self.pages_read += n
+        return buf[:n]
+
+    def _read_uring(self, pages: np.ndarray) -> torch.Tensor:
+        """``pages`` into the buffer through this thread's ring (see :mod:`.uring`); a page that failed there, and
+        those after it, read again by the interpreted path, which names what failed."""
+        if self._closed:
+            raise TableFileError(f"the page reader of {self.file.path} was closed")
+        if self._buf is None:
+            self._buf = page_buffer(self.buffer_pages)
+        if self._ring is not None and self._ring_pid != os.getpid():  # a forked child: the parent's ring is not its
+            self._ring.close()  # own (both would submit into it); closing the child's copy leaves the parent's
+            self._ring = None
+        if self._ring is None:
+            self._ring, self._ring_pid = uring.Ring(min(self.depth, 4096)), os.getpid()
+        buf, r, n = self._buf, self._ring, len(pages)
+        got = uring.read_loop()(r.fd, r.sq, r.sq_at, r.cq, r.cq_at, r.sqes, self.file.fileno(), buf.numpy(),
+                                np.ascontiguousarray(pages, dtype=np.int64), self.file.page_sums, self.depth,
+                                int(self.timeout_s * 1e9), np.zeros(2, dtype=np.int64))
+        if got in (uring.TIMED_OUT, uring.REFUSED):
+            # reads in flight: the ring and the buffer are theirs now; the next call makes new ones
+            uring.abandon(self._ring, self._buf)
+            self._ring = self._buf = None
+            if got == uring.TIMED_OUT:
+                raise ReadTimeout(f"{self.file.path}: page reads ({n} pages, up to {self.depth} in flight through "
+                                  f"io_uring) had not completed after {self.timeout_s:g} s: the disk or its "
+                                  "filesystem stopped answering; nothing they read will be used")
+            raise TableFileError(f"{self.file.path}: io_uring did not take this round's reads ({n} pages); the "
+                                 "reader goes on with threads")
+        if got >= 0:
+            self.file.read_pages(pages[got:], buf[got:n])  # raises the file's named error, or reads them whole
         self.pages_read += n
         return buf[:n]
 
@@ -183,6 +240,9 @@ class PageReader:
         pool, self._pool, self._buf = self._pool, None, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        ring, self._ring = self._ring, None
+        if ring is not None:  # every read of a returned round completed: nothing is in flight
+            ring.close()
 
     def __enter__(self) -> PageReader:
         return self

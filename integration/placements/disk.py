@@ -62,6 +62,7 @@ from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import GatherPlan
 from uvaple.uva import HostMemoryError, HostTable, PageReader, RowCache, RowCacheFull, TableFile, row_stride_bytes
+from uvaple.uva.page_reader import ENGINES
 
 from ..errors import DiskStepTimeout, DiskStreamError
 from ..lookup import Lookup
@@ -104,9 +105,11 @@ class DiskLookup(Lookup):
     wait_s : float
         How long a call waits for earlier steps to complete (a full cache, a staging row in use) before a named
         error (default 10).
-    read_depth, read_timeout_s :
-        The misses' reads in flight at once (:class:`~uvaple.uva.PageReader`'s threads, default 32) and how long
-        a call waits for them before :class:`~uvaple.uva.ReadTimeout` (default 30 s).
+    read_depth, read_timeout_s, read_engine :
+        The misses' reads in flight at once (default 32), how long a call waits for them before
+        :class:`~uvaple.uva.ReadTimeout` (default 30 s), and how they are kept in flight
+        (:class:`~uvaple.uva.PageReader`: ``"auto"``, io_uring from the calling thread where the kernel allows
+        it, else threads; or ``"uring"`` or ``"threads"``).
     dequant_scale : torch.Tensor, optional
         An ``fp8_global`` file's float32 ``[1]`` scale on ``device``.
     hot_rows : sequence of int or 1-D integer tensor, optional
@@ -135,6 +138,10 @@ class DiskLookup(Lookup):
             value = options.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"the disk placement's {key} must be a positive int, got {value!r}")
+        engine = options.get("read_engine")
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"the disk placement's read_engine must be one of {', '.join(map(repr, ENGINES))}, got "
+                             f"{engine!r}")
         for key in ("wait_s", "read_timeout_s"):
             value = options.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
@@ -151,7 +158,7 @@ class DiskLookup(Lookup):
     def __init__(self, table: TableFile, spec: TableSpec | None = None, device=None, *, owns_table: bool = False,
                  max_rows: int | None = None, budget_bytes: int | None = None, slots: int | None = None,
                  steps_in_flight: int = 4, wait_s: float = 10.0, read_depth: int = 32, read_timeout_s: float = 30.0,
-                 dequant_scale: torch.Tensor | None = None, hot_rows=None) -> None:
+                 read_engine: str = "auto", dequant_scale: torch.Tensor | None = None, hot_rows=None) -> None:
         if not isinstance(table, TableFile):
             raise TypeError(f"the disk placement reads a table file (uvaple.uva.TableFile, or its path through "
                             f"make_lookup), got {type(table).__name__}; write one with write_table_file()")
@@ -181,7 +188,7 @@ class DiskLookup(Lookup):
         self._staging = self._reader = None
         try:
             per_row = max(1, table.layout.pages_per_row)  # a round of the reader holds a whole step where it can
-            self._reader = PageReader(table, depth=read_depth, timeout_s=read_timeout_s,
+            self._reader = PageReader(table, depth=read_depth, timeout_s=read_timeout_s, engine=read_engine,
                                       buffer_pages=min(4096 // per_row, max_rows) * per_row)
             self._staging = HostTable.empty(steps_in_flight, max_rows * 4, torch.uint8, register=register,
                                             device=index)
