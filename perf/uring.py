@@ -38,6 +38,7 @@ def _loop():
     enter.restype = ctypes.c_long
     enter.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                       ctypes.c_long]
+    acquire, release = _uring.fences()
     clock = libc.clock_gettime
     clock.restype, clock.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]
 
@@ -76,6 +77,7 @@ def _loop():
                 started[submitted] = now
                 submitted += 1
                 to_submit += 1
+            release()
             sq[sq_at[1]] = np.uint32(tail & 0xFFFFFFFF)
             if to_submit:
                 if enter(_ENTER, ring_fd, to_submit, 0, 0, 0, 0) < 0:
@@ -85,6 +87,7 @@ def _loop():
             now = ts[0] * 1_000_000_000 + ts[1]
             head = np.int64(cq[cq_at[0]])
             tail_c = np.int64(cq[cq_at[1]])
+            acquire()
             if head == tail_c:
                 if now - last > timeout_ns:
                     return -(1 << 40)
@@ -98,6 +101,7 @@ def _loop():
                 lat[k] = now - started[k]
                 head = (head + 1) & 0xFFFFFFFF
                 completed += 1
+            release()
             cq[cq_at[0]] = np.uint32(head)
             last = now
         return completed

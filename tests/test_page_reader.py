@@ -183,6 +183,57 @@ def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path):
         assert r._ring is parent_ring and torch.equal(dst[:, :32], want)
 
 
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+@pytest.mark.parametrize("how", ["no ring", "entries refused"])
+def test_a_ring_that_cannot_be_had_or_fed_turns_the_reader_to_threads(tmp_path, monkeypatch, how):
+    """No ring (a limit on rings or locked memory) or a ring whose entries the kernel stops taking: this round and
+    the next are read by threads, exact; a refused ring is left to its reads (never reused)."""
+    t = rand(300, 16, torch.bfloat16, seed=6)
+    write_table_file(tmp_path / "t.uvt", t)
+    rows = np.arange(2, 300, 9)
+    want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, engine="uring") as r:
+        abandoned = len(uring._ABANDONED)
+        if how == "no ring":
+            monkeypatch.setattr(uring, "Ring", lambda n: (_ for _ in ()).throw(OSError(12, "io_uring_setup: ENOMEM")))
+        else:
+            monkeypatch.setattr(uring, "read_loop", lambda: lambda *a: uring.REFUSED)
+        for _ in range(2):
+            dst = slots_for(len(rows), 32)
+            r.read_rows_into(rows, dst, np.arange(len(rows)))
+            assert r.engine == "threads" and torch.equal(dst[:, :32], want)
+        assert len(uring._ABANDONED) == abandoned + (how == "entries refused")
+
+
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+def test_a_close_from_another_thread_during_a_read_leaves_the_ring_to_that_read(tmp_path, monkeypatch):
+    t = rand(300, 16, torch.bfloat16, seed=7)
+    write_table_file(tmp_path / "t.uvt", t)
+    with TableFile.open(tmp_path / "t.uvt") as f:
+        r = PageReader(f, depth=4, engine="uring")
+        r.read_rows_into(np.array([1]), slots_for(1, 32), np.array([0]))  # the ring made
+        ring, real, go = r._ring, uring.read_loop(), threading.Event()
+
+        def slow(*args):
+            go.wait(30)  # a read still out when close() comes
+            return real(*args)
+
+        monkeypatch.setattr(uring, "read_loop", lambda: slow)
+        dst, done = slots_for(3, 32), []
+        reader = threading.Thread(target=lambda: done.append(r.read_rows_into(np.array([5, 6, 7]), dst,
+                                                                              np.arange(3))))
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not r._busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+        r.close()
+        assert ring.fd >= 0 and r._ring is ring  # not closed under the read
+        go.set()
+        reader.join(30)
+        assert done == [None] and ring.fd == -1 and r._ring is None  # closed by the read, once it returned
+        assert torch.equal(dst[:, :32], t[5:8].view(torch.uint8).reshape(3, 32))
+
+
 def test_the_engine_is_chosen_and_checked(tmp_path, monkeypatch):
     write_table_file(tmp_path / "t.uvt", rand(10, 4, torch.float32))
     with TableFile.open(tmp_path / "t.uvt") as f:

@@ -9,11 +9,13 @@ Two engines keep them in flight (``engine``; ``"auto"`` takes the first that can
 
 * ``"uring"``: the calling thread's io_uring (:mod:`.uring`): one submission of a round's reads (``O_DIRECT``
   where the filesystem allows it), the completions reaped and each page checked on the same thread, in a
-  compiled loop. No other thread runs, so nothing waits for one to wake: a decode step's few misses cost the
-  reads. On a GPU server's host (an H100's) a call of one page through the threads took 298 us where the disk
-  answers one read in 35.5 us, and more threads made calls slower; on the development machine io_uring's call of
-  1 / 64 / 4,096 pages took 53 / 640 / 44,474 us against the threads' 160 / 1,364 / 49,516
-  (``uvaple bench --workload disk`` times both against the disk's own rate).
+  compiled loop that waits for them busily, bounded by ``timeout_s`` for the round. No other thread runs, so
+  nothing waits for one to wake: a decode step's few misses cost the reads. A reader that cannot have a ring,
+  or whose ring the kernel stops taking entries from, goes on with threads. On a GPU server's host (an H100's)
+  a call of one page through the threads took 298 us where the disk answers one read in 35.5 us, and more
+  threads made calls slower; on the development machine io_uring's call of 1 / 64 / 4,096 pages took 53 / 640 /
+  44,474 us against the threads' 160 / 1,364 / 49,516 (``uvaple bench --workload disk`` times both against the
+  disk's own rate).
 * ``"threads"`` (where io_uring is refused: an old kernel, ``kernel.io_uring_disabled``, a container's seccomp
   filter): ``depth`` threads each ``pread`` their share of the round's pages, as kvikio's POSIX reader keeps
   them; a ``pread`` releases the GIL. Where this host's zlib is found, each thread runs one compiled loop (numba,
@@ -42,6 +44,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import threading
 
 import numpy as np
 import torch
@@ -127,6 +130,8 @@ class PageReader:
         self._pool: cf.ThreadPoolExecutor | None = None
         self._ring: uring.Ring | None = None
         self._ring_pid = 0
+        self._state = threading.Lock()  # _closed and _busy, between a read through the ring and a close()
+        self._busy = False
         self.pages_read = 0
         self._closed = False
 
@@ -135,6 +140,7 @@ class PageReader:
             raise TableFileError(f"the page reader of {self.file.path} was closed")
         if self._buf is None:
             self._buf = page_buffer(self.buffer_pages)
+        if self._pool is None:  # (a reader that began with io_uring has its buffer already)
             self._pool = cf.ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="uvaple-read")
         return self._buf, self._pool
 
@@ -185,34 +191,53 @@ class PageReader:
 
     def _read_uring(self, pages: np.ndarray) -> torch.Tensor:
         """``pages`` into the buffer through this thread's ring (see :mod:`.uring`); a page that failed there, and
-        those after it, read again by the interpreted path, which names what failed."""
-        if self._closed:
-            raise TableFileError(f"the page reader of {self.file.path} was closed")
-        if self._buf is None:
-            self._buf = page_buffer(self.buffer_pages)
-        if self._ring is not None and self._ring_pid != os.getpid():  # a forked child: the parent's ring is not its
-            self._ring.close()  # own (both would submit into it); closing the child's copy leaves the parent's
-            self._ring = None
-        if self._ring is None:
-            self._ring, self._ring_pid = uring.Ring(min(self.depth, 4096)), os.getpid()
-        buf, r, n = self._buf, self._ring, len(pages)
-        got = uring.read_loop()(r.fd, r.sq, r.sq_at, r.cq, r.cq_at, r.sqes, self.file.fileno(), buf.numpy(),
-                                np.ascontiguousarray(pages, dtype=np.int64), self.file.page_sums, self.depth,
-                                int(self.timeout_s * 1e9), np.zeros(2, dtype=np.int64))
-        if got in (uring.TIMED_OUT, uring.REFUSED):
-            # reads in flight: the ring and the buffer are theirs now; the next call makes new ones
-            uring.abandon(self._ring, self._buf)
-            self._ring = self._buf = None
-            if got == uring.TIMED_OUT:
-                raise ReadTimeout(f"{self.file.path}: page reads ({n} pages, up to {self.depth} in flight through "
-                                  f"io_uring) had not completed after {self.timeout_s:g} s: the disk or its "
-                                  "filesystem stopped answering; nothing they read will be used")
-            raise TableFileError(f"{self.file.path}: io_uring did not take this round's reads ({n} pages); the "
-                                 "reader goes on with threads")
+        those after it, read again by the interpreted path, which names what failed. A ring the kernel stops
+        taking entries from is left to its reads, and this round and the reader's later ones go to threads."""
+        with self._state:  # a close() from another thread meanwhile leaves the ring to this read, which closes it
+            if self._closed:
+                raise TableFileError(f"the page reader of {self.file.path} was closed")
+            self._busy = True
+        try:
+            if self._buf is None:
+                self._buf = page_buffer(self.buffer_pages)
+            if self._ring is not None and self._ring_pid != os.getpid():  # a forked child: the parent's ring is not
+                self._ring.close()  # its own (both would submit into it); closing the child's copy leaves the parent's
+                self._ring = None
+            if self._ring is None:
+                try:
+                    self._ring, self._ring_pid = uring.Ring(min(self.depth, 4096)), os.getpid()
+                except OSError:  # no ring now (a limit on locked memory or on rings): threads from now on
+                    self.engine = "threads"
+            buf, r, n, state = self._buf, self._ring, len(pages), np.zeros(3, dtype=np.int64)
+            got = -1 if r is None else \
+                uring.read_loop()(r.fd, r.sq, r.sq_at, r.cq, r.cq_at, r.sqes, self.file.fileno(), buf.numpy(),
+                                  np.ascontiguousarray(pages, dtype=np.int64), self.file.page_sums, self.depth,
+                                  int(self.timeout_s * 1e9), state)
+            if got in (uring.TIMED_OUT, uring.REFUSED):
+                # reads in flight: the ring and the buffer are theirs now; the next round makes new ones
+                uring.abandon(self._ring, self._buf)
+                self._ring = self._buf = None
+                if got == uring.TIMED_OUT:
+                    raise ReadTimeout(f"{self.file.path}: {state[2]} of {n} page reads (up to {self.depth} in flight "
+                                      f"through io_uring) had not completed after {self.timeout_s:g} s: the disk or "
+                                      "its filesystem stopped answering; nothing they read will be used")
+                self.engine = "threads"  # the kernel stopped taking entries (memory, a limit): threads from now on
+        finally:
+            with self._state:
+                self._busy = False
+                if self._closed:
+                    self._close_ring()
+        if self.engine == "threads":
+            return self._read(pages)
         if got >= 0:
             self.file.read_pages(pages[got:], buf[got:n])  # raises the file's named error, or reads them whole
         self.pages_read += n
         return buf[:n]
+
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:  # every read of a returned round completed: nothing is in flight
+            ring.close()
 
     def _read_share(self, pages: np.ndarray, buf: torch.Tensor) -> None:
         """One thread's pages into its part of the buffer (compiled where it can be; a page that fails there, and
@@ -240,9 +265,9 @@ class PageReader:
         pool, self._pool, self._buf = self._pool, None, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        ring, self._ring = self._ring, None
-        if ring is not None:  # every read of a returned round completed: nothing is in flight
-            ring.close()
+        with self._state:
+            if not self._busy:  # else the read in progress closes it when it returns
+                self._close_ring()
 
     def __enter__(self) -> PageReader:
         return self

@@ -6,8 +6,8 @@ loop (numba, ``nogil``; ``io_uring_enter``, ``clock_gettime`` and zlib's ``crc32
 keeps up to ``depth`` page reads (``IORING_OP_READ``, 64-byte entries) in flight, reaps each completion (16-byte
 entries) as it arrives, submits the next read at once and checks each page against its sum. It waits for
 completions by reading the completion ring's tail between two clock reads: a busy wait, no sleep to wake from
-(a sleeping thread takes long to wake on a server's idle cores), bounded by a deadline that restarts at every
-completion.
+(a sleeping thread takes long to wake on a server's idle cores), bounded by the round's deadline (the caller's
+thread is held, and not interruptible, until its reads are back or the deadline passes).
 
 Why this and not threads: see :mod:`.page_reader` (which uses this where it can).
 
@@ -112,14 +112,40 @@ def unavailable() -> str | None:
     if ctypes.util.find_library("z") is None:
         return "zlib's library is not found (the pages' sums are checked with it)"
     try:
-        Ring(8).close()
+        ring = Ring(8)
     except OSError as e:
         return str(e)
-    try:
-        read_loop()
+    try:  # compiled here, once: a loop that cannot be made is known before a reader relies on it
+        buf, sums = np.zeros((1, PAGE), dtype=np.uint8), np.zeros(1, dtype=np.uint32)
+        sums.flags.writeable = False  # as a table file's sums are: the types a reader's call brings, compiled once
+        read_loop()(ring.fd, ring.sq, ring.sq_at, ring.cq, ring.cq_at, ring.sqes, 0, buf, np.zeros(0, dtype=np.int64),
+                    sums, 1, 1, np.zeros(3, dtype=np.int64))
     except ImportError as e:
         return f"numba cannot be imported: {e}"
+    except Exception as e:  # noqa: BLE001 - any failure to build the loop means: not here
+        return f"the io_uring loop cannot be compiled here ({type(e).__name__}: {e})"
+    finally:
+        ring.close()
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def fences():
+    """``(acquire, release)``: memory fences callable from a numba loop (no code on x86-64 but an order the
+    compiler keeps; a barrier on aarch64), the orders a ring's indices are read and written in."""
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    def fence(order: str):
+        @intrinsic
+        def emit(typingctx):
+            def codegen(context, builder, signature, args):
+                builder.fence(order)
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return emit
+
+    return fence("acquire"), fence("release")
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,10 +154,15 @@ def read_loop():
 
     ``loop(ring_fd, sq, sq_at, cq, cq_at, sqes, fd, buf, pages, sums, depth, timeout_ns, ts) -> int``: data page
     ``pages[k]`` of the table file open as ``fd`` into ``buf[k]`` (``uint8 [>= len(pages), 4096]``, page-aligned),
-    at most ``depth`` reads in flight, each checked against ``sums``. Returns -1 when every page was read whole
-    and matched its sum; else ``k``, the first page (in ``pages``' order) that did not, after every read in flight
-    completed; :data:`TIMED_OUT` when no read completed for ``timeout_ns``, or :data:`REFUSED` when
-    ``io_uring_enter`` did not take every entry given (in both, reads may still be in flight: :func:`abandon`).
+    at most ``depth`` reads in flight (and at most the ring's entries), each checked against ``sums``. Returns -1
+    when every page was read whole and matched its sum; else ``k``, the first page (in ``pages``' order) that did
+    not, after every read in flight completed; :data:`TIMED_OUT` when the reads had not all completed
+    ``timeout_ns`` after the call began, or :data:`REFUSED` when ``io_uring_enter`` did not take every entry
+    given (in both, ``ts[2]`` reads are still in flight: :func:`abandon`). ``ts``: int64 ``[3]``, scratch.
+
+    The completion ring is read as liburing reads it: its tail with acquire order (the entries after it are the
+    kernel's writes that the tail published), its head stored with release order (the entries read before their
+    slots go back); the submission tail with release order after the entries it publishes.
     """
     import numba
 
@@ -144,16 +175,20 @@ def read_loop():
     crc32 = ctypes.CDLL(ctypes.util.find_library("z")).crc32
     crc32.restype, crc32.argtypes = ctypes.c_ulong, [ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint]
 
+    acquire, release = fences()
+
     @numba.njit(nogil=True, cache=False)
     def loop(ring_fd, sq, sq_at, cq, cq_at, sqes, fd, buf, pages, sums, depth, timeout_ns, ts):
         n = pages.shape[0]
         sq_mask = np.int64(sq[sq_at[2]])  # ring indices in int64 (numba would make uint32 and int64 a float)
         cq_mask = np.int64(cq[cq_at[2]])
+        depth = min(depth, sq_mask + 1)  # never more in flight than the completion ring holds (twice the entries)
         submitted = 0
         completed = 0
         bad = n  # the first page that failed (n: none)
         clock(1, ts.ctypes.data)  # CLOCK_MONOTONIC
-        last = ts[0] * 1_000_000_000 + ts[1]
+        deadline = ts[0] * 1_000_000_000 + ts[1] + timeout_ns
+        ts[2] = 0
         while completed < submitted or (submitted < n and bad == n):
             tail = np.int64(sq[sq_at[1]])
             new = 0
@@ -173,15 +208,19 @@ def read_loop():
                 submitted += 1
                 new += 1
             if new:
-                sq[sq_at[1]] = np.uint32(tail)  # published before the system call reads it
+                release()
+                sq[sq_at[1]] = np.uint32(tail)  # the entries, then the tail that publishes them; then the call
                 if enter(_ENTER, ring_fd, new, 0, 0, 0, 0) != new:
+                    ts[2] = submitted - completed
                     return -3  # entries not taken: the ring's state is not known, reads may be in flight
             clock(1, ts.ctypes.data)  # also makes each read of the completion tail below a fresh load
             now = ts[0] * 1_000_000_000 + ts[1]
             head = np.int64(cq[cq_at[0]])
             ctail = np.int64(cq[cq_at[1]])
+            acquire()
             if head == ctail:
-                if now - last > timeout_ns:
+                if now > deadline:
+                    ts[2] = submitted - completed
                     return -2
                 continue
             while head != ctail:
@@ -192,8 +231,8 @@ def read_loop():
                     bad = k
                 head = (head + 1) & 0xFFFFFFFF
                 completed += 1
-            cq[cq_at[0]] = np.uint32(head)
-            last = now
+            release()
+            cq[cq_at[0]] = np.uint32(head)  # the entries read, then the head that gives their slots back
         return -1 if bad == n else bad
 
     return loop
