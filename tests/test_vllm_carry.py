@@ -533,3 +533,35 @@ def test_the_cores_an_engine_runs_on_are_read_and_checked(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         db.main(["--plan", "--cpus", "7-5"])
     assert "--cpus '7-5': '7-5': a range runs from a core to a later one" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ engine_check: stopping a server
+def _server(code: str) -> subprocess.Popen:
+    """A stand-in server in its own process group: ``code`` runs, then it prints ready and waits."""
+    p = subprocess.Popen([sys.executable, "-c", code + "\nimport sys,time\nprint('ready', flush=True)\n"
+                          "while True: time.sleep(0.05)"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_server_is_stopped_as_ctrl_c_does_and_the_record_says_which_signal_did_it():
+    p = _server("")  # Python's default: SIGINT raises KeyboardInterrupt, the process ends
+    rec = ec._stop_server(p)
+    assert rec["by"] == "SIGINT" and rec["exit_status"] != 0 and not rec["group_killed_after"]
+    assert p.poll() is not None
+    p = _server("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)")
+    rec = ec._stop_server(p, sigint_wait_s=3)  # deaf to Ctrl-C: SIGTERM after the wait
+    assert rec["by"] == "SIGTERM" and rec["exit_status"] == -15 and rec["seconds"] >= 3
+    assert ec._stop_server(p) == {"by": "exited by itself", "exit_status": -15}
+
+
+def test_a_process_left_in_the_servers_group_is_killed_and_said():
+    # The server spawns a child that ignores SIGINT (as an engine core busy in a CUDA call may not act on it).
+    # The server is ready once its child deafened itself (else the SIGINT could find the child not yet deaf).
+    p = _server("import subprocess,sys\n"
+                "c = subprocess.Popen([sys.executable,'-c','import signal,time; signal.signal(signal.SIGINT, "
+                "signal.SIG_IGN); print(1, flush=True); time.sleep(120)'], stdout=subprocess.PIPE)\n"
+                "c.stdout.readline()")
+    rec = ec._stop_server(p)
+    assert rec["by"] == "SIGINT" and rec["group_killed_after"] is True
+    assert ec._group_gone(p.pid, 5.0)

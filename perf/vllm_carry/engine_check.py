@@ -630,11 +630,17 @@ print("ENV" + json.dumps(out))
         self.save()
 
     # ------------------------------------------------------------------ serve
+    # A server's start (API process, engine core, model, KV cache; ~80 s eager on the H100), its checks (~10 s),
+    # its stop (bounded: 30 s after SIGINT, 10 after SIGTERM) and the bad setting's start (~90 s) after it.
+    SERVE_NEEDS_S = 330
+    SERVE_HEALTH_WAIT_S = 240
+
     def serve(self) -> None:
         if self.res.get("serve", {}).get("ok") and not self.a.force:
             return
-        if self.left() < 180:
-            self.note(f"serve: skipped, {self.left():.0f} s left; the next call continues")
+        if self.left() < self.SERVE_NEEDS_S:
+            self.note(f"serve: skipped, {self.left():.0f} s left (it needs ~{self.SERVE_NEEDS_S} s); the next call "
+                      "continues")
             return
         import socket
 
@@ -655,7 +661,6 @@ print("ENV" + json.dumps(out))
         # vLLM's own process layout (the API server, then the engine core): its engine pushes into the directory
         env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=prom)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        out["bad_setting"] = self._serve_refuses(spec, env)
         log_path = os.path.join(self.runs_dir, "serve.log")
         f = open(log_path, "w")
         self.log(f"serve: {out['cmd']}")
@@ -663,14 +668,15 @@ print("ENV" + json.dumps(out))
         base = f"http://127.0.0.1:{port}"
         try:
             t0 = time.monotonic()
-            while time.monotonic() - t0 < min(240, self.left() - 30):
+            # The whole wait, whatever the deadline: a server cut short says nothing about serving.
+            while time.monotonic() - t0 < self.SERVE_HEALTH_WAIT_S:
                 if p.poll() is not None:
                     raise RuntimeError(f"the server exited with {p.returncode} before /health answered")
                 if _http(base + "/health", timeout=2)[0] == 200:
                     break
                 time.sleep(1)
             else:
-                raise RuntimeError("no /health 200 within the wait")
+                raise RuntimeError(f"no /health 200 within {self.SERVE_HEALTH_WAIT_S} s")
             out["startup_s"] = round(time.monotonic() - t0, 1)
             out["segments"] = shm_list(spec["segment"])
             prompt = prompts()[0]
@@ -685,25 +691,21 @@ print("ENV" + json.dumps(out))
             out["uvaple_series"] = sorted({ln.split("{")[0].split(" ")[0] for ln in lines})
             out["uvaple_metrics_sample"] = lines[:12]
             out["ok"] = bool(out["completion"].get("text") is not None)
-            out["bad_setting_refused"] = self.res.get("serve_bad_setting_refused")
         except Exception as e:  # noqa: BLE001 - a failed serve is a result
             out["error"] = f"{type(e).__name__}: {e}"
             out["log_tail"] = _tail(log_path, 60)
         finally:
-            if p.poll() is None:  # as Ctrl-C stops a server
-                os.killpg(p.pid, signal.SIGINT)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            _kill_group(p)
+            out["stop"] = _stop_server(p)
             f.close()
             time.sleep(1.0)
             out["segments_left"] = [x.get("name") for x in shm_list(spec["segment"])]
             out.update({k: v for k, v in parse_log(log_path).items() if k in ("placement_lines", "uvaple_lines",
                                                                                 "kv_cache_gib", "weights_gib")})
         self.log(f"serve: ok={out['ok']}; completion {str(out.get('completion'))[:200]}; uvaple series "
-                 f"{out.get('uvaple_series')}; segments left {out.get('segments_left')}; error {out.get('error')}")
+                 f"{out.get('uvaple_series')}; stopped {out['stop']}; segments left {out.get('segments_left')}; "
+                 f"error {out.get('error')}")
+        out["bad_setting"] = self._serve_refuses(spec, env)
+        out["bad_setting_refused"] = self.res.get("serve_bad_setting_refused")
         self.save()
 
     def _serve_refuses(self, spec: dict, env: dict) -> dict:
@@ -714,7 +716,7 @@ print("ENV" + json.dumps(out))
         with open(log_path, "w") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                code = p.wait(timeout=min(240, max(30, self.left() - 150)))
+                code = p.wait(timeout=min(240, max(60, self.left() - 20)))
             except subprocess.TimeoutExpired:
                 code = None
             _kill_group(p)
@@ -801,6 +803,48 @@ def serve_cmd(spec: dict, port: int, uvaple: dict) -> list[str]:
     if spec["model"] == "gemma3n":
         cmd += ["--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--enable-mm-embeds"]
     return cmd
+
+
+def _stop_server(p: subprocess.Popen, sigint_wait_s: float = 30.0) -> dict:
+    """Stop a server as Ctrl-C does (SIGINT to its process group), then SIGTERM, then SIGKILL; say which one did.
+
+    A process stopped by SIGKILL cannot unlink its shared segments (the next start attaches them, ``uvaple shm
+    clean`` removes them), so the record tells a segment left by a kill from one left by a clean stop.
+    """
+    t0 = time.monotonic()
+    if p.poll() is not None:
+        return {"by": "exited by itself", "exit_status": p.returncode}
+    for sig, wait_s in ((signal.SIGINT, sigint_wait_s), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            p.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # The group's other processes (the engine core) end after the server; a straggler is killed and said.
+        stragglers = not _group_gone(p.pid, 15.0)
+        if stragglers:
+            _kill_group(p)
+        return {"by": sig.name, "seconds": round(time.monotonic() - t0, 1), "exit_status": p.returncode,
+                "group_killed_after": stragglers}
+    return {"by": "not stopped", "seconds": round(time.monotonic() - t0, 1), "exit_status": p.poll()}
+
+
+def _group_gone(pgid: int, wait_s: float) -> bool:
+    """Whether every process of group ``pgid`` has ended, waiting up to ``wait_s``."""
+    t_end = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        if time.monotonic() >= t_end:
+            return False
+        time.sleep(0.2)
 
 
 def _kill_group(p: subprocess.Popen) -> None:
