@@ -141,8 +141,37 @@ class Disk:
         self.name = f"disk {budget:g}" + ("" if hot is None else f" hot {hot[0]:g}") + \
             ("" if engine == "auto" else f" {engine}")
 
+        self.phases: dict[str, list[float]] = {"read_in": [], "pages": [], "gather": []}
+        self._time_phases()
+
+    def _time_phases(self) -> None:
+        """Each call's parts timed apart, on this instance only (the product untouched): the row cache's plan
+        and the misses' reads into their slots (``read_in``), the reads alone (``pages``, the reader's rounds;
+        ``read_in`` less ``pages`` is ``plan_copy``: the plan and the rows copied into their slots) and the
+        gather's launch (``gather``); the call's ``rest`` is its own Python (ids, staging, completion word)."""
+        lk = self.lookup
+
+        def timed(fn, key):
+            def call(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._part[key] += (time.perf_counter() - t0) * 1e6
+            return call
+
+        self._part = dict.fromkeys(self.phases, 0.0)
+        lk.cache.read_in = timed(lk.cache.read_in, "read_in")
+        if lk._reader is not None:
+            lk._reader._read = timed(lk._reader._read, "pages")
+        lk._plan.run = timed(lk._plan.run, "gather")
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lookup.lookup(ids)
+        self._part = dict.fromkeys(self.phases, 0.0)
+        out = self.lookup.lookup(ids)
+        for k, v in self._part.items():
+            self.phases[k].append(v)
+        return out
 
     def counts(self) -> tuple[int, int, int, int]:
         st = self.lookup.stats()
@@ -221,14 +250,16 @@ def time_steps(provider, steps: Steps, src_of, device: torch.device, cold: int, 
                check_every: int = 1) -> dict:
     """Every step of ``steps`` through ``provider``, each timed to its rows on the device; the rows of every
     ``check_every``-th step checked against ``src_of(ids)`` (the table's rows), outside the timed region."""
-    times, exact = [], True
+    times, calls, exact = [], [], True
     pages0 = provider.counts() if hasattr(provider, "counts") else None
     for s in command.bar(range(steps.count), desc=f"{provider.name}, batch {steps.batch}", unit="step"):
         ids = steps.ids(s)
         t0 = time.perf_counter()
         rows = provider(ids)
+        t1 = time.perf_counter()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e6)
+        calls.append((t1 - t0) * 1e6)
         if exact and s % check_every == 0 and not torch.equal(rows.cpu().view(torch.uint8),
                                                               src_of(ids).view(torch.uint8)):
             exact = False
@@ -239,6 +270,16 @@ def time_steps(provider, steps: Steps, src_of, device: torch.device, cold: int, 
          "steady_median_us": round(statistics.median(medians), 1),
          "steady_min_us": round(min(medians), 1), "steady_max_us": round(max(medians), 1),
          "steps": steps.count, "exact": exact}
+    # where a steady step's time goes (medians of the steady steps): the call on the host, then the wait for
+    # its rows on the device; for the disk placement the call's parts (see Disk._time_phases)
+    parts = {"call": calls[cold:], "sync": [t - c for t, c in zip(steady, calls[cold:], strict=True)]}
+    for k, v in getattr(provider, "phases", {}).items():
+        parts[k] = v[cold:]
+    if "read_in" in parts:
+        # the row cache's plan and the rows copied from the read buffer into their slots
+        parts["plan_copy"] = [a - b for a, b in zip(parts["read_in"], parts["pages"], strict=True)]
+        parts["rest"] = [c - a - g for c, a, g in zip(parts["call"], parts["read_in"], parts["gather"], strict=True)]
+    r["parts_median_us"] = {k: round(statistics.median(v), 1) for k, v in parts.items() if v}
     if pages0 is not None:
         hits, misses, pages, hot = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
         r.update(hit_rate=round(hits / max(1, hits + misses), 3), pages_per_step=round(pages / steps.count, 1))
@@ -297,6 +338,8 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                             r["added_x_floor"] = round(added / floor, 2) if floor else None
                             line += f", adds {added:,.1f} us over pinned"
                     command.say(line + ("" if r["exact"] else "  ROWS DIFFER"))
+                    command.say("    parts (median us): " + ", ".join(f"{k} {v:,.1f}"
+                                                                     for k, v in r["parts_median_us"].items()))
         finally:
             if pinned:
                 pinned.close()

@@ -61,7 +61,16 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
         disk, hot = batch["disk 0.25"], batch["disk 0.25 hot 0.01"]
         assert 0 <= disk["hit_rate"] <= 1 and disk["pages_per_step"] > 0 and disk["io_floor_us"] > 0
         assert "hot_hit_rate" not in disk and 0 <= hot["hot_hit_rate"] <= 1
+        for name, r in batch.items():  # where a step goes: the call, then the wait for its rows
+            parts = r["parts_median_us"]
+            assert parts["call"] > 0 and parts["sync"] >= 0, (name, parts)
+            if name.startswith("disk"):  # the call's parts, each a share of it (medians of the same steps)
+                assert set(parts) == {"call", "sync", "read_in", "pages", "gather", "plan_copy", "rest"}
+                assert parts["read_in"] > 0 and parts["gather"] > 0 and parts["plan_copy"] > 0, (name, parts)
+                assert 0 <= parts["pages"] <= parts["read_in"] <= parts["call"], (name, parts)
+                assert parts["rest"] > 0, (name, parts)
     assert "batch   3  disk 0.25: steady" in out and "of ids from the hot rows" in out
+    assert "    parts (median us): call " in out and ", read_in " in out
     assert os.listdir(tmp_path) == ["out"]  # the file it wrote is gone (no --keep)
     if not res["file"]["direct"]:
         assert "O_DIRECT is refused on this filesystem" in out
