@@ -565,3 +565,15 @@ def test_a_process_left_in_the_servers_group_is_killed_and_said():
     rec = ec._stop_server(p)
     assert rec["by"] == "SIGINT" and rec["group_killed_after"] is True
     assert ec._group_gone(p.pid, 5.0)
+
+
+# ------------------------------------------------------------------ build: parts that fit a call
+def test_a_part_leaves_room_for_the_working_tree_to_grow_in_one_call():
+    import build
+    mib = build.MIB
+    assert build.default_part_mib(19 * mib) == 36  # 64 - 1 - 19 - 8
+    assert build.default_part_mib(1 * mib) == 54
+    assert build.default_part_mib(60 * mib) == 8  # a tree too big for any part: parts of 8 MiB, and the warning
+    assert build.default_part_mib(None) == 31  # the tree unknown (no git): 24 MiB assumed
+    for tree in (5, 19, 40):
+        assert tree + build.default_part_mib(tree * mib) + build.TREE_GROWTH_MIB <= 63

@@ -1,6 +1,6 @@
 """Build, on a CPU machine with PyPI, the parts that carry vLLM 0.33.0 onto the lent H200 (no network there).
 
-``python3 perf/vllm_carry/build.py [--out .vllm-carry] [--part-mib 56] [--jobs 2] [--resolve] [--clean]``
+``python3 perf/vllm_carry/build.py [--out .vllm-carry] [--part-mib MIB] [--jobs 2] [--resolve] [--clean]``
 
 The H200 has Python 3.12, torch 2.11.0, Triton 3.6.0, transformers 5.17.0 and the packages that
 ``/work/.library/device/KINDS.md`` lists ("Python packages already there"); vLLM 0.33.0 pins torch 2.14.0.
@@ -16,7 +16,8 @@ packages the H200 lacks. What this script does:
    Python side of ``vllm_flash_attn``, ``third_party/flash_linear_attention`` and
    ``third_party/pynvml.py`` stay.
 3. Packs the trees into parts ``OUT/parts/pNN/pNN.tar.xz`` of at most ``--part-mib`` MiB each (one call
-   to the GPU machine carries one part beside the working tree, 64 MiB in all). Each part is a
+   to the GPU machine carries one part beside the working tree, 64 MiB in all; by default the largest part that
+   leaves the tree 8 MiB to grow by). Each part is a
    self-contained xz tar: whole files, or pieces of a file too big for one part (``<path>.__piece.K.N``,
    joined by ``assemble.py`` once all N have arrived). Each part folder holds its ``part.json`` and a copy
    of ``manifest.json`` (sizes and sha256 of every part, piece and joined file).
@@ -357,6 +358,16 @@ def write_part(args: tuple[str, list[tuple[str, str, int, int, int]]]) -> tuple[
 
 
 # ---------------------------------------------------------------------------------------------- the repo
+TREE_GROWTH_MIB = 8  # what results committed after a build may add to the tree that travels with each part
+
+
+def default_part_mib(tree_bytes: int | None) -> float:
+    """The largest part that fits one call beside a working tree of ``tree_bytes`` grown by
+    :data:`TREE_GROWTH_MIB` (at least 8 MiB: a tree too big for that is warned of)."""
+    tree_mib = 24.0 if tree_bytes is None else tree_bytes / MIB
+    return float(max(8, int(DEVICE_LIMIT // MIB - 1 - tree_mib - TREE_GROWTH_MIB)))
+
+
 def working_tree_bytes() -> int | None:
     """What travels with every device call besides the carried paths: tracked and untracked-not-ignored
     files."""
@@ -420,8 +431,9 @@ def calls_text(parts_rel: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(REPO, ".vllm-carry"), help="work folder (ignored by git)")
-    p.add_argument("--part-mib", type=float, default=56.0,
-                   help="largest part, MiB (a call carries 64 MiB with the working tree)")
+    p.add_argument("--part-mib", type=float, default=None,
+                   help="largest part, MiB (a call carries 64 MiB with the working tree; default: what fits beside "
+                        f"today's working tree with {TREE_GROWTH_MIB} MiB left for it to grow)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="processes for compression")
     p.add_argument("--resolve", action="store_true", help="resolve the extras again with pip, and use them")
     p.add_argument("--kinds-md", default=KINDS_MD, help="the device doc listing the H200's packages (--resolve)")
@@ -431,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     exclude_in_git(out)
     tree_bytes = working_tree_bytes()
+    if a.part_mib is None:
+        a.part_mib = default_part_mib(tree_bytes)
+        log(f"parts of at most {a.part_mib:g} MiB: the working tree is "
+            f"{'unknown' if tree_bytes is None else f'{tree_bytes / MIB:.1f} MiB'}, and results committed later "
+            f"may add {TREE_GROWTH_MIB} MiB to it")
     cap = int(a.part_mib * MIB)
     if tree_bytes is not None and tree_bytes + cap > DEVICE_LIMIT - MIB:
         log(f"warning: the working tree is {tree_bytes / MIB:.1f} MiB: with a {a.part_mib} MiB part a call carries "
