@@ -14,7 +14,8 @@
 #   path, the plugin's placements and levers, eager and CUDA graphs, vllm serve; VLLM_ENGINE_ARGS="--models gemma3n"
 #   narrows it; a later call continues where the last one stopped (results kept in /tmp/vllm_engine)
 #   vllm_decode: the same install, then perf/vllm_carry/decode_bench.py (decode tokens/s and TTFT of a Qwen4Exp at
-#   the served dimensions: HBM, vLLM's host path, the plugin; VLLM_DECODE_ARGS="--configs hbm,uva"); continues too
+#   the served dimensions: HBM, vLLM's host path, the plugin; VLLM_DECODE_ARGS="--configs hbm,uva"; "--model gemma3n":
+#   Gemma 3n E4B's text model, HBM / uva / the hot set / fp8 rows); continues too
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side;
 #   TEST_GROUPS=suite: every test file in the seven groups below (a file in none of them runs as an eighth), about
 #   8 minutes on the H200 or an H100 with TESTS_TIMEOUT_S=560
@@ -186,7 +187,7 @@ if has vllm_engine; then
   else echo "vLLM is not assembled here: carry its parts first (python3 perf/vllm_carry/build.py prints the calls)"; fi
 fi
 if has vllm_decode; then
-  step "vLLM 0.33's engine, decode tokens/s and TTFT: Qwen4Exp at the served dimensions, HBM / vLLM's host path / the plugin (${VLLM_DECODE_ARGS:-defaults})"
+  step "vLLM 0.33's engine, decode tokens/s and TTFT: Qwen4Exp at the served dimensions (or Gemma 3n E4B), HBM / vLLM's host path / the plugin (${VLLM_DECODE_ARGS:-defaults})"
   mkdir -p "$R/vllm_decode"
   python3 perf/vllm_carry/assemble.py --install 2>&1 | tail -3
   if [ "${PIPESTATUS[0]}" = 0 ]; then
@@ -194,6 +195,8 @@ if has vllm_decode; then
       python3 perf/vllm_carry/decode_bench.py --out "$R/vllm_decode" --deadline-s ${VLLM_DECODE_DEADLINE_S:-530} \
       ${VLLM_DECODE_ARGS:-} 2>&1 | tail -40
     cp /tmp/vllm_decode/results/*.log /tmp/vllm_decode/results/*.json "$R/vllm_decode/" 2>/dev/null
+    [ -d /tmp/vllm_decode_gemma3n/results ] && mkdir -p "$R/vllm_decode/gemma3n" && \
+      cp /tmp/vllm_decode_gemma3n/results/*.log /tmp/vllm_decode_gemma3n/results/*.json "$R/vllm_decode/gemma3n/" 2>/dev/null
   else echo "vLLM is not assembled here: carry its parts first (python3 perf/vllm_carry/build.py prints the calls)"; fi
 fi
 if has startup; then

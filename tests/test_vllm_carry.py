@@ -577,3 +577,63 @@ def test_a_part_leaves_room_for_the_working_tree_to_grow_in_one_call():
     assert build.default_part_mib(None) == 31  # the tree unknown (no git): 24 MiB assumed
     for tree in (5, 19, 40):
         assert tree + build.default_part_mib(tree * mib) + build.TREE_GROWTH_MIB <= 63
+
+
+# ------------------------------------------------------------------ decode_bench: Gemma 3n E4B
+def test_gemma3n_is_e4bs_text_model_with_its_own_configurations(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Gemma3nTextConfig
+
+    plan = db.plan_gemma3n()
+    assert plan["table_bytes_about"] == 262144 * 35 * 256 * 2 and 8 < plan["weights_bytes_about"] / GIB < 10
+    info = db.write_gemma3n(str(tmp_path / "m"))
+    saved = json.load(open(tmp_path / "m" / "config.json"))
+    cfg = Gemma3nTextConfig.from_pretrained(tmp_path / "m")
+    assert saved["architectures"] == ["Gemma3nForCausalLM"] and info["path"] == str(tmp_path / "m")
+    assert (cfg.num_hidden_layers, cfg.vocab_size_per_layer_input, cfg.hidden_size_per_layer_input) == (35, 262144, 256)
+    a = SimpleNamespace(batches=[1, 8], engine_batches=[], prompt=512, decode=256, profile=0, work="/w",
+                        model="gemma3n")
+    kw, plugin = db.engine_kwargs(a, "hbm", "/m", True)
+    assert not plugin and "engram_config" not in kw and kw["additional_config"] == {}  # no Qwen4Exp settings
+    kw, plugin = db.engine_kwargs(a, "uva_hot", "/m", True)
+    hot = kw["additional_config"]["uvaple"]
+    assert plugin and hot["hot_cache_gb"] > 0 and hot["hot_profile"] == "/w/hot_profile.npy"
+    assert "gdn_prefill_backend" not in kw["additional_config"]
+
+
+def test_gemma3ns_prompts_and_hot_profile_follow_one_zipf_law(tmp_path):
+    import random
+
+    import numpy as np
+
+    ids = db.prompt_ids(random.Random(1), 4096, 262144, True)
+    assert len(ids) == 4096 and 16 <= min(ids) and max(ids) < 262144
+    top = np.bincount(ids).argmax()
+    assert np.bincount(ids)[top] > 4096 / 20  # the law's first rank: a token of ~1 in 10 (uniform: 1 in 262k)
+    assert db.prompt_ids(random.Random(1), 4096, 262144, True) == ids  # the run's seed decides them
+    flat = db.prompt_ids(random.Random(1), 4096, 262144, False)
+    assert np.bincount(flat).max() <= 4
+    prof = np.load(db.write_hot_profile(str(tmp_path / "p.npy"), 262144, n=1 << 14))
+    assert prof.dtype == np.int64 and len(prof) == 1 << 14 and np.bincount(prof).argmax() == top  # the same law
+    assert not np.array_equal(prof[:4096], ids)  # drawn apart from the prompts
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "gemma3n", "--configs", "host"], "--configs host with --model gemma3n: vLLM keeps Gemma 3n's"),
+    (["--configs", "uva_hot"], "--configs uva_hot with --model qwen4exp: the hot set is of token ids"),
+    (["--model", "gemma3n", "--layers", "8"], "--layers with --model gemma3n: they shape Qwen4Exp"),
+    (["--model", "gemma"], "--model: invalid choice: 'gemma'"),
+])
+def test_a_configuration_that_is_not_the_models_is_named(argv, match):
+    r = subprocess.run([sys.executable, str(CARRY / "decode_bench.py"), "--plan", *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and re.search(match, r.stderr), r.stderr
+
+
+def test_gemma3ns_plan_names_its_engines():
+    r = subprocess.run([sys.executable, str(CARRY / "decode_bench.py"), "--plan", "--model", "gemma3n"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert set(plan["engines"]) == {"hbm", "uva", "uva_hot", "uva_fp8row"} and plan["plan"]["model"] == "gemma3n"
+    assert all(e["model"] == "/tmp/vllm_decode_gemma3n/model" for e in plan["engines"].values())

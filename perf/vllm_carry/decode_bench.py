@@ -1,7 +1,8 @@
 """What does the plugin cost per decode token in vLLM's engine, against HBM and against vLLM's own host path?
 
-``python3 perf/vllm_carry/decode_bench.py --out DIR [--configs hbm,uva,host,uva_fp8row,device]
-[--batches 1,8,32,64] [--engine-batches ...] [--prompt 512] [--decode 256] [--reps 5] [--reps-batch1 15]
+``python3 perf/vllm_carry/decode_bench.py --out DIR [--model qwen4exp|gemma3n]
+[--configs hbm,uva,host,uva_fp8row,device] [--batches 1,8,32,64] [--engine-batches ...] [--prompt 512]
+[--decode 256] [--reps 5] [--reps-batch1 15]
 [--table-gib 24] [--layers fit] [--experts 512] [--profile BATCH] [--profile-tokens 48] [--cpus 0-7]
 [--work /tmp/vllm_decode] [--deadline-s 540] [--plan]``
 
@@ -22,6 +23,14 @@ host path pins the next power of two, 128 GiB, more than the H200 host has). Lay
 most, in whole periods of three gated-delta-net layers and one attention layer, for which the HBM baseline (the
 table in HBM) fits on the GPU with the KV cache; experts, widths and the table stay real. The QSA indexer is left
 out (its fields unset: vLLM then builds plain attention for those layers, as ``checkpoints.py`` does).
+
+``--model gemma3n``: Gemma 3n E4B's text model (``Gemma3nForCausalLM``: transformers' ``Gemma3nTextConfig``
+defaults, hidden 2,048, 35 layers, MLP 16,384; its per-layer table of 262,144 ids x 35 x 256, 4.4 GiB bf16), random
+weights, no tokenizer. Its prompts are token ids of a Zipf law (``ZIPF_S``) over the vocabulary, as text's are,
+so that a hot set has what to hold; its configurations: ``hbm`` (vLLM's own table: vLLM has no host path for
+it), ``uva``, ``uva_hot`` (0.25 GB of the most frequent rows in HBM, ranked on a profile of the same law drawn
+apart from the prompts), ``uva_fp8row``, ``device``, ``uva_dedup``. Its results are kept in
+``/tmp/vllm_decode_gemma3n``.
 
 Configurations (``--configs``), one engine each, alone on the GPU, in this order:
 
@@ -77,6 +86,7 @@ where the last one stopped (results kept in ``--work``; ``--force`` repeats them
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -112,8 +122,24 @@ CONFIGS = {
     "uva_fp8row": (True, None, {"placement": "uva", "quantize": "fp8_row"}),
     "device": (True, None, {"placement": "device"}),
     "uva_dedup": (True, None, {"placement": "uva", "dedup": True}),
+    "uva_hot": (True, None, {"placement": "uva", "hot_cache_gb": 0.25}),
 }
 DEFAULT_CONFIGS = ("hbm", "uva", "host", "uva_fp8row", "device")
+#: the models (``--model``), what each is, and the configurations that apply to it (and its default ones)
+MODELS = {
+    "qwen4exp": dict(configs=("hbm", "uva", "host", "uva_fp8row", "device", "uva_dedup"), default=DEFAULT_CONFIGS),
+    "gemma3n": dict(configs=("hbm", "uva", "uva_fp8row", "device", "uva_dedup", "uva_hot"),
+                    default=("hbm", "uva", "uva_hot", "uva_fp8row")),
+}
+NOT_FOR = {  # why a configuration does not apply to a model, named when asked for
+    ("gemma3n", "host"): "vLLM keeps Gemma 3n's per-layer table in HBM: it has no host path of its own (hbm is "
+                         "vLLM's own table)",
+    ("qwen4exp", "uva_hot"): "the hot set is of token ids (Gemma 3n's table); an n-gram table's ids are hashes",
+}
+#: Gemma 3n E4B's text model: transformers' ``Gemma3nTextConfig`` defaults (hidden 2,048, 35 layers, MLP 16,384,
+#: 8 query and 2 KV heads of 256, KV shared by the last 15 layers; the per-layer table 262,144 ids x 35 x 256)
+GEMMA3N = dict(layers=35, hidden=2048, intermediate=16384, vocab=262400, ple_vocab=262144, ple_dim=256,
+               q_heads=8, kv_heads=2, head_dim=256)
 TRACE_KEEP_BYTES = 4 << 20  # a profile's trace larger than this stays on the GPU machine (results come back small)
 KV_CACHE_BYTES = 8 * GIB  # the same for every configuration: the largest batch's KV and GDN state, with room
 GPU_GIB = 139.8  # an H200's memory as CUDA reports it (143,771 MiB)
@@ -160,6 +186,74 @@ def plan_model(table_gib: float, layers: str | int, experts: int) -> dict:
             "hbm_total_gib_about": round((weights + table + KV_CACHE_BYTES) / GIB, 1)}
 
 
+ZIPF_S = 1.1  # Gemma 3n's prompts: token ids of a Zipf law over the vocabulary (text's), ranks shuffled once
+
+
+def prompt_ids(rng, n: int, vocab: int, zipf: bool) -> list[int]:
+    """``n`` prompt token ids in ``[16, vocab)``: uniform, or of a Zipf law (``ZIPF_S``) whose ranks are a fixed
+    shuffle of the vocabulary (the same law for every prompt and for the hot set's profile)."""
+    import numpy as np
+
+    if not zipf:
+        return [rng.randrange(16, vocab) for _ in range(n)]
+    ranks = _zipf_ranks(vocab)
+    g = np.random.default_rng(rng.randrange(1 << 31))
+    r = g.zipf(ZIPF_S, size=4 * n)
+    r = r[r <= len(ranks)][:n]
+    while len(r) < n:  # the law's tail past the vocabulary is drawn again
+        more = g.zipf(ZIPF_S, size=4 * n)
+        r = np.concatenate([r, more[more <= len(ranks)]])[:n]
+    return ranks[r - 1].tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _zipf_ranks(vocab: int):
+    import numpy as np
+
+    return np.random.default_rng(7).permutation(np.arange(16, vocab))  # rank r + 1 -> token ranks[r]
+
+
+def write_hot_profile(path: str, vocab: int, n: int = 1 << 21) -> str:
+    """A ``.npy`` of ``n`` token ids of the prompts' law, drawn apart from them: the hot set's ranking."""
+    import random
+
+    import numpy as np
+
+    np.save(path, np.asarray(prompt_ids(random.Random(99), n, vocab, True), dtype=np.int64))
+    return path
+
+
+def plan_gemma3n() -> dict:
+    """Gemma 3n E4B's text model's sizes (bf16): its per-layer table and the rest of its weights, about."""
+    g = GEMMA3N
+    table = g["ple_vocab"] * g["layers"] * g["ple_dim"] * 2
+    h = g["hidden"]
+    attention = h * (g["q_heads"] + 2 * g["kv_heads"]) * g["head_dim"] + g["q_heads"] * g["head_dim"] * h
+    per_layer = attention + 3 * h * g["intermediate"] + 2 * h * g["ple_dim"]
+    weights = 2 * (g["vocab"] * h + g["layers"] * per_layer + h * g["layers"] * g["ple_dim"])
+    return {"model": "gemma3n", "layers": g["layers"], "ple_rows": g["ple_vocab"],
+            "ple_row_values": g["layers"] * g["ple_dim"], "table_bytes_about": table, "weights_bytes_about": weights,
+            "hbm_total_gib_about": round((weights + table + KV_CACHE_BYTES) / GIB, 1)}
+
+
+def write_gemma3n(path: str) -> dict:
+    """``path/config.json`` of Gemma 3n E4B's text model (``Gemma3nForCausalLM``: no vision or audio tower, and
+    no tokenizer: the prompts are token ids)."""
+    from transformers import Gemma3nTextConfig
+
+    cfg = Gemma3nTextConfig()
+    got = dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ple_vocab=cfg.vocab_size_per_layer_input,
+               ple_dim=cfg.hidden_size_per_layer_input)
+    want = {k: GEMMA3N[k] for k in got}
+    if got != want:
+        raise RuntimeError(f"this transformers' Gemma3nTextConfig defaults are {got}, not E4B's {want}")
+    cfg.architectures = ["Gemma3nForCausalLM"]
+    cfg.dtype = "bfloat16"
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    return {"path": path, "layer_types": sorted(set(cfg.layer_types))}
+
+
 def model_config(plan: dict, attention: str = "indexed_attention") -> dict:
     """``Qwen4ExpTextConfig`` keyword arguments for the planned model (``attention``: the attention layers'
     type name, which transformers 5.18 changed from ``qwen_sparse_attention``)."""
@@ -191,17 +285,20 @@ def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: b
     plugin, engram, uvaple = CONFIGS[config]
     shapes = a.engine_batches or a.batches
     top = max(shapes)
-    additional = {"gdn_prefill_backend": "triton"}
+    qwen = getattr(a, "model", "qwen4exp") == "qwen4exp"
+    additional = {"gdn_prefill_backend": "triton"} if qwen else {}
     if uvaple is not None:
         additional["uvaple"] = dict(uvaple, shared=shared, metrics_interval_s=0,
                                     segment=f"bench-{config}-{os.getpid()}")
+        if "hot_cache_gb" in uvaple:  # ranked on a profile of the prompts' law (written by main)
+            additional["uvaple"]["hot_profile"] = os.path.join(a.work, "hot_profile.npy")
     kw = dict(model=model_path, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", seed=0,
               max_model_len=a.prompt + a.decode + 16, max_num_seqs=top,
               max_num_batched_tokens=max(top * a.prompt, a.prompt + a.decode + 16),
               cudagraph_capture_sizes=sorted(set(shapes)), kv_cache_memory_bytes=KV_CACHE_BYTES,
               gpu_memory_utilization=0.92, enable_prefix_caching=False, attention_backend="TRITON_ATTN",
               disable_log_stats=False, jit_monitor_verbose=True, additional_config=additional)
-    if engram is not None:
+    if engram is not None and qwen:  # Qwen4Exp's n-gram table only
         kw["engram_config"] = engram
     if a.profile:  # the workers' torch profiler, started and stopped around the profiled call only
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir(a.work, config),
@@ -309,7 +406,7 @@ def run_child(spec_path: str) -> int:
         util = GpuUtil()
         for b in spec["batches"]:
             stage = f"batch {b}"
-            ps = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(spec["prompt"])])
+            ps = [TokensPrompt(prompt_token_ids=prompt_ids(rng, spec["prompt"], vocab, spec.get("zipf", False)))
                   for _ in range(b)]
             # warm-up of this shape, both calls as they are timed (on the H200 a warm-up of the long call alone left
             # fused-MoE kernels to compile in the first timed one-token call, at batch 8)
@@ -337,7 +434,7 @@ def run_child(spec_path: str) -> int:
         if spec.get("profile"):
             b = spec["profile"]
             stage = f"profile batch {b}"
-            ps = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(spec["prompt"])])
+            ps = [TokensPrompt(prompt_token_ids=prompt_ids(rng, spec["prompt"], vocab, spec.get("zipf", False)))
                   for _ in range(b)]
             tokens = SamplingParams(temperature=0.0, max_tokens=spec["profile_tokens"], ignore_eos=True,
                                     detokenize=False)
@@ -426,9 +523,15 @@ def figures(results: dict[str, dict]) -> dict[str, dict]:
 
 
 def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> str:
-    lines = [f"Qwen4Exp, {plan['layers']} layers x {plan['experts']} experts (hidden 2,560), one PLE layer of "
-             f"16 heads x {plan['ngram_vocab_size_base']:,} rows x 160 (bf16 {plan['table_bytes_about'] / GIB:.1f} "
-             f"GiB); prompts {a.prompt} tokens, {a.decode} decoded, {a.reps} repetitions "
+    if plan.get("model") == "gemma3n":
+        what = (f"Gemma 3n E4B's text model, {plan['layers']} layers (hidden 2,048), its per-layer table of "
+                f"{plan['ple_rows']:,} ids x {plan['ple_row_values']:,} (bf16 "
+                f"{plan['table_bytes_about'] / GIB:.1f} GiB), prompts of Zipf-distributed token ids")
+    else:
+        what = (f"Qwen4Exp, {plan['layers']} layers x {plan['experts']} experts (hidden 2,560), one PLE layer of "
+                f"16 heads x {plan['ngram_vocab_size_base']:,} rows x 160 (bf16 {plan['table_bytes_about'] / GIB:.1f} "
+                "GiB)")
+    lines = [f"{what}; prompts {a.prompt} tokens, {a.decode} decoded, {a.reps} repetitions "
              f"({max(a.reps, getattr(a, 'reps_batch1', a.reps))} at batch 1): median [min-max]", "",
              "| config | batch | decode tok/s | x hbm | x host | step ms | TTFT ms | TTFT x hbm | GPU util % | JIT |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -540,8 +643,12 @@ def _measured(spec: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="decode-bench-out", help="decode_bench.json/.md/.log go here")
-    p.add_argument("--work", default="/tmp/vllm_decode", help="the model's config, compile caches, results (kept)")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {list(CONFIGS)}")
+    p.add_argument("--model", default="qwen4exp", choices=list(MODELS),
+                   help="Qwen4Exp at the served widths (default), or Gemma 3n E4B's text model")
+    p.add_argument("--work", default=None, help="the model's config, compile caches, results (kept; default "
+                   "/tmp/vllm_decode, /tmp/vllm_decode_gemma3n for Gemma 3n)")
+    p.add_argument("--configs", default=None, help=f"of {list(CONFIGS)} (default: the model's, "
+                   + "; ".join(f"{m}: {','.join(v['default'])}" for m, v in MODELS.items()) + ")")
     p.add_argument("--batches", default="1,8,32,64", help="the batches timed")
     p.add_argument("--engine-batches", default="", help="the batches the engine is built for (CUDA graph sizes, "
                    "max_num_seqs; default: --batches): time batch 1 alone in the engine of the whole table")
@@ -556,9 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", default="", help="host cores every engine (each of its processes) runs on, e.g. "
                    "'0-7': a batch-1 step is mostly the engine's host work, and engines left to the scheduler ran "
                    "it up to 1.7 x apart (default: the cores this process may use)")
-    p.add_argument("--table-gib", type=float, default=24.0, help="the n-gram table's bf16 size")
-    p.add_argument("--layers", default="fit", help="'fit' or a multiple of 4")
-    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--table-gib", type=float, default=24.0, help="the n-gram table's bf16 size (Qwen4Exp)")
+    p.add_argument("--layers", default="fit", help="'fit' or a multiple of 4 (Qwen4Exp)")
+    p.add_argument("--experts", type=int, default=512, help="(Qwen4Exp)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="start no configuration after this long")
     p.add_argument("--force", action="store_true", help="repeat configurations already measured in --work")
     p.add_argument("--plan", action="store_true", help="print the model, sizes and engine calls; run nothing")
@@ -566,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.child:
         return run_child(a.child)
+    if a.work is None:
+        a.work = "/tmp/vllm_decode" + ("" if a.model == "qwen4exp" else f"_{a.model}")
+    if a.configs is None:
+        a.configs = ",".join(MODELS[a.model]["default"])
     try:
         a.configs = [c for c in a.configs.split(",") if c]
         a.batches = [int(b) for b in a.batches.split(",") if b]
@@ -576,6 +687,16 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in a.configs if c not in CONFIGS]
     if bad or not a.configs:
         p.error(f"--configs: {bad or 'none given'}; choose from {list(CONFIGS)}")
+    for c in a.configs:
+        if c not in MODELS[a.model]["configs"]:
+            p.error(f"--configs {c} with --model {a.model}: {NOT_FOR.get((a.model, c), 'not for this model')}; "
+                    f"{a.model}'s are {list(MODELS[a.model]['configs'])}")
+    if a.model != "qwen4exp":
+        given = [f for f, v, d in (("--table-gib", a.table_gib, 24.0), ("--layers", a.layers, "fit"),
+                                   ("--experts", a.experts, 512)) if v != d]
+        if given:
+            p.error(f"{', '.join(given)} with --model {a.model}: they shape Qwen4Exp; {a.model} is E4B's real "
+                    "size")
     for name in ("prompt", "decode", "reps", "reps_batch1"):
         if getattr(a, name) < (2 if name == "decode" else 1):
             p.error(f"--{name} must be at least {2 if name == 'decode' else 1}, got {getattr(a, name)}")
@@ -594,12 +715,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (0 < a.table_gib < 1024) or a.experts < REAL["num_experts_per_tok"]:
         p.error("--table-gib must be in (0, 1024) and --experts at least the 10 experts a token takes")
     try:
-        plan = plan_model(a.table_gib, a.layers if a.layers == "fit" else int(a.layers), a.experts)
+        plan = plan_gemma3n() if a.model == "gemma3n" else \
+            plan_model(a.table_gib, a.layers if a.layers == "fit" else int(a.layers), a.experts)
     except ValueError as e:
         p.error(f"--layers {a.layers!r}: {e}")
     a.out, a.work = os.path.abspath(a.out), os.path.abspath(a.work)
     if a.plan:
-        print(json.dumps({"plan": plan, "config": model_config(plan),
+        print(json.dumps({"plan": plan, "config": GEMMA3N if a.model == "gemma3n" else model_config(plan),
                           "engines": {c: engine_kwargs(a, c, os.path.join(a.work, "model"), True)[0]
                                       for c in a.configs}}, indent=1, default=str))
         return 0
@@ -614,7 +736,9 @@ def main(argv: list[str] | None = None) -> int:
     log = Log(os.path.join(a.out, "decode_bench.log"))
     t_end = time.monotonic() + a.deadline_s
     model_path = os.path.join(a.work, "model")
-    info = write_model(model_path, plan)
+    info = write_gemma3n(model_path) if a.model == "gemma3n" else write_model(model_path, plan)
+    if "uva_hot" in a.configs:
+        info["hot_profile"] = write_hot_profile(os.path.join(a.work, "hot_profile.npy"), GEMMA3N["ple_vocab"])
     shared = shm_free_bytes() > plan["table_bytes_about"] * 1.1
     log(f"model: {json.dumps(plan)}; {info}; plugin tables in {'/dev/shm segments' if shared else 'private memory'}"
         f" (/dev/shm has {shm_free_bytes() / GIB:.0f} GiB free)")
@@ -637,7 +761,9 @@ def main(argv: list[str] | None = None) -> int:
         kw, plugin = engine_kwargs(a, config, model_path, shared)
         call = "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")"
         spec = {"config": config, "kwargs": kw, "call": call, "batches": a.batches, "prompt": a.prompt,
-                "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1, "vocab": REAL["vocab_size"],
+                "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1,
+                "vocab": GEMMA3N["ple_vocab"] if a.model == "gemma3n" else REAL["vocab_size"],
+                "zipf": a.model == "gemma3n",
                 "profile": a.profile, "profile_tokens": a.profile_tokens, "cpus": a.cpus, "result": result_path}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
         if os.path.exists(result_path) and not a.force:
