@@ -580,25 +580,39 @@ def test_a_part_leaves_room_for_the_working_tree_to_grow_in_one_call():
 
 
 # ------------------------------------------------------------------ decode_bench: Gemma 3n E4B
-def test_gemma3n_is_e4bs_text_model_with_its_own_configurations(tmp_path):
+def test_gemma3n_is_e4b_as_vllm_serves_it_with_its_own_configurations(tmp_path):
     pytest.importorskip("transformers")
-    from transformers import Gemma3nTextConfig
+    from transformers import AutoProcessor, AutoTokenizer, Gemma3nConfig
 
     plan = db.plan_gemma3n()
     assert plan["table_bytes_about"] == 262144 * 35 * 256 * 2 and 8 < plan["weights_bytes_about"] / GIB < 10
     info = db.write_gemma3n(str(tmp_path / "m"))
     saved = json.load(open(tmp_path / "m" / "config.json"))
-    cfg = Gemma3nTextConfig.from_pretrained(tmp_path / "m")
-    assert saved["architectures"] == ["Gemma3nForCausalLM"] and info["path"] == str(tmp_path / "m")
-    assert (cfg.num_hidden_layers, cfg.vocab_size_per_layer_input, cfg.hidden_size_per_layer_input) == (35, 262144, 256)
+    cfg = Gemma3nConfig.from_pretrained(tmp_path / "m")
+    # the multimodal class: vLLM 0.33's text-only Gemma3nForCausalLM never reads the per-layer table
+    assert saved["architectures"] == ["Gemma3nForConditionalGeneration"] and info["path"] == str(tmp_path / "m")
+    t = cfg.text_config
+    assert (t.num_hidden_layers, t.vocab_size_per_layer_input, t.hidden_size_per_layer_input) == (35, 262144, 256)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert len(tok) == t.vocab_size  # every id a prompt may hold is a token
+    media = info["media_token_ids"]
+    assert media["boi_token"] == cfg.boi_token_id and media["audio_token"] == cfg.audio_token_id
+    assert max(media.values()) < db.PROMPT_ID_MIN  # no prompt id is a media token
+    for s in ("\n", "\n\n", "\n\n\n", "\n\n\n\n"):  # what vLLM's Gemma 3n processing reads by key
+        assert s in tok.get_vocab()
+    AutoProcessor.from_pretrained(tmp_path / "m")  # the processor vLLM loads
     a = SimpleNamespace(batches=[1, 8], engine_batches=[], prompt=512, decode=256, profile=0, work="/w",
                         model="gemma3n")
     kw, plugin = db.engine_kwargs(a, "hbm", "/m", True)
     assert not plugin and "engram_config" not in kw and kw["additional_config"] == {}  # no Qwen4Exp settings
+    assert "skip_tokenizer_init" not in kw and kw["enable_mm_embeds"] is True  # the multimodal path kept
+    assert kw["limit_mm_per_prompt"] == {"image": 0, "audio": 0}
     kw, plugin = db.engine_kwargs(a, "uva_hot", "/m", True)
     hot = kw["additional_config"]["uvaple"]
     assert plugin and hot["hot_cache_gb"] > 0 and hot["hot_profile"] == "/w/hot_profile.npy"
     assert "gdn_prefill_backend" not in kw["additional_config"]
+    kw, _ = db.engine_kwargs(SimpleNamespace(**dict(vars(a), model="qwen4exp")), "hbm", "/m", True)
+    assert kw["skip_tokenizer_init"] is True and "enable_mm_embeds" not in kw  # Qwen4Exp's as before
 
 
 def test_gemma3ns_prompts_and_hot_profile_follow_one_zipf_law(tmp_path):
@@ -621,6 +635,8 @@ def test_gemma3ns_prompts_and_hot_profile_follow_one_zipf_law(tmp_path):
 @pytest.mark.parametrize("argv,match", [
     (["--model", "gemma3n", "--configs", "host"], "--configs host with --model gemma3n: vLLM keeps Gemma 3n's"),
     (["--configs", "uva_hot"], "--configs uva_hot with --model qwen4exp: the hot set is of token ids"),
+    (["--model", "gemma3n", "--configs", "uva,uva_fp8row"], "--configs uva_fp8row with --model gemma3n: the plugin "
+                                                            "quantises Qwen4Exp's n-gram tables only"),
     (["--model", "gemma3n", "--layers", "8"], "--layers with --model gemma3n: they shape Qwen4Exp"),
     (["--model", "gemma"], "--model: invalid choice: 'gemma'"),
 ])
@@ -635,5 +651,5 @@ def test_gemma3ns_plan_names_its_engines():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert set(plan["engines"]) == {"hbm", "uva", "uva_hot", "uva_fp8row"} and plan["plan"]["model"] == "gemma3n"
+    assert set(plan["engines"]) == {"hbm", "uva", "uva_hot"} and plan["plan"]["model"] == "gemma3n"
     assert all(e["model"] == "/tmp/vllm_decode_gemma3n/model" for e in plan["engines"].values())

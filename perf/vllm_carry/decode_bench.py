@@ -24,13 +24,17 @@ most, in whole periods of three gated-delta-net layers and one attention layer, 
 table in HBM) fits on the GPU with the KV cache; experts, widths and the table stay real. The QSA indexer is left
 out (its fields unset: vLLM then builds plain attention for those layers, as ``checkpoints.py`` does).
 
-``--model gemma3n``: Gemma 3n E4B's text model (``Gemma3nForCausalLM``: transformers' ``Gemma3nTextConfig``
-defaults, hidden 2,048, 35 layers, MLP 16,384; its per-layer table of 262,144 ids x 35 x 256, 4.4 GiB bf16), random
-weights, no tokenizer. Its prompts are token ids of a Zipf law (``ZIPF_S``) over the vocabulary, as text's are,
-so that a hot set has what to hold; its configurations: ``hbm`` (vLLM's own table: vLLM has no host path for
-it), ``uva``, ``uva_hot`` (0.25 GB of the most frequent rows in HBM, ranked on a profile of the same law drawn
-apart from the prompts), ``uva_fp8row``, ``device``, ``uva_dedup``. Its results are kept in
-``/tmp/vllm_decode_gemma3n``.
+``--model gemma3n``: Gemma 3n E4B as vLLM serves it (``Gemma3nForConditionalGeneration``, the class a Gemma 3n
+checkpoint names: vLLM 0.33's text-only class never reads the per-layer table). Its text model is transformers'
+``Gemma3nTextConfig`` defaults (hidden 2,048, 35 layers, MLP 16,384; the per-layer table of 262,144 ids x 35 x
+256, 4.4 GiB bf16), the vision and audio towers the defaults' (built, never fed: no image or audio a prompt),
+random weights, a word-level tokenizer of its vocabulary and its processor (``write_gemma3n``). vLLM runs its
+per-layer lookup eagerly, outside the CUDA graphs (the runner's ``embed_input_ids``), for HBM and the plugin
+alike. Its prompts are token ids of a Zipf law (``ZIPF_S``) over the vocabulary, as text's are, so that a hot
+set has what to hold (the decoded tokens are the dummy model's own: the law shapes the prefill's lookups);
+its configurations: ``hbm`` (vLLM's own table: vLLM has no host path for it), ``uva``, ``uva_hot`` (0.25 GB of
+the most frequent rows in HBM, ranked on a profile of the same law drawn apart from the prompts), ``device``,
+``uva_dedup``. Its results are kept in ``/tmp/vllm_decode_gemma3n``.
 
 Configurations (``--configs``), one engine each, alone on the GPU, in this order:
 
@@ -128,13 +132,14 @@ DEFAULT_CONFIGS = ("hbm", "uva", "host", "uva_fp8row", "device")
 #: the models (``--model``), what each is, and the configurations that apply to it (and its default ones)
 MODELS = {
     "qwen4exp": dict(configs=("hbm", "uva", "host", "uva_fp8row", "device", "uva_dedup"), default=DEFAULT_CONFIGS),
-    "gemma3n": dict(configs=("hbm", "uva", "uva_fp8row", "device", "uva_dedup", "uva_hot"),
-                    default=("hbm", "uva", "uva_hot", "uva_fp8row")),
+    "gemma3n": dict(configs=("hbm", "uva", "device", "uva_dedup", "uva_hot"), default=("hbm", "uva", "uva_hot")),
 }
 NOT_FOR = {  # why a configuration does not apply to a model, named when asked for
     ("gemma3n", "host"): "vLLM keeps Gemma 3n's per-layer table in HBM: it has no host path of its own (hbm is "
                          "vLLM's own table)",
     ("qwen4exp", "uva_hot"): "the hot set is of token ids (Gemma 3n's table); an n-gram table's ids are hashes",
+    ("gemma3n", "uva_fp8row"): "the plugin quantises Qwen4Exp's n-gram tables only, and refuses fp8_row for "
+                               "Gemma 3n's table at start-up",
 }
 #: Gemma 3n E4B's text model: transformers' ``Gemma3nTextConfig`` defaults (hidden 2,048, 35 layers, MLP 16,384,
 #: 8 query and 2 KV heads of 256, KV shared by the last 15 layers; the per-layer table 262,144 ids x 35 x 256)
@@ -187,6 +192,7 @@ def plan_model(table_gib: float, layers: str | int, experts: int) -> dict:
 
 
 ZIPF_S = 1.1  # Gemma 3n's prompts: token ids of a Zipf law over the vocabulary (text's), ranks shuffled once
+PROMPT_ID_MIN = 16  # prompts' ids start here: below are the tokenizer's specials (Gemma 3n's media tokens)
 
 
 def prompt_ids(rng, n: int, vocab: int, zipf: bool) -> list[int]:
@@ -195,7 +201,7 @@ def prompt_ids(rng, n: int, vocab: int, zipf: bool) -> list[int]:
     import numpy as np
 
     if not zipf:
-        return [rng.randrange(16, vocab) for _ in range(n)]
+        return [rng.randrange(PROMPT_ID_MIN, vocab) for _ in range(n)]
     ranks = _zipf_ranks(vocab)
     g = np.random.default_rng(rng.randrange(1 << 31))
     r = g.zipf(ZIPF_S, size=4 * n)
@@ -210,7 +216,7 @@ def prompt_ids(rng, n: int, vocab: int, zipf: bool) -> list[int]:
 def _zipf_ranks(vocab: int):
     import numpy as np
 
-    return np.random.default_rng(7).permutation(np.arange(16, vocab))  # rank r + 1 -> token ranks[r]
+    return np.random.default_rng(7).permutation(np.arange(PROMPT_ID_MIN, vocab))  # rank r + 1 -> token ranks[r]
 
 
 def write_hot_profile(path: str, vocab: int, n: int = 1 << 21) -> str:
@@ -237,21 +243,43 @@ def plan_gemma3n() -> dict:
 
 
 def write_gemma3n(path: str) -> dict:
-    """``path/config.json`` of Gemma 3n E4B's text model (``Gemma3nForCausalLM``: no vision or audio tower, and
-    no tokenizer: the prompts are token ids)."""
-    from transformers import Gemma3nTextConfig
+    """``path``: Gemma 3n E4B as vLLM serves it (``Gemma3nForConditionalGeneration``: the text model of
+    transformers' ``Gemma3nTextConfig`` defaults, the default vision and audio towers), no weights (vLLM's dummy
+    loader), a word-level tokenizer of the model's vocabulary and the processor vLLM's Gemma 3n processing reads
+    (``checkpoints.py``'s, at this size). vLLM 0.33's text-only ``Gemma3nForCausalLM`` never reads the per-layer
+    table (only the multimodal class's ``embed_input_ids`` computes the per-layer inputs), so the benchmark
+    serves the class a Gemma 3n checkpoint names."""
+    from checkpoints import GEMMA3N_MEDIA_TOKENS, GEMMA3N_VOCAB_LOOKUPS, save_tokenizer
+    from transformers import (
+        Gemma3nAudioFeatureExtractor,
+        Gemma3nConfig,
+        Gemma3nProcessor,
+        Gemma3nTextConfig,
+        SiglipImageProcessor,
+    )
 
-    cfg = Gemma3nTextConfig()
-    got = dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ple_vocab=cfg.vocab_size_per_layer_input,
-               ple_dim=cfg.hidden_size_per_layer_input)
+    text = Gemma3nTextConfig()
+    got = dict(layers=text.num_hidden_layers, hidden=text.hidden_size, vocab=text.vocab_size,
+               ple_vocab=text.vocab_size_per_layer_input, ple_dim=text.hidden_size_per_layer_input)
     want = {k: GEMMA3N[k] for k in got}
     if got != want:
         raise RuntimeError(f"this transformers' Gemma3nTextConfig defaults are {got}, not E4B's {want}")
-    cfg.architectures = ["Gemma3nForCausalLM"]
-    cfg.dtype = "bfloat16"
     os.makedirs(path, exist_ok=True)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA3N_MEDIA_TOKENS.values(), *GEMMA3N_VOCAB_LOOKUPS]
+    if len(specials) > PROMPT_ID_MIN:
+        raise RuntimeError(f"{len(specials)} special tokens: the prompts' ids from {PROMPT_ID_MIN} on would meet them")
+    tok = save_tokenizer(path, text.vocab_size, specials, GEMMA3N_MEDIA_TOKENS)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3N_MEDIA_TOKENS.items()}
+    text.pad_token_id, text.eos_token_id, text.bos_token_id = 0, 1, 2
+    cfg = Gemma3nConfig(text_config=text.to_dict(), boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+                        image_token_id=ids["image_token"], boa_token_id=ids["boa_token"],
+                        eoa_token_id=ids["eoa_token"], audio_token_id=ids["audio_token"])
+    cfg.architectures = ["Gemma3nForConditionalGeneration"]
+    cfg.dtype = "bfloat16"
     cfg.save_pretrained(path)
-    return {"path": path, "layer_types": sorted(set(cfg.layer_types))}
+    Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), image_processor=SiglipImageProcessor(),
+                     tokenizer=tok).save_pretrained(path)
+    return {"path": path, "layer_types": sorted(set(text.layer_types)), "media_token_ids": ids}
 
 
 def model_config(plan: dict, attention: str = "indexed_attention") -> dict:
@@ -300,6 +328,10 @@ def engine_kwargs(a: argparse.Namespace, config: str, model_path: str, shared: b
               disable_log_stats=False, jit_monitor_verbose=True, additional_config=additional)
     if engram is not None and qwen:  # Qwen4Exp's n-gram table only
         kw["engram_config"] = engram
+    if not qwen:  # Gemma 3n: its processor needs the tokenizer; no image or audio, the multimodal path kept (the
+        # runner then embeds through embed_input_ids, which computes the per-layer inputs: engine_check's settings)
+        kw.pop("skip_tokenizer_init")
+        kw.update(limit_mm_per_prompt={"image": 0, "audio": 0}, enable_mm_embeds=True)
     if a.profile:  # the workers' torch profiler, started and stopped around the profiled call only
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir(a.work, config),
                                  "torch_profiler_with_stack": False, "ignore_frontend": True}
@@ -524,7 +556,7 @@ def figures(results: dict[str, dict]) -> dict[str, dict]:
 
 def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> str:
     if plan.get("model") == "gemma3n":
-        what = (f"Gemma 3n E4B's text model, {plan['layers']} layers (hidden 2,048), its per-layer table of "
+        what = (f"Gemma 3n E4B (the multimodal class), {plan['layers']} layers (hidden 2,048), its per-layer table of "
                 f"{plan['ple_rows']:,} ids x {plan['ple_row_values']:,} (bf16 "
                 f"{plan['table_bytes_about'] / GIB:.1f} GiB), prompts of Zipf-distributed token ids")
     else:
