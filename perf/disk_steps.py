@@ -178,7 +178,11 @@ class Disk:
         return st["cache"]["hits"], st["cache"]["misses"], st["pages_read"], st["hot_hits"]
 
     def close(self) -> None:
-        self.lookup.close()
+        lk = self.lookup  # the timers off first: each held its object's own method, a cycle that kept it alive
+        for obj, name in ((lk.cache, "read_in"), (lk._reader, "_read"), (lk._plan, "run")):
+            if obj is not None:
+                vars(obj).pop(name, None)
+        lk.close()
 
 
 def hot_rows(tokens: np.ndarray, rows: int, batch: int, steps: int, fraction: float) -> torch.Tensor:

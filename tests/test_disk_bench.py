@@ -130,3 +130,27 @@ def test_the_hot_sets_profile_reads_text_the_run_never_reads(batch):
     assert torch.equal(hot, torch.argsort(counts, descending=True, stable=True)[:100])
     with pytest.raises(command.Refused, match=f"--hot at batch {batch * 8}: .* give more --text, fewer --steps"):
         disk_steps.hot_rows(tokens[: 2 * 42 * batch * 8 - 1], 10_000, batch * 8, steps, 0.01)
+
+
+def test_a_timed_disk_provider_is_freed_when_closed(tmp_path):
+    """The step timers wrap the lookup's own methods on its instances; closing the provider takes them off, so
+    the lookup, its cache and its reader go when the provider does (no cycle left to the collector)."""
+    import gc
+    import weakref
+
+    from uvaple.perf.disk_steps import Disk
+
+    src = torch.randint(0, 256, (300, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    write_table_file(tmp_path / "t.uvt", src)
+    d = Disk(str(tmp_path / "t.uvt"), torch.device("cpu"), 0.5, 16)
+    rows = d(torch.arange(16, dtype=torch.int64))
+    assert torch.equal(rows.view(torch.uint8).reshape(16, -1)[:, :40], src[:16])
+    assert all(len(v) == 1 for v in d.phases.values()) and d.phases["read_in"][0] > 0
+    refs = [weakref.ref(x) for x in (d.lookup, d.lookup.cache, d.lookup._reader)]
+    gc.disable()  # what frees them must be the reference counts, not the collector
+    try:
+        d.close()
+        del d
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -547,12 +547,13 @@ def _server(code: str) -> subprocess.Popen:
 def test_a_server_is_stopped_as_ctrl_c_does_and_the_record_says_which_signal_did_it():
     p = _server("")  # Python's default: SIGINT raises KeyboardInterrupt, the process ends
     rec = ec._stop_server(p)
-    assert rec["by"] == "SIGINT" and rec["exit_status"] != 0 and not rec["group_killed_after"]
+    assert rec["by"] == "SIGINT" and rec["exit_status"] != 0 and rec["group_killed_after"] is False
     assert p.poll() is not None
     p = _server("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)")
     rec = ec._stop_server(p, sigint_wait_s=3)  # deaf to Ctrl-C: SIGTERM after the wait
     assert rec["by"] == "SIGTERM" and rec["exit_status"] == -15 and rec["seconds"] >= 3
-    assert ec._stop_server(p) == {"by": "exited by itself", "exit_status": -15}
+    rec = ec._stop_server(p)
+    assert rec["by"] == "exited by itself" and rec["exit_status"] == -15 and rec["group_killed_after"] is False
 
 
 def test_a_process_left_in_the_servers_group_is_killed_and_said():
@@ -562,9 +563,41 @@ def test_a_process_left_in_the_servers_group_is_killed_and_said():
                 "c = subprocess.Popen([sys.executable,'-c','import signal,time; signal.signal(signal.SIGINT, "
                 "signal.SIG_IGN); print(1, flush=True); time.sleep(120)'], stdout=subprocess.PIPE)\n"
                 "c.stdout.readline()")
-    rec = ec._stop_server(p)
+    rec = ec._stop_server(p, group_wait_s=2)
     assert rec["by"] == "SIGINT" and rec["group_killed_after"] is True
     assert ec._group_gone(p.pid, 5.0)
+
+
+def test_a_server_that_ended_by_itself_still_has_its_group_stopped():
+    # the server exits at once (as one whose engine core failed), leaving a child that would hold the GPU
+    code = ("import subprocess,sys\n"
+            "c = subprocess.Popen([sys.executable,'-c','import time; print(1, flush=True); time.sleep(120)'], "
+            "stdout=subprocess.PIPE)\n"
+            "c.stdout.readline()\n"
+            "sys.exit(3)")
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    p.wait(timeout=30)
+    assert ec._group_alive(p.pid)  # its child runs on
+    rec = ec._stop_server(p, group_wait_s=1)
+    assert rec["by"] == "exited by itself" and rec["exit_status"] == 3 and rec["group_killed_after"] is True
+    assert ec._group_gone(p.pid, 5.0)
+
+
+def test_a_zombie_is_not_a_process_left_running():
+    # a group whose other member has ended and is not reaped (its parent sleeps): only the parent runs
+    p = _server("import os,sys\n"
+                "if os.fork() == 0: os._exit(0)\n")
+    try:
+        import time
+
+        for _ in range(50):  # the child ends just after the fork
+            if ec._group_alive(p.pid) == [p.pid]:
+                break
+            time.sleep(0.1)
+        assert ec._group_alive(p.pid) == [p.pid]
+    finally:
+        p.kill()
+        p.wait()
 
 
 # ------------------------------------------------------------------ build: parts that fit a call

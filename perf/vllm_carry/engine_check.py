@@ -630,18 +630,40 @@ print("ENV" + json.dumps(out))
         self.save()
 
     # ------------------------------------------------------------------ serve
-    # A server's start (API process, engine core, model, KV cache; ~80 s eager on the H100), its checks (~10 s),
-    # its stop (bounded: 30 s after SIGINT, 10 after SIGTERM) and the bad setting's start (~90 s) after it.
-    SERVE_NEEDS_S = 330
+    # A server's start (API process, engine core, model, KV cache; ~80 s eager on the H100) within its /health
+    # wait, its checks (a completion, /metrics: bounded at 60 s each) and its stop (at most 30 s after SIGINT, 10
+    # after SIGTERM, 10 after SIGKILL, 15 for its group); then a server with a bad setting, which must exit by
+    # itself (91 s on the H100: the error comes when the engine core builds the model), each in a call of its own
+    # if one call's time does not hold both.
     SERVE_HEALTH_WAIT_S = 240
+    SERVE_NEEDS_S = SERVE_HEALTH_WAIT_S + 130
+    BAD_SETTING_NEEDS_S = 150
 
     def serve(self) -> None:
-        if self.res.get("serve", {}).get("ok") and not self.a.force:
-            return
-        if self.left() < self.SERVE_NEEDS_S:
-            self.note(f"serve: skipped, {self.left():.0f} s left (it needs ~{self.SERVE_NEEDS_S} s); the next call "
-                      "continues")
-            return
+        if not self.res.get("serve", {}).get("ok") or self.a.force:
+            if self.left() < self.SERVE_NEEDS_S:
+                self.note(f"serve: skipped, {self.left():.0f} s left (it needs ~{self.SERVE_NEEDS_S} s); the next "
+                          "call continues")
+                return
+            self._serve_good()
+        out = self.res["serve"]
+        if out.get("bad_setting_refused") is not True or self.a.force:  # not yet determined, or not refused
+            if self.left() < self.BAD_SETTING_NEEDS_S:
+                self.note(f"serve with a bad setting: skipped, {self.left():.0f} s left (it needs "
+                          f"~{self.BAD_SETTING_NEEDS_S} s); the next call continues")
+                return
+            spec = self.spec(out["model"], "eager", "uva", "eager", None)
+            out["bad_setting"] = self._serve_refuses(spec, self._serve_env(spec))
+            out["bad_setting_refused"] = out["bad_setting"]["refused"]
+            self.save()
+
+    def _serve_env(self, spec: dict) -> dict:
+        # vLLM's own process layout (the API server, then the engine core): its engine pushes into the directory
+        env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=os.path.join(self.work, "prometheus"))
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        return env
+
+    def _serve_good(self) -> None:
         import socket
 
         model = self.a.serve_model
@@ -658,9 +680,7 @@ print("ENV" + json.dumps(out))
         self.res["serve"] = out
         cmd = serve_cmd(spec, port, {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1})
         out["cmd"] = " ".join(cmd)
-        # vLLM's own process layout (the API server, then the engine core): its engine pushes into the directory
-        env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=prom)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env = self._serve_env(spec)
         log_path = os.path.join(self.runs_dir, "serve.log")
         f = open(log_path, "w")
         self.log(f"serve: {out['cmd']}")
@@ -698,35 +718,41 @@ print("ENV" + json.dumps(out))
             out["stop"] = _stop_server(p)
             f.close()
             time.sleep(1.0)
-            out["segments_left"] = [x.get("name") for x in shm_list(spec["segment"])]
+            try:
+                out["segments_left"] = [x.get("name") for x in shm_list(spec["segment"])]
+            except Exception as e:  # noqa: BLE001 - the record is kept whatever listing says
+                out["segments_left"] = None
+                out["segments_error"] = f"{type(e).__name__}: {e}"
             out.update({k: v for k, v in parse_log(log_path).items() if k in ("placement_lines", "uvaple_lines",
                                                                                 "kv_cache_gib", "weights_gib")})
         self.log(f"serve: ok={out['ok']}; completion {str(out.get('completion'))[:200]}; uvaple series "
                  f"{out.get('uvaple_series')}; stopped {out['stop']}; segments left {out.get('segments_left')}; "
                  f"error {out.get('error')}")
-        out["bad_setting"] = self._serve_refuses(spec, env)
-        out["bad_setting_refused"] = self.res.get("serve_bad_setting_refused")
-        self.save()
+        self.save()  # before the bad setting's server: a call cut short there keeps this one's record
 
     def _serve_refuses(self, spec: dict, env: dict) -> dict:
         """``vllm serve`` with a bad ``uvaple`` setting: it must exit, bounded, with the named error."""
         cmd = serve_cmd(spec, 0, {"placement": "gpu", "segment": spec["segment"]})
         log_path = os.path.join(self.runs_dir, "serve_bad_setting.log")
         t0 = time.monotonic()
+        wait_s = min(240.0, self.left() - 20)
         with open(log_path, "w") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                code = p.wait(timeout=min(240, max(60, self.left() - 20)))
+                code = p.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 code = None
             _kill_group(p)
         text = open(log_path, errors="replace").read()
         named = "PluginConfigError" in text and "placement: expected one of" in text
+        # refused: exited with the named error; None: still starting when the wait ended (not determined: the next
+        # call tries again); False: it exited otherwise, or served
+        refused = None if code is None else bool(code != 0 and named)
         res = {"cmd": " ".join(cmd), "exit_status": code, "seconds": round(time.monotonic() - t0, 1),
-               "named_error": named, "error_lines": [ln.strip()[:300] for ln in text.splitlines()
-                                                     if "PluginConfigError" in ln][:3]}
-        self.res["serve_bad_setting_refused"] = bool(code not in (None, 0) and named)
-        self.log(f"serve with a bad setting: exit {code} after {res['seconds']} s, named error: {named}")
+               "wait_s": round(wait_s, 1), "named_error": named, "refused": refused,
+               "error_lines": [ln.strip()[:300] for ln in text.splitlines() if "PluginConfigError" in ln][:3]}
+        self.log(f"serve with a bad setting: exit {code} after {res['seconds']} s (of {wait_s:.0f} s), named error: "
+                 f"{named}" + ("; not determined: still starting when the wait ended" if refused is None else ""))
         return res
 
     def _offline_text(self, model: str) -> str | None:
@@ -805,46 +831,66 @@ def serve_cmd(spec: dict, port: int, uvaple: dict) -> list[str]:
     return cmd
 
 
-def _stop_server(p: subprocess.Popen, sigint_wait_s: float = 30.0) -> dict:
-    """Stop a server as Ctrl-C does (SIGINT to its process group), then SIGTERM, then SIGKILL; say which one did.
+def _stop_server(p: subprocess.Popen, sigint_wait_s: float = 30.0, group_wait_s: float = 15.0) -> dict:
+    """Stop a server as Ctrl-C does (SIGINT to its process group), then SIGTERM, then SIGKILL; say which one did,
+    and whether a process of its group (the engine core) outlived it and was killed.
 
     A process stopped by SIGKILL cannot unlink its shared segments (the next start attaches them, ``uvaple shm
     clean`` removes them), so the record tells a segment left by a kill from one left by a clean stop.
     """
     t0 = time.monotonic()
+    rec: dict = {"by": "not stopped"}
     if p.poll() is not None:
-        return {"by": "exited by itself", "exit_status": p.returncode}
-    for sig, wait_s in ((signal.SIGINT, sigint_wait_s), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
+        rec = {"by": "exited by itself"}
+    else:
+        for sig, wait_s in ((signal.SIGINT, sigint_wait_s), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:  # exited between the poll and the signal
+                rec = {"by": "exited by itself"}
+                break
+            except PermissionError:
+                break
+            try:
+                p.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            rec = {"by": sig.name}
             break
-        try:
-            p.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The group's other processes (the engine core) end after the server; a straggler is killed and said.
-        stragglers = not _group_gone(p.pid, 15.0)
+    if p.poll() is not None:
+        # the group's other processes (the engine core) end after the server; a straggler is killed and said
+        stragglers = not _group_gone(p.pid, group_wait_s)
         if stragglers:
             _kill_group(p)
-        return {"by": sig.name, "seconds": round(time.monotonic() - t0, 1), "exit_status": p.returncode,
-                "group_killed_after": stragglers}
-    return {"by": "not stopped", "seconds": round(time.monotonic() - t0, 1), "exit_status": p.poll()}
+        rec["group_killed_after"] = stragglers
+    rec.update(seconds=round(time.monotonic() - t0, 1), exit_status=p.poll())
+    return rec
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (``/proc``; a zombie, ended and not yet reaped, does not)."""
+    alive = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command's name, which may hold anything
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp
+            alive.append(int(d))
+    return alive
 
 
 def _group_gone(pgid: int, wait_s: float) -> bool:
-    """Whether every process of group ``pgid`` has ended, waiting up to ``wait_s``."""
+    """Whether every process of group ``pgid`` has ended (zombies count as ended), waiting up to ``wait_s``."""
     t_end = time.monotonic() + wait_s
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
+    while _group_alive(pgid):
         if time.monotonic() >= t_end:
             return False
         time.sleep(0.2)
+    return True
 
 
 def _kill_group(p: subprocess.Popen) -> None:
@@ -940,7 +986,7 @@ def _complete(base: str, model: str, prompt: str) -> dict:
     try:
         from openai import OpenAI
 
-        client = OpenAI(base_url=base + "/v1", api_key="unused")
+        client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60.0, max_retries=0)
         r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
                                       extra_body={"ignore_eos": True})
         return {"via": "openai", "text": r.choices[0].text, "usage": r.usage.model_dump() if r.usage else None}
