@@ -98,28 +98,43 @@ GEMMA3N_MEDIA_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_i
 GEMMA3N_VOCAB_LOOKUPS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
 
 
-def save_gemma3n_tokenizer(path: str):
-    """Gemma 3n's word-level tokenizer: the usual specials, the media tokens, the newline runs vLLM looks up."""
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA3N_MEDIA_TOKENS.values(), *GEMMA3N_VOCAB_LOOKUPS]
-    return save_tokenizer(path, VOCAB, specials, GEMMA3N_MEDIA_TOKENS)
+#: Gemma 3n's tokenizer's first ids (pad 0, eos 1, bos 2, unk 3), then the media tokens and the newline runs
+GEMMA3N_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", *GEMMA3N_MEDIA_TOKENS.values(), *GEMMA3N_VOCAB_LOOKUPS)
+
+
+def save_gemma3n_tokenizer(path: str, vocab: int = VOCAB):
+    """Gemma 3n's word-level tokenizer of ``vocab`` entries: the specials (:data:`GEMMA3N_SPECIALS`) first."""
+    return save_tokenizer(path, vocab, list(GEMMA3N_SPECIALS), GEMMA3N_MEDIA_TOKENS)
+
+
+def save_gemma3n_frame(path: str, text) -> tuple:
+    """Everything of a multimodal Gemma 3n checkpoint but its weights, around the text model ``text`` (a
+    ``Gemma3nTextConfig``): a tokenizer of its vocabulary, the ``Gemma3nForConditionalGeneration`` config naming
+    the tokenizer's media tokens, and the processor vLLM's Gemma 3n processing loads. Returns (the tokenizer,
+    the media tokens' ids by name)."""
+    from transformers import Gemma3nAudioFeatureExtractor, Gemma3nConfig, Gemma3nProcessor, SiglipImageProcessor
+
+    tok = save_gemma3n_tokenizer(path, text.vocab_size)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3N_MEDIA_TOKENS.items()}
+    text.pad_token_id, text.eos_token_id, text.bos_token_id = 0, 1, 2
+    full = Gemma3nConfig(text_config=text.to_dict(), boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+                         image_token_id=ids["image_token"], boa_token_id=ids["boa_token"],
+                         eoa_token_id=ids["eoa_token"], audio_token_id=ids["audio_token"])
+    full.architectures = ["Gemma3nForConditionalGeneration"]
+    full.dtype = "bfloat16"
+    full.save_pretrained(path)
+    Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), image_processor=SiglipImageProcessor(),
+                     tokenizer=tok).save_pretrained(path)
+    return tok, ids
 
 
 def build_gemma3n(path: str, log: Callable[[str], object]) -> dict:
     """The multimodal Gemma 3n class: transformers' text model and save, under the multimodal names."""
     import torch
     from safetensors.torch import save_file
-    from transformers import (
-        Gemma3nAudioFeatureExtractor,
-        Gemma3nConfig,
-        Gemma3nForCausalLM,
-        Gemma3nProcessor,
-        Gemma3nTextConfig,
-        SiglipImageProcessor,
-    )
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
     g = GEMMA
-    tok = save_gemma3n_tokenizer(path)
-    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3N_MEDIA_TOKENS.items()}
     layer_types = ["sliding_attention", "full_attention"] * (g["layers"] // 2)
     text = Gemma3nTextConfig(
         vocab_size=VOCAB, vocab_size_per_layer_input=g["ple_vocab"], hidden_size=g["hidden"],
@@ -132,19 +147,10 @@ def build_gemma3n(path: str, log: Callable[[str], object]) -> dict:
     torch.manual_seed(0)
     hf = Gemma3nForCausalLM(text).to(torch.bfloat16)
     _randomise(hf, 1)
-    full = Gemma3nConfig(text_config=text.to_dict(), boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
-                         image_token_id=tok.convert_tokens_to_ids("<image_soft_token>"),
-                         boa_token_id=ids["boa_token"], eoa_token_id=ids["eoa_token"],
-                         audio_token_id=tok.convert_tokens_to_ids("<audio_soft_token>"))
-    full.architectures = ["Gemma3nForConditionalGeneration"]
-    full.dtype = "bfloat16"
-    full.save_pretrained(path)
+    tok, _ = save_gemma3n_frame(path, text)
     sd = {k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in hf.state_dict().items()
           if k.startswith("model.")}
     save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    proc = Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(),
-                            image_processor=SiglipImageProcessor(), tokenizer=tok)
-    proc.save_pretrained(path)
     # the hot set's profile (engine_check's uva_hot): the prompts' token ids, as a tokenised text like the served one
     ids = [i for p in prompts() for i in tok(p, add_special_tokens=False)["input_ids"]]
     with open(os.path.join(path, "hot_profile.txt"), "w") as f:

@@ -249,14 +249,8 @@ def write_gemma3n(path: str) -> dict:
     (``checkpoints.py``'s, at this size). vLLM 0.33's text-only ``Gemma3nForCausalLM`` never reads the per-layer
     table (only the multimodal class's ``embed_input_ids`` computes the per-layer inputs), so the benchmark
     serves the class a Gemma 3n checkpoint names."""
-    from checkpoints import GEMMA3N_MEDIA_TOKENS, GEMMA3N_VOCAB_LOOKUPS, save_tokenizer
-    from transformers import (
-        Gemma3nAudioFeatureExtractor,
-        Gemma3nConfig,
-        Gemma3nProcessor,
-        Gemma3nTextConfig,
-        SiglipImageProcessor,
-    )
+    from checkpoints import GEMMA3N_SPECIALS, save_gemma3n_frame
+    from transformers import Gemma3nTextConfig
 
     text = Gemma3nTextConfig()
     got = dict(layers=text.num_hidden_layers, hidden=text.hidden_size, vocab=text.vocab_size,
@@ -264,21 +258,11 @@ def write_gemma3n(path: str) -> dict:
     want = {k: GEMMA3N[k] for k in got}
     if got != want:
         raise RuntimeError(f"this transformers' Gemma3nTextConfig defaults are {got}, not E4B's {want}")
+    if len(GEMMA3N_SPECIALS) > PROMPT_ID_MIN:
+        raise RuntimeError(f"{len(GEMMA3N_SPECIALS)} special tokens: the prompts' ids from {PROMPT_ID_MIN} on would "
+                           "meet them")
     os.makedirs(path, exist_ok=True)
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA3N_MEDIA_TOKENS.values(), *GEMMA3N_VOCAB_LOOKUPS]
-    if len(specials) > PROMPT_ID_MIN:
-        raise RuntimeError(f"{len(specials)} special tokens: the prompts' ids from {PROMPT_ID_MIN} on would meet them")
-    tok = save_tokenizer(path, text.vocab_size, specials, GEMMA3N_MEDIA_TOKENS)
-    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3N_MEDIA_TOKENS.items()}
-    text.pad_token_id, text.eos_token_id, text.bos_token_id = 0, 1, 2
-    cfg = Gemma3nConfig(text_config=text.to_dict(), boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
-                        image_token_id=ids["image_token"], boa_token_id=ids["boa_token"],
-                        eoa_token_id=ids["eoa_token"], audio_token_id=ids["audio_token"])
-    cfg.architectures = ["Gemma3nForConditionalGeneration"]
-    cfg.dtype = "bfloat16"
-    cfg.save_pretrained(path)
-    Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), image_processor=SiglipImageProcessor(),
-                     tokenizer=tok).save_pretrained(path)
+    _, ids = save_gemma3n_frame(path, text)
     return {"path": path, "layer_types": sorted(set(text.layer_types)), "media_token_ids": ids}
 
 

@@ -671,7 +671,8 @@ print("ENV" + json.dumps(out))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        prom = os.path.join(self.work, "prometheus")
+        env = self._serve_env(spec)
+        prom = env["PROMETHEUS_MULTIPROC_DIR"]
         if os.path.isdir(prom):
             for f in os.listdir(prom):
                 os.remove(os.path.join(prom, f))
@@ -680,7 +681,6 @@ print("ENV" + json.dumps(out))
         self.res["serve"] = out
         cmd = serve_cmd(spec, port, {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1})
         out["cmd"] = " ".join(cmd)
-        env = self._serve_env(spec)
         log_path = os.path.join(self.runs_dir, "serve.log")
         f = open(log_path, "w")
         self.log(f"serve: {out['cmd']}")
