@@ -686,3 +686,12 @@ def test_gemma3ns_plan_names_its_engines():
     plan = json.loads(r.stdout)
     assert set(plan["engines"]) == {"hbm", "uva", "uva_hot"} and plan["plan"]["model"] == "gemma3n"
     assert all(e["model"] == "/tmp/vllm_decode_gemma3n/model" for e in plan["engines"].values())
+
+
+def test_the_bad_settings_refusal_is_read_from_the_log_wherever_it_is_raised():
+    msg = '--additional-config "uvaple".placement: expected one of [\'uva\', \'device\', \'copy\'], got \'gpu\''
+    at_build = f"Traceback ...\nuvaple.integration.models.vllm.config.PluginConfigError: {msg}\n"
+    at_config = f"pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n  Value error, {msg}"
+    assert ec._names_the_bad_placement(at_build) and ec._names_the_bad_placement(at_config)
+    assert not ec._names_the_bad_placement("RuntimeError: Engine core initialization failed")
+    assert not ec._names_the_bad_placement(f"ValueError: {msg}")  # not the plugin's, nor vLLM's config

@@ -8,12 +8,14 @@ timm, and they do not touch the per-layer embedding).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import bits
 from safetensors.torch import save_file
 
-from uvaple.integration.models.vllm import register
+from uvaple.integration.models.vllm import PluginConfigError, register
 from uvaple.integration.models.vllm.gemma3n import UvapleEmbeddingMethod, UvapleGemma3nForCausalLM
 
 LAYERS, VOCAB, PLE_VOCAB = 3, 512, 384
@@ -56,20 +58,40 @@ def checkpoints(tmp_path_factory):
     return d_text, d_mm, hf.model.embed_tokens_per_layer.weight.detach().clone()
 
 
-def _build(path, additional):
+def _config(path, additional):
+    """vLLM's engine config of the checkpoint at ``path`` with ``additional`` as its additional config."""
     from conftest import vllm_config
-    from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model
+    from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig
 
     mc = ModelConfig(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                      limit_mm_per_prompt={"image": 0, "audio": 0} if "mm" in str(path) else None,
                      max_model_len=256)
-    vc = vllm_config(model_config=mc, compilation_config=CompilationConfig(custom_ops=["none"]),
-                     scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8,
-                                                      max_model_len=256, is_encoder_decoder=False),
-                     additional_config=additional)
+    return vllm_config(model_config=mc, compilation_config=CompilationConfig(custom_ops=["none"]),
+                       scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8,
+                                                        max_model_len=256, is_encoder_decoder=False),
+                       additional_config=additional)
+
+
+def _build(path, additional):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    vc = _config(path, additional)
     with set_current_vllm_config(vc):
         return get_model(vllm_config=vc), vc
+
+
+def _refused_by_the_config(path, additional, match: str) -> PluginConfigError:
+    """vLLM's config of ``path`` with ``additional`` refused by the plugin's settings check, which vLLM runs as it
+    builds the config (no model built): pydantic reports the plugin's error as a ValidationError of VllmConfig
+    that carries it. Returns the plugin's error."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=match) as e:
+        _config(path, additional)
+    err = e.value.errors()[0]["ctx"]["error"]
+    assert isinstance(err, PluginConfigError) and re.search(match, str(err)), e.value
+    return err
 
 
 IDS = torch.tensor([0, 5, PLE_VOCAB - 1, PLE_VOCAB, VOCAB - 1, -1, 100, 2, 2])  # ids >= the PLE vocab read row 0
@@ -118,16 +140,17 @@ def test_embed_input_ids_fills_the_same_buffer(checkpoints):
     assert not torch.isnan(ours.per_layer_embeddings[:n]).any()
 
 
-def test_not_enabled_means_vllms_layer_and_a_bad_config_is_named(checkpoints):
-    from uvaple.integration.models.vllm import PluginConfigError
-
-    d_text, _, _ = checkpoints
-    for bad, match in [({"uvaple": {"placment": "uva"}}, "unknown key"),
-                       ({"uvaple": {"placement": "gpu"}}, "expected one of"),
-                       ({"uvaple": {"timeout_s": -1}}, "positive number"),
-                       ({"uvaple": "on"}, "object of settings")]:
-        with pytest.raises(PluginConfigError, match=match):
-            _build(d_text, bad)
+def test_a_bad_config_is_named_as_vllm_builds_its_config(checkpoints):
+    assert register()
+    d_text, d_mm, _ = checkpoints
+    # refused as vLLM builds its config (in `vllm serve`, the API server's process, before any engine core)
+    for path in (d_text, d_mm):
+        for bad, match in [({"uvaple": {"placment": "uva"}}, "unknown key"),
+                           ({"uvaple": {"placement": "gpu"}}, "placement: expected one of"),
+                           ({"uvaple": {"timeout_s": -1}}, "positive number"),
+                           ({"uvaple": "on"}, "object of settings")]:
+            _refused_by_the_config(path, bad, match)
+    assert _config(d_text, {"uvaple": {"placement": "uva"}}).additional_config == {"uvaple": {"placement": "uva"}}
 
 
 def test_dedup_and_a_hot_set_give_vllms_bits(checkpoints, tmp_path):
@@ -158,10 +181,10 @@ def test_dedup_and_a_hot_set_give_vllms_bits(checkpoints, tmp_path):
 
 
 def test_the_hot_set_is_refused_outside_the_uva_placement(checkpoints, tmp_path):
-    from uvaple.integration.models.vllm import PluginConfigError
-
+    assert register()
     d_text, _, _ = checkpoints
     profile = tmp_path / "ids.txt"
     profile.write_text("1 2 3")
-    with pytest.raises(PluginConfigError, match="a hot set stands in front of .*placement \\['uva'\\]"):
-        _build(d_text, {"uvaple": {"placement": "device", "hot_cache_gb": 1, "hot_profile": str(profile)}})
+    _refused_by_the_config(d_text, {"uvaple": {"placement": "device", "hot_cache_gb": 1,
+                                               "hot_profile": str(profile)}},
+                           "a hot set stands in front of .*placement \\['uva'\\]")

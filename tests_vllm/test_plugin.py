@@ -38,6 +38,37 @@ def test_register_is_reentrant_and_registers_lazy_classes():
         assert arch in ModelRegistry.get_supported_archs()
 
 
+def test_vllms_config_check_runs_the_plugins_after_its_own(monkeypatch):
+    """Each architecture the plugin serves: vLLM's own per-architecture config check (a subclass of it, or of its
+    no-op base where vLLM has none), then the plugin's settings check, when vLLM builds the engine's config."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import config as model_configs
+
+    assert plugin.register()
+    table = model_configs.MODELS_CONFIG_MAP
+    entries = {arch: table[arch] for arch in plugin.MODELS}
+    for arch, entry in entries.items():
+        assert entry._uvaple_checks_settings and entry.__mro__[1].__name__ == (
+            f"{arch}Config" if arch.startswith("Qwen4Exp") else "VerifyAndUpdateConfig")
+    plugin._check_settings_with_the_config()  # again: nothing wrapped twice
+    assert {arch: table[arch] for arch in plugin.MODELS} == entries
+    order = []
+    qwen = entries["Qwen4ExpForCausalLM"]
+    monkeypatch.setattr(qwen.__mro__[1], "verify_and_update_config",
+                        staticmethod(lambda cfg: order.append("vllm")))
+    bad = SimpleNamespace(additional_config={"uvaple": {"placement": "gpu"}})
+    with pytest.raises(PluginConfigError, match='"uvaple".placement: expected one of'):
+        qwen.verify_and_update_config(bad)
+    assert order == ["vllm"]  # vLLM's own check first, then the plugin's
+    entries["Gemma3nForConditionalGeneration"].verify_and_update_config(
+        SimpleNamespace(additional_config={"uvaple": {"placement": "uva"}}))  # a good setting passes
+    entries["Gemma3nForCausalLM"].verify_and_update_config(SimpleNamespace(additional_config=None))  # none: off
+    monkeypatch.setenv("UVAPLE_PLACEMENT", "gpu")  # the environment is the other source
+    with pytest.raises(PluginConfigError, match="UVAPLE_PLACEMENT: expected one of"):
+        entries["Gemma3nForCausalLM"].verify_and_update_config(SimpleNamespace(additional_config=None))
+
+
 def test_an_unsupported_vllm_leaves_everything_untouched(monkeypatch, caplog):
     import vllm
     from vllm import ModelRegistry

@@ -744,13 +744,14 @@ print("ENV" + json.dumps(out))
                 code = None
             _kill_group(p)
         text = open(log_path, errors="replace").read()
-        named = "PluginConfigError" in text and "placement: expected one of" in text
+        named = _names_the_bad_placement(text)
         # refused: exited with the named error; None: still starting when the wait ended (not determined: the next
         # call tries again); False: it exited otherwise, or served
         refused = None if code is None else bool(code != 0 and named)
         res = {"cmd": " ".join(cmd), "exit_status": code, "seconds": round(time.monotonic() - t0, 1),
                "wait_s": round(wait_s, 1), "named_error": named, "refused": refused,
-               "error_lines": [ln.strip()[:300] for ln in text.splitlines() if "PluginConfigError" in ln][:3]}
+               "error_lines": [ln.strip()[:300] for ln in text.splitlines()
+                               if "PluginConfigError" in ln or '"uvaple".' in ln][:3]}
         self.log(f"serve with a bad setting: exit {code} after {res['seconds']} s (of {wait_s:.0f} s), named error: "
                  f"{named}" + ("; not determined: still starting when the wait ended" if refused is None else ""))
         return res
@@ -829,6 +830,14 @@ def serve_cmd(spec: dict, port: int, uvaple: dict) -> list[str]:
     if spec["model"] == "gemma3n":
         cmd += ["--limit-mm-per-prompt", json.dumps({"image": 0, "audio": 0}), "--enable-mm-embeds"]
     return cmd
+
+
+def _names_the_bad_placement(log_text: str) -> bool:
+    """Whether a server's log names the plugin's refusal of ``placement: gpu``: raised as the model is built
+    (``PluginConfigError``), or as vLLM builds its config (pydantic's ``validation error for VllmConfig``
+    carrying the plugin's message)."""
+    return ("PluginConfigError" in log_text or "validation error for VllmConfig" in log_text) and \
+        '"uvaple".placement: expected one of' in log_text
 
 
 def _stop_server(p: subprocess.Popen, sigint_wait_s: float = 30.0, group_wait_s: float = 15.0) -> dict:

@@ -9,10 +9,18 @@ Entry point ``vllm.general_plugins: uvaple = uvaple.integration.models.vllm:regi
   lazy ``module:class`` strings (nothing is imported until vLLM builds such a model). Each is a subclass
   of vLLM's own class and builds exactly vLLM's model unless the plugin is enabled for that engine.
 * Enabling: ``--additional-config '{"uvaple": {...}}'`` and/or ``UVAPLE_*`` environment variables
-  (:mod:`uvaple.integration.models.vllm.config`); settings are checked when the plugin loads (the environment)
-  and when the model is built (both), and a bad one is a named :class:`PluginConfigError`. A ``"uvaple"``
-  entry for a model the plugin does not serve is never read: :func:`check_model` says so (a warning, once
-  per process).
+  (:mod:`uvaple.integration.models.vllm.config`); settings are checked when the plugin loads (the environment),
+  when vLLM builds the engine's config for a model the plugin serves (both: in ``vllm serve``'s API server
+  process, seconds into its start, before the engine core is started; in the process of an offline ``LLM()``)
+  and again when the model is built. A bad one is a named :class:`PluginConfigError` (raised inside vLLM's
+  config, pydantic reports it as a ``ValidationError`` of ``VllmConfig`` that carries the plugin's message). A
+  ``"uvaple"`` entry for a model the plugin does not serve is never read: :func:`check_model` says so (a
+  warning, once per process).
+* The config check: vLLM runs a per-architecture check when it builds its config
+  (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, called from ``VllmConfig.__post_init__``);
+  :func:`register` puts, for each architecture in :data:`MODELS`, a subclass of vLLM's own entry there (or of
+  its no-op base, where vLLM has none) that runs vLLM's check first, then the plugin's settings check. It
+  changes no setting; where vLLM has no such map, the check at model build stays the first.
 * What changes when enabled: :mod:`~uvaple.integration.models.vllm.qwen4_exp`,
   :mod:`~uvaple.integration.models.vllm.gemma3n`; sharing and loading: :mod:`~uvaple.integration.models.vllm.tables`.
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 
 from .config import ENV_VARS, PluginConfig, PluginConfigError, from_sources
 
@@ -74,8 +83,41 @@ def register() -> bool:
 
         for arch, target in MODELS.items():
             ModelRegistry.register_model(arch, target)
+        _check_settings_with_the_config()
         _registered = True
         return True
+
+
+def _check_settings_with_the_config() -> None:
+    """vLLM's per-architecture config check of each architecture in :data:`MODELS` made to run the plugin's
+    settings check after its own (see the module docstring); already so: left as it is."""
+    try:
+        from vllm.model_executor.models import config as model_configs
+
+        table, default = model_configs.MODELS_CONFIG_MAP, model_configs.VerifyAndUpdateConfig
+    except (ImportError, AttributeError) as e:
+        log.info("uvaple: vLLM has no per-architecture config check here (%s); the plugin's settings are checked "
+                 "when the model is built", e)
+        return
+    for arch in MODELS:
+        base = table.get(arch, default)
+        if not getattr(base, "_uvaple_checks_settings", False):
+            table[arch] = _with_settings_check(base)
+
+
+def _with_settings_check(base: type) -> type:
+    """A subclass of vLLM's config check ``base`` whose ``verify_and_update_config`` runs ``base``'s, then
+    :func:`~uvaple.integration.models.vllm.config.from_sources` on the engine's additional config."""
+
+    def verify_and_update_config(vllm_config) -> None:
+        base.verify_and_update_config(vllm_config)
+        additional = getattr(vllm_config, "additional_config", None)
+        from_sources(additional if isinstance(additional, Mapping) else None, os.environ)
+
+    return type(f"Uvaple{base.__name__}", (base,), {
+        "__doc__": f"vLLM's {base.__name__}, then the uvaple plugin's settings check.",
+        "__module__": __name__, "_uvaple_checks_settings": True,
+        "verify_and_update_config": staticmethod(verify_and_update_config)})
 
 
 def check_model(vllm_config) -> bool:
