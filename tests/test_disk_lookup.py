@@ -149,6 +149,14 @@ def test_bad_hot_rows_are_named(tmp_path, device):
             assert torch.equal(bits(lk.lookup(torch.tensor([89, 10, 11]))), bits(t[[89, 10, 11]]))
 
 
+def set_completed(lk, step: int) -> None:
+    """Set the lookup's completion word by hand, once the GPU's own writes of it (in stream order, after each
+    step's gathers) have all landed: otherwise a step's late write overtakes the hand-set value."""
+    if lk.device.type == "cuda":
+        torch.cuda.synchronize(lk.device)
+    lk.cache.completed.fill_(step)
+
+
 def test_a_step_never_takes_the_slots_of_a_step_in_flight(tmp_path, device):
     """Seed 004's race, driven by hand: with the completion word held back, the previous step's slots and bytes stay
     as they are while the next step, which needs them, waits; the word advanced, it evicts them and is exact."""
@@ -157,7 +165,7 @@ def test_a_step_never_takes_the_slots_of_a_step_in_flight(tmp_path, device):
     lk = make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=40, wait_s=5.0)
     first = torch.arange(0, 40)
     lk.lookup(first)
-    lk.cache.completed.fill_(0)  # step 1 is "still on the GPU"
+    set_completed(lk, 0)  # step 1 is "still on the GPU"
     held = lk.cache.slots_of(first.numpy())
     before = lk.cache.rows.tensor[torch.from_numpy(held)].clone()
     seen = {}
@@ -193,21 +201,21 @@ def test_the_wait_for_steps_in_flight_is_bounded_and_named(tmp_path, device):
     write_table_file(tmp_path / "t.uvt", t)
     with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=30, slots=30, wait_s=0.2) as lk:
         lk.lookup(torch.arange(30))
-        lk.cache.completed.fill_(0)  # step 1 still reads every slot
+        set_completed(lk, 0)  # step 1 still reads every slot
         t0 = time.monotonic()
         with pytest.raises(DiskStepTimeout, match="step 2 of this disk lookup waited 0.2 s for slots of the steps "
                                                   "in flight: step 1 has not completed"):
             lk.lookup(torch.arange(30, 60))
         assert time.monotonic() - t0 < 5.0
-        lk.cache.completed.fill_(1)
+        set_completed(lk, 1)
         assert torch.equal(bits(lk.lookup(torch.arange(30, 60))), bits(t[30:60]))  # then served, exactly
     with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=30, slots=100, wait_s=0.2,
                      steps_in_flight=2) as lk:
         lk.lookup(torch.tensor([1]))
         lk.lookup(torch.tensor([2]))
-        lk.cache.completed.fill_(1)  # step 2 in flight: step 3 takes step 1's staging row, which is free
+        set_completed(lk, 1)  # step 2 in flight: step 3 takes step 1's staging row, which is free
         assert torch.equal(bits(lk.lookup(torch.tensor([3]))), bits(t[[3]]))
-        lk.cache.completed.fill_(1)
+        set_completed(lk, 1)
         with pytest.raises(DiskStepTimeout, match="step 4 of this disk lookup waited 0.2 s for its staging row "
                                                   "\\(step 2's\\)"):
             lk.lookup(torch.tensor([4]))  # step 4 takes step 2's
