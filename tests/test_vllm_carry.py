@@ -695,3 +695,29 @@ def test_the_bad_settings_refusal_is_read_from_the_log_wherever_it_is_raised():
     assert ec._names_the_bad_placement(at_build) and ec._names_the_bad_placement(at_config)
     assert not ec._names_the_bad_placement("RuntimeError: Engine core initialization failed")
     assert not ec._names_the_bad_placement(f"ValueError: {msg}")  # not the plugin's, nor vLLM's config
+
+
+def test_the_in_process_graph_level_runs_every_engine_core_in_process_and_is_compared_apart(tmp_path):
+    """``--graph-levels inproc``: the graph engines again with the core in the run's own process (every prompt
+    queued before the first step), keyed and compared apart from vLLM's default layout, which stays out of
+    process; eager engines are in process either way."""
+    def env(mode, config, level):
+        spec = {"mode": mode, "config": config, "level": level, "logging_config": str(tmp_path / "l.json"),
+                "cache_root": str(tmp_path / "c")}
+        return ec.child_env(spec).get("VLLM_ENABLE_V1_MULTIPROCESSING")
+
+    assert env("graph", "device", "default") is None and env("graph", "device", "inproc") == "0"
+    assert env("eager", "device", "eager") == "0" and env("graph", "hbm_inproc", "default") == "0"
+    a = SimpleNamespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline_s=60.0, force=False)
+    check = ec.Check(a)
+    assert check.run_key("gemma3n", "graph", "device", "inproc") == "gemma3n.graph-inproc.device"
+    toks, lp = [[5, 6]], [[[-0.1, -2.5], [-0.2, -3.0]]]
+    moved = json.loads(json.dumps(lp))
+    moved[0][1][1] = -3.1
+    check.compare("gemma3n", "graph", "default", {"hbm": _run(toks, lp), "device": _run(toks, moved)})
+    check.compare("gemma3n", "graph", "inproc", {"hbm": _run(toks, lp), "device": _run(toks, lp)})
+    summary = check.summary()
+    assert summary["gemma3n.graph"]["device"] == "same tokens, 1 of 4 logprobs differ"
+    assert summary["gemma3n.graph-inproc"]["device"] == "identical"
+    with pytest.raises(SystemExit):
+        ec.main(["--graph-levels", "default,threads", "--checkpoints-only", "--work", str(tmp_path / "w")])

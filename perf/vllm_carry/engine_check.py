@@ -1,7 +1,8 @@
 """Does vLLM's real engine serve Gemma 3n and Qwen4Exp on the H200 with the uvaple plugin, with HBM's tokens?
 
 ``python3 perf/vllm_carry/engine_check.py --out DIR [--work /tmp/vllm_engine] [--models ...] [--modes eager,graph]
-[--configs hbm,host,uva,...] [--only tokens,serve] [--parallel 4] [--deadline-s 480] [--checkpoints-only] [--force]``
+[--configs hbm,host,uva,...] [--graph-levels default,inproc] [--only tokens,serve] [--parallel 4] [--deadline-s 480]
+[--checkpoints-only] [--force]``
 
 Runs on the GPU machine with vLLM 0.33.0 carried there (``assemble.py --install``; ``perf/gpu_check.sh
 vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's public API only:
@@ -30,7 +31,9 @@ vllm_engine`` puts ``/tmp/vllm_site`` first on ``PYTHONPATH``), through vLLM's p
    ``copy`` each run twice (``hbm_again``, ``copy_again``); the JSON's ``repeats`` says whether an engine
    differs from itself. Under CUDA graphs ``hbm`` and ``uva`` each run twice (``hbm_again``, ``uva_again``):
    there ``uva`` differed from ``hbm`` (every prompt's logprobs by about 1e-5 from the first token, one token
-   at a near tie) where ``device``, ``host`` and ``off`` did not.
+   at a near tie) where ``device``, ``host`` and ``off`` did not. ``--graph-levels inproc`` runs the graph
+   configurations again with the engine core in the run's own process (:data:`GRAPH_LEVELS`), which takes the
+   engine's scheduling out of the comparison.
 4. ``serve``: ``vllm serve`` (``--serve-model``, ``uva``, eager, ``PROMETHEUS_MULTIPROC_DIR`` set), an OpenAI
    client completion compared with the offline ``uva`` engine's text, ``/metrics``' ``uvaple_*`` series, a
    server started with a bad ``uvaple`` setting (it must exit with the named error), no segment left after the
@@ -105,8 +108,14 @@ CONFIGS: dict[str, dict] = {
 }
 MODES = ("eager", "graph")
 PHASES = ("tokens", "serve")
-#: graph mode: vLLM's defaults (compilation and CUDA graphs, FULL_AND_PIECEWISE)
-GRAPH_LEVELS = (("default", None),)
+#: graph mode's levels, each compared within itself (``--graph-levels``): ``default``, vLLM's defaults as a user
+#: gets them (compilation and CUDA graphs, FULL_AND_PIECEWISE, the engine core in its own process); ``inproc``,
+#: the same engines in the run's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Out of process,
+#: ``LLM.generate`` hands the prompts to a core that already steps, so which of them share a step (every GEMM's
+#: shape, and so its bits) can follow how fast the engine is; in process every prompt is queued before the first
+#: step. A configuration that differs from HBM out of process and not in process differs by that, not by its rows.
+GRAPH_LEVELS = {"default": None, "inproc": None}  # level -> compilation_config (None: vLLM's default)
+INPROC_LEVELS = ("inproc",)
 MAX_TOKENS = 256
 MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 32
 KV_CACHE_BYTES = 1 * GIB  # each engine's, fixed: no memory profiling (engines start side by side)
@@ -168,7 +177,8 @@ def vllm_env(plugin: bool, logging_config_path: str, cache_root: str, **extra: s
 
 def child_env(spec: dict) -> dict:
     # eager engines run in this process (the copy question asks for it)
-    inproc = spec["mode"] == "eager" or CONFIGS[spec["config"]].get("inproc", False)
+    inproc = (spec["mode"] == "eager" or CONFIGS[spec["config"]].get("inproc", False)
+              or spec.get("level") in INPROC_LEVELS)
     extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else {}
     return vllm_env(CONFIGS[spec["config"]]["plugin"], spec["logging_config"], spec["cache_root"], **extra)
 
@@ -546,9 +556,11 @@ print("ENV" + json.dumps(out))
         where the time left could not hold the next group (the next call continues)."""
         for mode in [m for m in MODES if m in self.a.modes]:
             configs = [c for c in CONFIGS if c in self.a.configs and applies(c, model, mode)]
-            levels = GRAPH_LEVELS if mode == "graph" else (("eager", None),)
+            levels = ([(lv, GRAPH_LEVELS[lv]) for lv in self.a.graph_levels] if mode == "graph"
+                      else [("eager", None)])
             for level, compilation in levels:
-                todo = [c for c in configs if not self.done(self.run_key(model, mode, c, level))]
+                todo = [c for c in configs if not self.done(self.run_key(model, mode, c, level))
+                        and not (level in INPROC_LEVELS and CONFIGS[c].get("inproc"))]  # in process already
                 need = group_need(mode, self.res.get("group_s", {}).get(mode))
                 if todo and self.left() < need:
                     self.note(f"{model} {mode}: skipped, {self.left():.0f} s left (a group needs ~{need} s); "
@@ -621,7 +633,7 @@ print("ENV" + json.dumps(out))
                             if runs.get(c, {}).get("ok") and runs.get(c + "_again", {}).get("ok")}
         if runs.get("hbm", {}).get("ok") and runs.get("copy_again", {}).get("ok"):
             entry["repeats"]["hbm vs copy_again"] = _diff(runs["hbm"], runs["copy_again"])
-        table[mode] = entry
+        table[mode if level in ("eager", "default") else f"{mode}-{level}"] = entry  # "graph", "graph-inproc"
         same = [c for c, r in entry["configs"].items() if r.get("identical")]
         self.log(f"{model} {mode} ({level}): identical to their reference (tokens and logprobs): {same or 'none'}; "
                  f"refused as expected: {[c for c, r in entry['configs'].items() if r.get('refused_as_expected')]}; "
@@ -1019,6 +1031,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
     p.add_argument("--only", default=",".join(PHASES), help="phases: tokens, serve")
+    p.add_argument("--graph-levels", default="default",
+                   help="graph mode's levels, of " + ", ".join(GRAPH_LEVELS) + " (inproc: the engine core in the "
+                   "run's own process, every prompt queued before the first step)")
     p.add_argument("--serve-model", default="qwen4exp_bf16", help="the model vllm serve runs (phase serve)")
     p.add_argument("--parallel", type=int, default=4, help="engines started side by side")
     p.add_argument("--deadline-s", type=float, default=480.0, help="stop starting runs after this long")
@@ -1030,11 +1045,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.child:
         return run_child(a.child)
-    for name, allowed in (("models", MODELS), ("modes", MODES), ("configs", CONFIGS), ("only", PHASES)):
+    for name, allowed in (("models", MODELS), ("modes", MODES), ("configs", CONFIGS), ("only", PHASES),
+                          ("graph_levels", GRAPH_LEVELS)):
         vals = [v for v in getattr(a, name).split(",") if v]
         bad = [v for v in vals if v not in allowed]
         if bad:
-            p.error(f"--{name}: {bad} not in {list(allowed)}")
+            p.error(f"--{name.replace('_', '-')}: {bad} not in {list(allowed)}")
         setattr(a, name, vals)
     if a.parallel < 1:
         p.error(f"--parallel: at least 1 engine at a time, got {a.parallel}")
