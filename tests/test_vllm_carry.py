@@ -721,3 +721,40 @@ def test_the_in_process_graph_level_runs_every_engine_core_in_process_and_is_com
     assert summary["gemma3n.graph-inproc"]["device"] == "identical"
     with pytest.raises(SystemExit):
         ec.main(["--graph-levels", "default,threads", "--checkpoints-only", "--work", str(tmp_path / "w")])
+
+
+def test_serve_runs_the_bad_setting_first_and_each_step_only_where_its_time_is_left(tmp_path, monkeypatch):
+    """The serve phase: the bad setting (seconds, now that the plugin's check runs as vLLM builds its config)
+    before the good server; a step the time left cannot hold is left to the next call with a note; a step done
+    is not repeated, and the good server's record keeps the bad setting's."""
+    a = SimpleNamespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline_s=60.0, force=False,
+                        serve_model="qwen4exp_bf16")
+    check = ec.Check(a)
+    ran = []
+
+    def refuses(spec, env):
+        ran.append("bad")
+        return {"refused": True}
+
+    def good():
+        ran.append("good")
+        out = check.res["serve"]
+        bad = {k: out[k] for k in ("bad_setting", "bad_setting_refused") if k in out}
+        out.clear()
+        out.update(bad, model="qwen4exp_bf16", ok=True)
+
+    monkeypatch.setattr(check, "_serve_refuses", refuses)
+    monkeypatch.setattr(check, "_serve_good", good)
+    monkeypatch.setattr(check, "_serve_env", lambda spec: {})
+    left = {"s": ec.Check.BAD_SETTING_NEEDS_S + 1.0}
+    monkeypatch.setattr(check, "left", lambda: left["s"])
+    check.serve()  # time for the bad setting, not for the good server
+    assert ran == ["bad"] and check.res["serve"]["bad_setting_refused"] is True
+    assert any("serve: skipped" in n for n in check.res["notes"])
+    left["s"] = ec.Check.SERVE_NEEDS_S + 1.0
+    check.serve()  # the next call: the good server only
+    assert ran == ["bad", "good"]
+    assert check.res["serve"]["ok"] and check.res["serve"]["bad_setting_refused"] is True
+    check.serve()
+    assert ran == ["bad", "good"]  # both done
+    assert ec.Check.BAD_SETTING_NEEDS_S + ec.Check.SERVE_NEEDS_S < 480  # both fit one call's default deadline

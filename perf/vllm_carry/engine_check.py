@@ -642,23 +642,19 @@ print("ENV" + json.dumps(out))
         self.save()
 
     # ------------------------------------------------------------------ serve
-    # A server's start (API process, engine core, model, KV cache; ~80 s eager on the H100) within its /health
-    # wait, its checks (a completion, /metrics: bounded at 60 s each) and its stop (at most 30 s after SIGINT, 10
-    # after SIGTERM, 10 after SIGKILL, 15 for its group); then a server with a bad setting, which must exit by
-    # itself (91 s on the H100: the error comes when the engine core builds the model), each in a call of its own
-    # if one call's time does not hold both.
-    SERVE_HEALTH_WAIT_S = 240
+    # First a server with a bad setting, which must exit by itself as vLLM builds the engine's config (the
+    # plugin's check runs inside vLLM's per-architecture check: seconds after vLLM's imports; 91 s on the H100
+    # when the error came as the engine core built the model). Then a server's start (API process, engine core,
+    # model, KV cache; ~80 s eager on the H100) within its /health wait, its checks (a completion, /metrics:
+    # bounded at 60 s each) and its stop (at most 30 s after SIGINT, 10 after SIGTERM, 10 after SIGKILL, 15 for
+    # its group). Each waits for a call of its own if the time left does not hold it.
+    SERVE_HEALTH_WAIT_S = 180
     SERVE_NEEDS_S = SERVE_HEALTH_WAIT_S + 130
-    BAD_SETTING_NEEDS_S = 150
+    BAD_SETTING_WAIT_S = 120
+    BAD_SETTING_NEEDS_S = BAD_SETTING_WAIT_S + 20
 
     def serve(self) -> None:
-        if not self.res.get("serve", {}).get("ok") or self.a.force:
-            if self.left() < self.SERVE_NEEDS_S:
-                self.note(f"serve: skipped, {self.left():.0f} s left (it needs ~{self.SERVE_NEEDS_S} s); the next "
-                          "call continues")
-                return
-            self._serve_good()
-        out = self.res["serve"]
+        out = self.res.setdefault("serve", {"model": self.a.serve_model, "ok": False})
         if out.get("bad_setting_refused") is not True or self.a.force:  # not yet determined, or not refused
             if self.left() < self.BAD_SETTING_NEEDS_S:
                 self.note(f"serve with a bad setting: skipped, {self.left():.0f} s left (it needs "
@@ -668,6 +664,12 @@ print("ENV" + json.dumps(out))
             out["bad_setting"] = self._serve_refuses(spec, self._serve_env(spec))
             out["bad_setting_refused"] = out["bad_setting"]["refused"]
             self.save()
+        if not out.get("ok") or self.a.force:
+            if self.left() < self.SERVE_NEEDS_S:
+                self.note(f"serve: skipped, {self.left():.0f} s left (it needs ~{self.SERVE_NEEDS_S} s); the next "
+                          "call continues")
+                return
+            self._serve_good()
 
     def _serve_env(self, spec: dict) -> dict:
         # vLLM's own process layout (the API server, then the engine core): its engine pushes into the directory
@@ -689,8 +691,10 @@ print("ENV" + json.dumps(out))
             for f in os.listdir(prom):
                 os.remove(os.path.join(prom, f))
         os.makedirs(prom, exist_ok=True)
-        out: dict = {"model": model, "ok": False}
-        self.res["serve"] = out
+        out = self.res["serve"]
+        bad = {k: out[k] for k in ("bad_setting", "bad_setting_refused") if k in out}  # an earlier step's record
+        out.clear()
+        out.update(bad, model=model, ok=False)
         cmd = serve_cmd(spec, port, {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1})
         out["cmd"] = " ".join(cmd)
         log_path = os.path.join(self.runs_dir, "serve.log")
@@ -747,7 +751,7 @@ print("ENV" + json.dumps(out))
         cmd = serve_cmd(spec, 0, {"placement": "gpu", "segment": spec["segment"]})
         log_path = os.path.join(self.runs_dir, "serve_bad_setting.log")
         t0 = time.monotonic()
-        wait_s = min(240.0, self.left() - 20)
+        wait_s = min(float(self.BAD_SETTING_WAIT_S), self.left() - 20)
         with open(log_path, "w") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
