@@ -720,6 +720,9 @@ print("ENV" + json.dumps(out))
             ref = self._offline_text(model)
             if ref is not None:
                 out["same_text_as_offline_uva_eager"] = out["completion"].get("text") == ref
+            else:
+                self.note(f"serve: no offline uva engine of {model} in this WORK to compare the completion with "
+                          f"(--models {model} --modes eager --configs uva in this call or an earlier one)")
             time.sleep(3)  # two metrics pushes
             code, body = _http(base + "/metrics", timeout=10)
             lines = [ln for ln in body.splitlines() if ln.startswith("uvaple_")]
