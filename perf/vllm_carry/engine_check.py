@@ -671,6 +671,14 @@ print("ENV" + json.dumps(out))
                 return
             self._serve_good()
 
+    def _new_serve_record(self, model: str) -> dict:
+        """The serve record, emptied for a good server's run but for the bad setting's step (an earlier one's)."""
+        out = self.res["serve"]
+        bad = {k: out[k] for k in ("bad_setting", "bad_setting_refused") if k in out}
+        out.clear()
+        out.update(bad, model=model, ok=False)
+        return out
+
     def _serve_env(self, spec: dict) -> dict:
         # vLLM's own process layout (the API server, then the engine core): its engine pushes into the directory
         env = dict(child_env(spec), PROMETHEUS_MULTIPROC_DIR=os.path.join(self.work, "prometheus"))
@@ -691,10 +699,7 @@ print("ENV" + json.dumps(out))
             for f in os.listdir(prom):
                 os.remove(os.path.join(prom, f))
         os.makedirs(prom, exist_ok=True)
-        out = self.res["serve"]
-        bad = {k: out[k] for k in ("bad_setting", "bad_setting_refused") if k in out}  # an earlier step's record
-        out.clear()
-        out.update(bad, model=model, ok=False)
+        out = self._new_serve_record(model)
         cmd = serve_cmd(spec, port, {"placement": "uva", "segment": spec["segment"], "metrics_interval_s": 1})
         out["cmd"] = " ".join(cmd)
         log_path = os.path.join(self.runs_dir, "serve.log")
