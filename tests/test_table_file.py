@@ -292,3 +292,16 @@ def test_a_failed_range_stops_the_ranges_not_started_and_waits_for_the_started_o
         done = len(ran)
         time.sleep(0.2)
         assert len(ran) == done < 10  # none ran after the raise, and most never started
+
+
+def test_the_first_source_that_fits_the_header_is_written_and_read_back(tmp_path):
+    """A writer's source names, longest first: the first that fits the header's field (non-ASCII characters count
+    six as JSON), none where none fits; the one chosen is the file's ``source``."""
+    long_path = "/data/" + "x" * tf.MAX_SOURCE
+    non_ascii = "é" * (tf.MAX_SOURCE // 6 + 1)  # fits as characters, not as the header's JSON
+    assert tf.fitting_source(f"emb of {long_path}", non_ascii, None, "emb as stored") == "emb as stored"
+    assert tf.fitting_source(long_path, non_ascii) is None
+    name = tf.fitting_source(long_path, "emb of w.safetensors")
+    write_table_file(tmp_path / "t.uvt", torch.arange(12, dtype=torch.float32).view(3, 4), source_id=name)
+    with TableFile.open(tmp_path / "t.uvt") as f:
+        assert f.source == "emb of w.safetensors"

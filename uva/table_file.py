@@ -58,7 +58,7 @@ from .memory import row_stride_bytes
 from .workers import default_threads, parallel
 
 __all__ = ["TableFile", "FileLayout", "TableFileError", "RowSource", "write_table_file", "remove_dead_partials", "PAGE",
-           "MAGIC"]
+           "MAGIC", "fitting_source"]
 
 PAGE = 4096
 MAGIC = b"UVAPLE-TABLE\x00\x00v1"
@@ -248,6 +248,12 @@ def _row_source(source) -> RowSource:
 
 #: the longest ``source`` a header holds (characters)
 MAX_SOURCE = 1024
+
+
+def fitting_source(*texts: str | None) -> str | None:
+    """The first of ``texts`` that fits the header's source field (:data:`MAX_SOURCE` characters as JSON); None
+    where none does (a writer then names no source)."""
+    return next((t for t in texts if t is not None and len(json.dumps(t)) <= MAX_SOURCE + 2), None)
 
 
 def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", overwrite: bool = False,

@@ -50,7 +50,7 @@ from uvaple.uva.errors import CheckpointError
 from uvaple.uva.loading import TensorInfo, checkpoint_files, locate_tensors
 from uvaple.uva.memory import row_stride_bytes
 from uvaple.uva.system import PAGE_SIZE, mem_available_bytes, round_up
-from uvaple.uva.table_file import MAX_SOURCE, FileLayout, remove_dead_partials
+from uvaple.uva.table_file import FileLayout, fitting_source, remove_dead_partials
 
 from ..embedding import QUANTIZE
 from ..encoded_embedding import HostEncodedEmbedding
@@ -382,10 +382,9 @@ def _source_id(src: LayerSource, encoding: str, fmt: torch.dtype | None) -> str:
     first = src.parts[0]
     more = f" and {len(src.parts) - 1} more shard(s)" if len(src.parts) > 1 else ""
     form = encoding if fmt is None else f"{encoding} {str(fmt).replace('torch.', '')}"
-    readable = f"{first.name}{more} of {os.path.realpath(first.path)} as {form}; {digest}"
-    if len(json.dumps(readable)) > MAX_SOURCE + 2:  # a long or non-ASCII path: the tensor and the digest name it
-        readable = f"{first.name}{more} as {form}; {digest}"
-    return readable if len(json.dumps(readable)) <= MAX_SOURCE + 2 else f"{form}; {digest}"
+    # a long or non-ASCII path: the tensor and the digest name it; a long tensor name: the digest
+    return fitting_source(f"{first.name}{more} of {os.path.realpath(first.path)} as {form}; {digest}",
+                          f"{first.name}{more} as {form}; {digest}", f"{form}; {digest}")
 
 
 def _file_tables(sources: list[LayerSource], opts: dict, folder: str, quantize: str | None) -> NGramTables:

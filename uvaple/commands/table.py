@@ -28,7 +28,7 @@ import torch
 from uvaple.dtypes import fmt_bytes
 from uvaple.perf import command
 from uvaple.uva import CheckpointError, RowSource, TableFile, TableFileError, UvapleError, write_table_file
-from uvaple.uva.table_file import MAX_SOURCE, FileLayout
+from uvaple.uva.table_file import FileLayout, fitting_source
 
 EXIT_DONE, EXIT_DAMAGED, EXIT_REFUSED, EXIT_FAILED = 0, 1, 2, 3
 EXITS = (f"exit status: {EXIT_DONE} done; {EXIT_DAMAGED} verify found a page that does not match its sum; "
@@ -141,10 +141,7 @@ def _source_id(a) -> str | None:
     """What ``info`` names as the file's source: the tensors, the checkpoint and the form they were written in (the
     tensors alone where the path is too long for the header)."""
     form = "as stored" if a.encoding == "raw" else f"as fp8_row {a.fp8 or 'e4m3fn'}"
-    for text in (f"{a.what} of {os.path.realpath(a.source)} {form}", f"{a.what} {form}"):
-        if len(json.dumps(text)) <= MAX_SOURCE + 2:
-            return text
-    return None
+    return fitting_source(f"{a.what} of {os.path.realpath(a.source)} {form}", f"{a.what} {form}")
 
 
 def info(a) -> int:
