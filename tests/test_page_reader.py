@@ -261,3 +261,21 @@ def test_bad_settings_are_named(tmp_path):
             r.read_rows_into(np.array([1]), slots_for(1, 16), np.array([0]))
     with pytest.raises(TypeError, match="a page reader reads a TableFile"):
         PageReader(str(tmp_path / "t.uvt"))
+
+
+def test_a_bad_tensor_or_bad_slots_to_read_into_are_named_and_nothing_is_read(tmp_path):
+    t = rand(300, 16, torch.bfloat16, seed=5)
+    write_table_file(tmp_path / "t.uvt", t)
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=2, engine="threads") as r:
+        rows = np.array([3, 200])
+        for bad in (torch.zeros(10, 32, dtype=torch.int8), torch.zeros(320, dtype=torch.uint8),
+                    torch.zeros(10, 31, dtype=torch.uint8), np.zeros((10, 32), dtype=np.uint8)):
+            with pytest.raises(ValueError, match=r"read into a host uint8 \[slots, >= 32\] tensor"):
+                r.read_rows_into(rows, bad, np.array([0, 1]))
+        dst = slots_for(10, 32)
+        with pytest.raises(ValueError, match="2 rows were given 1 slots"):
+            r.read_rows_into(rows, dst, np.array([0]))
+        for slots in ([0, 10], [-1, 2]):
+            with pytest.raises(ValueError, match=r"outside the 10 rows of the tensor read into"):
+                r.read_rows_into(rows, dst, np.array(slots))
+        assert r.pages_read == 0 and bool((dst == POISON).all())

@@ -93,6 +93,20 @@ def _compiled_reader():
     return read_checked
 
 
+@functools.lru_cache(maxsize=1)
+def _row_copier():
+    """The copy of a round's rows out of the page buffer into their slots, compiled on first use: one slice copy
+    a row, no index tensors built."""
+    import numba
+
+    @numba.njit(nogil=True, cache=False)
+    def copy_rows(buf, at, dst, slots, nbytes):
+        for i in range(at.shape[0]):
+            dst[slots[i], :nbytes] = buf[at[i]:at[i] + nbytes]
+
+    return copy_rows
+
+
 class ReadTimeout(TableFileError):
     """Page reads of a table file did not complete within the reader's ``timeout_s`` (a disk or a filesystem
     that stopped answering): the message names the file and how many reads were still out."""
@@ -146,18 +160,30 @@ class PageReader:
 
     def read_rows_into(self, rows: np.ndarray, dst: torch.Tensor, slots: np.ndarray) -> None:
         """Table rows ``rows`` (int64, distinct, inside the table) into ``dst[slots[i], :row_bytes]`` (``dst``:
-        ``uint8 [n, >= row_bytes]``, a host table's bytes), every page read once and checked."""
+        ``uint8 [n, >= row_bytes]`` on the host, a host table's bytes), every page read once and checked."""
         lay = self.file.layout
-        rows = np.asarray(rows, dtype=np.int64)
-        slots = np.asarray(slots, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if not isinstance(dst, torch.Tensor) or dst.dtype != torch.uint8 or dst.dim() != 2 or dst.device.type != "cpu" \
+                or dst.shape[1] < lay.row_bytes:
+            what = f"{tuple(dst.shape)} {dst.dtype} on {dst.device}" if isinstance(dst, torch.Tensor) else \
+                type(dst).__name__
+            raise ValueError(f"rows of {self.file.path} are read into a host uint8 [slots, >= {lay.row_bytes}] "
+                             f"tensor (a host table's bytes), got {what}")
+        if len(slots) != len(rows):
+            raise ValueError(f"{len(rows)} rows were given {len(slots)} slots: one slot a row")
         if not len(rows):
             return
+        if int(slots.min()) < 0 or int(slots.max()) >= dst.shape[0]:
+            raise ValueError(f"slots {int(slots.min())} .. {int(slots.max())} are outside the {dst.shape[0]} rows "
+                             "of the tensor read into")
         if lay.rows_per_page:
             first = rows // lay.rows_per_page
             pages = np.unique(first)
         else:
             first = rows * lay.pages_per_row
             pages = np.unique((first[:, None] + np.arange(lay.pages_per_row)).reshape(-1))
+        out = dst.numpy()
         for lo in range(0, len(pages), self.buffer_pages):
             round_pages = pages[lo:lo + self.buffer_pages]
             buf = self._read(round_pages)
@@ -165,8 +191,7 @@ class PageReader:
             at = np.searchsorted(round_pages, first[mine]) * PAGE  # each row's first byte in buf
             if lay.rows_per_page:
                 at += (rows[mine] % lay.rows_per_page) * lay.stride
-            src = buf.reshape(-1)[torch.from_numpy(at)[:, None] + torch.arange(lay.row_bytes)]
-            dst[torch.from_numpy(slots[mine]), : lay.row_bytes] = src
+            _row_copier()(buf.numpy().reshape(-1), at, out, slots[mine], lay.row_bytes)
 
     def _read(self, pages: np.ndarray) -> torch.Tensor:
         """``pages`` (sorted, at most ``buffer_pages``) into the buffer, ``depth`` reads in flight (this thread's
