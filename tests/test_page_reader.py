@@ -152,6 +152,69 @@ def test_an_io_uring_read_that_never_returns_is_named_in_time_and_its_late_bytes
         os.close(stuck)
 
 
+class Interrupted(Exception):
+    """What the test's SIGINT handler raises (as Python's default handler raises KeyboardInterrupt)."""
+
+
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+def test_ctrl_c_stops_an_io_uring_round_held_by_a_silent_disk_at_once(tmp_path, monkeypatch):
+    """A read that never completes, a 30 s timeout, and SIGINT 0.3 s in: the handler's exception comes out of the
+    read within a second or two (the loop hands the interpreter a turn every slice), the ring and buffer are left
+    to the read, and the next call reads on a new ring, exact."""
+    import _thread
+    import os
+    import signal
+
+    t = rand(500, 16, torch.bfloat16, seed=6)
+    write_table_file(tmp_path / "t.uvt", t)
+    os.mkfifo(tmp_path / "stuck")
+    stuck = os.open(tmp_path / "stuck", os.O_RDWR)
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    old = signal.signal(signal.SIGINT, handler)
+    timer = threading.Timer(0.3, _thread.interrupt_main, args=(signal.SIGINT,))
+    try:
+        with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, timeout_s=30, engine="uring") as r:
+            r.read_rows_into(np.array([3]), slots_for(1, 32), np.array([0]))  # compiled and warm
+            monkeypatch.setattr(f, "fileno", lambda: stuck)
+            abandoned = len(uring._ABANDONED)
+            dst = slots_for(60, 32)
+            t0 = time.monotonic()
+            timer.start()
+            with pytest.raises(Interrupted):
+                r.read_rows_into(np.arange(0, 500, 13), dst, np.arange(39))
+            assert time.monotonic() - t0 < 3.0
+            assert len(uring._ABANDONED) == abandoned + 1 and r._ring is None
+            assert bool((dst == POISON).all())  # no slot written
+            monkeypatch.undo()
+            rows = np.arange(2, 500, 9)  # 56 rows
+            r.read_rows_into(rows, dst, np.arange(len(rows)))
+            want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
+            assert torch.equal(dst[: len(rows), :32], want)
+            os.write(stuck, b"\x22" * (4 * PAGE))  # the stuck reads complete now, into the abandoned buffer only
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+        os.close(stuck)
+
+
+def test_where_the_kernel_gives_a_ring_the_io_uring_engine_can_be_used():
+    """``uring.unavailable()`` turns a loop that fails to compile into "use threads": where this kernel sets up a
+    ring and zlib is found, that must not be why (a broken loop would otherwise pass unseen, every io_uring test
+    skipped)."""
+    import ctypes.util
+
+    if ctypes.util.find_library("z") is None:
+        pytest.skip("zlib's library is not found here")
+    try:
+        uring.Ring(8).close()
+    except OSError as e:
+        pytest.skip(f"this kernel gives no io_uring ring here: {e}")
+    assert URING is None
+
+
 @pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
 def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path):
     """A ring is one process's: a reader used before a fork makes the child a new ring (the parent's stays the

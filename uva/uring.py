@@ -6,8 +6,10 @@ loop (numba, ``nogil``; ``io_uring_enter``, ``clock_gettime`` and zlib's ``crc32
 keeps up to ``depth`` page reads (``IORING_OP_READ``, 64-byte entries) in flight, reaps each completion (16-byte
 entries) as it arrives, submits the next read at once and checks each page against its sum. It waits for
 completions by reading the completion ring's tail between two clock reads: a busy wait, no sleep to wake from
-(a sleeping thread takes long to wake on a server's idle cores), bounded by the round's deadline (the caller's
-thread is held, and not interruptible, until its reads are back or the deadline passes).
+(a sleeping thread takes long to wake on a server's idle cores), bounded by the round's deadline. The loop
+returns to its caller every ``slice_ns`` with its state kept (:data:`PENDING`), so the interpreter can run a
+signal's handler between two slices: Ctrl-C stops a round that waits on a disk gone silent at once, not at its
+deadline (its reads in flight are then left to it like a timed-out round's).
 
 Why this and not threads: see :mod:`.page_reader` (which uses this where it can).
 
@@ -32,7 +34,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["Ring", "read_loop", "unavailable", "abandon", "TIMED_OUT", "REFUSED"]
+__all__ = ["Ring", "read_loop", "unavailable", "abandon", "TIMED_OUT", "REFUSED", "PENDING", "STATE"]
 
 PAGE = 4096
 _SETUP, _ENTER = 425, 426  # io_uring_setup, io_uring_enter: the same numbers on x86_64 and aarch64
@@ -40,6 +42,8 @@ _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READ = 22  # IORING_OP_READ (Linux 5.6)
 TIMED_OUT = -2  # read_loop: nothing completed for its timeout; reads are still in flight
 REFUSED = -3  # read_loop: io_uring_enter did not take every entry; reads may be in flight, the ring is not reused
+PENDING = -4  # read_loop: its slice passed with reads still to complete; call it again with the same state
+STATE = 8  # read_loop's state: int64 words, zeros before a round's first call
 
 _ABANDONED: list = []  # rings and buffers left to reads that did not complete (see the module docstring)
 _ABANDONED_LOCK = threading.Lock()
@@ -119,7 +123,7 @@ def unavailable() -> str | None:
         buf, sums = np.zeros((1, PAGE), dtype=np.uint8), np.zeros(1, dtype=np.uint32)
         sums.flags.writeable = False  # as a table file's sums are: the types a reader's call brings, compiled once
         read_loop()(ring.fd, ring.sq, ring.sq_at, ring.cq, ring.cq_at, ring.sqes, 0, buf, np.zeros(0, dtype=np.int64),
-                    sums, 1, 1, np.zeros(3, dtype=np.int64))
+                    sums, 1, 1, 1, np.zeros(STATE, dtype=np.int64))
     except ImportError as e:
         return f"numba cannot be imported: {e}"
     except Exception as e:  # noqa: BLE001 - any failure to build the loop means: not here
@@ -152,13 +156,17 @@ def fences():
 def read_loop():
     """The compiled loop (numba imports and compiles slowly: made on first use):
 
-    ``loop(ring_fd, sq, sq_at, cq, cq_at, sqes, fd, buf, pages, sums, depth, timeout_ns, ts) -> int``: data page
-    ``pages[k]`` of the table file open as ``fd`` into ``buf[k]`` (``uint8 [>= len(pages), 4096]``, page-aligned),
-    at most ``depth`` reads in flight (and at most the ring's entries), each checked against ``sums``. Returns -1
-    when every page was read whole and matched its sum; else ``k``, the first page (in ``pages``' order) that did
-    not, after every read in flight completed; :data:`TIMED_OUT` when the reads had not all completed
-    ``timeout_ns`` after the call began, or :data:`REFUSED` when ``io_uring_enter`` did not take every entry
-    given (in both, ``ts[2]`` reads are still in flight: :func:`abandon`). ``ts``: int64 ``[3]``, scratch.
+    ``loop(ring_fd, sq, sq_at, cq, cq_at, sqes, fd, buf, pages, sums, depth, timeout_ns, slice_ns, ts) -> int``:
+    data page ``pages[k]`` of the table file open as ``fd`` into ``buf[k]`` (``uint8 [>= len(pages), 4096]``,
+    page-aligned), at most ``depth`` reads in flight (and at most the ring's entries), each checked against
+    ``sums``. Returns -1 when every page was read whole and matched its sum; else ``k``, the first page (in
+    ``pages``' order) that did not, after every read in flight completed; :data:`PENDING` when ``slice_ns`` passed
+    in this call with reads still to complete (call again with the same arguments: ``ts`` keeps the round);
+    :data:`TIMED_OUT` when the reads had not all completed ``timeout_ns`` after the round's first call, or
+    :data:`REFUSED` when ``io_uring_enter`` did not take every entry given (in these three, ``ts[2]`` reads are
+    still in flight; in the last two, :func:`abandon`). ``ts``: int64 ``[STATE]``, zeros before the round's first
+    call: the clock's words, the reads in flight, then the round's submitted and completed counts, its first
+    failed page, its deadline and whether it began.
 
     The completion ring is read as liburing reads it: its tail with acquire order (the entries after it are the
     kernel's writes that the tail published), its head stored with release order (the entries read before their
@@ -178,17 +186,24 @@ def read_loop():
     acquire, release = fences()
 
     @numba.njit(nogil=True, cache=False)
-    def loop(ring_fd, sq, sq_at, cq, cq_at, sqes, fd, buf, pages, sums, depth, timeout_ns, ts):
+    def loop(ring_fd, sq, sq_at, cq, cq_at, sqes, fd, buf, pages, sums, depth, timeout_ns, slice_ns, ts):
         n = pages.shape[0]
         sq_mask = np.int64(sq[sq_at[2]])  # ring indices in int64 (numba would make uint32 and int64 a float)
         cq_mask = np.int64(cq[cq_at[2]])
         depth = min(depth, sq_mask + 1)  # never more in flight than the completion ring holds (twice the entries)
-        submitted = 0
-        completed = 0
-        bad = n  # the first page that failed (n: none)
         clock(1, ts.ctypes.data)  # CLOCK_MONOTONIC
-        deadline = ts[0] * 1_000_000_000 + ts[1] + timeout_ns
-        ts[2] = 0
+        now = ts[0] * 1_000_000_000 + ts[1]
+        if ts[7] == 0:  # the round's first call
+            ts[3] = 0
+            ts[4] = 0
+            ts[5] = n  # the first page that failed (n: none)
+            ts[6] = now + timeout_ns
+            ts[7] = 1
+        submitted = ts[3]
+        completed = ts[4]
+        bad = ts[5]
+        deadline = ts[6]
+        slice_end = now + slice_ns
         while completed < submitted or (submitted < n and bad == n):
             tail = np.int64(sq[sq_at[1]])
             new = 0
@@ -222,6 +237,12 @@ def read_loop():
                 if now > deadline:
                     ts[2] = submitted - completed
                     return -2
+                if now > slice_end:  # back to the interpreter for its signals; the round goes on from ts
+                    ts[2] = submitted - completed
+                    ts[3] = submitted
+                    ts[4] = completed
+                    ts[5] = bad
+                    return -4
                 continue
             while head != ctail:
                 at = cq_at[3] + (head & cq_mask) * 4
