@@ -125,25 +125,46 @@ def test_a_read_that_fails_leaves_its_rows_unmapped(source, table_file, tmp_path
         assert len(step(cache, table_file, [4, 4_900], 3)) == 2  # read again, from a whole file, when asked
 
 
-@pytest.mark.parametrize("where", ["after the sweep", "in the read"])
+@pytest.mark.parametrize("where", ["as the sweep returns", "after the sweep", "in the read"])
 def test_an_interrupt_after_the_plan_leaves_no_row_it_placed_mapped(source, table_file, monkeypatch, where):
-    """``read_in`` (plan and fill as one): an interrupt after the sweep placed its misses, or during their read,
-    unmaps them; the rows it kept stay, and the step is planned again and served."""
+    """``read_in`` (plan and fill as one): an interrupt as the sweep returns (the signal is raised right after the
+    compiled call, before its results are assigned), after it placed its misses, or during their read, unmaps them;
+    the rows it kept stay, and the step is planned again and served."""
     with RowCache.for_file(table_file, slots=30, register=False) as cache:
         cache.read_in([1, 2, 3], 1, table_file)
         cache.complete(1)
-        if where == "after the sweep":
+        if where == "as the sweep returns":
+            sweep = row_cache._sweep()
+
+            def swept_then_interrupted(*a):
+                sweep(*a)
+                raise KeyboardInterrupt
+            monkeypatch.setattr(row_cache, "_sweep", lambda: swept_then_interrupted)
+        elif where == "after the sweep":
             # the sweep placed the misses; the interrupt comes as their record is made
             monkeypatch.setattr(row_cache, "Misses", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         else:
             monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):
-            cache.read_in([2, 40, 41, 42], 2, table_file)
+            cache.read_in([2, 400, 401, 402], 2, table_file)  # (page 7: none of its rows cached)
         monkeypatch.undo()
-        assert (cache.slots_of([40, 41, 42]) == -1).all() and (cache.slots_of([1, 2, 3]) >= 0).all()
+        assert (cache.slots_of([400, 401, 402]) == -1).all() and (cache.slots_of([1, 2, 3]) >= 0).all()
         consistent(cache, source)
-        assert len(cache.read_in([2, 40, 41, 42], 2, table_file)) == 3
+        assert len(cache.read_in([2, 400, 401, 402], 2, table_file)) == 3
         consistent(cache, source)
+
+
+def test_rows_of_a_page_or_more_place_no_other_rows(tmp_path):
+    """Rows of 4,000 bytes (one a page) and of 6,000 (two pages a row): a page holds no other row to place, and
+    every row read is the file's."""
+    for cols in (2000, 3000):
+        t = rand(40, cols, seed=cols)
+        write_table_file(tmp_path / f"t{cols}.uvt", t)
+        with TableFile.open(tmp_path / f"t{cols}.uvt") as f, RowCache.for_file(f, slots=20, register=False) as cache:
+            assert f.layout.rows_per_page <= 1
+            cache.read_in(np.array([3, 17, 39]), 1, f)
+            assert mapped(cache).tolist() == [3, 17, 39] and cache.stats["prefetched"] == 0
+            consistent(cache, t)
 
 
 def test_bad_settings_and_calls_are_named(table_file):
@@ -299,12 +320,12 @@ def test_a_read_in_stopped_after_the_page_rows_were_placed_takes_them_back(sourc
         cache.complete(1)
         before = mapped(cache).tolist()
         if where == "placing the page rows":
-            real = row_cache._neighbours()
+            place, unplace = row_cache._neighbours()
 
             def placed_then_interrupted(*a):
-                real(*a)  # the rows are placed in the map; the interrupt comes before the caller learns it
+                place(*a)  # the rows are placed in the map; the interrupt comes before the caller learns it
                 raise KeyboardInterrupt
-            monkeypatch.setattr(row_cache, "_neighbours", lambda: placed_then_interrupted)
+            monkeypatch.setattr(row_cache, "_neighbours", lambda: (placed_then_interrupted, unplace))
         elif where == "in the read":
             monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         else:

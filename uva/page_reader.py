@@ -205,9 +205,13 @@ class PageReader:
         buf, pool = self._ready()
         n = len(pages)
         cuts = np.linspace(0, n, min(self.depth, n) + 1).astype(np.int64)
-        futures = [pool.submit(self._read_share, pages[a:b], buf[a:b])
-                   for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-        done, pending = cf.wait(futures, timeout=self.timeout_s)
+        try:
+            futures = [pool.submit(self._read_share, pages[a:b], buf[a:b])
+                       for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+            done, pending = cf.wait(futures, timeout=self.timeout_s)
+        except BaseException:  # an interrupt with reads in flight: the buffer and threads are theirs, never reused
+            self._abandon()
+            raise
         if pending:
             self._abandon()
             raise ReadTimeout(f"{self.file.path}: {len(pending)} of {len(futures)} page reads ({n} pages) had not "

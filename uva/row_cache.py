@@ -33,9 +33,10 @@ flight is :class:`RowCacheFull`, naming the counts: the cache is left as it was,
 already evicted (unmapped, never half-mapped).
 
 A page's other rows. A miss costs a whole page of the file, and a page of small rows holds many (51 rows of
-80 bytes, 12 of 320). While the cache has slots that no row has ever taken, :meth:`RowCache.read_in` puts a read
-page's other rows, those not cached, into them as well: from the top slot down (the sweep takes slots from the
-bottom up), only into empty slots, never evicting anything, and never reading a page more. Such a row is
+80 bytes, 12 of 320). While the cache has empty slots below the last one such a row took,
+:meth:`RowCache.read_in` puts a read page's other rows, those not cached, into them as well: from the top slot down
+(the sweep of a cold cache takes slots from the bottom up), only into empty slots, never evicting anything, and
+never reading a page more; once the slot below is taken, none are placed. Such a row is
 *prefetched*: not read by any step (its ``last_step`` is 0), so the sweep takes its slot like any free one, and
 a row it drops unread is counted apart from the evictions (``prefetched_dropped``; ``evictions`` are rows a
 step read). A cold cache fills by whole pages, so rows that share a page with a step's rows (neighbouring
@@ -146,8 +147,10 @@ def _sweep():
 
 @functools.lru_cache(maxsize=1)
 def _neighbours():
-    """The placement of a step's pages' other rows (see the module docstring), compiled on first use. Returns
-    (rows placed, the lowest slot taken); the rows and their slots go into ``out_rows``/``out_slots``."""
+    """(place, unplace), compiled on first use. ``place``: a step's pages' other rows into the empty slots from
+    ``top - 1`` down (see the module docstring); returns (rows placed, the lowest slot taken, ``top`` where none),
+    the rows and their slots in ``out_rows``/``out_slots``. ``unplace``: the run of such rows down from
+    ``top - 1`` unmapped (:meth:`RowCache._unmap_neighbours`)."""
     import numba
 
     @numba.njit(nogil=True, cache=False)
@@ -171,7 +174,16 @@ def _neighbours():
                 s -= 1
         return n, s + 1
 
-    return place
+    @numba.njit(nogil=True, cache=False)
+    def unplace(row_map, row_of_slot, last_step, ref, top):
+        s = top - 1
+        while s >= 0 and row_of_slot[s] >= 0 and last_step[s] == 0:
+            row_map[row_of_slot[s]] = 0
+            row_of_slot[s] = -1
+            ref[s] = 0
+            s -= 1
+
+    return place, unplace
 
 
 class RowCache:
@@ -298,22 +310,17 @@ class RowCache:
         pages = np.unique(misses.rows // per_page)
         room = min(self._fresh, len(pages) * per_page)
         rows, slots = np.empty(room, dtype=np.int64), np.empty(room, dtype=np.int64)
-        n, self._fresh = _neighbours()(pages, per_page, self.table_rows, self._row_map, self._row_of_slot,
+        n, self._fresh = _neighbours()[0](pages, per_page, self.table_rows, self._row_map, self._row_of_slot,
                                        self._last_step, self._ref, self._fresh, rows, slots)
         if not n:
             return misses
         return Misses(misses.step, np.concatenate([misses.rows, rows[:n]]), np.concatenate([misses.slots, slots[:n]]))
 
     def _unmap_neighbours(self, top: int) -> None:
-        """Pages' other rows placed since the empty slots began below ``top`` and not read in: unmapped, and the
-        slots empty again. They lie in a run down from ``top - 1``, each holding a row no step read (``last_step``
-        0); the run ends at a slot empty or read by a step."""
-        s = top - 1
-        while s >= 0 and self._row_of_slot[s] >= 0 and self._last_step[s] == 0:
-            self._row_map[self._row_of_slot[s]] = 0
-            self._row_of_slot[s] = -1
-            self._ref[s] = 0
-            s -= 1
+        """Pages' other rows placed below ``top`` and not read in: unmapped, and the slots empty again. They lie in
+        a run down from ``top - 1``, each holding a row no step read (``last_step`` 0); the run ends at a slot empty
+        or read by a step. One compiled call, so a second interrupt cannot stop it halfway."""
+        _neighbours()[1](self._row_map, self._row_of_slot, self._last_step, self._ref, top)
         self._fresh = top
 
     def _plan(self, rows, step: int) -> Misses:
@@ -333,11 +340,11 @@ class RowCache:
                              f"{int(ids.max())}")
         self._planned = step
         need = np.empty(ids.size, dtype=np.int64)
-        slots = np.empty(ids.size, dtype=np.int64)
-        placed, self._hand, hits, evicted, dropped, ok = _sweep()(ids, self._row_map, self._row_of_slot,
-                                                                  self._last_step, self._ref, self._hand, step, done,
-                                                                  need, slots)
+        slots = np.full(ids.size, -1, dtype=np.int64)  # the sweep's placed rows: (need[i], slots[i]) where >= 0
         try:
+            placed, self._hand, hits, evicted, dropped, ok = _sweep()(ids, self._row_map, self._row_of_slot,
+                                                                      self._last_step, self._ref, self._hand, step,
+                                                                      done, need, slots)
             self.stats["evictions"] += evicted
             self.stats["prefetched_dropped"] += dropped
             if ok:
@@ -345,10 +352,11 @@ class RowCache:
                 self.stats["hits"] += hits
                 self.stats["misses"] += placed
                 return Misses(step, need[:placed].copy(), slots[:placed].copy())
-            self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
-        except BaseException:  # an interrupt before the caller holds the misses (unmapping twice is harmless)
-            self._unmap(need[:placed], slots[:placed])
+        except BaseException:  # an interrupt (as the sweep returns, or before the caller holds the misses): the rows
+            placed_ = slots >= 0  # it placed are found by their slots, whatever was assigned (unmapping twice is
+            self._unmap(need[placed_], slots[placed_])  # harmless)
             raise
+        self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
         raise self._full(ids, step, done)
 
     def _full(self, ids: np.ndarray, step: int, done: int) -> RowCacheFull:
