@@ -216,6 +216,62 @@ def test_ctrl_c_stops_a_round_held_by_a_silent_disk_at_once(tmp_path, monkeypatc
         os.close(stuck)
 
 
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+def test_a_round_closed_from_another_thread_and_timed_out_leaves_its_own_buffer_to_its_reads(tmp_path, monkeypatch):
+    """``close()`` from another thread while a round waits on a silent disk drops the reader's references; the round
+    that then times out leaves the ring and the buffer its reads land in (not None) to them, so the kernel's late
+    writes land in memory kept for them."""
+    import os
+
+    t = rand(500, 16, torch.bfloat16, seed=7)
+    write_table_file(tmp_path / "t.uvt", t)
+    os.mkfifo(tmp_path / "stuck")
+    stuck = os.open(tmp_path / "stuck", os.O_RDWR)
+    try:
+        with TableFile.open(tmp_path / "t.uvt") as f:
+            r = PageReader(f, depth=4, timeout_s=0.6, engine="uring")
+            r.read_rows_into(np.array([3]), slots_for(1, 32), np.array([0]))
+            buf, ring = r._buf, r._ring
+            monkeypatch.setattr(f, "fileno", lambda: stuck)
+            closer = threading.Timer(0.2, r.close)
+            closer.start()
+            with pytest.raises(ReadTimeout):
+                r.read_rows_into(np.arange(0, 500, 13), slots_for(60, 32), np.arange(39))
+            closer.join()
+            assert uring._ABANDONED[-1][0] is ring and uring._ABANDONED[-1][1] is buf
+            os.write(stuck, b"\x33" * (4 * PAGE))
+            time.sleep(0.1)
+            assert bool((buf[:4] == 0x33).all())  # the late reads, in the buffer kept for them
+    finally:
+        os.close(stuck)
+
+
+@pytest.mark.skipif(URING is not None, reason=f"io_uring cannot be used here: {URING}")
+def test_an_interrupt_after_every_read_completed_keeps_the_ring(tmp_path, monkeypatch):
+    """An interrupt raised as the loop's last call returns, every read back: nothing is in flight, so the ring and
+    the buffer stay the reader's (none left to the process), and the next call uses them."""
+    t = rand(500, 16, torch.bfloat16, seed=8)
+    write_table_file(tmp_path / "t.uvt", t)
+    with TableFile.open(tmp_path / "t.uvt") as f, PageReader(f, depth=4, engine="uring") as r:
+        r.read_rows_into(np.array([3]), slots_for(1, 32), np.array([0]))
+        ring, abandoned = r._ring, len(uring._ABANDONED)
+        loop = uring.read_loop()
+
+        def read_then_interrupted(*a):
+            loop(*a)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(uring, "read_loop", lambda: read_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            r.read_rows_into(np.arange(0, 500, 13), slots_for(60, 32), np.arange(39))
+        monkeypatch.undo()
+        assert r._ring is ring and len(uring._ABANDONED) == abandoned
+        rows = np.arange(1, 500, 11)
+        dst = slots_for(60, 32)
+        r.read_rows_into(rows, dst, np.arange(len(rows)))
+        want = t[torch.from_numpy(rows)].view(torch.uint8).reshape(len(rows), 32)
+        assert torch.equal(dst[: len(rows), :32], want) and r._ring is ring
+
+
 def test_where_the_kernel_gives_a_ring_the_io_uring_engine_can_be_used():
     """``uring.unavailable()`` turns a loop that fails to compile into "use threads": where this kernel sets up a
     ring and zlib is found, that must not be why (a broken loop would otherwise pass unseen, every io_uring test

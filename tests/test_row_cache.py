@@ -154,6 +154,29 @@ def test_an_interrupt_after_the_plan_leaves_no_row_it_placed_mapped(source, tabl
         consistent(cache, source)
 
 
+def test_an_interrupt_in_the_rollback_of_a_step_that_does_not_fit_leaves_none_of_its_rows_mapped(source, table_file,
+                                                                                              monkeypatch):
+    """The interrupt raised as the rollback of a step too big for the free slots begins: the handler rolls it back
+    instead, and a later plan reads the rows in (no hit on a slot never filled)."""
+    with RowCache.for_file(table_file, slots=20, register=False) as cache:
+        cache.read_in(np.arange(0, 10), 1, table_file)  # 10 slots held by step 1 (in flight)
+        real, calls = RowCache._unmap, []
+
+        def interrupted_once(self, rows, slots):
+            calls.append(len(rows))
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            real(self, rows, slots)
+        monkeypatch.setattr(RowCache, "_unmap", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            cache.plan(np.arange(1000, 1015), 2)  # 15 misses, 10 free slots
+        monkeypatch.undo()
+        assert calls == [10, 10] and (cache.slots_of(np.arange(1000, 1015)) == -1).all()
+        cache.complete(1)
+        assert len(cache.read_in(np.arange(1000, 1015), 2, table_file)) == 15
+        consistent(cache, source)
+
+
 def test_rows_of_a_page_or_more_place_no_other_rows(tmp_path):
     """Rows of 4,000 bytes (one a page) and of 6,000 (two pages a row): a page holds no other row to place, and
     every row read is the file's."""

@@ -251,13 +251,14 @@ class PageReader:
                     got = uring.PENDING
                     while got == uring.PENDING:  # between two slices the interpreter runs signal handlers
                         got = uring.read_loop()(*args)
-                except BaseException:  # an interrupt (Ctrl-C) with the round's reads in flight: left to them
-                    uring.abandon(self._ring, self._buf)
-                    self._ring = self._buf = None
+                except BaseException:  # an interrupt (Ctrl-C): where reads are in flight, ring and buffer are theirs
+                    if state[7] and state[3] != state[4]:  # (the loop's counts as of its last return)
+                        uring.abandon(r, buf)  # the locals: a close() meanwhile dropped the reader's own references
+                        self._ring = self._buf = None
                     raise
             if got in (uring.TIMED_OUT, uring.REFUSED):
                 # reads in flight: the ring and the buffer are theirs now; the next round makes new ones
-                uring.abandon(self._ring, self._buf)
+                uring.abandon(r, buf)
                 self._ring = self._buf = None
                 if got == uring.TIMED_OUT:
                     raise ReadTimeout(f"{self.file.path}: {state[2]} of {n} page reads (up to {self.depth} in flight "

@@ -352,11 +352,11 @@ class RowCache:
                 self.stats["hits"] += hits
                 self.stats["misses"] += placed
                 return Misses(step, need[:placed].copy(), slots[:placed].copy())
-        except BaseException:  # an interrupt (as the sweep returns, or before the caller holds the misses): the rows
-            placed_ = slots >= 0  # it placed are found by their slots, whatever was assigned (unmapping twice is
-            self._unmap(need[placed_], slots[placed_])  # harmless)
+            self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
+        except BaseException:  # an interrupt (as the sweep returns, in the rollback above, or before the caller holds
+            placed_ = slots >= 0  # the misses): the rows it placed are found by their slots, whatever was assigned
+            self._unmap(need[placed_], slots[placed_])  # (unmapping twice is harmless)
             raise
-        self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
         raise self._full(ids, step, done)
 
     def _full(self, ids: np.ndarray, step: int, done: int) -> RowCacheFull:

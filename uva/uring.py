@@ -40,7 +40,7 @@ PAGE = 4096
 _SETUP, _ENTER = 425, 426  # io_uring_setup, io_uring_enter: the same numbers on x86_64 and aarch64
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READ = 22  # IORING_OP_READ (Linux 5.6)
-TIMED_OUT = -2  # read_loop: nothing completed for its timeout; reads are still in flight
+TIMED_OUT = -2  # read_loop: the round's reads had not all completed by its deadline; some are still in flight
 REFUSED = -3  # read_loop: io_uring_enter did not take every entry; reads may be in flight, the ring is not reused
 PENDING = -4  # read_loop: its slice passed with reads still to complete; call it again with the same state
 STATE = 8  # read_loop's state: int64 words, zeros before a round's first call
@@ -165,8 +165,8 @@ def read_loop():
     :data:`TIMED_OUT` when the reads had not all completed ``timeout_ns`` after the round's first call, or
     :data:`REFUSED` when ``io_uring_enter`` did not take every entry given (in these three, ``ts[2]`` reads are
     still in flight; in the last two, :func:`abandon`). ``ts``: int64 ``[STATE]``, zeros before the round's first
-    call: the clock's words, the reads in flight, then the round's submitted and completed counts, its first
-    failed page, its deadline and whether it began.
+    call: the clock's words, the reads in flight, then the round's submitted and completed counts (as of the last
+    return, whatever it was: equal, the ring is idle), its first failed page, its deadline and whether it began.
 
     The completion ring is read as liburing reads it: its tail with acquire order (the entries after it are the
     kernel's writes that the tail published), its head stored with release order (the entries read before their
@@ -227,6 +227,8 @@ def read_loop():
                 sq[sq_at[1]] = np.uint32(tail)  # the entries, then the tail that publishes them; then the call
                 if enter(_ENTER, ring_fd, new, 0, 0, 0, 0) != new:
                     ts[2] = submitted - completed
+                    ts[3] = submitted
+                    ts[4] = completed
                     return -3  # entries not taken: the ring's state is not known, reads may be in flight
             clock(1, ts.ctypes.data)  # also makes each read of the completion tail below a fresh load
             now = ts[0] * 1_000_000_000 + ts[1]
@@ -236,6 +238,8 @@ def read_loop():
             if head == ctail:
                 if now > deadline:
                     ts[2] = submitted - completed
+                    ts[3] = submitted
+                    ts[4] = completed
                     return -2
                 if now > slice_end:  # back to the interpreter for its signals; the round goes on from ts
                     ts[2] = submitted - completed
@@ -254,6 +258,9 @@ def read_loop():
                 completed += 1
             release()
             cq[cq_at[0]] = np.uint32(head)  # the entries read, then the head that gives their slots back
+        ts[2] = 0  # every read completed: the ring is idle
+        ts[3] = submitted
+        ts[4] = completed
         return -1 if bad == n else bad
 
     return loop
