@@ -173,9 +173,9 @@ class Disk:
             self.phases[k].append(v)
         return out
 
-    def counts(self) -> tuple[int, int, int, int, int]:
+    def counts(self) -> tuple[int, int, int, int]:
         st = self.lookup.stats()
-        return st["cache"]["hits"], st["cache"]["misses"], st["pages_read"], st["hot_hits"], st["cache"]["prefetched"]
+        return st["cache"]["hits"], st["cache"]["misses"], st["pages_read"], st["hot_hits"]
 
     def close(self) -> None:
         lk = self.lookup  # the timers off first: each held its object's own method, a cycle that kept it alive
@@ -285,10 +285,8 @@ def time_steps(provider, steps: Steps, src_of, device: torch.device, cold: int, 
         parts["rest"] = [c - a - g for c, a, g in zip(parts["call"], parts["read_in"], parts["gather"], strict=True)]
     r["parts_median_us"] = {k: round(statistics.median(v), 1) for k, v in parts.items() if v}
     if pages0 is not None:
-        hits, misses, pages, hot, prefetched = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
-        # a read page's other rows put into empty slots (the row cache's docstring): a cold cache's, mostly
-        r.update(hit_rate=round(hits / max(1, hits + misses), 3), pages_per_step=round(pages / steps.count, 1),
-                 page_rows_per_step=round(prefetched / steps.count, 1))
+        hits, misses, pages, hot = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
+        r.update(hit_rate=round(hits / max(1, hits + misses), 3), pages_per_step=round(pages / steps.count, 1))
         if provider.lookup.stats()["hot_rows"]:  # of every id: served from device memory
             r["hot_hit_rate"] = round(hot / max(1, steps.count * steps.batch * HEADS), 3)
     return r
@@ -335,7 +333,7 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                         floor = r["pages_per_step"] / limit_reads_per_s * 1e6
                         r["io_floor_us"] = round(floor, 1)
                         line += f"; hits {r['hit_rate']:.1%}, {r['pages_per_step']} pages a step (I/O floor " \
-                                f"{floor:,.1f} us), {r['page_rows_per_step']} of their other rows kept"
+                                f"{floor:,.1f} us)"
                         if "hot_hit_rate" in r:
                             line += f", {r['hot_hit_rate']:.1%} of ids from the hot rows"
                         if pinned:

@@ -60,7 +60,6 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
         assert all(r["exact"] for r in batch.values())
         disk, hot = batch["disk 0.25"], batch["disk 0.25 hot 0.01"]
         assert 0 <= disk["hit_rate"] <= 1 and disk["pages_per_step"] > 0 and disk["io_floor_us"] > 0
-        assert disk["page_rows_per_step"] >= 0
         assert "hot_hit_rate" not in disk and 0 <= hot["hot_hit_rate"] <= 1
         for name, r in batch.items():  # where a step goes: the call, then the wait for its rows
             parts = r["parts_median_us"]

@@ -86,26 +86,6 @@ def test_every_call_is_the_references_bits_over_steps_that_evict(tmp_path, devic
     assert lk.file.closed  # opened from its path by make_lookup: closed with the lookup
 
 
-def test_a_cold_cache_serves_a_read_pages_other_rows_with_no_read(tmp_path, device):
-    """bf16 rows of 80 bytes, 51 to a page: the first call's pages fill empty slots with their other rows, so a
-    second call for rows of the same pages is the reference's bits without reading a page."""
-    t, path, _, opts, _ = table_file(tmp_path, "bf16 scaled row0")
-    with TableFile.open(path) as f:
-        spec = TableSpec.of(f, **opts)
-    with make_lookup("disk", str(path), device=device, spec=spec, max_rows=16, slots=300) as lk:
-        first = torch.tensor([102, 300])  # pages 2 and 5 (rows 102 .. 152, 255 .. 305)
-        out = torch.full((2, spec.value_cols), POISON, dtype=spec.output_dtype, device=device)
-        lk.lookup(first, out)
-        pages = lk.stats()["pages_read"]
-        assert pages == 2 and lk.stats()["cache"]["prefetched"] == 100
-        later = torch.tensor([[103, 152], [255, 299]])
-        out = torch.full((2, 2, spec.value_cols), POISON, dtype=spec.output_dtype, device=device)
-        lk.lookup(later, out)
-        assert torch.equal(bits(out), bits(reference(t, later, spec, None)))
-        st = lk.stats()
-        assert st["pages_read"] == pages and st["cache"]["hits"] == 4 and st["cache"]["misses"] == 2
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_hot_rows_come_from_device_memory_and_the_others_through_the_cache(tmp_path, device, kind):
     """Every fifth row of the window held in device memory: calls of random ids (hot, cached, missing, outside

@@ -146,7 +146,7 @@ def test_an_interrupt_after_the_plan_leaves_no_row_it_placed_mapped(source, tabl
         else:
             monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):
-            cache.read_in([2, 400, 401, 402], 2, table_file)  # (page 7: none of its rows cached)
+            cache.read_in([2, 400, 401, 402], 2, table_file)
         monkeypatch.undo()
         assert (cache.slots_of([400, 401, 402]) == -1).all() and (cache.slots_of([1, 2, 3]) >= 0).all()
         consistent(cache, source)
@@ -175,19 +175,6 @@ def test_an_interrupt_in_the_rollback_of_a_step_that_does_not_fit_leaves_none_of
         cache.complete(1)
         assert len(cache.read_in(np.arange(1000, 1015), 2, table_file)) == 15
         consistent(cache, source)
-
-
-def test_rows_of_a_page_or_more_place_no_other_rows(tmp_path):
-    """Rows of 4,000 bytes (one a page) and of 6,000 (two pages a row): a page holds no other row to place, and
-    every row read is the file's."""
-    for cols in (2000, 3000):
-        t = rand(40, cols, seed=cols)
-        write_table_file(tmp_path / f"t{cols}.uvt", t)
-        with TableFile.open(tmp_path / f"t{cols}.uvt") as f, RowCache.for_file(f, slots=20, register=False) as cache:
-            assert f.layout.rows_per_page <= 1
-            cache.read_in(np.array([3, 17, 39]), 1, f)
-            assert mapped(cache).tolist() == [3, 17, 39] and cache.stats["prefetched"] == 0
-            consistent(cache, t)
 
 
 def test_bad_settings_and_calls_are_named(table_file):
@@ -247,136 +234,20 @@ def test_the_gather_kernel_reads_rows_through_the_map_as_it_is(source, table_fil
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
-def mapped(cache: RowCache) -> np.ndarray:
-    return np.flatnonzero(cache.slots_of(np.arange(cache.table_rows)) >= 0)
-
-
-def test_a_read_pages_other_rows_fill_empty_slots_from_the_top_and_serve_later_steps(source, table_file):
-    """51 rows a page: a step's misses read whole pages, whose rows not asked for take empty slots from the top
-    down (nothing evicted, no page read more), and a later step asking for them reads nothing."""
-    with RowCache.for_file(table_file, slots=200, register=False) as cache:
-        misses = cache.read_in(np.array([60, 61, 300]), 1, table_file)  # pages 1 and 5: 102 rows
-        assert sorted(misses.rows.tolist()) == [60, 61, 300]
-        want = np.concatenate([np.arange(51, 102), np.arange(255, 306)])
-        assert mapped(cache).tolist() == want.tolist()
-        others = np.setdiff1d(want, [60, 61, 300])
-        assert sorted(cache.slots_of(others).tolist()) == list(range(200 - 99, 200))  # the top 99 slots
-        assert sorted(cache.slots_of([60, 61, 300]).tolist()) == [0, 1, 2]  # the sweep's, from the bottom
-        assert cache.stats["prefetched"] == 99 and cache.stats["misses"] == 3
-        consistent(cache, source)
-        cache.complete(1)
-        assert len(cache.read_in(np.array([51, 101, 255, 305]), 2, table_file)) == 0  # all hits: nothing read
-        assert cache.stats["hits"] == 4
-        consistent(cache, source)
-
-
-def test_a_pages_other_rows_never_evict_and_stop_where_the_empty_slots_end(source, table_file):
-    """Three empty slots left: three of the page's other rows take them; the next step's page has no empty slot
-    and adds nothing; every row a step read stays."""
-    with RowCache.for_file(table_file, slots=10, register=False) as cache:
-        cache.read_in(np.arange(0, 7), 1, table_file)  # 7 misses from the bottom, 3 of page 0's rows on top
-        assert cache.stats["prefetched"] == 3 and len(mapped(cache)) == 10
-        assert sorted(cache.slots_of([7, 8, 9]).tolist()) == [7, 8, 9]
-        cache.complete(1)
-        cache.read_in(np.array([400]), 2, table_file)  # no slot is empty: the sweep takes slot 7 (row 9, unread)
-        assert cache.stats["prefetched"] == 3 and cache.stats["prefetched_dropped"] == 1
-        assert (cache.slots_of(np.arange(9)) >= 0).all() and cache.slots_of([9, 400]).tolist() == [-1, 7]
-        consistent(cache, source)
-
-
-def test_the_sweep_counts_a_dropped_unread_page_row_apart_from_evictions(source, table_file):
-    with RowCache.for_file(table_file, slots=4, register=False) as cache:
-        cache.read_in(np.array([0, 1]), 1, table_file)  # rows 2 and 3 of page 0 take slots 3 and 2
-        assert cache.stats["prefetched"] == 2
-        cache.complete(1)
-        cache.read_in(np.array([0, 1, 2]), 2, table_file)  # 0, 1 and 2 hit
-        cache.complete(2)
-        cache.read_in(np.array([500, 501]), 3, table_file)  # the hand clears 0's and 1's bits, takes 3's slot ...
-        assert cache.stats["prefetched_dropped"] == 1  # ... row 3, never read
-        assert cache.stats["evictions"] == 1  # and one row a step read
-        consistent(cache, source)
-
-
-def test_a_page_at_the_tables_end_places_only_the_tables_rows(source, table_file):
-    last_page = (ROWS - 1) // 51  # 5,000 rows: the last page holds rows 4,998 and 4,999
-    with RowCache.for_file(table_file, slots=100, register=False) as cache:
-        cache.read_in(np.array([ROWS - 1]), 1, table_file)
-        assert mapped(cache).tolist() == list(range(last_page * 51, ROWS))
-        consistent(cache, source)
-
-
-def test_random_steps_read_in_with_page_rows_keep_every_step_in_flight_whole(source, table_file):
-    """As the random-step test above, through ``read_in``: the pages' other rows fill the cold cache, then the
-    sweep takes them back, and every step in flight keeps its rows and bits."""
-    g = np.random.default_rng(8)
-    hot = g.choice(ROWS, 300, replace=False)
-    with RowCache.for_file(table_file, slots=900, register=False) as cache:
-        cache.rows.tensor.view(torch.int16).fill_(-21846)
-        held: dict[int, np.ndarray] = {}
-        for n in range(1, 80):
-            rows = np.concatenate([g.choice(hot, g.integers(1, 60)), g.integers(0, ROWS, g.integers(0, 60))])
-            cache.read_in(rows, n, table_file)
-            held[n] = rows
-            lag = int(g.integers(0, 3))
-            if n - lag > cache.done():
-                cache.complete(n - lag)
-            held = {k: v for k, v in held.items() if k > cache.done()}
-            for k, kept in held.items():
-                slots = cache.slots_of(kept)
-                assert (slots >= 0).all(), k
-                assert torch.equal(cache.rows.tensor[torch.from_numpy(slots)].view(torch.int16),
-                                   source[torch.from_numpy(kept)].view(torch.int16))
-            consistent(cache, source)
-        st = cache.stats
-        assert st["prefetched"] > 0 and st["prefetched_dropped"] > 0 and st["evictions"] > 0
-
-
-@pytest.mark.parametrize("where", ["placing the page rows", "in the read", "a failed read"])
-def test_a_read_in_stopped_after_the_page_rows_were_placed_takes_them_back(source, table_file, tmp_path, monkeypatch,
-                                                                           where):
-    """An interrupt as the pages' other rows are placed or read, or a read that fails: neither the step's misses
-    nor the other rows stay mapped, the empty slots are empty again, and the step is served when asked again."""
-    path = tmp_path / "t.uvt"
-    write_table_file(path, source)
-    with TableFile.open(path) as f, RowCache.for_file(f, slots=300, register=False) as cache:
-        cache.read_in(np.array([1, 2]), 1, f)  # page 0: 49 other rows on top
-        cache.complete(1)
-        before = mapped(cache).tolist()
-        if where == "placing the page rows":
-            place, unplace = row_cache._neighbours()
-
-            def placed_then_interrupted(*a):
-                place(*a)  # the rows are placed in the map; the interrupt comes before the caller learns it
-                raise KeyboardInterrupt
-            monkeypatch.setattr(row_cache, "_neighbours", lambda: (placed_then_interrupted, unplace))
-        elif where == "in the read":
-            monkeypatch.setattr(TableFile, "read_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
-        else:
-            with open(path, "r+b") as raw:  # the file truncated under the table: page 80 (rows 4,080 ..) is gone
-                raw.truncate(40 * 4096)
-        with pytest.raises(KeyboardInterrupt if where != "a failed read" else TableFileError):
-            cache.read_in(np.array([2, 4_100, 4_101]), 2, f)
-        monkeypatch.undo()
-        assert mapped(cache).tolist() == before
-        assert cache._fresh == 300 - 49 and (cache._row_of_slot[2:300 - 49] == -1).all()
-        consistent(cache, source)
-        assert len(cache.read_in(np.array([2, 4_100, 4_101]), 2, table_file)) == 2
-        assert cache.stats["prefetched"] == 49 + 49
-        consistent(cache, source)
-
-
 @pytest.mark.parametrize("buffer_pages", [1, 3])
-def test_page_rows_read_through_a_reader_in_rounds_land_in_their_slots(source, table_file, buffer_pages):
-    """Through the batched reader, its rounds one or three pages: each round's rows, the step's and the pages'
-    others, in their slots; each page read once."""
+def test_read_in_through_a_reader_in_rounds_puts_each_row_in_its_slot(source, table_file, buffer_pages):
+    """Through the batched reader, its rounds one or three pages, over steps in flight: each step's rows in their
+    slots, each page a step needs read once."""
     from uvaple.uva import PageReader
 
     g = np.random.default_rng(buffer_pages)
     with RowCache.for_file(table_file, slots=600, register=False) as cache, \
             PageReader(table_file, depth=4, buffer_pages=buffer_pages, engine="threads") as reader:
         cache.rows.tensor.view(torch.int16).fill_(-21846)
-        rows = g.choice(ROWS, 7, replace=False)
-        cache.read_in(rows, 1, table_file, reader)
-        assert reader.pages_read == len(np.unique(rows // 51))
-        assert cache.stats["prefetched"] > 0 and len(mapped(cache)) == 7 + cache.stats["prefetched"]
-        consistent(cache, source)
+        for n in range(1, 6):
+            rows = g.choice(ROWS, 40, replace=False)
+            before = reader.pages_read
+            misses = cache.read_in(rows, n, table_file, reader)
+            assert reader.pages_read - before == len(np.unique(misses.rows // 51))
+            consistent(cache, source)
+            cache.complete(n - 1)

@@ -32,19 +32,7 @@ does not flush the rows every step reads). A step whose misses do not fit in the
 flight is :class:`RowCacheFull`, naming the counts: the cache is left as it was, but for the rows the sweep
 already evicted (unmapped, never half-mapped).
 
-A page's other rows. A miss costs a whole page of the file, and a page of small rows holds many (51 rows of
-80 bytes, 12 of 320). While the cache has empty slots below the last one such a row took,
-:meth:`RowCache.read_in` puts a read page's other rows, those not cached, into them as well: from the top slot down
-(the sweep of a cold cache takes slots from the bottom up), only into empty slots, never evicting anything, and
-never reading a page more; once the slot below is taken, none are placed. Such a row is
-*prefetched*: not read by any step (its ``last_step`` is 0), so the sweep takes its slot like any free one, and
-a row it drops unread is counted apart from the evictions (``prefetched_dropped``; ``evictions`` are rows a
-step read). A cold cache fills by whole pages, so rows that share a page with a step's rows (neighbouring
-n-gram ids of one head) are hits when a later step asks. A read that fails takes them back with the step's
-misses.
-
-The sweep and the placement of a page's rows are numba loops: their cost follows the slots they pass, not the
-cache's size.
+The sweep is one numba loop per step: its cost follows the slots it passes, not the cache's size.
 """
 
 from __future__ import annotations
@@ -106,7 +94,6 @@ def _sweep():
         placed = 0
         evicted = 0
         scanned = 0
-        dropped = 0
         for i in range(n_need):
             r = need[i]
             if row_map[r] > 0:  # a repeat of a row placed above
@@ -125,14 +112,11 @@ def _sweep():
                 found = s
                 break
             if found < 0:
-                return placed, hand, hits, evicted, dropped, False
+                return placed, hand, hits, evicted, False
             old = row_of_slot[found]
             if old >= 0:
                 row_map[old] = 0
-                if last_step[found] == 0:  # a page's row that no step read
-                    dropped += 1
-                else:
-                    evicted += 1
+                evicted += 1
             row_map[r] = found + 1
             row_of_slot[found] = r
             last_step[found] = step
@@ -140,50 +124,9 @@ def _sweep():
             need[placed] = r  # compacted in place: placed <= i
             miss_slots[placed] = found
             placed += 1
-        return placed, hand, hits, evicted, dropped, True
+        return placed, hand, hits, evicted, True
 
     return plan
-
-
-@functools.lru_cache(maxsize=1)
-def _neighbours():
-    """(place, unplace), compiled on first use. ``place``: a step's pages' other rows into the empty slots from
-    ``top - 1`` down (see the module docstring); returns (rows placed, the lowest slot taken, ``top`` where none),
-    the rows and their slots in ``out_rows``/``out_slots``. ``unplace``: the run of such rows down from
-    ``top - 1`` unmapped (:meth:`RowCache._unmap_neighbours`)."""
-    import numba
-
-    @numba.njit(nogil=True, cache=False)
-    def place(pages, per_page, table_rows, row_map, row_of_slot, last_step, ref, top, out_rows, out_slots):
-        n = 0
-        s = top - 1
-        for k in range(pages.shape[0]):
-            end = min((pages[k] + 1) * per_page, table_rows)
-            for r in range(pages[k] * per_page, end):
-                if row_map[r] > 0:  # cached, or one of the step's misses
-                    continue
-                if s < 0 or row_of_slot[s] >= 0:  # no empty slot below the last one taken: stop
-                    return n, s + 1
-                row_map[r] = s + 1
-                row_of_slot[s] = r
-                last_step[s] = 0
-                ref[s] = 0
-                out_rows[n] = r
-                out_slots[n] = s
-                n += 1
-                s -= 1
-        return n, s + 1
-
-    @numba.njit(nogil=True, cache=False)
-    def unplace(row_map, row_of_slot, last_step, ref, top):
-        s = top - 1
-        while s >= 0 and row_of_slot[s] >= 0 and last_step[s] == 0:
-            row_map[row_of_slot[s]] = 0
-            row_of_slot[s] = -1
-            ref[s] = 0
-            s -= 1
-
-    return place, unplace
 
 
 class RowCache:
@@ -230,10 +173,9 @@ class RowCache:
         self._last_step = np.zeros(self.slots, dtype=np.int64)
         self._ref = np.zeros(self.slots, dtype=np.uint8)
         self._hand = 0
-        self._fresh = self.slots  # the lowest slot a page's other rows took: below it, empty slots may remain
         self._planned = 0
         self._lock = threading.Lock()  # one step planned, filled or abandoned at a time
-        self.stats = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetched_dropped": 0}
+        self.stats = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0}
         self._closed = False
 
     @classmethod
@@ -285,43 +227,17 @@ class RowCache:
             return self._plan(rows, step)
 
     def read_in(self, rows, step: int, file, reader=None) -> Misses:
-        """:meth:`plan` then :meth:`fill` from ``file`` (by ``reader`` where given), as one, with the read pages'
-        other rows put into empty slots (the module docstring): whatever stops it after the plan (a failed read,
-        an interrupt) leaves none of the rows it placed mapped. Returns the step's misses (not the other rows)."""
+        """:meth:`plan` then :meth:`fill` from ``file`` (by ``reader`` where given), as one: whatever stops it after
+        the plan (a failed read, an interrupt) leaves none of the rows it placed mapped. Returns the misses it read
+        in."""
         with self._lock:
-            top = self._fresh  # (before the plan: an interrupt anywhere after it finds the rows placed below)
             misses = self._plan(rows, step)
             try:
-                placed = self._with_neighbours(misses, file)
-                self._fill(placed, file, reader)
+                self._fill(misses, file, reader)
             except BaseException:
                 self._unmap(misses.rows, misses.slots)
-                self._unmap_neighbours(top)
                 raise
-            self.stats["prefetched"] += len(placed) - len(misses)
             return misses
-
-    def _with_neighbours(self, misses: Misses, file) -> Misses:
-        """``misses`` and the other rows of their pages that empty slots take (the module docstring), as one
-        :class:`Misses` to read in; ``misses`` itself where no slot is empty or a row is a page or more."""
-        per_page = file.layout.rows_per_page
-        if not len(misses) or per_page <= 1 or self._fresh == 0 or self._row_of_slot[self._fresh - 1] >= 0:
-            return misses
-        pages = np.unique(misses.rows // per_page)
-        room = min(self._fresh, len(pages) * per_page)
-        rows, slots = np.empty(room, dtype=np.int64), np.empty(room, dtype=np.int64)
-        n, self._fresh = _neighbours()[0](pages, per_page, self.table_rows, self._row_map, self._row_of_slot,
-                                       self._last_step, self._ref, self._fresh, rows, slots)
-        if not n:
-            return misses
-        return Misses(misses.step, np.concatenate([misses.rows, rows[:n]]), np.concatenate([misses.slots, slots[:n]]))
-
-    def _unmap_neighbours(self, top: int) -> None:
-        """Pages' other rows placed below ``top`` and not read in: unmapped, and the slots empty again. They lie in
-        a run down from ``top - 1``, each holding a row no step read (``last_step`` 0); the run ends at a slot empty
-        or read by a step. One compiled call, so a second interrupt cannot stop it halfway."""
-        _neighbours()[1](self._row_map, self._row_of_slot, self._last_step, self._ref, top)
-        self._fresh = top
 
     def _plan(self, rows, step: int) -> Misses:
         self._live()
@@ -342,11 +258,9 @@ class RowCache:
         need = np.empty(ids.size, dtype=np.int64)
         slots = np.full(ids.size, -1, dtype=np.int64)  # the sweep's placed rows: (need[i], slots[i]) where >= 0
         try:
-            placed, self._hand, hits, evicted, dropped, ok = _sweep()(ids, self._row_map, self._row_of_slot,
-                                                                      self._last_step, self._ref, self._hand, step,
-                                                                      done, need, slots)
+            placed, self._hand, hits, evicted, ok = _sweep()(ids, self._row_map, self._row_of_slot, self._last_step,
+                                                             self._ref, self._hand, step, done, need, slots)
             self.stats["evictions"] += evicted
-            self.stats["prefetched_dropped"] += dropped
             if ok:
                 self.stats["steps"] += 1
                 self.stats["hits"] += hits
