@@ -184,6 +184,7 @@ if has vllm_engine; then
       python3 perf/vllm_carry/engine_check.py --out "$R/vllm_engine" --deadline-s ${VLLM_ENGINE_DEADLINE_S:-470} \
       ${VLLM_ENGINE_ARGS:-} 2>&1 | tail -60
     mkdir -p "$R/vllm_engine/runs" && cp /tmp/vllm_engine/runs/*.log /tmp/vllm_engine/runs/*.json "$R/vllm_engine/runs/" 2>/dev/null
+    cp -r /tmp/vllm_engine/runs/*.graphs "$R/vllm_engine/runs/" 2>/dev/null  # the compiled graphs of graph runs
   else echo "vLLM is not assembled here: carry its parts first (python3 perf/vllm_carry/build.py prints the calls)"; fi
 fi
 if has vllm_decode; then

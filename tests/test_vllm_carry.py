@@ -371,6 +371,23 @@ def test_the_bench_summarises_the_newest_trace_and_keeps_small_ones(tmp_path, mo
 
 
 # ------------------------------------------------------------------ engine_check: comparing engines
+def test_a_graph_runs_compiled_graphs_are_kept_beside_its_result(tmp_path):
+    """Each FX graph vLLM's compilation wrote under the run's cache root, copied out under a name that says which
+    compilation, rank and piece it is (two engines' graphs compared where their bits differ); none: nothing."""
+    root = tmp_path / "cache"
+    for h, prefix in (("ab12", "backbone"), ("ab12", "eagle_head"), ("cd34", "backbone")):
+        d = root / "torch_compile_cache" / h / "rank_0_0" / prefix
+        d.mkdir(parents=True)
+        (d / "computation_graph.py").write_text(f"# {h} {prefix}\n")
+        (d / "cache_key_factors.json").write_text("{}")
+    kept = ec.keep_graphs(str(root), str(tmp_path / "out"))
+    assert kept == ["ab12.rank_0_0.backbone.py", "ab12.rank_0_0.eagle_head.py", "cd34.rank_0_0.backbone.py"]
+    assert (tmp_path / "out" / "cd34.rank_0_0.backbone.py").read_text() == "# cd34 backbone\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == kept
+    assert ec.keep_graphs(str(tmp_path / "none"), str(tmp_path / "out2")) == []
+    assert not (tmp_path / "out2").exists()
+
+
 def _run(tokens, top2):
     return {"ok": True, "tokens": tokens, "top2": top2}
 

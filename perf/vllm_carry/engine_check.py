@@ -56,10 +56,12 @@ on an H100 and an H200 need not agree to the bit), so the matrix can be finished
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,6 +237,24 @@ def segments_left(segment: str) -> list[dict]:
         subprocess.run([sys.executable, "-m", "uvaple", "shm", "clean"] + [x["name"] for x in left if "name" in x],
                        capture_output=True, timeout=120)
     return left
+
+
+def keep_graphs(cache_root: str, dest: str) -> list[str]:
+    """The FX graphs vLLM's compilation wrote under ``cache_root`` (``torch_compile_cache/<hash>/rank_*/<prefix>/
+    computation_graph.py``: the model's graph as split into pieces, with every op and its arguments) copied into
+    ``dest`` as ``<hash>.<rank>.<prefix>.py``: two engines' graphs can then be compared where their bits differ.
+    Returns the names kept."""
+    kept = []
+    for path in sorted(glob.glob(os.path.join(cache_root, "torch_compile_cache", "*", "rank_*", "*",
+                                              "computation_graph.py"))):
+        prefix_dir = os.path.dirname(path)
+        rank_dir = os.path.dirname(prefix_dir)
+        name = ".".join((os.path.basename(os.path.dirname(rank_dir)), os.path.basename(rank_dir),
+                         os.path.basename(prefix_dir), "py"))
+        os.makedirs(dest, exist_ok=True)
+        shutil.copyfile(path, os.path.join(dest, name))
+        kept.append(name)
+    return kept
 
 
 def run_child(spec_path: str) -> int:
@@ -531,6 +551,8 @@ print("ENV" + json.dumps(out))
             res["log_tail"] = _tail(s["log"], 40) if not res.get("ok") else None
             if CONFIGS[s["config"]].get("uvaple") is not None:
                 res["segments_left"] = segments_left(s["segment"])
+            if s["mode"] == "graph":  # what vLLM compiled, beside the run's result (runs/<key>.graphs/)
+                res["graphs_kept"] = keep_graphs(s["cache_root"], os.path.join(self.runs_dir, s["key"] + ".graphs"))
             with open(s["result"], "w") as out:
                 json.dump(res, out, indent=1)
             self.res.setdefault("runs", {})[s["key"]] = _brief(res)
