@@ -86,6 +86,27 @@ def test_every_call_is_the_references_bits_over_steps_that_evict(tmp_path, devic
     assert lk.file.closed  # opened from its path by make_lookup: closed with the lookup
 
 
+def test_each_staging_row_serves_calls_of_any_shape(tmp_path, device, monkeypatch):
+    """Three staging rows and calls of four shapes in turn, so that each row serves every shape; the gather's views
+    of them kept for at most two (row, shape) pairs, so that they are dropped and made again: every call's rows
+    are the table's."""
+    from uvaple.integration.placements import disk
+
+    monkeypatch.setattr(disk, "_VIEWS_KEPT", 2)
+    t = rand(500, 24, torch.float32, seed=9)
+    write_table_file(tmp_path / "t.uvt", t)
+    g = torch.Generator().manual_seed(3)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=120,
+                     steps_in_flight=3) as lk:
+        for step in range(14):
+            shape = [(5,), (2, 3), (40,), (1, 1, 4)][step % 4]
+            ids = torch.randint(0, 500, shape, generator=g)
+            out = torch.full((*shape, 24), POISON, device=device)
+            lk.lookup(ids, out)
+            assert torch.equal(out.cpu(), t[ids]), step
+            assert len(lk._dev_views) <= 2
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_hot_rows_come_from_device_memory_and_the_others_through_the_cache(tmp_path, device, kind):
     """Every fifth row of the window held in device memory: calls of random ids (hot, cached, missing, outside

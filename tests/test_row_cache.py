@@ -194,8 +194,10 @@ def test_bad_settings_and_calls_are_named(table_file):
     assert cache.slots == 3
     with pytest.raises(ValueError, match=r"asked for rows -1 \.\. 3"):
         cache.plan([3, -1], 1)
-    with pytest.raises(ValueError, match=rf"a {ROWS}-row table was asked for rows {ROWS} \.\. {ROWS}"):
-        cache.plan([ROWS], 1)
+    with pytest.raises(ValueError, match=rf"a {ROWS}-row table was asked for rows 5 \.\. {ROWS}"):
+        cache.plan([5, ROWS], 1)
+    # refused before any row is looked up: nothing mapped, the step not taken
+    assert cache.planned == 0 and (cache.slots_of([3, 5]) == -1).all() and cache.stats["steps"] == 0
     cache.plan([1], 2)
     with pytest.raises(ValueError, match="never go back"):
         cache.plan([1], 1)
@@ -251,3 +253,17 @@ def test_read_in_through_a_reader_in_rounds_puts_each_row_in_its_slot(source, ta
             assert reader.pages_read - before == len(np.unique(misses.rows // 51))
             consistent(cache, source)
             cache.complete(n - 1)
+
+
+def test_closing_a_cache_read_through_a_reader_releases_its_rows_at_once(table_file):
+    """The cache keeps one view of its rows for the readers to copy into; closing it lets go of that view, so the
+    rows' memory is released then, not when the cache object is dropped."""
+    from uvaple.uva import PageReader
+
+    with PageReader(table_file, depth=2, engine="threads") as reader:
+        with RowCache.for_file(table_file, slots=64, register=False) as first:
+            first.read_in([3], 1, table_file, reader)  # (numba's first compile keeps its arguments until a gc pass)
+        cache = RowCache.for_file(table_file, slots=64, register=False)
+        cache.read_in([3, 700, 4_999], 1, table_file, reader)
+    cache.close()
+    assert cache.rows.released

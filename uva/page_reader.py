@@ -98,17 +98,73 @@ def _compiled_reader():
 
 
 @functools.lru_cache(maxsize=1)
-def _row_copier():
-    """The copy of a round's rows out of the page buffer into their slots, compiled on first use: one slice copy
-    a row, no index tensors built."""
+def _row_planner():
+    """The pages of a call's rows and where each row sits in them, compiled as the first reader is built:
+    ``(rows, slots, nslots, rows_per_page, pages_per_row, stride) -> (pages, at, within, bad)``. ``pages``: the
+    distinct pages the rows lie in, ascending (a row of several pages brings all of them); ``at[i]``: the index
+    in ``pages`` of row ``i``'s first page; ``within[i]``: its first byte inside that page; ``bad``: -1, or the
+    first ``i`` whose slot is outside ``0 .. nslots - 1`` (nothing else computed then)."""
     import numba
 
     @numba.njit(nogil=True, cache=False)
-    def copy_rows(buf, at, dst, slots, nbytes):
+    def plan_rows(rows, slots, nslots, rows_per_page, pages_per_row, stride):
+        n = rows.shape[0]
+        at = np.empty(n, dtype=np.int64)
+        within = np.zeros(n, dtype=np.int64)
+        for i in range(n):
+            if slots[i] < 0 or slots[i] >= nslots:
+                return np.empty(0, dtype=np.int64), at, within, i
+        first = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            if rows_per_page:
+                first[i] = rows[i] // rows_per_page
+                within[i] = (rows[i] % rows_per_page) * stride
+            else:
+                first[i] = rows[i] * pages_per_row
+        order = np.argsort(first)
+        per = max(1, pages_per_row)
+        distinct = 0
+        for k in range(n):
+            if k == 0 or first[order[k]] != first[order[k - 1]]:
+                distinct += 1
+        pages = np.empty(distinct * per, dtype=np.int64)
+        j = -1
+        for k in range(n):
+            i = order[k]
+            if k == 0 or first[i] != first[order[k - 1]]:
+                j += 1
+                for q in range(per):
+                    pages[j * per + q] = first[i] + q
+            at[i] = j * per
+        return pages, at, within, -1
+
+    return plan_rows
+
+
+@functools.lru_cache(maxsize=1)
+def _row_copier():
+    """The copy of a round's rows out of the page buffer into their slots, compiled as the first reader is built:
+    one slice copy a row, no index arrays built. The round holds pages ``lo .. hi - 1`` of the call's pages; a
+    row whose first page is among them is copied (rows never straddle rounds: a round holds whole rows' pages)."""
+    import numba
+
+    @numba.njit(nogil=True, cache=False)
+    def copy_rows(buf, at, within, lo, hi, dst, slots, nbytes):
         for i in range(at.shape[0]):
-            dst[slots[i], :nbytes] = buf[at[i]:at[i] + nbytes]
+            if lo <= at[i] < hi:
+                src = (at[i] - lo) * 4096 + within[i]
+                dst[slots[i], :nbytes] = buf[src:src + nbytes]
 
     return copy_rows
+
+
+@functools.lru_cache(maxsize=1)
+def _compile_row_loops() -> None:
+    """The planner and the copier compiled for the types a reader's calls bring (numba compiles on a first call:
+    seconds, which belong to building a reader, not to its first step)."""
+    rows, idx, dst = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros((1, PAGE), dtype=np.uint8)
+    _row_planner()(rows, idx, 1, 1, 0, PAGE)
+    _row_copier()(dst.reshape(-1), idx, idx, 0, 1, dst, idx, 1)
 
 
 class ReadTimeout(TableFileError):
@@ -152,6 +208,7 @@ class PageReader:
         self._busy = False
         self.pages_read = 0
         self._closed = False
+        _compile_row_loops()
 
     def _ready(self) -> tuple[torch.Tensor, cf.ThreadPoolExecutor]:
         if self._closed:
@@ -178,28 +235,20 @@ class PageReader:
             raise ValueError(f"{len(rows)} rows were given {len(slots)} slots: one slot a row")
         if not len(rows):
             return
-        if int(slots.min()) < 0 or int(slots.max()) >= dst.shape[0]:
+        pages, at, within, bad = _row_planner()(rows, slots, dst.shape[0], lay.rows_per_page, lay.pages_per_row,
+                                                lay.stride)
+        if bad >= 0:
             raise ValueError(f"slots {int(slots.min())} .. {int(slots.max())} are outside the {dst.shape[0]} rows "
                              "of the tensor read into")
-        if lay.rows_per_page:
-            first = rows // lay.rows_per_page
-            pages = np.unique(first)
-        else:
-            first = rows * lay.pages_per_row
-            pages = np.unique((first[:, None] + np.arange(lay.pages_per_row)).reshape(-1))
         out = dst.numpy()
         for lo in range(0, len(pages), self.buffer_pages):
             round_pages = pages[lo:lo + self.buffer_pages]
             buf = self._read(round_pages)
-            mine = (first >= round_pages[0]) & (first <= round_pages[-1])
-            at = np.searchsorted(round_pages, first[mine]) * PAGE  # each row's first byte in buf
-            if lay.rows_per_page:
-                at += (rows[mine] % lay.rows_per_page) * lay.stride
-            _row_copier()(buf.numpy().reshape(-1), at, out, slots[mine], lay.row_bytes)
+            _row_copier()(buf.reshape(-1), at, within, lo, lo + len(round_pages), out, slots, lay.row_bytes)
 
-    def _read(self, pages: np.ndarray) -> torch.Tensor:
+    def _read(self, pages: np.ndarray) -> np.ndarray:
         """``pages`` (sorted, at most ``buffer_pages``) into the buffer, ``depth`` reads in flight (this thread's
-        io_uring, or ``depth`` threads); the buffer's first ``len(pages)`` pages."""
+        io_uring, or ``depth`` threads); the buffer's first ``len(pages)`` pages (a numpy view of it)."""
         if self.engine == "uring":
             return self._read_uring(pages)
         buf, pool = self._ready()
@@ -220,9 +269,9 @@ class PageReader:
         for f in futures:
             f.result()  # the first failure, named by the file (a short read, an I/O error, a sum)
         self.pages_read += n
-        return buf[:n]
+        return buf.numpy()[:n]
 
-    def _read_uring(self, pages: np.ndarray) -> torch.Tensor:
+    def _read_uring(self, pages: np.ndarray) -> np.ndarray:
         """``pages`` into the buffer through this thread's ring (see :mod:`.uring`); a page that failed there, and
         those after it, read again by the interpreted path, which names what failed. A ring the kernel stops
         taking entries from is left to its reads, and this round and the reader's later ones go to threads."""
@@ -275,7 +324,7 @@ class PageReader:
         if got >= 0:
             self.file.read_pages(pages[got:], buf[got:n])  # raises the file's named error, or reads them whole
         self.pages_read += n
-        return buf[:n]
+        return buf.numpy()[:n]
 
     def _close_ring(self) -> None:
         ring, self._ring = self._ring, None

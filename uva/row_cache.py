@@ -73,13 +73,17 @@ class Misses:
 
 @functools.lru_cache(maxsize=1)
 def _sweep():
-    """The plan of a step, compiled on first use (numba imports slowly). Returns (misses placed, the hand,
-    hits, rows evicted, whether every miss found a slot); ``need`` is scratch of ``len(rows)``."""
+    """The plan of a step, compiled as the first cache is built (numba imports slowly). Returns (misses placed,
+    the hand, hits, rows evicted, status): status 1, every miss found a slot; 0, one did not; -1, a row is outside
+    the table (nothing read or changed then). ``need`` is scratch of ``len(rows)``."""
     import numba
 
     @numba.njit(nogil=True, cache=False)
     def plan(rows, row_map, row_of_slot, last_step, ref, hand, step, completed, need, miss_slots):
         nslots = row_of_slot.shape[0]
+        for i in range(rows.shape[0]):  # every row inside the map before any is looked up
+            if rows[i] < 0 or rows[i] >= row_map.shape[0]:
+                return 0, hand, 0, 0, -1
         hits = 0
         n_need = 0
         for i in range(rows.shape[0]):  # hits first: every row this step reads is kept from the sweep below
@@ -112,7 +116,7 @@ def _sweep():
                 found = s
                 break
             if found < 0:
-                return placed, hand, hits, evicted, False
+                return placed, hand, hits, evicted, 0
             old = row_of_slot[found]
             if old >= 0:
                 row_map[old] = 0
@@ -124,9 +128,18 @@ def _sweep():
             need[placed] = r  # compacted in place: placed <= i
             miss_slots[placed] = found
             placed += 1
-        return placed, hand, hits, evicted, True
+        return placed, hand, hits, evicted, 1
 
     return plan
+
+
+@functools.lru_cache(maxsize=1)
+def _compile_sweep() -> None:
+    """The sweep compiled for the types a step brings (numba compiles on a first call: seconds, which belong to
+    building a cache, not to its first step)."""
+    one = np.zeros(1, dtype=np.int64)
+    _sweep()(one, np.ones(1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+             np.zeros(1, dtype=np.uint8), 0, 1, 0, one.copy(), one.copy())
 
 
 class RowCache:
@@ -168,6 +181,7 @@ class RowCache:
         self.row_map = self._map.tensor.view(-1).view(torch.int32)[:rows]  # zeros: nothing cached
         self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]  # zeros (HostTable.empty): no step done
         self._row_map = self.row_map.numpy()
+        self._bytes = torch.from_numpy(self.rows.bytes_view())  # [slots, stride] uint8: what a reader copies into
         self._completed = self.completed.numpy()
         self._row_of_slot = np.full(self.slots, -1, dtype=np.int64)
         self._last_step = np.zeros(self.slots, dtype=np.int64)
@@ -177,6 +191,7 @@ class RowCache:
         self._lock = threading.Lock()  # one step planned, filled or abandoned at a time
         self.stats = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0}
         self._closed = False
+        _compile_sweep()
 
     @classmethod
     def for_file(cls, file, **kw) -> RowCache:
@@ -251,21 +266,23 @@ class RowCache:
         if not isinstance(rows, np.ndarray):
             rows = torch.as_tensor(rows).cpu().numpy()
         ids = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.table_rows):
-            raise ValueError(f"a row cache of a {self.table_rows}-row table was asked for rows {int(ids.min())} .. "
-                             f"{int(ids.max())}")
-        self._planned = step
+        before, self._planned = self._planned, step
         need = np.empty(ids.size, dtype=np.int64)
         slots = np.full(ids.size, -1, dtype=np.int64)  # the sweep's placed rows: (need[i], slots[i]) where >= 0
         try:
-            placed, self._hand, hits, evicted, ok = _sweep()(ids, self._row_map, self._row_of_slot, self._last_step,
-                                                             self._ref, self._hand, step, done, need, slots)
+            placed, self._hand, hits, evicted, status = _sweep()(ids, self._row_map, self._row_of_slot,
+                                                                 self._last_step, self._ref, self._hand, step, done,
+                                                                 need, slots)
+            if status < 0:  # a row outside the table: nothing placed, the step not planned
+                self._planned = before
+                raise ValueError(f"a row cache of a {self.table_rows}-row table was asked for rows "
+                                 f"{int(ids.min())} .. {int(ids.max())}")
             self.stats["evictions"] += evicted
-            if ok:
+            if status:
                 self.stats["steps"] += 1
                 self.stats["hits"] += hits
                 self.stats["misses"] += placed
-                return Misses(step, need[:placed].copy(), slots[:placed].copy())
+                return Misses(step, need[:placed], slots[:placed])  # (views of this call's own arrays)
             self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
         except BaseException:  # an interrupt (as the sweep returns, in the rollback above, or before the caller holds
             placed_ = slots >= 0  # the misses): the rows it placed are found by their slots, whatever was assigned
@@ -304,7 +321,7 @@ class RowCache:
             else:
                 if reader.file is not file:
                     raise ValueError(f"the reader reads {reader.file.path}, not {file.path}")
-                reader.read_rows_into(misses.rows, torch.from_numpy(self.rows.bytes_view()), misses.slots)
+                reader.read_rows_into(misses.rows, self._bytes, misses.slots)
         except BaseException:
             self._unmap(misses.rows, misses.slots)
             raise
@@ -333,6 +350,7 @@ class RowCache:
         if self._closed:
             return
         self._closed = True
+        self._bytes = None  # a view holds the rows' mapping: dropped, so that closing releases it
         for t in (self.rows, self._map, self._word):
             t.close()
 

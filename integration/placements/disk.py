@@ -72,6 +72,7 @@ from ..telemetry import Progress
 __all__ = ["DiskLookup", "DiskStepTimeout", "DiskStreamError"]
 
 _POLL_S = 0.0002  # how often a full step looks at the completion word again
+_VIEWS_KEPT = 4096  # the gather's views of the staging rows kept (a server's batch sizes: a few hundred shapes)
 _NOT_OPTIONS = {"self", "table", "spec", "device", "owns_table", "max_rows"}  # the constructor's other parameters
 #: why torch.compile runs a call eagerly (a graph break), and what ``fullgraph=True`` names when it refuses one
 _EAGER = ("the disk placement plans each call on the host (the ids read there, the cache's map, reads from the "
@@ -192,10 +193,11 @@ class DiskLookup(Lookup):
                                       buffer_pages=min(4096 // per_row, max_rows) * per_row)
             self._staging = HostTable.empty(steps_in_flight, max_rows * 4, torch.uint8, register=register,
                                             device=index)
-            self._host_ids = self._staging.tensor.view(torch.int32)  # [steps_in_flight, max_rows]
+            self._host_ids = self._staging.tensor.view(torch.int32).numpy()  # [steps_in_flight, max_rows]
             # a call's ids copied from the device (as bytes: the ids' own dtype, no conversion on the way)
             self._ids_in = torch.empty(max_rows * 8, dtype=torch.uint8, pin_memory=True) if on_gpu else None
             self._dev_ids = (self._staging.cuda_view(index) if on_gpu else self._staging.tensor).view(torch.int32)
+            self._dev_views: dict = {}  # (staging row, the ids' shape) -> the gather's ids: made once each
             rows_view, self._done_word = self.cache.views(self.device)
             scale = self._check_scale(dequant_scale)
             self._hot_sorted = np.empty(0, dtype=np.int64)  # the hot rows, ascending: hot row k is the k-th
@@ -266,7 +268,9 @@ class DiskLookup(Lookup):
             step = self._step + 1
             slot = (step - 1) % self._ring
             self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
-            rows = ids.reshape(-1).numpy().astype(np.int64) - self.spec.id_offset
+            rows = ids.numpy().reshape(-1).astype(np.int64)
+            if self.spec.id_offset:
+                rows -= self.spec.id_offset
             valid = (rows >= self._lo) & (rows < self._hi)
             outside = n - int(np.count_nonzero(valid))
             if outside:
@@ -279,13 +283,13 @@ class DiskLookup(Lookup):
             try:
                 # planned and read in as one: a failure leaves no row this step placed mapped
                 self._read_in(rows if cached is None else rows[cached], step)
-                staged = self._host_ids[slot, :n].numpy()
+                staged = self._host_ids[slot, :n]
                 self.cache.cache_ids(rows, staged)
                 if hot is not None:  # past the cache's slots: the hot rows in device memory
                     staged[hot] = self.cache.slots + 1 + at[hot]
                 if masked:
                     staged[~valid] = 0  # outside the cache: the policy's zero row
-                self._plan.run(self._dev_ids[slot, :n].view(ids.shape), out, c0)
+                self._plan.run(self._ids_view(slot, ids.shape), out, c0)
             finally:
                 if self.cache.planned >= step:  # its rows are marked as this step's, read in or not: the step
                     self._step = step  # completes in stream order, after what it launched (if anything)
@@ -296,6 +300,16 @@ class DiskLookup(Lookup):
             if hot is not None:  # the hot ids read (an id outside the window reads a row only under row0)
                 self._counts["hot_hits"] += int(np.count_nonzero(hot & valid if masked else hot))
         return out
+
+    def _ids_view(self, slot: int, shape: torch.Size) -> torch.Tensor:
+        """Staging row ``slot``'s first ids as the gather reads them, in ``shape``: made once a (row, shape)."""
+        key = (slot, shape)
+        view = self._dev_views.get(key)
+        if view is None:
+            if len(self._dev_views) >= _VIEWS_KEPT:  # shapes without end: start again
+                self._dev_views.clear()
+            view = self._dev_views[key] = self._dev_ids[slot, :shape.numel()].view(shape)
+        return view
 
     def _hot_of(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(which of ``rows`` are hot, each one's hot row), or (None, None) without hot rows or without a hot one."""
@@ -380,6 +394,7 @@ class DiskLookup(Lookup):
                 t.record_stream(stream)
         self._hot_buffers = ()
         self._plan = None
+        getattr(self, "_dev_views", {}).clear()
         if self._reader is not None:
             self._reader.close()
         if self._staging is not None:
