@@ -267,3 +267,23 @@ def test_closing_a_cache_read_through_a_reader_releases_its_rows_at_once(table_f
         cache.read_in([3, 700, 4_999], 1, table_file, reader)
     cache.close()
     assert cache.rows.released
+
+
+def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothing(table_file, monkeypatch):
+    """A close() landing between a fill's check that the cache is open and its read (from another thread) is the
+    closed cache's named error, and the step's rows are left unmapped."""
+    from uvaple.uva import PageReader
+
+    with PageReader(table_file, depth=2, engine="threads") as reader, \
+            RowCache.for_file(table_file, slots=64, register=False) as cache:
+        live = cache._live
+
+        def closed_meanwhile():
+            live()
+            cache._bytes = None  # what close() does first
+
+        monkeypatch.setattr(cache, "_live", closed_meanwhile)
+        with pytest.raises(TableClosedError, match="row cache is closed"):
+            cache.read_in([3, 700], 1, table_file, reader)
+        monkeypatch.undo()
+        assert (cache.slots_of([3, 700]) == -1).all()

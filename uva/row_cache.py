@@ -321,7 +321,10 @@ class RowCache:
             else:
                 if reader.file is not file:
                     raise ValueError(f"the reader reads {reader.file.path}, not {file.path}")
-                reader.read_rows_into(misses.rows, self._bytes, misses.slots)
+                dst = self._bytes  # (held for the read: a close() from another thread meanwhile drops only its own)
+                if dst is None:
+                    raise TableClosedError("this row cache is closed")
+                reader.read_rows_into(misses.rows, dst, misses.slots)
         except BaseException:
             self._unmap(misses.rows, misses.slots)
             raise
