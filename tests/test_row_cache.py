@@ -287,3 +287,49 @@ def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothi
             cache.read_in([3, 700], 1, table_file, reader)
         monkeypatch.undo()
         assert (cache.slots_of([3, 700]) == -1).all()
+
+
+def test_a_forked_child_is_refused_by_name(table_file):
+    """A private cache's rows are the parent's mapping (a child reads zeros there): in a forked child, planning or
+    reading a step is the named error, whatever views the cache keeps."""
+    import os
+    import time
+
+    from uvaple.uva import PageReader
+
+    with RowCache.for_file(table_file, slots=64, register=False) as cache, \
+            PageReader(table_file, depth=2, engine="threads") as reader:
+        cache.read_in([3], 1, table_file, reader)
+        cache.complete(1)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                cache.read_in([4, 900], 2, table_file, reader)
+                os.write(w, b"served")
+            except Exception as e:  # noqa: BLE001 - the child reports what it met
+                os.write(w, type(e).__name__.encode())
+            os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not finish in 60 s")
+            time.sleep(0.01)
+        got = os.read(r, 100)
+        os.close(r)
+        assert got == b"TableForkedError"
+        assert len(cache.read_in([4, 900], 2, table_file, reader)) == 2  # the parent's cache as it was
+
+
+def test_an_interrupt_while_the_sweep_compiles_leaves_no_table_open(monkeypatch):
+    """The sweep is compiled before the cache maps anything: a Ctrl-C during that compile (the first cache of a
+    process: about half a second) leaves no pinned table behind."""
+    made = []
+    monkeypatch.setattr(row_cache.HostTable, "empty", lambda *a, **k: made.append(a) or pytest.fail("mapped"))
+    monkeypatch.setattr(row_cache, "_compile_sweep", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        RowCache(100, 8, torch.float32, slots=10, register=False)
+    assert not made

@@ -158,13 +158,19 @@ def _row_copier():
     return copy_rows
 
 
-@functools.lru_cache(maxsize=1)
-def _compile_row_loops() -> None:
-    """The planner and the copier compiled for the types a reader's calls bring (numba compiles on a first call:
-    seconds, which belong to building a reader, not to its first step)."""
+@functools.lru_cache(maxsize=2)
+def _compile_loops(threads: bool) -> None:
+    """The planner and the copier (and with ``threads``, the threads' page loop where zlib is found) compiled for
+    the types a reader's calls bring: numba compiles on a first call, seconds that belong to building a reader,
+    not to its first step. (io_uring's loop is compiled when :func:`.uring.unavailable` is first asked.)"""
     rows, idx, dst = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros((1, PAGE), dtype=np.uint8)
     _row_planner()(rows, idx, 1, 1, 0, PAGE)
     _row_copier()(dst.reshape(-1), idx, idx, 0, 1, dst, idx, 1)
+    loop = _compiled_reader() if threads else None
+    if loop is not None:
+        sums = np.zeros(1, dtype=np.uint32)
+        sums.flags.writeable = False  # as a table file's sums are
+        loop(-1, dst, np.zeros(0, dtype=np.int64), sums)  # no page: nothing read
 
 
 class ReadTimeout(TableFileError):
@@ -208,7 +214,7 @@ class PageReader:
         self._busy = False
         self.pages_read = 0
         self._closed = False
-        _compile_row_loops()
+        _compile_loops(self.engine == "threads")
 
     def _ready(self) -> tuple[torch.Tensor, cf.ThreadPoolExecutor]:
         if self._closed:

@@ -38,6 +38,7 @@ The sweep is one numba loop per step: its cost follows the slots it passes, not 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ import torch
 
 from uvaple.dtypes import fmt_bytes
 
-from .errors import TableClosedError, UvapleError
+from .errors import TableClosedError, TableForkedError, UvapleError
 from .host_table import HostTable
 from .memory import SUPPORTED_DTYPES, row_stride_bytes
 
@@ -165,6 +166,7 @@ class RowCache:
         elif isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"a row cache needs slots >= 1, got {slots!r}")
         self.table_rows, self.slots = rows, min(slots, rows)
+        _compile_sweep()  # (before anything is mapped: an interrupt during the compile leaves nothing open)
         kw = dict(register=register, device=device)
         self.rows = HostTable.empty(self.slots, cols, dtype, **kw)
         opened = [self.rows]
@@ -191,7 +193,6 @@ class RowCache:
         self._lock = threading.Lock()  # one step planned, filled or abandoned at a time
         self.stats = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0}
         self._closed = False
-        _compile_sweep()
 
     @classmethod
     def for_file(cls, file, **kw) -> RowCache:
@@ -348,6 +349,9 @@ class RowCache:
     def _live(self) -> None:
         if self._closed:
             raise TableClosedError("this row cache is closed")
+        if self.rows.forked:  # (its views of the rows are the parent's mapping: a private one reads zeros here)
+            raise TableForkedError(f"this row cache belongs to process {self.rows.owner_pid}, and this is a forked "
+                                   f"child (pid {os.getpid()}): build the cache in the child")
 
     def close(self) -> None:
         if self._closed:
