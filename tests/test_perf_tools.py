@@ -133,6 +133,25 @@ def test_ngram_layer_smoke_gives_transformers_rows_and_ids(tmp_path):
     assert all(r["rows_bit_identical"] and r["ids_identical"] and r["ours_us"]["n"] == 1 for r in got.values())
 
 
+def test_disk_host_path_study_times_each_part_of_a_call(tmp_path, capsys):
+    """The disk placement's host-work study, small: both modes write each batch's medians, the call and its parts
+    (reads, plan and copy, the rest), the reads zero where none are made; a bad count is refused."""
+    out = tmp_path / "d.json"
+    mod = study("disk_host_path")
+    for reads in ("file", "none"):
+        assert mod.main(["--rows", "4096", "--batches", "1,2", "--steps", "8", "--warm", "2", "--runs", "1",
+                         "--reads", reads, "--dir", str(tmp_path), "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["reads"] == reads and set(got["batches"]) == {"1", "2"}
+        for b in got["batches"].values():
+            m = b["median_us"]
+            assert m["call"] > 0 and m["plan_copy"] > 0 and m["rest"] > 0 and (m["pages"] > 0) == (reads == "file")
+    assert "batch   2 (none)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        mod.main(["--steps", "0"])
+    assert "--steps 0 (>= 1)" in capsys.readouterr().err
+
+
 def test_the_gpu_suites_groups_name_existing_test_files_once_each():
     """``TEST_GROUPS=suite`` in ``perf/gpu_check.sh``: each group's files exist and no file runs twice (a file in
     no group runs as a group of its own there)."""
