@@ -1,11 +1,13 @@
 """Helpers the test modules share: random tables (never zeros), exact bit views, the studies' scripts, the
-default set's representatives of a parametrisation (``cover``)."""
+default set's representatives of a parametrisation (``cover``), a call made in a forked child."""
 
 from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -62,6 +64,32 @@ def on_cuda_1_behind_a_busy_stream(call, fill: torch.Tensor, src: torch.Tensor) 
         finally:
             torch.cuda.set_device(1)
     return busy
+
+
+def in_forked_child(call: Callable[[], object], timeout_s: float = 60.0) -> str:
+    """``call()`` in a forked child: ``"served"`` where it returned, else the name of the exception's type (the
+    test fails where the child has not ended within ``timeout_s``)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            call()
+            os.write(w, b"served")
+        except Exception as e:  # noqa: BLE001 - the child reports what it met
+            os.write(w, type(e).__name__.encode())
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + timeout_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            os.close(r)
+            pytest.fail(f"the forked child did not finish in {timeout_s:g} s")
+        time.sleep(0.01)
+    got = os.read(r, 100).decode()
+    os.close(r)
+    return got
 
 
 def study(name: str) -> ModuleType:

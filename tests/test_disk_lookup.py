@@ -6,14 +6,13 @@ Real files, real reads; the gather interpreted on CPU, compiled over UVA on CUDA
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import bits, rand
+from helpers import bits, in_forked_child, rand
 
 from uvaple.integration import DiskLookup, DiskStepTimeout, TableSpec, make_lookup
 from uvaple.integration.errors import BackendClosed
@@ -399,25 +398,7 @@ def test_a_forked_child_is_refused_by_name(tmp_path, device):
     t = rand(100, 8, torch.bfloat16, seed=11)
     write_table_file(tmp_path / "t.uvt", t)
     lk = make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=4, slots=4)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            lk.lookup(torch.tensor([1]))
-            os.write(w, b"served")
-        except Exception as e:  # noqa: BLE001 - the child reports what it met
-            os.write(w, type(e).__name__.encode())
-        os._exit(0)
-    os.close(w)
-    deadline = time.monotonic() + 60
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child did not finish in 60 s")
-        time.sleep(0.01)
-    assert os.read(r, 100) == b"LookupForkedError"
-    os.close(r)
+    assert in_forked_child(lambda: lk.lookup(torch.tensor([1]))) == "LookupForkedError"
     lk.close()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import rand
+from helpers import in_forked_child, rand
 
 import uvaple.kernels  # noqa: F401 - registers uvaple::gather_rows
 from uvaple.uva import TableClosedError, row_cache
@@ -292,35 +292,13 @@ def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothi
 def test_a_forked_child_is_refused_by_name(table_file):
     """A private cache's rows are the parent's mapping (a child reads zeros there): in a forked child, planning or
     reading a step is the named error, whatever views the cache keeps."""
-    import os
-    import time
-
     from uvaple.uva import PageReader
 
     with RowCache.for_file(table_file, slots=64, register=False) as cache, \
             PageReader(table_file, depth=2, engine="threads") as reader:
         cache.read_in([3], 1, table_file, reader)
         cache.complete(1)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                cache.read_in([4, 900], 2, table_file, reader)
-                os.write(w, b"served")
-            except Exception as e:  # noqa: BLE001 - the child reports what it met
-                os.write(w, type(e).__name__.encode())
-            os._exit(0)
-        os.close(w)
-        deadline = time.monotonic() + 60
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child did not finish in 60 s")
-            time.sleep(0.01)
-        got = os.read(r, 100)
-        os.close(r)
-        assert got == b"TableForkedError"
+        assert in_forked_child(lambda: cache.read_in([4, 900], 2, table_file, reader)) == "TableForkedError"
         assert len(cache.read_in([4, 900], 2, table_file, reader)) == 2  # the parent's cache as it was
 
 
