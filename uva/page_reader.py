@@ -307,7 +307,7 @@ class PageReader:
                     while got == uring.PENDING:  # between two slices the interpreter runs signal handlers
                         got = uring.read_loop()(*args)
                 except BaseException:  # an interrupt (Ctrl-C): where reads are in flight, ring and buffer are theirs
-                    if state[7] and state[3] != state[4]:  # (the loop's counts as of its last return)
+                    if uring.began_with_reads(state):
                         uring.abandon(r, buf)  # the locals: a close() meanwhile dropped the reader's own references
                         self._ring = self._buf = None
                     raise
@@ -316,9 +316,10 @@ class PageReader:
                 uring.abandon(r, buf)
                 self._ring = self._buf = None
                 if got == uring.TIMED_OUT:
-                    raise ReadTimeout(f"{self.file.path}: {state[2]} of {n} page reads (up to {self.depth} in flight "
-                                      f"through io_uring) had not completed after {self.timeout_s:g} s: the disk or "
-                                      "its filesystem stopped answering; nothing they read will be used")
+                    raise ReadTimeout(f"{self.file.path}: {uring.reads_in_flight(state)} of {n} page reads (up to "
+                                      f"{self.depth} in flight through io_uring) had not completed after "
+                                      f"{self.timeout_s:g} s: the disk or its filesystem stopped answering; nothing "
+                                      "they read will be used")
                 self.engine = "threads"  # the kernel stopped taking entries (memory, a limit): threads from now on
         finally:
             with self._state:

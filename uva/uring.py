@@ -34,7 +34,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["Ring", "read_loop", "unavailable", "abandon", "TIMED_OUT", "REFUSED", "PENDING", "STATE"]
+__all__ = ["Ring", "read_loop", "unavailable", "abandon", "began_with_reads", "reads_in_flight", "TIMED_OUT", "REFUSED",
+           "PENDING", "STATE"]
 
 PAGE = 4096
 _SETUP, _ENTER = 425, 426  # io_uring_setup, io_uring_enter: the same numbers on x86_64 and aarch64
@@ -43,7 +44,11 @@ _OP_READ = 22  # IORING_OP_READ (Linux 5.6)
 TIMED_OUT = -2  # read_loop: the round's reads had not all completed by its deadline; some are still in flight
 REFUSED = -3  # read_loop: io_uring_enter did not take every entry; reads may be in flight, the ring is not reused
 PENDING = -4  # read_loop: its slice passed with reads still to complete; call it again with the same state
-STATE = 8  # read_loop's state: int64 words, zeros before a round's first call
+STATE = 8  # read_loop's state: int64 words, zeros before a round's first call; named below
+# the state's words: 0 and 1 the clock's (seconds, nanoseconds); then the reads in flight at the last return,
+# the round's submitted and completed counts (equal: the ring is idle), its first failed page, its deadline, and
+# whether it began
+_S_IN_FLIGHT, _S_SUBMITTED, _S_COMPLETED, _S_BAD, _S_DEADLINE, _S_BEGUN = 2, 3, 4, 5, 6, 7
 
 _ABANDONED: list = []  # rings and buffers left to reads that did not complete (see the module docstring)
 _ABANDONED_LOCK = threading.Lock()
@@ -152,6 +157,17 @@ def fences():
     return fence("acquire"), fence("release")
 
 
+def began_with_reads(state: np.ndarray) -> bool:
+    """Whether a round whose ``state`` this is may have reads in flight (it began, and as of the loop's last return
+    not every submitted read had completed): its ring and buffer are then the reads' (:func:`abandon`)."""
+    return bool(state[_S_BEGUN]) and state[_S_SUBMITTED] != state[_S_COMPLETED]
+
+
+def reads_in_flight(state: np.ndarray) -> int:
+    """The reads a round had in flight at the loop's last return (the message of a round that timed out)."""
+    return int(state[_S_IN_FLIGHT])
+
+
 @functools.lru_cache(maxsize=1)
 def read_loop():
     """The compiled loop (numba imports and compiles slowly: made on first use):
@@ -163,10 +179,9 @@ def read_loop():
     ``pages``' order) that did not, after every read in flight completed; :data:`PENDING` when ``slice_ns`` passed
     in this call with reads still to complete (call again with the same arguments: ``ts`` keeps the round);
     :data:`TIMED_OUT` when the reads had not all completed ``timeout_ns`` after the round's first call, or
-    :data:`REFUSED` when ``io_uring_enter`` did not take every entry given (in these three, ``ts[2]`` reads are
-    still in flight; in the last two, :func:`abandon`). ``ts``: int64 ``[STATE]``, zeros before the round's first
-    call: the clock's words, the reads in flight, then the round's submitted and completed counts (as of the last
-    return, whatever it was: equal, the ring is idle), its first failed page, its deadline and whether it began.
+    :data:`REFUSED` when ``io_uring_enter`` did not take every entry given (in these three, reads may still be in
+    flight: :func:`began_with_reads`, :func:`reads_in_flight`; in the last two, :func:`abandon`). ``ts``: int64
+    ``[STATE]``, zeros before the round's first call, its words named by ``_S_*`` above.
 
     The completion ring is read as liburing reads it: its tail with acquire order (the entries after it are the
     kernel's writes that the tail published), its head stored with release order (the entries read before their
@@ -193,16 +208,16 @@ def read_loop():
         depth = min(depth, sq_mask + 1)  # never more in flight than the completion ring holds (twice the entries)
         clock(1, ts.ctypes.data)  # CLOCK_MONOTONIC
         now = ts[0] * 1_000_000_000 + ts[1]
-        if ts[7] == 0:  # the round's first call
-            ts[3] = 0
-            ts[4] = 0
-            ts[5] = n  # the first page that failed (n: none)
-            ts[6] = now + timeout_ns
-            ts[7] = 1
-        submitted = ts[3]
-        completed = ts[4]
-        bad = ts[5]
-        deadline = ts[6]
+        if ts[_S_BEGUN] == 0:  # the round's first call
+            ts[_S_SUBMITTED] = 0
+            ts[_S_COMPLETED] = 0
+            ts[_S_BAD] = n  # the first page that failed (n: none)
+            ts[_S_DEADLINE] = now + timeout_ns
+            ts[_S_BEGUN] = 1
+        submitted = ts[_S_SUBMITTED]
+        completed = ts[_S_COMPLETED]
+        bad = ts[_S_BAD]
+        deadline = ts[_S_DEADLINE]
         slice_end = now + slice_ns
         while completed < submitted or (submitted < n and bad == n):
             tail = np.int64(sq[sq_at[1]])
@@ -226,10 +241,10 @@ def read_loop():
                 release()
                 sq[sq_at[1]] = np.uint32(tail)  # the entries, then the tail that publishes them; then the call
                 if enter(_ENTER, ring_fd, new, 0, 0, 0, 0) != new:
-                    ts[2] = submitted - completed
-                    ts[3] = submitted
-                    ts[4] = completed
-                    return -3  # entries not taken: the ring's state is not known, reads may be in flight
+                    ts[_S_IN_FLIGHT] = submitted - completed
+                    ts[_S_SUBMITTED] = submitted
+                    ts[_S_COMPLETED] = completed
+                    return REFUSED  # entries not taken: the ring's state is not known, reads may be in flight
             clock(1, ts.ctypes.data)  # also makes each read of the completion tail below a fresh load
             now = ts[0] * 1_000_000_000 + ts[1]
             head = np.int64(cq[cq_at[0]])
@@ -237,16 +252,16 @@ def read_loop():
             acquire()
             if head == ctail:
                 if now > deadline:
-                    ts[2] = submitted - completed
-                    ts[3] = submitted
-                    ts[4] = completed
-                    return -2
+                    ts[_S_IN_FLIGHT] = submitted - completed
+                    ts[_S_SUBMITTED] = submitted
+                    ts[_S_COMPLETED] = completed
+                    return TIMED_OUT
                 if now > slice_end:  # back to the interpreter for its signals; the round goes on from ts
-                    ts[2] = submitted - completed
-                    ts[3] = submitted
-                    ts[4] = completed
-                    ts[5] = bad
-                    return -4
+                    ts[_S_IN_FLIGHT] = submitted - completed
+                    ts[_S_SUBMITTED] = submitted
+                    ts[_S_COMPLETED] = completed
+                    ts[_S_BAD] = bad
+                    return PENDING
                 continue
             while head != ctail:
                 at = cq_at[3] + (head & cq_mask) * 4
@@ -258,9 +273,9 @@ def read_loop():
                 completed += 1
             release()
             cq[cq_at[0]] = np.uint32(head)  # the entries read, then the head that gives their slots back
-        ts[2] = 0  # every read completed: the ring is idle
-        ts[3] = submitted
-        ts[4] = completed
+        ts[_S_IN_FLIGHT] = 0  # every read completed: the ring is idle
+        ts[_S_SUBMITTED] = submitted
+        ts[_S_COMPLETED] = completed
         return -1 if bad == n else bad
 
     return loop
