@@ -6,6 +6,7 @@ Real files, real reads; the gather interpreted on CPU, compiled over UVA on CUDA
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -18,6 +19,7 @@ from uvaple.integration import DiskLookup, DiskStepTimeout, TableSpec, make_look
 from uvaple.integration.errors import BackendClosed
 from uvaple.kernels import reference_gather
 from uvaple.uva import HostTable, PageReader, RowCacheFull, TableFile, TableFileError, uring, write_table_file
+from uvaple.uva.errors import TableClosedError
 from uvaple.uva.table_file import PAGE
 
 POISON = -31.0
@@ -104,6 +106,45 @@ def test_each_staging_row_serves_calls_of_any_shape(tmp_path, device, monkeypatc
             lk.lookup(ids, out)
             assert torch.equal(out.cpu(), t[ids]), step
             assert len(lk._dev_views) <= 2
+
+
+def test_closing_releases_the_host_tables_and_a_close_during_a_call_is_named(tmp_path, device):
+    """Closing the lookup releases its host tables (the cache's rows, map and word, the staging) at once, not when
+    the object is dropped. A close() from another thread during a call's reads is a named error on that call,
+    whose views keep the memory until it returns; the next call is the closed lookup's named error."""
+    t = rand(500, 24, torch.float32, seed=12)
+    write_table_file(tmp_path / "t.uvt", t)
+    ids = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(4))
+
+    def opened():
+        lk = make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=40, slots=120)
+        assert torch.equal(lk.lookup(ids).cpu(), t[ids])
+        return lk, (lk.cache.rows, lk.cache._map, lk.cache._word, lk._staging)
+
+    def interpreted():
+        if device.type == "cpu":  # the Triton interpreter's run of a gather holds its arguments in a reference
+            gc.collect()  # cycle until a gc pass (a compiled launch does not)
+
+    lk, tables = opened()
+    lk.close()
+    interpreted()
+    assert all(h.released for h in tables)
+
+    lk, tables = opened()
+    read_in = lk.cache.read_in
+
+    def closed_meanwhile(*args):
+        lk.close()
+        assert not any(h.released for h in tables[2:])  # the call's own views of the word and the staging hold them
+        return read_in(*args)
+
+    lk.cache.read_in = closed_meanwhile
+    with pytest.raises(TableClosedError, match="row cache is closed"):
+        lk.lookup(ids)
+    interpreted()
+    assert all(h.released for h in tables)
+    with pytest.raises(BackendClosed, match="lookup was closed"):
+        lk.lookup(ids)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -36,7 +36,7 @@ def consistent(cache: RowCache, source: torch.Tensor) -> None:
     mapped = np.flatnonzero(slot_of >= 0)
     slots = slot_of[mapped]
     assert len(np.unique(slots)) == len(slots)  # no two rows in one slot
-    assert (cache._row_of_slot[slots] == mapped).all()
+    assert (cache._state()[1][slots] == mapped).all()
     assert torch.equal(cache.rows.tensor[torch.from_numpy(slots)].view(torch.int16),
                        source[torch.from_numpy(mapped)].view(torch.int16))
 
@@ -162,11 +162,11 @@ def test_an_interrupt_in_the_rollback_of_a_step_that_does_not_fit_leaves_none_of
         cache.read_in(np.arange(0, 10), 1, table_file)  # 10 slots held by step 1 (in flight)
         real, calls = RowCache._unmap, []
 
-        def interrupted_once(self, rows, slots):
+        def interrupted_once(self, rows, slots, arrays):
             calls.append(len(rows))
             if len(calls) == 1:
                 raise KeyboardInterrupt
-            real(self, rows, slots)
+            real(self, rows, slots, arrays)
         monkeypatch.setattr(RowCache, "_unmap", interrupted_once)
         with pytest.raises(KeyboardInterrupt):
             cache.plan(np.arange(1000, 1015), 2)  # 15 misses, 10 free slots
@@ -267,6 +267,42 @@ def test_closing_a_cache_read_through_a_reader_releases_its_rows_at_once(table_f
         cache.read_in([3, 700, 4_999], 1, table_file, reader)
     cache.close()
     assert cache.rows.released
+
+
+def test_closing_a_cache_releases_its_map_and_word_and_every_call_after_is_named(table_file):
+    """The map (4 bytes a row of the table) and the completion word are released when the cache is closed, not when
+    the object is dropped; every call after it is the closed cache's named error."""
+    cache = RowCache.for_file(table_file, slots=64, register=False)
+    misses = cache.read_in([3, 700, 4_999], 1, table_file)
+    cache.complete(1)
+    cache.close()
+    assert cache.rows.released and cache._map.released and cache._word.released
+    out = np.empty(2, dtype=np.int32)
+    for call in (lambda: cache.slots_of([3]), lambda: cache.cache_ids(np.array([3, 4]), out), cache.done,
+                 lambda: cache.complete(2), lambda: cache.plan([5], 2), lambda: cache.abandon(misses),
+                 lambda: cache.read_in([5], 2, table_file), lambda: cache.views(torch.device("cpu"))):
+        with pytest.raises(TableClosedError, match="row cache is closed"):
+            call()
+    cache.close()  # again: nothing
+
+
+def test_a_close_from_another_thread_during_a_sweep_lets_the_step_finish_then_releases(table_file, monkeypatch):
+    """A close() landing while a step's sweep runs (from another thread): the sweep works on the arrays its call
+    took, the step's plan is whole, and the map is released as the call returns; the next call is named."""
+    cache = RowCache.for_file(table_file, slots=64, register=False)
+    sweep = row_cache._sweep()
+
+    def closing_sweep(*args):
+        cache.close()
+        assert not cache._map.released  # the call's own view of the map holds it
+        return sweep(*args)
+
+    monkeypatch.setattr(row_cache, "_sweep", lambda: closing_sweep)
+    misses = cache.plan([3, 700, 3], 1)
+    assert sorted(misses.rows.tolist()) == [3, 700] and len(set(misses.slots.tolist()) & set(range(64))) == 2
+    assert cache._map.released and cache._word.released and cache.rows.released
+    with pytest.raises(TableClosedError, match="row cache is closed"):
+        cache.plan([4], 2)
 
 
 def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothing(table_file, monkeypatch):

@@ -33,6 +33,11 @@ flight is :class:`RowCacheFull`, naming the counts: the cache is left as it was,
 already evicted (unmapped, never half-mapped).
 
 The sweep is one numba loop per step: its cost follows the slots it passes, not the cache's size.
+
+:meth:`RowCache.close` releases the three tables then, not when the object is dropped (the map alone is 1.2 GB
+at the real size): the cache lets go of its own views, and a call running on another thread keeps the views it
+took until it returns (each call takes them whole, :meth:`RowCache._state`); every call after is the closed
+cache's named error. Releasing a table synchronises the GPUs first, so a queued gather still reads its rows.
 """
 
 from __future__ import annotations
@@ -182,12 +187,12 @@ class RowCache:
             raise
         self.row_map = self._map.tensor.view(-1).view(torch.int32)[:rows]  # zeros: nothing cached
         self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]  # zeros (HostTable.empty): no step done
-        self._row_map = self.row_map.numpy()
         self._bytes = torch.from_numpy(self.rows.bytes_view())  # [slots, stride] uint8: what a reader copies into
         self._completed = self.completed.numpy()
-        self._row_of_slot = np.full(self.slots, -1, dtype=np.int64)
-        self._last_step = np.zeros(self.slots, dtype=np.int64)
-        self._ref = np.zeros(self.slots, dtype=np.uint8)
+        # the map as numpy, each slot's row (-1: none), the last step that reads it, its reference bit: one tuple,
+        # taken whole by each call (:meth:`_state`), dropped whole by close()
+        self._arrays = (self.row_map.numpy(), np.full(self.slots, -1, dtype=np.int64),
+                        np.zeros(self.slots, dtype=np.int64), np.zeros(self.slots, dtype=np.uint8))
         self._hand = 0
         self._planned = 0
         self._lock = threading.Lock()  # one step planned, filled or abandoned at a time
@@ -201,14 +206,23 @@ class RowCache:
         return cls(lay.rows, lay.cols, lay.dtype, **kw)
 
     # ------------------------------------------------------------------ steps
+    def _state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(the map, each slot's row, each slot's last step, the reference bits), or the closed cache's named error.
+        A call holds the tuple as a local: a close() from another thread meanwhile drops only the cache's own
+        references, and the memory goes when the call returns."""
+        arrays = self._arrays
+        if arrays is None:
+            raise TableClosedError("this row cache is closed")
+        return arrays
+
     def slots_of(self, rows) -> np.ndarray:
         """The slots of table rows ``rows`` as the map says now (int64; -1 where a row is not cached)."""
-        return self._row_map[np.asarray(rows, dtype=np.int64)].astype(np.int64) - 1
+        return self._state()[0][np.asarray(rows, dtype=np.int64)].astype(np.int64) - 1
 
     def cache_ids(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The map's values of table rows ``rows`` (int64, inside the table) into ``out`` (int32): each row's slot
         plus one, 0 where it is not cached; the ids a gather of :attr:`rows` reads with ``id_base`` 1."""
-        np.take(self._row_map, rows, out=out)
+        np.take(self._state()[0], rows, out=out)
 
     def views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the slots' rows ``[slots, cols]``, the completion word ``[1]`` int64) as work on ``device`` reads and
@@ -216,7 +230,7 @@ class RowCache:
         themselves for the CPU."""
         self._live()
         if device.type != "cuda":
-            return self.rows.tensor, self.completed
+            return self.rows.tensor, self._word_view()
         word = self._word.cuda_view(device.index).view(-1).view(torch.int64)[:1]
         return self.rows.cuda_view(device.index), word
 
@@ -225,15 +239,24 @@ class RowCache:
         """The last step :meth:`plan` was called for (0: none), whether or not it fitted."""
         return self._planned
 
+    def _word_view(self) -> torch.Tensor:
+        word = self.completed
+        if word is None:
+            raise TableClosedError("this row cache is closed")
+        return word
+
     def done(self) -> int:
         """The last completed step (the completion word, read as it is now)."""
-        return int(self._completed[0])
+        word = self._completed
+        if word is None:
+            raise TableClosedError("this row cache is closed")
+        return int(word[0])
 
     def complete(self, step: int) -> None:
         """Write the completion word from the host (where the steps run on the host; on the GPU, write
         ``completed`` in stream order instead)."""
         self._live()
-        self.completed.fill_(int(step))
+        self._word_view().fill_(int(step))
 
     def plan(self, rows, step: int) -> Misses:
         """Rows ``rows`` (int, any order, repeats allowed) are read by step ``step``: keep the cached ones, give
@@ -251,12 +274,13 @@ class RowCache:
             try:
                 self._fill(misses, file, reader)
             except BaseException:
-                self._unmap(misses.rows, misses.slots)
+                self._unmap(misses.rows, misses.slots, self._arrays)
                 raise
             return misses
 
     def _plan(self, rows, step: int) -> Misses:
         self._live()
+        arrays = self._state()
         if isinstance(step, bool) or not isinstance(step, int) or step < max(1, self._planned):
             raise ValueError(f"step {step!r}: steps are ints from 1 that never go back (the last planned was "
                              f"{self._planned})")
@@ -271,9 +295,7 @@ class RowCache:
         need = np.empty(ids.size, dtype=np.int64)
         slots = np.full(ids.size, -1, dtype=np.int64)  # the sweep's placed rows: (need[i], slots[i]) where >= 0
         try:
-            placed, self._hand, hits, evicted, status = _sweep()(ids, self._row_map, self._row_of_slot,
-                                                                 self._last_step, self._ref, self._hand, step, done,
-                                                                 need, slots)
+            placed, self._hand, hits, evicted, status = _sweep()(ids, *arrays, self._hand, step, done, need, slots)
             if status < 0:  # a row outside the table: nothing placed, the step not planned
                 self._planned = before
                 raise ValueError(f"a row cache of a {self.table_rows}-row table was asked for rows "
@@ -284,17 +306,18 @@ class RowCache:
                 self.stats["hits"] += hits
                 self.stats["misses"] += placed
                 return Misses(step, need[:placed], slots[:placed])  # (views of this call's own arrays)
-            self._unmap(need[:placed], slots[:placed])  # the step does not fit: none of its rows stay placed
+            self._unmap(need[:placed], slots[:placed], arrays)  # the step does not fit: none of its rows stay placed
         except BaseException:  # an interrupt (as the sweep returns, in the rollback above, or before the caller holds
             placed_ = slots >= 0  # the misses): the rows it placed are found by their slots, whatever was assigned
-            self._unmap(need[placed_], slots[placed_])  # (unmapping twice is harmless)
+            self._unmap(need[placed_], slots[placed_], arrays)  # (unmapping twice is harmless)
             raise
-        raise self._full(ids, step, done)
+        raise self._full(ids, step, done, arrays)
 
-    def _full(self, ids: np.ndarray, step: int, done: int) -> RowCacheFull:
+    def _full(self, ids: np.ndarray, step: int, done: int, arrays) -> RowCacheFull:
         """The error of step ``step``, whose rows ``ids`` do not fit beside the steps in flight."""
-        busy = int((self._last_step > done).sum())
-        missing = int((self._row_map[np.unique(ids)] == 0).sum())
+        row_map, _, last_step, _ = arrays
+        busy = int((last_step > done).sum())
+        missing = int((row_map[np.unique(ids)] == 0).sum())
         return RowCacheFull(f"step {step} needs {missing} rows read in, but only {self.slots - busy} of the "
                             f"cache's {self.slots} slots are free of the steps in flight (steps {done + 1} .. "
                             f"{step} hold {busy}): give it more than {self.slots} slots, or complete earlier "
@@ -327,23 +350,26 @@ class RowCache:
                     raise TableClosedError("this row cache is closed")
                 reader.read_rows_into(misses.rows, dst, misses.slots)
         except BaseException:
-            self._unmap(misses.rows, misses.slots)
+            self._unmap(misses.rows, misses.slots, self._arrays)
             raise
 
     def abandon(self, misses: Misses) -> None:
         """The rows of ``misses`` were not read in: unmap them, and free their slots."""
         with self._lock:
             self._live()
-            self._unmap(misses.rows, misses.slots)
+            self._unmap(misses.rows, misses.slots, self._state())
 
-    def _unmap(self, rows: np.ndarray, slots: np.ndarray) -> None:
+    def _unmap(self, rows: np.ndarray, slots: np.ndarray, arrays) -> None:
         """Rows given slots that were never read in: unmapped, and their slots free at once (what they held
         before was evicted, so no step reads them)."""
-        mine = self._row_of_slot[slots] == rows  # slots still holding these rows' places
-        self._row_map[rows[mine]] = 0
-        self._row_of_slot[slots[mine]] = -1
-        self._last_step[slots[mine]] = 0
-        self._ref[slots[mine]] = 0
+        if arrays is None:  # closed meanwhile: no step reads the cache again
+            return
+        row_map, row_of_slot, last_step, ref = arrays
+        mine = row_of_slot[slots] == rows  # slots still holding these rows' places
+        row_map[rows[mine]] = 0
+        row_of_slot[slots[mine]] = -1
+        last_step[slots[mine]] = 0
+        ref[slots[mine]] = 0
 
     # ------------------------------------------------------------------ lifetime
     def _live(self) -> None:
@@ -357,7 +383,9 @@ class RowCache:
         if self._closed:
             return
         self._closed = True
-        self._bytes = None  # a view holds the rows' mapping: dropped, so that closing releases it
+        # views hold their tables' mappings (the map is 4 bytes a row of the table): dropped, so that closing
+        # releases them; a call on another thread holds its own until it returns
+        self._bytes = self._arrays = self.row_map = self.completed = self._completed = None
         for t in (self.rows, self._map, self._word):
             t.close()
 

@@ -64,7 +64,7 @@ from uvaple.kernels.plan import GatherPlan
 from uvaple.uva import HostMemoryError, HostTable, PageReader, RowCache, RowCacheFull, TableFile, row_stride_bytes
 from uvaple.uva.page_reader import ENGINES
 
-from ..errors import DiskStepTimeout, DiskStreamError
+from ..errors import BackendClosed, DiskStepTimeout, DiskStreamError
 from ..lookup import Lookup
 from ..spec import TableSpec
 from ..telemetry import Progress
@@ -86,6 +86,18 @@ def _eager(fn):
         return torch.compiler.disable(fn, reason=_EAGER)
     except TypeError:  # a torch whose disable() takes no reason
         return torch.compiler.disable(fn)
+
+
+def _ids_view(views: dict, dev_ids: torch.Tensor, slot: int, shape: torch.Size) -> torch.Tensor:
+    """Staging row ``slot``'s first ids (of ``dev_ids``) as the gather reads them, in ``shape``: made once a (row,
+    shape), kept in ``views``."""
+    key = (slot, shape)
+    view = views.get(key)
+    if view is None:
+        if len(views) >= _VIEWS_KEPT:  # shapes without end: start again
+            views.clear()
+        view = views[key] = dev_ids[slot, :shape.numel()].view(shape)
+    return view
 
 
 class DiskLookup(Lookup):
@@ -261,10 +273,16 @@ class DiskLookup(Lookup):
         if n == 0:
             return out
         with self._lock:  # one call at a time: the steps are numbered in the order they are planned
+            # the views a call uses, held as locals: a close() from another thread meanwhile drops only the
+            # lookup's own references (their memory goes when this call returns)
+            plan, host_ids, dev_ids, dev_views, word, ids_in = (self._plan, self._host_ids, self._dev_ids,
+                                                                self._dev_views, self._done_word, self._ids_in)
+            if plan is None:
+                raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
             if self.device.type == "cuda":
                 self._check_stream()
                 if ids.is_cuda:
-                    ids = self._ids_to_host(ids)
+                    ids = self._ids_to_host(ids, ids_in)
             step = self._step + 1
             slot = (step - 1) % self._ring
             self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
@@ -283,33 +301,23 @@ class DiskLookup(Lookup):
             try:
                 # planned and read in as one: a failure leaves no row this step placed mapped
                 self._read_in(rows if cached is None else rows[cached], step)
-                staged = self._host_ids[slot, :n]
+                staged = host_ids[slot, :n]
                 self.cache.cache_ids(rows, staged)
                 if hot is not None:  # past the cache's slots: the hot rows in device memory
                     staged[hot] = self.cache.slots + 1 + at[hot]
                 if masked:
                     staged[~valid] = 0  # outside the cache: the policy's zero row
-                self._plan.run(self._ids_view(slot, ids.shape), out, c0)
+                plan.run(_ids_view(dev_views, dev_ids, slot, ids.shape), out, c0)
             finally:
                 if self.cache.planned >= step:  # its rows are marked as this step's, read in or not: the step
                     self._step = step  # completes in stream order, after what it launched (if anything)
-                    self._done_word.fill_(step)
+                    word.fill_(step)
             self._counts["lookups"] += 1
             self._counts["rows"] += n
             self._counts["out_of_range_ids"] += outside
             if hot is not None:  # the hot ids read (an id outside the window reads a row only under row0)
                 self._counts["hot_hits"] += int(np.count_nonzero(hot & valid if masked else hot))
         return out
-
-    def _ids_view(self, slot: int, shape: torch.Size) -> torch.Tensor:
-        """Staging row ``slot``'s first ids as the gather reads them, in ``shape``: made once a (row, shape)."""
-        key = (slot, shape)
-        view = self._dev_views.get(key)
-        if view is None:
-            if len(self._dev_views) >= _VIEWS_KEPT:  # shapes without end: start again
-                self._dev_views.clear()
-            view = self._dev_views[key] = self._dev_ids[slot, :shape.numel()].view(shape)
-        return view
 
     def _hot_of(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(which of ``rows`` are hot, each one's hot row), or (None, None) without hot rows or without a hot one."""
@@ -333,10 +341,10 @@ class DiskLookup(Lookup):
                                   f"completion word of its row cache is written in that stream's order); this call "
                                   f"is on {stream}")
 
-    def _ids_to_host(self, ids: torch.Tensor) -> torch.Tensor:
-        """The call's device ids in the pinned buffer: copied in this lookup's stream, after the work that made
-        them, and waited for (the one synchronisation of a call whose ids are on the device)."""
-        host = self._ids_in[:ids.numel() * ids.element_size()].view(ids.dtype)
+    def _ids_to_host(self, ids: torch.Tensor, ids_in: torch.Tensor) -> torch.Tensor:
+        """The call's device ids in the pinned buffer ``ids_in``: copied in this lookup's stream, after the work that
+        made them, and waited for (the one synchronisation of a call whose ids are on the device)."""
+        host = ids_in[:ids.numel() * ids.element_size()].view(ids.dtype)
         host.copy_(ids.reshape(-1), non_blocking=True)
         self._stream.synchronize()
         return host.view(ids.shape)
@@ -393,8 +401,10 @@ class DiskLookup(Lookup):
             if stream is not None and t.is_cuda:  # gathers still queued there read them: not reused before they run
                 t.record_stream(stream)
         self._hot_buffers = ()
-        self._plan = None
-        getattr(self, "_dev_views", {}).clear()
+        # the views of the staging, the cache's word and the pinned ids: dropped, so that their memory goes with
+        # the tables (a call on another thread holds its own until it returns)
+        self._plan = self._host_ids = self._dev_ids = self._done_word = self._ids_in = None
+        self._dev_views = {}
         if self._reader is not None:
             self._reader.close()
         if self._staging is not None:
