@@ -17,8 +17,9 @@
 #   the served dimensions: HBM, vLLM's host path, the plugin; VLLM_DECODE_ARGS="--configs hbm,uva"; "--model gemma3n":
 #   Gemma 3n E4B's text model, HBM / uva / the hot set / fp8 rows); continues too
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side;
-#   TEST_GROUPS=suite: every test file in the seven groups below (a file in none of them runs as an eighth), about
-#   8 minutes on the H200 or an H100 with TESTS_TIMEOUT_S=560
+#   TEST_GROUPS=suite: every test file in the twelve groups below (a file in none of them runs as a thirteenth),
+#   with TESTS_TIMEOUT_S=560 (in seven groups it took about 7 minutes on the H200, and on a slower H100 host three
+#   of them ran past 540 s: perf/results/h100_2026-12-06/, runs 3 and 4)
 #   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
 #   digest: print the digest of the tree's sources and stop (anywhere: the copy of .git that travels to the GPU
 #   machine may name an older commit, so its log prints this digest; `bash perf/gpu_check.sh digest` on a
@@ -53,15 +54,15 @@ if has doctor; then
   uvaple doctor | tee "$R/doctor.txt"; echo "doctor exit: ${PIPESTATUS[0]}"
 fi
 # the whole suite in groups of about equal time side by side (measured on an H100 and the H200, 2026-12-05)
-SUITE_GROUPS="tests/test_gather.py tests/test_gpu_lookup.py tests/test_sorted_gather.py tests/test_fuzz.py \
-tests/test_ngram_hash.py tests/test_gather_ngram.py;tests/test_lookup.py tests/test_cli.py tests/test_gpu_uva.py \
-tests/test_gpu_lifetime.py tests/test_copy_backend.py tests/test_copy_backend_gpu.py tests/test_metrics.py \
+SUITE_GROUPS="tests/test_fuzz.py tests/test_sorted_gather.py;tests/test_gather.py tests/test_gpu_lookup.py \
+tests/test_ngram_hash.py tests/test_gather_ngram.py;tests/test_lookup.py tests/test_cli.py tests/test_gpu_uva.py;\
+tests/test_gpu_lifetime.py tests/test_copy_backend.py;tests/test_copy_backend_gpu.py tests/test_metrics.py \
 tests/test_equivalence.py;tests/test_host_table.py tests/test_encodings.py tests/test_layers.py tests/test_quantize.py \
 tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py \
-tests/test_page_reader.py tests/test_table_cli.py tests/test_file_embedding.py;tests/test_shared.py \
-tests/test_lifetime.py tests/test_fork.py tests/test_vllm_tables.py tests/test_vllm_config.py;tests/test_vllm_perf.py \
-tests/test_perf_tools.py tests/test_bench.py tests/test_compile_sm90.py tests/test_vllm_carry.py \
-tests/test_disk_bench.py tests/test_uring.py;tests/test_qwen4_exp.py tests/test_qwen4_exp_disk.py;tests/test_gemma3n.py \
+tests/test_page_reader.py tests/test_table_cli.py tests/test_file_embedding.py tests/test_qwen4_exp_disk.py;\
+tests/test_shared.py;tests/test_lifetime.py tests/test_fork.py tests/test_vllm_tables.py tests/test_vllm_config.py;\
+tests/test_perf_tools.py tests/test_bench.py;tests/test_vllm_perf.py tests/test_compile_sm90.py \
+tests/test_vllm_carry.py tests/test_disk_bench.py tests/test_uring.py;tests/test_qwen4_exp.py;tests/test_gemma3n.py \
 tests/test_gemma3n_e2e.py tests/test_gemma3n_fp8.py tests/test_gemma3n_levers.py"
 if has tests && [ -n "${TEST_GROUPS:-}" ]; then
   # groups of test files separated by ';', each its own pytest process, side by side on the one GPU

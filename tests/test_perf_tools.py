@@ -162,7 +162,7 @@ def test_the_gpu_suites_groups_name_existing_test_files_once_each():
     text = (root / "perf" / "gpu_check.sh").read_text()
     groups = re.search(r'^SUITE_GROUPS="(.*?)"$', text, re.M | re.S).group(1).replace("\\\n", "").split(";")
     files = [f for g in groups for f in g.split()]
-    assert len(groups) == 7 and all(g.split() for g in groups)
+    assert len(groups) == 12 and all(g.split() for g in groups)
     assert [f for f in files if not (root / f).is_file()] == [] and len(files) == len(set(files))
     missing = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")} - set(files)
     assert not missing, f"add {sorted(missing)} to a group of SUITE_GROUPS in perf/gpu_check.sh"
