@@ -105,13 +105,14 @@ def test_each_staging_row_serves_calls_of_any_shape(tmp_path, device, monkeypatc
             out = torch.full((*shape, 24), POISON, device=device)
             lk.lookup(ids, out)
             assert torch.equal(out.cpu(), t[ids]), step
-            assert len(lk._dev_views) <= 2
+            assert len(lk._call[3]) <= 2  # (the views by staging row and shape)
 
 
 def test_closing_releases_the_host_tables_and_a_close_during_a_call_is_named(tmp_path, device):
     """Closing the lookup releases its host tables (the cache's rows, map and word, the staging) at once, not when
-    the object is dropped. A close() from another thread during a call's reads is a named error on that call,
-    whose views keep the memory until it returns; the next call is the closed lookup's named error."""
+    the object is dropped, and its stats stay. A close() landing inside a call, as its reads begin (where another
+    thread's would), is a named error on that call, whose views keep the memory until it returns; the next call
+    is the closed lookup's named error."""
     t = rand(500, 24, torch.float32, seed=12)
     write_table_file(tmp_path / "t.uvt", t)
     ids = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(4))
@@ -125,10 +126,14 @@ def test_closing_releases_the_host_tables_and_a_close_during_a_call_is_named(tmp
         if device.type == "cpu":  # the Triton interpreter's run of a gather holds its arguments in a reference
             gc.collect()  # cycle until a gc pass (a compiled launch does not)
 
+    opened()[0].close()  # (a first lookup of the process: whatever compiles at its first call has compiled)
+    gc.collect()
     lk, tables = opened()
     lk.close()
     interpreted()
     assert all(h.released for h in tables)
+    st = lk.stats()
+    assert st["closed"] and st["lookups"] == 1 and st["completed_step"] is None
 
     lk, tables = opened()
     read_in = lk.cache.read_in

@@ -280,29 +280,40 @@ def test_closing_a_cache_releases_its_map_and_word_and_every_call_after_is_named
     out = np.empty(2, dtype=np.int32)
     for call in (lambda: cache.slots_of([3]), lambda: cache.cache_ids(np.array([3, 4]), out), cache.done,
                  lambda: cache.complete(2), lambda: cache.plan([5], 2), lambda: cache.abandon(misses),
-                 lambda: cache.read_in([5], 2, table_file), lambda: cache.views(torch.device("cpu"))):
+                 lambda: cache.read_in([5], 2, table_file), lambda: cache.views(torch.device("cpu")),
+                 lambda: cache.row_map, lambda: cache.completed):
         with pytest.raises(TableClosedError, match="row cache is closed"):
             call()
     cache.close()  # again: nothing
+    assert cache.planned == 1 and cache.stats["steps"] == 1
 
 
-def test_a_close_from_another_thread_during_a_sweep_lets_the_step_finish_then_releases(table_file, monkeypatch):
-    """A close() landing while a step's sweep runs (from another thread): the sweep works on the arrays its call
-    took, the step's plan is whole, and the map is released as the call returns; the next call is named."""
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_close_during_a_sweep_lets_the_step_finish_then_releases(table_file, monkeypatch, fits):
+    """A close() landing as a step's sweep runs (where another thread's would): the sweep and what follows it work
+    on the state the call took, so a step that fits is planned whole and one that does not is the named
+    RowCacheFull, its rows unmapped; the tables are released as the call returns, and the next call is named."""
     cache = RowCache.for_file(table_file, slots=64, register=False)
+    if not fits:
+        cache.plan(np.arange(60), 1)  # step 1 in flight holds 60 of the 64 slots
     sweep = row_cache._sweep()
 
     def closing_sweep(*args):
         cache.close()
-        assert not cache._map.released  # the call's own view of the map holds it
         return sweep(*args)
 
     monkeypatch.setattr(row_cache, "_sweep", lambda: closing_sweep)
-    misses = cache.plan([3, 700, 3], 1)
-    assert sorted(misses.rows.tolist()) == [3, 700] and len(set(misses.slots.tolist()) & set(range(64))) == 2
+    step = 1 if fits else 2
+    if fits:
+        misses = cache.plan([3, 700, 3], step)
+        assert sorted(misses.rows.tolist()) == [3, 700] and len(set(misses.slots.tolist()) & set(range(64))) == 2
+        del misses
+    else:
+        with pytest.raises(RowCacheFull, match="needs 10 rows read in, but only 4"):
+            cache.plan(np.arange(1000, 1010), step)
     assert cache._map.released and cache._word.released and cache.rows.released
     with pytest.raises(TableClosedError, match="row cache is closed"):
-        cache.plan([4], 2)
+        cache.plan([4], step + 1)
 
 
 def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothing(table_file, monkeypatch):

@@ -36,8 +36,10 @@ The sweep is one numba loop per step: its cost follows the slots it passes, not 
 
 :meth:`RowCache.close` releases the three tables then, not when the object is dropped (the map alone is 1.2 GB
 at the real size): the cache lets go of its own views, and a call running on another thread keeps the views it
-took until it returns (each call takes them whole, :meth:`RowCache._state`); every call after is the closed
-cache's named error. Releasing a table synchronises the GPUs first, so a queued gather still reads its rows.
+took until it returns (each call takes them whole, :meth:`RowCache._state`). After it, every call that reads or
+writes the cache (``plan``, ``fill``, ``read_in``, ``abandon``, ``slots_of``, ``cache_ids``, ``views``, ``done``,
+``complete``, ``row_map``, ``completed``) is the closed cache's named error; ``stats`` and ``planned`` stay.
+Releasing a table synchronises the GPUs first, so a queued gather still reads its rows.
 """
 
 from __future__ import annotations
@@ -185,13 +187,13 @@ class RowCache:
             for t in opened:
                 t.close()
             raise
-        self.row_map = self._map.tensor.view(-1).view(torch.int32)[:rows]  # zeros: nothing cached
-        self.completed = self._word.tensor.view(-1).view(torch.int64)[:1]  # zeros (HostTable.empty): no step done
+        self._row_map = self._map.tensor.view(-1).view(torch.int32)[:rows]  # zeros: nothing cached
+        self._word_t = self._word.tensor.view(-1).view(torch.int64)[:1]  # zeros (HostTable.empty): no step done
         self._bytes = torch.from_numpy(self.rows.bytes_view())  # [slots, stride] uint8: what a reader copies into
-        self._completed = self.completed.numpy()
+        self._completed = self._word_t.numpy()
         # the map as numpy, each slot's row (-1: none), the last step that reads it, its reference bit: one tuple,
         # taken whole by each call (:meth:`_state`), dropped whole by close()
-        self._arrays = (self.row_map.numpy(), np.full(self.slots, -1, dtype=np.int64),
+        self._arrays = (self._row_map.numpy(), np.full(self.slots, -1, dtype=np.int64),
                         np.zeros(self.slots, dtype=np.int64), np.zeros(self.slots, dtype=np.uint8))
         self._hand = 0
         self._planned = 0
@@ -230,7 +232,7 @@ class RowCache:
         themselves for the CPU."""
         self._live()
         if device.type != "cuda":
-            return self.rows.tensor, self._word_view()
+            return self.rows.tensor, self.completed
         word = self._word.cuda_view(device.index).view(-1).view(torch.int64)[:1]
         return self.rows.cuda_view(device.index), word
 
@@ -239,14 +241,26 @@ class RowCache:
         """The last step :meth:`plan` was called for (0: none), whether or not it fitted."""
         return self._planned
 
-    def _word_view(self) -> torch.Tensor:
-        word = self.completed
-        if word is None:
+    @property
+    def row_map(self) -> torch.Tensor:
+        """The map (int32 ``[table rows]``, host memory; see the module docstring); the closed cache's named error
+        once closed."""
+        return self._open_view(self._row_map)
+
+    @property
+    def completed(self) -> torch.Tensor:
+        """The completion word (int64 ``[1]``, host memory); the closed cache's named error once closed."""
+        return self._open_view(self._word_t)
+
+    @staticmethod
+    def _open_view(view: torch.Tensor | None) -> torch.Tensor:
+        if view is None:
             raise TableClosedError("this row cache is closed")
-        return word
+        return view
 
     def done(self) -> int:
-        """The last completed step (the completion word, read as it is now)."""
+        """The last completed step (the completion word, read as it is now); the closed cache's named error once
+        closed (the word goes with the cache)."""
         word = self._completed
         if word is None:
             raise TableClosedError("this row cache is closed")
@@ -256,31 +270,35 @@ class RowCache:
         """Write the completion word from the host (where the steps run on the host; on the GPU, write
         ``completed`` in stream order instead)."""
         self._live()
-        self._word_view().fill_(int(step))
+        self.completed.fill_(int(step))
 
     def plan(self, rows, step: int) -> Misses:
         """Rows ``rows`` (int, any order, repeats allowed) are read by step ``step``: keep the cached ones, give
         the others slots, and return those (:class:`Misses`) for the caller to read in before the step's gather.
         ``step`` counts up (a step may be planned more than once) and is after the completed one."""
         with self._lock:
-            return self._plan(rows, step)
+            return self._plan(rows, step, self._opened())
 
     def read_in(self, rows, step: int, file, reader=None) -> Misses:
         """:meth:`plan` then :meth:`fill` from ``file`` (by ``reader`` where given), as one: whatever stops it after
         the plan (a failed read, an interrupt) leaves none of the rows it placed mapped. Returns the misses it read
         in."""
         with self._lock:
-            misses = self._plan(rows, step)
+            arrays = self._opened()
+            misses = self._plan(rows, step, arrays)
             try:
-                self._fill(misses, file, reader)
+                self._fill(misses, file, reader, arrays)
             except BaseException:
-                self._unmap(misses.rows, misses.slots, self._arrays)
+                self._unmap(misses.rows, misses.slots, arrays)
                 raise
             return misses
 
-    def _plan(self, rows, step: int) -> Misses:
+    def _opened(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The cache open and this process's: its state, taken whole for a call (:meth:`_state`)."""
         self._live()
-        arrays = self._state()
+        return self._state()
+
+    def _plan(self, rows, step: int, arrays) -> Misses:
         if isinstance(step, bool) or not isinstance(step, int) or step < max(1, self._planned):
             raise ValueError(f"step {step!r}: steps are ints from 1 that never go back (the last planned was "
                              f"{self._planned})")
@@ -329,10 +347,9 @@ class RowCache:
         the reference reader (pages by ``pread`` on this thread). A read that fails unmaps the rows
         (:meth:`abandon`) and raises."""
         with self._lock:
-            self._fill(misses, file, reader)
+            self._fill(misses, file, reader, self._opened())
 
-    def _fill(self, misses: Misses, file, reader=None) -> None:
-        self._live()
+    def _fill(self, misses: Misses, file, reader, arrays) -> None:
         lay = file.layout
         if (lay.rows, lay.cols, lay.dtype) != (self.table_rows, self.rows.cols, self.rows.dtype):
             raise ValueError(f"{file.path} holds {lay.rows} x {lay.cols} {lay.dtype} rows; this cache is of "
@@ -350,20 +367,17 @@ class RowCache:
                     raise TableClosedError("this row cache is closed")
                 reader.read_rows_into(misses.rows, dst, misses.slots)
         except BaseException:
-            self._unmap(misses.rows, misses.slots, self._arrays)
+            self._unmap(misses.rows, misses.slots, arrays)
             raise
 
     def abandon(self, misses: Misses) -> None:
         """The rows of ``misses`` were not read in: unmap them, and free their slots."""
         with self._lock:
-            self._live()
-            self._unmap(misses.rows, misses.slots, self._state())
+            self._unmap(misses.rows, misses.slots, self._opened())
 
     def _unmap(self, rows: np.ndarray, slots: np.ndarray, arrays) -> None:
         """Rows given slots that were never read in: unmapped, and their slots free at once (what they held
         before was evicted, so no step reads them)."""
-        if arrays is None:  # closed meanwhile: no step reads the cache again
-            return
         row_map, row_of_slot, last_step, ref = arrays
         mine = row_of_slot[slots] == rows  # slots still holding these rows' places
         row_map[rows[mine]] = 0
@@ -385,7 +399,7 @@ class RowCache:
         self._closed = True
         # views hold their tables' mappings (the map is 4 bytes a row of the table): dropped, so that closing
         # releases them; a call on another thread holds its own until it returns
-        self._bytes = self._arrays = self.row_map = self.completed = self._completed = None
+        self._bytes = self._arrays = self._row_map = self._word_t = self._completed = None
         for t in (self.rows, self._map, self._word):
             t.close()
 

@@ -62,6 +62,7 @@ from uvaple.dtypes import fmt_bytes
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.plan import GatherPlan
 from uvaple.uva import HostMemoryError, HostTable, PageReader, RowCache, RowCacheFull, TableFile, row_stride_bytes
+from uvaple.uva.errors import TableClosedError
 from uvaple.uva.page_reader import ENGINES
 
 from ..errors import BackendClosed, DiskStepTimeout, DiskStreamError
@@ -198,26 +199,29 @@ class DiskLookup(Lookup):
         except HostMemoryError as e:
             raise HostMemoryError(f"the disk placement's row cache (budget_bytes={budget_bytes}, slots={slots}) does "
                                   f"not fit in host memory: give it a smaller budget_bytes or slots ({e})") from None
-        self._staging = self._reader = None
+        self._staging = self._reader = self._call = None
         try:
             per_row = max(1, table.layout.pages_per_row)  # a round of the reader holds a whole step where it can
             self._reader = PageReader(table, depth=read_depth, timeout_s=read_timeout_s, engine=read_engine,
                                       buffer_pages=min(4096 // per_row, max_rows) * per_row)
             self._staging = HostTable.empty(steps_in_flight, max_rows * 4, torch.uint8, register=register,
                                             device=index)
-            self._host_ids = self._staging.tensor.view(torch.int32).numpy()  # [steps_in_flight, max_rows]
+            host_ids = self._staging.tensor.view(torch.int32).numpy()  # [steps_in_flight, max_rows]
             # a call's ids copied from the device (as bytes: the ids' own dtype, no conversion on the way)
-            self._ids_in = torch.empty(max_rows * 8, dtype=torch.uint8, pin_memory=True) if on_gpu else None
-            self._dev_ids = (self._staging.cuda_view(index) if on_gpu else self._staging.tensor).view(torch.int32)
-            self._dev_views: dict = {}  # (staging row, the ids' shape) -> the gather's ids: made once each
-            rows_view, self._done_word = self.cache.views(self.device)
+            ids_in = torch.empty(max_rows * 8, dtype=torch.uint8, pin_memory=True) if on_gpu else None
+            dev_ids = (self._staging.cuda_view(index) if on_gpu else self._staging.tensor).view(torch.int32)
+            rows_view, word = self.cache.views(self.device)
             scale = self._check_scale(dequant_scale)
             self._hot_sorted = np.empty(0, dtype=np.int64)  # the hot rows, ascending: hot row k is the k-th
             self._hot_buffers: tuple[torch.Tensor, ...] = ()  # their rows and the slot map, in device memory
             hot = self._hot_set(hot_rows, rows_view) if hot_rows is not None else {}
-            self._plan = GatherPlan(rows_view, self.device, spec.output_dtype, bits=spec.scale_arg,
-                                    has_scale=spec.has_scale, oob_mode=spec.oob_mode, dequant=spec.dequant,
-                                    id_base=1, dq_scale=scale, **hot)
+            plan = GatherPlan(rows_view, self.device, spec.output_dtype, bits=spec.scale_arg,
+                              has_scale=spec.has_scale, oob_mode=spec.oob_mode, dequant=spec.dequant, id_base=1,
+                              dq_scale=scale, **hot)
+            # what a call uses, one tuple that each call takes whole and close() drops whole: the gather's plan,
+            # the staging as numpy and as the gather reads it, the gather's views of the staging rows by (row, the
+            # ids' shape), made once each; the cache's completion word; the pinned buffer of ids from the device
+            self._call = (plan, host_ids, dev_ids, {}, word, ids_in)
         except BaseException:
             self._release()
             raise
@@ -228,6 +232,11 @@ class DiskLookup(Lookup):
         # waits: for earlier steps; hot_hits: ids read from the hot rows
         self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0, "hot_hits": 0}
         self._row_bytes = spec.value_cols * table.dtype.itemsize
+
+    @property
+    def _plan(self) -> GatherPlan | None:
+        """The gather's plan (None once closed)."""
+        return None if self._call is None else self._call[0]
 
     def _hot_set(self, hot_rows, rows_view: torch.Tensor) -> dict:
         """The hot rows read from the file into device memory (the cache's row layout), the slot map that gives each
@@ -274,11 +283,11 @@ class DiskLookup(Lookup):
             return out
         with self._lock:  # one call at a time: the steps are numbered in the order they are planned
             # the views a call uses, held as locals: a close() from another thread meanwhile drops only the
-            # lookup's own references (their memory goes when this call returns)
-            plan, host_ids, dev_ids, dev_views, word, ids_in = (self._plan, self._host_ids, self._dev_ids,
-                                                                self._dev_views, self._done_word, self._ids_in)
-            if plan is None:
+            # lookup's own reference (their memory goes when this call returns)
+            held = self._call
+            if held is None:
                 raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
+            plan, host_ids, dev_ids, dev_views, word, ids_in = held
             if self.device.type == "cuda":
                 self._check_stream()
                 if ids.is_cuda:
@@ -378,8 +387,12 @@ class DiskLookup(Lookup):
     # ------------------------------------------------------------------ reading
     def stats(self) -> dict:
         st = super().stats()
+        try:
+            done = self.cache.done()
+        except TableClosedError:  # closed: the completion word went with the cache
+            done = None
         st.update(self._counts, cache=dict(self.cache.stats), slots=self.cache.slots, hot_rows=self._hot_sorted.size,
-                  completed_step=self.cache.done(),
+                  completed_step=done,
                   planned_step=self._step, pages_read=self._reader.pages_read if self._reader else 0,
                   file=self.file.path)
         return st
@@ -401,10 +414,9 @@ class DiskLookup(Lookup):
             if stream is not None and t.is_cuda:  # gathers still queued there read them: not reused before they run
                 t.record_stream(stream)
         self._hot_buffers = ()
-        # the views of the staging, the cache's word and the pinned ids: dropped, so that their memory goes with
-        # the tables (a call on another thread holds its own until it returns)
-        self._plan = self._host_ids = self._dev_ids = self._done_word = self._ids_in = None
-        self._dev_views = {}
+        # the plan and the views of the staging, the cache's word and the pinned ids: dropped, so that their memory
+        # goes with the tables (a call on another thread holds its own until it returns)
+        self._call = None
         if self._reader is not None:
             self._reader.close()
         if self._staging is not None:
@@ -414,5 +426,5 @@ class DiskLookup(Lookup):
     def close(self) -> None:
         if self._closed:
             return
-        self._release()  # views of the staging and the slots held by a queued gather keep their memory mapped
+        self._release()  # (releasing a table synchronises the GPUs first: a gather still queued reads its rows)
         super().close()
