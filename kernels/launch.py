@@ -115,7 +115,7 @@ class KernelLaunch:
         # the eager hot path, one frame: the kept compiled kernel of this key, on the current device, no hook set
         compiled = self._compiled.get((device, key))
         if compiled is not None and _Driver.device() == device and not _Hooks.set():
-            run, function, metadata = compiled
+            run, function, metadata, _ = compiled
             run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _Driver.stream(device), function, metadata, None, None,
                 None, *args, *self._values)
             return
@@ -136,7 +136,9 @@ class KernelLaunch:
         kernel = self.fn[grid](*self._viewed(args), **self.constants)
         kernel = kernel.result() if hasattr(kernel, "result") and not hasattr(kernel, "function") else kernel
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
-            self._compiled[(device, key)] = (kernel.run, kernel.function, kernel.packed_metadata)
+            # the compiled kernel itself is kept too: Triton 3.8 unloads a kernel's module when its CompiledKernel
+            # is collected, and the function handle kept here would then launch unloaded code
+            self._compiled[(device, key)] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
 
     def bare(self, grid: tuple, args: tuple, key, device: int):
         """A zero-argument launch with everything of this call bound (the compiled kernel of ``key``, which a call
@@ -144,7 +146,7 @@ class KernelLaunch:
         against (``uvaple bench --workload host``). Interpreted: the plain call."""
         if self.interpret:
             return lambda: self(grid, args, key, device)
-        run, function, metadata = self._compiled[(device, key)]
+        run, function, metadata, _ = self._compiled[(device, key)]
         stream, g0, g1 = _Driver.stream(device), grid[0], grid[1] if len(grid) > 1 else 1
         full = (*args, *self._values)
         return lambda: run(g0, g1, 1, stream, function, metadata, None, None, None, *full)

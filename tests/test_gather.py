@@ -563,6 +563,45 @@ def test_a_kept_launch_gives_way_to_triton_while_a_launch_hook_is_set(monkeypatc
     assert launched == ["triton", "kept", "triton", "kept", "triton"]
 
 
+def test_a_kept_launch_holds_its_compiled_kernel(monkeypatch):
+    """The compiled kernel a key's launches use is held by the launch, not only its launcher and function handle:
+    Triton 3.8 unloads a kernel's module when its CompiledKernel is collected (``__del__``), which would leave the
+    kept handle pointing at unloaded code if Triton's own cache let the kernel go."""
+    import gc
+    import weakref
+
+    from uvaple.kernels import launch as launch_mod
+
+    made = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        @property
+        def run(self):  # as Triton's: the launcher object, which holds no reference to its kernel
+            return lambda *a: None
+
+    class Kernel:
+        params = ()
+
+        def __getitem__(self, grid):
+            def call(*args, **constants):
+                c = Compiled()
+                made.append(weakref.ref(c))
+                return c  # Triton's caller drops it; only the launch may hold it now
+            return call
+
+    monkeypatch.setattr(launch_mod._Driver, "device", lambda: 0)
+    monkeypatch.setattr(launch_mod._Driver, "stream", lambda d: 0)
+    k = launch_mod.KernelLaunch(Kernel(), {}, interpret=False)
+    k((1,), (), "key", 0)
+    gc.collect()
+    assert len(made) == 1 and made[0]() is not None and k.compiled() == 1
+    del k
+    gc.collect()
+    assert made[0]() is None  # and let go with the launch
+
+
 def test_a_compiled_launch_enters_its_tensors_device_when_another_is_current(monkeypatch):
     """The device guard of :class:`KernelLaunch`, with Triton's driver and kernel stood in for (the launch on
     two real GPUs: ``test_gpu_lookup.py``): the first call of a key goes through Triton on the tensors'
