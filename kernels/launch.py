@@ -136,9 +136,13 @@ class KernelLaunch:
         kernel = self.fn[grid](*self._viewed(args), **self.constants)
         kernel = kernel.result() if hasattr(kernel, "result") and not hasattr(kernel, "function") else kernel
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
-            # the compiled kernel itself is kept too: Triton 3.8 unloads a kernel's module when its CompiledKernel
-            # is collected, and the function handle kept here would then launch unloaded code
-            self._compiled[(device, key)] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+            self.keep(device, key, kernel.run, kernel.function, kernel.packed_metadata, kernel)
+
+    def keep(self, device: int, key, run, function, metadata, kernel) -> None:
+        """Key ``key``'s calls on ``device`` launch by ``run(..., function, metadata, ...)`` from now on. The compiled
+        ``kernel`` is kept with them: Triton 3.8 unloads a kernel's module when its CompiledKernel is collected, and
+        the function handle would then launch unloaded code."""
+        self._compiled[(device, key)] = (run, function, metadata, kernel)
 
     def bare(self, grid: tuple, args: tuple, key, device: int):
         """A zero-argument launch with everything of this call bound (the compiled kernel of ``key``, which a call
@@ -146,10 +150,11 @@ class KernelLaunch:
         against (``uvaple bench --workload host``). Interpreted: the plain call."""
         if self.interpret:
             return lambda: self(grid, args, key, device)
-        run, function, metadata, _ = self._compiled[(device, key)]
+        run, function, metadata, kernel = self._compiled[(device, key)]
         stream, g0, g1 = _Driver.stream(device), grid[0], grid[1] if len(grid) > 1 else 1
         full = (*args, *self._values)
-        return lambda: run(g0, g1, 1, stream, function, metadata, None, None, None, *full)
+        # (the kernel bound too: a launch that outlives this one must not outlive its module)
+        return lambda kernel=kernel: run(g0, g1, 1, stream, function, metadata, None, None, None, *full)
 
     def compiled(self) -> int:
         """How many call keys have a kept compiled kernel (for tests)."""

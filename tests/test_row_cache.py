@@ -207,6 +207,7 @@ def test_bad_settings_and_calls_are_named(table_file):
     other = RowCache(ROWS, COLS + 1, torch.bfloat16, slots=2, register=False)
     with pytest.raises(ValueError, match="this cache is of"):
         other.fill(other.plan([1], 1), table_file)
+    assert (other.slots_of([1]) == -1).all()  # refused: the row placed for it is not left mapped, unread
     other.close()
     cache.close()
     cache.close()  # twice is nothing
@@ -316,9 +317,10 @@ def test_a_close_during_a_sweep_lets_the_step_finish_then_releases(table_file, m
         cache.plan([4], step + 1)
 
 
-def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothing(table_file, monkeypatch):
-    """A close() landing between a fill's check that the cache is open and its read (from another thread) is the
-    closed cache's named error, and the step's rows are left unmapped."""
+def test_a_close_as_a_fill_reads_in_is_named_and_leaves_none_of_its_rows_mapped(table_file, monkeypatch):
+    """A close() landing after a step's plan, as its fill reads in (where another thread's would): the closed
+    cache's named error when the fill finds the rows' view gone, and the step's rows unmapped in the state the
+    call took, when the read itself fails after the close."""
     from uvaple.uva import PageReader
 
     with PageReader(table_file, depth=2, engine="threads") as reader, \
@@ -327,13 +329,28 @@ def test_a_close_from_another_thread_as_a_read_in_begins_is_named_and_maps_nothi
 
         def closed_meanwhile():
             live()
-            cache._bytes = None  # what close() does first
+            cache._bytes = None  # what close() drops first
 
         monkeypatch.setattr(cache, "_live", closed_meanwhile)
         with pytest.raises(TableClosedError, match="row cache is closed"):
             cache.read_in([3, 700], 1, table_file, reader)
         monkeypatch.undo()
         assert (cache.slots_of([3, 700]) == -1).all()
+
+    reader = PageReader(table_file, depth=2, engine="threads")
+    cache = RowCache.for_file(table_file, slots=64, register=False)
+    arrays = cache._state()
+
+    def read_fails_after_a_close(*args):
+        cache.close()
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(reader, "read_rows_into", read_fails_after_a_close)
+    with pytest.raises(OSError):
+        cache.read_in([3, 700], 1, table_file, reader)
+    row_map, row_of_slot = arrays[0], arrays[1]
+    assert (row_map[[3, 700]] == 0).all() and not np.isin(row_of_slot, [3, 700]).any()
+    reader.close()
 
 
 def test_a_forked_child_is_refused_by_name(table_file):

@@ -36,7 +36,8 @@ The sweep is one numba loop per step: its cost follows the slots it passes, not 
 
 :meth:`RowCache.close` releases the three tables then, not when the object is dropped (the map alone is 1.2 GB
 at the real size): the cache lets go of its own views, and a call running on another thread keeps the views it
-took until it returns (each call takes them whole, :meth:`RowCache._state`). After it, every call that reads or
+took until it returns (each call takes the state tuple once, :meth:`RowCache._state`, and checks the word and
+the rows' view it reads as it reads them). After it, every call that reads or
 writes the cache (``plan``, ``fill``, ``read_in``, ``abandon``, ``slots_of``, ``cache_ids``, ``views``, ``done``,
 ``complete``, ``row_map``, ``completed``) is the closed cache's named error; ``stats`` and ``planned`` stay.
 Releasing a table synchronises the GPUs first, so a queued gather still reads its rows.
@@ -344,19 +345,19 @@ class RowCache:
     def fill(self, misses: Misses, file, reader=None) -> None:
         """Read ``misses`` from ``file`` (a :class:`~uvaple.uva.table_file.TableFile` of this table) into their
         slots: by ``reader`` (a :class:`~uvaple.uva.page_reader.PageReader` of ``file``: many reads in flight), or
-        the reference reader (pages by ``pread`` on this thread). A read that fails unmaps the rows
-        (:meth:`abandon`) and raises."""
+        the reference reader (pages by ``pread`` on this thread). A read that fails, or a file or reader that is not
+        this table's, unmaps the rows (:meth:`abandon`) and raises."""
         with self._lock:
             self._fill(misses, file, reader, self._opened())
 
     def _fill(self, misses: Misses, file, reader, arrays) -> None:
-        lay = file.layout
-        if (lay.rows, lay.cols, lay.dtype) != (self.table_rows, self.rows.cols, self.rows.dtype):
-            raise ValueError(f"{file.path} holds {lay.rows} x {lay.cols} {lay.dtype} rows; this cache is of "
-                             f"{self.table_rows} x {self.rows.cols} {self.rows.dtype}")
-        if not len(misses):
-            return
-        try:
+        try:  # whatever is refused or fails, the rows placed for these misses are unmapped: none is served unread
+            lay = file.layout
+            if (lay.rows, lay.cols, lay.dtype) != (self.table_rows, self.rows.cols, self.rows.dtype):
+                raise ValueError(f"{file.path} holds {lay.rows} x {lay.cols} {lay.dtype} rows; this cache is of "
+                                 f"{self.table_rows} x {self.rows.cols} {self.rows.dtype}")
+            if not len(misses):
+                return
             if reader is None:
                 self.rows.tensor[torch.from_numpy(misses.slots)] = file.read_rows(misses.rows)
             else:

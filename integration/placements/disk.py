@@ -223,6 +223,7 @@ class DiskLookup(Lookup):
             # ids' shape), made once each; the cache's completion word; the pinned buffer of ids from the device
             self._call = (plan, host_ids, dev_ids, {}, word, ids_in)
         except BaseException:
+            host_ids = dev_ids = ids_in = word = rows_view = None  # (a traceback kept would hold them mapped)
             self._release()
             raise
         self._lo, self._hi = spec.window
