@@ -37,10 +37,10 @@ The sweep is one numba loop per step: its cost follows the slots it passes, not 
 :meth:`RowCache.close` releases the three tables then, not when the object is dropped (the map alone is 1.2 GB
 at the real size): the cache lets go of its own views, and a call running on another thread keeps the views it
 took until it returns (each call takes the state tuple once, :meth:`RowCache._state`, and checks the word and
-the rows' view it reads as it reads them). After it, every call that reads or
-writes the cache (``plan``, ``fill``, ``read_in``, ``abandon``, ``slots_of``, ``cache_ids``, ``views``, ``done``,
-``complete``, ``row_map``, ``completed``) is the closed cache's named error; ``stats`` and ``planned`` stay.
-Releasing a table synchronises the GPUs first, so a queued gather still reads its rows.
+the rows' view as it reads them). After it, every call that reads or writes the cache (``plan``, ``fill``,
+``read_in``, ``abandon``, ``slots_of``, ``cache_ids``, ``views``, ``done``, ``complete``, ``row_map``,
+``completed``) is the closed cache's named error; ``stats`` and ``planned`` stay. Releasing a table synchronises
+the GPUs first, so a queued gather still reads its rows.
 """
 
 from __future__ import annotations
