@@ -3,9 +3,11 @@ default set's representatives of a parametrisation (``cover``), a call made in a
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import itertools
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -66,30 +68,51 @@ def on_cuda_1_behind_a_busy_stream(call, fill: torch.Tensor, src: torch.Tensor) 
     return busy
 
 
-def in_forked_child(call: Callable[[], object], timeout_s: float = 60.0) -> str:
-    """``call()`` in a forked child: ``"served"`` where it returned, else the name of the exception's type (the
-    test fails where the child has not ended within ``timeout_s``)."""
-    r, w = os.pipe()
+CHILD_LIMIT_S = 20  # a forked child still running after this is killed: the test fails, never hangs
+
+
+def fork_and_wait(child: Callable[[], int]) -> int:
+    """Fork; the child runs ``child()`` (its int result is the exit status) under a hang guard; return it
+    (``-SIGKILL`` for a child still running after :data:`CHILD_LIMIT_S`)."""
     pid = os.fork()
     if pid == 0:
+        code = 3
+        try:
+            faulthandler.dump_traceback_later(CHILD_LIMIT_S / 2, exit=True)
+            code = int(child())
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + CHILD_LIMIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -signal.SIGKILL
+
+
+def in_forked_child(call: Callable[[], object]) -> str:
+    """``call()`` in a forked child (:func:`fork_and_wait`): ``"served"`` where it returned, else the name of the
+    exception's type, or the child's exit status where it said neither."""
+    r, w = os.pipe()
+
+    def child() -> int:
         try:
             call()
             os.write(w, b"served")
         except Exception as e:  # noqa: BLE001 - the child reports what it met
             os.write(w, type(e).__name__.encode())
-        os._exit(0)
-    os.close(w)
-    deadline = time.monotonic() + timeout_s
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            os.close(r)
-            pytest.fail(f"the forked child did not finish in {timeout_s:g} s")
-        time.sleep(0.01)
+        return 0
+
+    try:
+        code = fork_and_wait(child)
+    finally:
+        os.close(w)
     got = os.read(r, 100).decode()
     os.close(r)
-    return got
+    return got or f"the child ended with status {code}"
 
 
 def study(name: str) -> ModuleType:

@@ -7,7 +7,6 @@ bounded by ``faulthandler`` (exit status 1 after a stack dump) and the parent's 
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import threading
@@ -15,7 +14,7 @@ import time
 
 import pytest
 import torch
-from helpers import rand
+from helpers import CHILD_LIMIT_S, fork_and_wait, rand
 
 from uvaple.integration import CopyBackend, GatherLookup, TableSpec, fork
 from uvaple.integration.errors import BackendClosed, LookupForkedError
@@ -23,30 +22,6 @@ from uvaple.integration.fork import ForkSafeLock, gate_fork
 from uvaple.uva import HostTable
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
-CHILD_LIMIT_S = 20  # a child still running after this is killed: the test fails, never hangs
-
-
-def fork_and_wait(child) -> int:
-    """Fork; the child runs ``child()`` (its int result is the exit status) under a hang guard; return it."""
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            faulthandler.dump_traceback_later(CHILD_LIMIT_S / 2, exit=True)
-            code = int(child())
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + CHILD_LIMIT_S
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.005)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return -signal.SIGKILL
-
-
 def held_by_a_thread(*locks):
     """Start a thread holding ``locks`` until the returned event is set; returns (event, thread)."""
     taken, release = threading.Event(), threading.Event()
