@@ -213,10 +213,7 @@ class RowCache:
         """(the map, each slot's row, each slot's last step, the reference bits), or the closed cache's named error.
         A call holds the tuple as a local: a close() from another thread meanwhile drops only the cache's own
         references, and the memory goes when the call returns."""
-        arrays = self._arrays
-        if arrays is None:
-            raise TableClosedError("this row cache is closed")
-        return arrays
+        return self._held(self._arrays)
 
     def slots_of(self, rows) -> np.ndarray:
         """The slots of table rows ``rows`` as the map says now (int64; -1 where a row is not cached)."""
@@ -246,26 +243,24 @@ class RowCache:
     def row_map(self) -> torch.Tensor:
         """The map (int32 ``[table rows]``, host memory; see the module docstring); the closed cache's named error
         once closed."""
-        return self._open_view(self._row_map)
+        return self._held(self._row_map)
 
     @property
     def completed(self) -> torch.Tensor:
         """The completion word (int64 ``[1]``, host memory); the closed cache's named error once closed."""
-        return self._open_view(self._word_t)
+        return self._held(self._word_t)
 
     @staticmethod
-    def _open_view(view: torch.Tensor | None) -> torch.Tensor:
-        if view is None:
+    def _held(what):
+        """``what``, one of the cache's own references that close() drops, or the closed cache's named error."""
+        if what is None:
             raise TableClosedError("this row cache is closed")
-        return view
+        return what
 
     def done(self) -> int:
         """The last completed step (the completion word, read as it is now); the closed cache's named error once
         closed (the word goes with the cache)."""
-        word = self._completed
-        if word is None:
-            raise TableClosedError("this row cache is closed")
-        return int(word[0])
+        return int(self._held(self._completed)[0])
 
     def complete(self, step: int) -> None:
         """Write the completion word from the host (where the steps run on the host; on the GPU, write
@@ -363,10 +358,8 @@ class RowCache:
             else:
                 if reader.file is not file:
                     raise ValueError(f"the reader reads {reader.file.path}, not {file.path}")
-                dst = self._bytes  # (held for the read: a close() from another thread meanwhile drops only its own)
-                if dst is None:
-                    raise TableClosedError("this row cache is closed")
-                reader.read_rows_into(misses.rows, dst, misses.slots)
+                # (held for the read: a close() from another thread meanwhile drops only the cache's own)
+                reader.read_rows_into(misses.rows, self._held(self._bytes), misses.slots)
         except BaseException:
             self._unmap(misses.rows, misses.slots, arrays)
             raise
