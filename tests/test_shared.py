@@ -19,7 +19,16 @@ import uuid
 import pytest
 import torch
 
-from uvaple.uva import HostMemoryError, HostTable, SharedSegmentError, SharedSegmentTimeout, _region, segments, system
+from uvaple.uva import (
+    HostMemoryError,
+    HostTable,
+    SharedSegmentError,
+    SharedSegmentTimeout,
+    _region,
+    reaper,
+    segments,
+    system,
+)
 
 ROWS, COLS = 1000, 160  # 160 fp32 columns: 640-byte rows
 
@@ -132,6 +141,28 @@ class Worker:
         self.p.send_signal(signal.SIGKILL)
         assert self.p.wait(30) == -signal.SIGKILL
 
+    def kill_with_its_reaper(self) -> None:
+        """Kill the worker and the reaper that would remove its segments (as a kill of the whole machine's
+        processes would): what it held stays behind, for the protocol's own recovery to find."""
+        for pid in children_of(self.p.pid):
+            os.kill(pid, signal.SIGKILL)
+        self.kill()
+
+
+def children_of(pid: int) -> list[int]:
+    """The running children of ``pid`` (from ``/proc``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
 
 def want_sum() -> int:
     return int(expected().view(torch.int32).to(torch.int64).sum())
@@ -219,7 +250,7 @@ def test_creator_killed_before_ready_is_detected_and_replaced(name):
     a = Worker(name, fill_s=3600)
     a.start()
     assert "filling" in a.line()
-    a.kill()
+    a.kill_with_its_reaper()
     info = {i.name: i for i in segments.list_segments()}[name]
     assert info.state == "stale" and not info.in_use
     t0 = time.monotonic()
@@ -236,7 +267,7 @@ def test_creator_killed_after_ready_is_attached(name):
     a.line()  # filling
     r = a.line()
     assert r["created"]
-    a.kill()
+    a.kill_with_its_reaper()
     info = {i.name: i for i in segments.list_segments()}[name]
     assert info.state == "ready" and not info.attached and info.pids == ()
     t0 = time.monotonic()
@@ -251,7 +282,7 @@ def test_empty_with_a_name_replaces_a_stale_segment(name):
     a = Worker(name, fill_s=3600)
     a.start()
     a.line()
-    a.kill()
+    a.kill_with_its_reaper()
     with HostTable.empty(10, 16, torch.float16, name=name) as t:
         assert t.created and t.tensor.shape == (10, 16)
     with pytest.raises(SharedSegmentError, match="no shared table"):
@@ -332,7 +363,7 @@ def test_orphan_of_another_shape_is_replaced_by_shared(name):
     a.start()
     a.line()
     a.line()
-    a.kill()  # a ready orphan of shape ROWS x COLS
+    a.kill_with_its_reaper()  # a ready orphan of shape ROWS x COLS
     with HostTable.shared(name, 7, 3, torch.float32, fill=lambda t: t.write_rows(torch.ones(7, 3))) as t:
         assert t.created and torch.equal(t.tensor, torch.ones(7, 3))
 
@@ -357,7 +388,7 @@ def test_a_truncated_segment_is_named_on_attach_and_replaced_when_orphaned(name)
     a.start()
     a.line()
     a.line()
-    a.kill()
+    a.kill_with_its_reaper()
     os.truncate(path_of(name), segments.DATA_OFFSET + 4096)
     with pytest.raises(SharedSegmentError, match="truncated"):
         HostTable.attach(name)
@@ -407,7 +438,7 @@ def test_shm_list_and_clean_commands(name, capsys):
     assert "ready" in row and str(a.p.pid) in row and f"{ROWS}x{COLS}" in row
     assert main(["shm", "clean", name]) == 0  # in use: not removed
     assert "nothing to remove" in capsys.readouterr().out and os.path.exists(path_of(name))
-    a.kill()
+    a.kill_with_its_reaper()  # an orphan for `shm clean` to find
     assert main(["shm", "list", "--json"]) == 0
     info = {i["name"]: i for i in json.loads(capsys.readouterr().out)}[name]
     assert info["state"] == "ready" and info["pids"] == [] and not info["attached"]
@@ -415,6 +446,140 @@ def test_shm_list_and_clean_commands(name, capsys):
     assert "would remove" in capsys.readouterr().out and os.path.exists(path_of(name))
     assert main(["shm", "clean", name]) == 0
     assert "removed" in capsys.readouterr().out and not os.path.exists(path_of(name))
+
+
+# ------------------------------------------------------------------ killed processes: the reaper
+def wait_until(cond, limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+REAPER_ENDS_S = reaper._LOCKS_DROP_S + 10  # its wait for a dead parent's locks, and a margin
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["ready", "filling"])
+def test_a_killed_process_leaves_no_segment(name, when):
+    """SIGKILL (how `vllm serve` stops its engine core) runs no exit hook: the process's reaper removes the
+    name, ready or half filled, and ends."""
+    a = Worker(name, "hold", fill_s=3600 if when == "filling" else 0)
+    a.start()
+    assert "filling" in a.line()
+    if when == "ready":
+        assert a.line()["created"]
+    (reaper_pid,) = children_of(a.p.pid)
+    assert os.path.exists(path_of(name))
+    a.kill()
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_ENDS_S), f"{path_of(name)} was left"
+    assert wait_until(lambda: not running(reaper_pid), 10)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_process_leaves_what_another_still_holds(name):
+    a = Worker(name, "hold")
+    a.start()
+    a.line()
+    a.line()
+    b = HostTable.attach(name)
+    (reaper_pid,) = children_of(a.p.pid)
+    a.kill()
+    assert wait_until(lambda: not running(reaper_pid), REAPER_ENDS_S)  # it left the table to b
+    assert os.path.exists(path_of(name)) and torch.equal(b.tensor, expected())
+    b.close()  # the last one out
+    assert not os.path.exists(path_of(name))
+
+
+@pytest.mark.timeout(120)
+def test_a_process_ending_normally_ends_its_reaper(name):
+    a = Worker(name, "hold")
+    a.start()
+    a.line()
+    a.line()
+    (reaper_pid,) = children_of(a.p.pid)
+    a.finish()  # closes its table and exits
+    assert not os.path.exists(path_of(name))
+    assert wait_until(lambda: not running(reaper_pid), 10)
+
+
+FORKS = textwrap.dedent("""
+    import os, sys, time, torch
+    from uvaple.uva import HostTable
+    HostTable.shared(sys.argv[1] + "-first", 8, 8, torch.float32).close()  # this process's reaper starts
+    child = os.fork()
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    t = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
+    print(child, flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_does_not_hide_its_parents_death_from_the_reaper(name):
+    """A forked child inherits the parent's descriptors; it must not hold the reaper's pipe open."""
+    p = subprocess.Popen([sys.executable, "-c", FORKS, name], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(p.stdout.readline())
+        p.kill()
+        p.wait(30)
+        assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_ENDS_S), "the reaper missed the death"
+        assert running(child)
+    finally:
+        p.kill()
+        p.stdout.close()
+        if child is not None and running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def orphan(name: str) -> tuple[int, int]:
+    """A ready segment that no process holds (created here, its descriptor closed without a detach): its id."""
+    seg = segments.create(name, {"rows": 1, "cols": 4, "dtype": "float32", "stride_bytes": 16,
+                                 "data_offset": segments.DATA_OFFSET}, segments.DATA_OFFSET + 4096)
+    seg.ready()
+    st = os.fstat(seg.fd)
+    seg.close_descriptor()
+    return (st.st_dev, st.st_ino)
+
+
+def test_the_reaper_removes_only_the_file_it_was_told_of(name):
+    import io
+
+    file_id = orphan(name)
+    other = (file_id[0], file_id[1] + 1)
+    line = json.dumps({"op": "open", "path": path_of(name), "dev": other[0], "ino": other[1]}).encode()
+    reaper.serve(io.BytesIO(line + b"\n" + b'{"op": "open", "pa'))  # another file; a torn last line
+    assert os.path.exists(path_of(name))
+    line = json.dumps({"op": "open", "path": path_of(name), "dev": file_id[0], "ino": file_id[1]}).encode()
+    reaper.serve(io.BytesIO(line + b"\n" + json.dumps({"op": "close", "path": path_of(name), "dev": file_id[0],
+                                                        "ino": file_id[1]}).encode() + b"\n"))
+    assert os.path.exists(path_of(name))  # let go of before the end: not the reaper's
+    reaper.serve(io.BytesIO(line + b"\n"))
+    assert not os.path.exists(path_of(name))
+
+
+def test_the_reaper_leaves_a_file_that_is_not_ours(name):
+    with open(path_of(name), "wb") as f:
+        f.write(b"NOTOURS!" + b"x" * 5000)
+    try:
+        st = os.stat(path_of(name))
+        assert segments.remove_unused(path_of(name), (st.st_dev, st.st_ino), time.monotonic() + 5)
+        assert os.path.exists(path_of(name))
+    finally:
+        os.unlink(path_of(name))
 
 
 # ------------------------------------------------------------------ edges found in review

@@ -3,11 +3,12 @@
 ``host_table`` (the ``HostTable`` object: properties, views, fills, lifetime), ``views`` (views that
 hold the memory they read), ``memory`` (geometry, private mapping, page commit, registration),
 ``sharing`` (named tables: create-or-attach, the creator's fill, readiness), ``segments`` (the shared
-segment files' protocol), ``loading`` (safetensors), ``table_file`` (a table as a file on disk, read a page
-at a time), ``row_cache`` (a disk table's rows held by slot in host memory), ``page_reader`` (a step's
-missing rows read with many reads in flight), ``uring`` (its io_uring from the calling thread), ``workers``
-(work split over the host's cores), ``cuda_runtime`` and ``system`` (checked CUDA runtime and libc calls),
-``_region`` (when a mapping is released). Importing it changes nothing global.
+segment files' protocol), ``reaper`` (a killed process's segments removed by its watcher), ``loading``
+(safetensors), ``table_file`` (a table as a file on disk, read a page at a time), ``row_cache`` (a disk
+table's rows held by slot in host memory), ``page_reader`` (a step's missing rows read with many reads in
+flight), ``uring`` (its io_uring from the calling thread), ``workers`` (work split over the host's cores),
+``cuda_runtime`` and ``system`` (checked CUDA runtime and libc calls), ``_region`` (when a mapping is
+released). Importing it changes nothing global.
 """
 
 from .errors import (

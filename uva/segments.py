@@ -21,7 +21,8 @@ which includes the death of the process, so a dead holder never leaves a lock be
 * byte 0, **build** (exclusive): held by the creator from creation until the segment is ``ready`` or
   ``failed``. A segment ``building`` whose build lock nobody holds has a dead creator: it is stale.
 * byte 1, **attach** (shared): held by every process that has the segment open, for as long as it has.
-  The process that finds nobody else holding it when it detaches unlinks the name.
+  The process that finds nobody else holding it when it detaches unlinks the name. A process killed before
+  it detaches has a watcher that does it then (:mod:`.reaper`, :func:`remove_unused`).
 
 Decisions (create, remove a stale file, attach, unlink on the last detach) are made under one
 **namespace lock**, ``flock`` on the ``/dev/shm`` directory, held for a few system calls and never across
@@ -59,13 +60,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import system
+from . import reaper, system
 from .errors import SharedSegmentError, SharedSegmentTimeout
 
 log = logging.getLogger("uvaple.uva")
 
 __all__ = ["Segment", "SegmentInfo", "DATA_OFFSET", "segment_path", "segment_dir", "create",
-           "create_or_attach", "attach", "list_segments", "clean", "SHM_DIR", "PREFIX"]
+           "create_or_attach", "attach", "list_segments", "clean", "remove_unused", "SHM_DIR", "PREFIX"]
 
 SHM_DIR = "/dev/shm"
 TMPFS_MAGIC = 0x01021994
@@ -302,6 +303,7 @@ class Segment:
             log.warning("marking shared table %r failed did not work: %s", self.name, e)
         finally:
             try:
+                reaper.forget(self.path, self.fd)
                 with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"removing {self.name!r}",
                             self.directory):
                     _unlink_if_same(self.path, self.fd)
@@ -345,6 +347,7 @@ class Segment:
             return
         try:
             if self.pid == os.getpid():
+                reaper.forget(self.path, self.fd)
                 with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"detaching {self.name!r}",
                             self.directory):
                     try:
@@ -554,6 +557,7 @@ def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, tim
         got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok, attach_ok=attach_ok,
                     replace_orphan=replace_orphan, attach_building=attach_building)
         if isinstance(got, Segment):
+            reaper.watch(got.path, got.fd)
             return got
         fd, head = got
         try:
@@ -576,12 +580,38 @@ def attach(name: str, want: dict, *, timeout: float = _DETACH_LOCK_TIMEOUT_S,
     deadline = time.monotonic() + timeout
     got = _step(name, path, {}, want, 0, deadline, create_ok=False, attach_ok=True, replace_orphan=False)
     if isinstance(got, Segment):
+        reaper.watch(got.path, got.fd)
         return got
     fd, head = got
     os.close(fd)
     raise SharedSegmentError(
         f"shared table {name!r} exists but its creator (pid {head.get('creator_pid')}) has not finished "
         f"filling it; attach after it is ready, or use HostTable.shared({name!r}, ...), which waits")
+
+
+def remove_unused(path: str, file_id: tuple[int, int], deadline: float) -> bool:
+    """A dead process's last detach, made by its reaper (:mod:`.reaper`): remove ``path`` if it is still
+    the file ``file_id`` (``st_dev``, ``st_ino``) and no process holds its attach lock or fills it. True when
+    nothing is left to do (removed, gone, another file now, not ours); False while a lock is still held."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(file_id):
+            return True
+        with _namespace(deadline, f"removing the shared table {path} of a process that died",
+                        os.path.dirname(path)):
+            kind, _ = _classify(fd)
+            if kind == "foreign":
+                return True
+            if kind == "building" or _held_by_other(fd, _ATTACH_BYTE):
+                return False
+            _unlink_if_same(path, fd)
+            return True
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------- inspection
