@@ -70,11 +70,11 @@ def name():
 # the same moment), then does what its mode says and prints one JSON line.
 WORKER = textwrap.dedent("""
     import json, os, sys, time, torch
-    from uvaple.uva import HostTable, SharedSegmentError
+    from uvaple.uva import HostTable, SharedSegmentError, reaper
     name, mode, fill_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
     rows, cols = int(sys.argv[4]), int(sys.argv[5])
     def fill(t):
-        print(json.dumps({"filling": os.getpid()}), flush=True)
+        print(json.dumps({"filling": os.getpid(), "reaper": reaper.reaper_pid()}), flush=True)
         time.sleep(fill_s)
         if mode == "raise":
             sys.stdin.readline()  # raise when told (once another process is waiting on this one)
@@ -90,8 +90,8 @@ WORKER = textwrap.dedent("""
         print(json.dumps({"error": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}), flush=True)
         sys.exit(0)
     s = int(t.tensor.view(torch.int32).to(torch.int64).sum())
-    print(json.dumps({"created": t.created, "sum": s, "pid": os.getpid(), "s": time.monotonic() - t0}),
-          flush=True)
+    print(json.dumps({"created": t.created, "sum": s, "pid": os.getpid(), "s": time.monotonic() - t0,
+                      "reaper": reaper.reaper_pid()}), flush=True)
     if mode in ("hold", "exit"):
         sys.stdin.readline()  # keep it open until told
     if mode == "exit":
@@ -106,6 +106,7 @@ class Worker:
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=dict(os.environ, **(env or {})))
         _WORKERS.append(self)
+        self.reaper = None  # its reaper's pid, once a line named it
         assert self.p.stdout.readline().strip() == "loaded", self.p.stderr.read()
 
     def start(self):
@@ -126,7 +127,9 @@ class Worker:
     def line(self) -> dict:
         out = self.p.stdout.readline()
         assert out, self.p.stderr.read()
-        return json.loads(out)
+        got = json.loads(out)
+        self.reaper = got.get("reaper") or self.reaper
+        return got
 
     def finish(self) -> None:
         if self.p.poll() is None:
@@ -141,17 +144,23 @@ class Worker:
         self.p.send_signal(signal.SIGKILL)
         assert self.p.wait(30) == -signal.SIGKILL
 
-    def kill_with_its_reaper(self) -> None:
-        """Kill the worker and the reaper that would remove its segments (as a kill of the whole machine's
-        processes would): what it held stays behind, for the protocol's own recovery to find."""
-        for pid in children_of(self.p.pid):
+    def kill_tree(self) -> None:
+        """Kill the worker as vLLM stops its engine core (``kill_process_tree``): every descendant, then it."""
+        for pid in descendants_of(self.p.pid):
             os.kill(pid, signal.SIGKILL)
         self.kill()
 
+    def kill_with_its_reaper(self) -> None:
+        """Kill the worker and the reaper that would remove its segments (as a stop of the whole container
+        would): what it held stays behind, for the protocol's own recovery to find."""
+        assert self.reaper
+        os.kill(self.reaper, signal.SIGKILL)
+        self.kill()
 
-def children_of(pid: int) -> list[int]:
-    """The running children of ``pid`` (from ``/proc``)."""
-    out = []
+
+def descendants_of(pid: int) -> list[int]:
+    """The running descendants of ``pid`` (from ``/proc``)."""
+    parent_of = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -159,8 +168,12 @@ def children_of(pid: int) -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
+            if fields[0] != "Z":
+                parent_of[int(entry)] = int(fields[1])
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, pp in parent_of.items() if pp in frontier}
+        out += sorted(frontier)
     return out
 
 
@@ -466,24 +479,24 @@ def running(pid: int) -> bool:
         return False
 
 
-REAPER_ENDS_S = reaper._LOCKS_DROP_S + 10  # its wait for a dead parent's locks, and a margin
+REAPER_WAIT_S = 30  # for a reaper to see its process gone and act
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("when", ["ready", "filling"])
 def test_a_killed_process_leaves_no_segment(name, when):
-    """SIGKILL (how `vllm serve` stops its engine core) runs no exit hook: the process's reaper removes the
-    name, ready or half filled, and ends."""
+    """Killed as `vllm serve` kills its engine core (every descendant, then the process, with SIGKILL: no
+    exit code runs): the process's reaper, out of its tree, removes the name, ready or half filled, and ends."""
     a = Worker(name, "hold", fill_s=3600 if when == "filling" else 0)
     a.start()
     assert "filling" in a.line()
     if when == "ready":
         assert a.line()["created"]
-    (reaper_pid,) = children_of(a.p.pid)
+    assert a.reaper and a.reaper not in descendants_of(a.p.pid) and running(a.reaper)
     assert os.path.exists(path_of(name))
-    a.kill()
-    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_ENDS_S), f"{path_of(name)} was left"
-    assert wait_until(lambda: not running(reaper_pid), 10)
+    a.kill_tree()
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
+    assert wait_until(lambda: not running(a.reaper), 10)
 
 
 @pytest.mark.timeout(120)
@@ -493,12 +506,13 @@ def test_a_killed_process_leaves_what_another_still_holds(name):
     a.line()
     a.line()
     b = HostTable.attach(name)
-    (reaper_pid,) = children_of(a.p.pid)
-    a.kill()
-    assert wait_until(lambda: not running(reaper_pid), REAPER_ENDS_S)  # it left the table to b
+    a.kill_tree()
+    time.sleep(1.0)  # the reaper has seen a's end and found b holding the table
     assert os.path.exists(path_of(name)) and torch.equal(b.tensor, expected())
+    assert running(a.reaper)  # waiting for b to let go
     b.close()  # the last one out
     assert not os.path.exists(path_of(name))
+    assert wait_until(lambda: not running(a.reaper), 10)  # nothing left to it
 
 
 @pytest.mark.timeout(120)
@@ -507,42 +521,102 @@ def test_a_process_ending_normally_ends_its_reaper(name):
     a.start()
     a.line()
     a.line()
-    (reaper_pid,) = children_of(a.p.pid)
     a.finish()  # closes its table and exits
     assert not os.path.exists(path_of(name))
-    assert wait_until(lambda: not running(reaper_pid), 10)
+    assert wait_until(lambda: not running(a.reaper), 10)
 
 
-FORKS = textwrap.dedent("""
-    import os, sys, time, torch
-    from uvaple.uva import HostTable
-    HostTable.shared(sys.argv[1] + "-first", 8, 8, torch.float32).close()  # this process's reaper starts
-    child = os.fork()
-    if child == 0:
+def run_and_kill(script: str, name: str) -> list[int]:
+    """Start ``script`` (argv[1]: ``name``), read the pids it prints on its first line, SIGKILL it."""
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), name], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert pids, "the script printed nothing"
+    finally:
+        p.kill()
+        p.wait(30)
+        p.stdout.close()
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_a_segment_opened_twice_is_held_until_let_go_of_twice(name):
+    (reaper_pid,) = run_and_kill("""
+        import os, sys, time, torch
+        from uvaple.uva import HostTable, reaper
+        a = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
+        b = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
+        assert a.created and not b.created
+        a.close()
+        print(reaper.reaper_pid(), flush=True)
         time.sleep(120)
-        os._exit(0)
-    t = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
-    print(child, flush=True)
-    time.sleep(120)
-""")
+    """, name)
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
+    assert wait_until(lambda: not running(reaper_pid), 10)
 
 
 @pytest.mark.timeout(120)
 def test_a_forked_child_does_not_hide_its_parents_death_from_the_reaper(name):
-    """A forked child inherits the parent's descriptors; it must not hold the reaper's pipe open."""
-    p = subprocess.Popen([sys.executable, "-c", FORKS, name], stdout=subprocess.PIPE, text=True)
-    child = None
+    """A forked child inherits the parent's descriptors; it must not hold the reaper's socket open."""
+    (child,) = run_and_kill("""
+        import os, sys, time, torch
+        from uvaple.uva import HostTable
+        HostTable.shared(sys.argv[1] + "-first", 8, 8, torch.float32).close()  # this process's reaper starts
+        child = os.fork()
+        if child == 0:
+            time.sleep(120)
+            os._exit(0)
+        t = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
+        print(child, flush=True)
+        time.sleep(120)
+    """, name)
     try:
-        child = int(p.stdout.readline())
-        p.kill()
-        p.wait(30)
-        assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_ENDS_S), "the reaper missed the death"
+        assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), "the reaper missed the death"
         assert running(child)
     finally:
-        p.kill()
-        p.stdout.close()
-        if child is not None and running(child):
-            os.kill(child, signal.SIGKILL)
+        os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_sharing_the_table_keeps_it_until_it_ends(name):
+    """The child's inherited mapping holds the segment (it reads the table): the reaper waits for it."""
+    child, reaper_pid = run_and_kill("""
+        import os, sys, time, torch
+        from uvaple.uva import HostTable, reaper
+        t = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
+        child = os.fork()
+        if child == 0:
+            time.sleep(120)
+            os._exit(0)
+        print(child, reaper.reaper_pid(), flush=True)
+        time.sleep(120)
+    """, name)
+    try:
+        time.sleep(1.0)
+        assert os.path.exists(path_of(name)) and running(reaper_pid)
+    finally:
+        os.kill(child, signal.SIGKILL)
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
+    assert wait_until(lambda: not running(reaper_pid), 10)
+
+
+@pytest.mark.parametrize("executable", ["/usr/bin/env", ""])
+def test_a_process_that_cannot_start_a_reaper_says_so_and_works(name, executable):
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import logging, sys, torch
+        logging.basicConfig(level=logging.WARNING)
+        sys.executable = sys.argv[2]
+        from uvaple.uva import HostTable, reaper
+        src = torch.randn(8, 8)
+        with HostTable.shared(sys.argv[1], 8, 8, torch.float32, fill=lambda t: t.write_rows(src)) as t:
+            assert torch.equal(t.tensor, src) and reaper.reaper_pid() is None
+        with HostTable.shared(sys.argv[1], 8, 8, torch.float32) as t:  # warned once
+            pass
+        print("ok")
+    """), name, executable], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr.count("could not be started or reached") == 1, out.stderr
+    assert "not a Python interpreter" in out.stderr and "uvaple shm clean" in out.stderr
 
 
 def orphan(name: str) -> tuple[int, int]:
@@ -555,20 +629,24 @@ def orphan(name: str) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
-def test_the_reaper_removes_only_the_file_it_was_told_of(name):
-    import io
+def serve(data: bytes) -> None:
+    """Run a reaper's loop over ``data`` as its socket's bytes, its process gone."""
+    r, w = os.pipe()
+    os.write(w, data)
+    os.close(w)
+    reaper.serve(r, None)  # (it closes r)
 
+
+def test_the_reaper_removes_only_the_file_it_was_told_of(name):
     file_id = orphan(name)
-    other = (file_id[0], file_id[1] + 1)
-    line = json.dumps({"op": "open", "path": path_of(name), "dev": other[0], "ino": other[1]}).encode()
-    reaper.serve(io.BytesIO(line + b"\n" + b'{"op": "open", "pa'))  # another file; a torn last line
+    line = lambda op, ino: json.dumps({"op": op, "path": path_of(name), "dev": file_id[0],  # noqa: E731
+                                       "ino": ino}).encode() + b"\n"
+    serve(line("open", file_id[1] + 1) + b'{"op": "open", "pa')  # another file; a torn last line
     assert os.path.exists(path_of(name))
-    line = json.dumps({"op": "open", "path": path_of(name), "dev": file_id[0], "ino": file_id[1]}).encode()
-    reaper.serve(io.BytesIO(line + b"\n" + json.dumps({"op": "close", "path": path_of(name), "dev": file_id[0],
-                                                        "ino": file_id[1]}).encode() + b"\n"))
+    serve(line("open", file_id[1]) + line("close", file_id[1]))
     assert os.path.exists(path_of(name))  # let go of before the end: not the reaper's
-    reaper.serve(io.BytesIO(line + b"\n"))
-    assert not os.path.exists(path_of(name))
+    serve(line("open", file_id[1]) + line("open", file_id[1]) + line("close", file_id[1]))
+    assert not os.path.exists(path_of(name))  # opened twice, let go of once
 
 
 def test_the_reaper_leaves_a_file_that_is_not_ours(name):
@@ -628,12 +706,12 @@ def test_a_fill_error_too_long_for_the_header_still_cleans_up(name):
 @pytest.mark.timeout(120)
 def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
     """A forked child's inherited table, once closed in the child, holds nothing of the segment: when the
-    parent is killed the segment is no longer attached (clean removes it) though the child lives on. (A
+    parent is killed the segment is no longer attached (its reaper removes it) though the child lives on. (A
     child that keeps the inherited mapping keeps the segment attached: it can still read it.)
 
     Where the parent registered the table with a GPU, the child also inherited the GPU driver's device
     descriptors, and through them the parent's registration, which references the segment: then the
-    segment stays attached until the child exits too, and clean removes it after that."""
+    segment stays attached until the child exits too, and the parent's reaper removes it after that."""
     code = textwrap.dedent(f"""
         import os, sys, time, torch
         from uvaple.uva import HostTable
@@ -673,13 +751,6 @@ def test_a_forked_child_that_lets_go_keeps_no_lock_of_a_dead_parent(name):
 
 
 def _a_child_that_let_go_holds_nothing(p, child: int, registered: bool, name: str) -> None:
-
-    def attached_within(seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        while (info := {i.name: i for i in segments.list_segments()}[name]).attached and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return info.attached
-
     assert {i.name: i for i in segments.list_segments()}[name].attached
     p.send_signal(signal.SIGKILL)
     p.wait(30)
@@ -687,8 +758,9 @@ def _a_child_that_let_go_holds_nothing(p, child: int, registered: bool, name: st
         driver = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
         assert any(d.startswith("/dev/nvidia") for d in driver), driver  # what keeps it referenced
         os.kill(child, signal.SIGKILL)
-    assert not attached_within(20)  # the living (unregistered) or dead (registered) child holds no lock
-    assert [i.name for i in segments.clean([name])] == [name]
+    # the parent's reaper removes a segment only when no process holds its attach lock: the living
+    # (unregistered) or dead (registered) child holds none
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
 
 
 # ------------------------------------------------------------------ the end of a multiprocessing child

@@ -1,27 +1,38 @@
-"""The segments of a killed process: a small watcher removes their names when it is gone.
+"""The segments of a killed process: a watcher removes their names when it is gone.
 
 A process lets go of a shared segment through :meth:`Segment.detach <.segments.Segment.detach>`: at close,
 and at its end through ``atexit`` and ``multiprocessing``'s exit finalizers (:mod:`._region`). A process
-killed with ``SIGKILL`` runs none of them, and that is how ``vllm serve`` stops its engine core ("force
-killing remaining processes", no grace period). The segment's name then stays in ``/dev/shm`` and its pages,
-the whole table, stay in host memory until ``uvaple shm clean``.
+killed with ``SIGKILL`` runs none of them, and that is how ``vllm serve`` stops its engine core (vLLM's
+``kill_process_tree``: every descendant first, then the process, no grace period). The segment's name then
+stays in ``/dev/shm`` and its pages, the whole table, stay in host memory until ``uvaple shm clean``.
 
-So the first segment a process creates or attaches starts its **reaper**: a Python process started with
-``exec`` (not a fork: no lock, thread or CUDA state of the model's process goes with it; it imports the
-segment protocol only, not torch) in a session of its own (a signal to the model's process group does not
-reach it), holding no descriptor of its parent's but its end of one pipe (its output goes to ``/dev/null``:
-a harness reading the parent's output is not kept waiting by it). The parent writes a line on the pipe
-for each segment it opens and each it lets go; it holds the pipe's only write end (closed in forked children
-at once, and close-on-exec). When the pipe reads end-of-file the parent is gone, however it ended, and the
-reaper does what the parent's last detach would have done, for each segment it still held: under the
-namespace lock, remove the name if it still names the same file and no process holds the attach lock.
+So the first segment a process creates or attaches starts its **reaper**, a watcher process:
 
-The dead parent's own locks drop as its last references to the file go, a moment after the pipe closes, so
-the reaper tries again for a bounded time (``_LOCKS_DROP_S``). A segment that another process still holds
-after that is left to that process, whose own detach (or reaper) removes it. A process that ends normally has
-detached its segments and said so; its reaper finds nothing to do and exits.
+* **Out of the process's tree.** Started with ``exec`` (not a bare fork: no lock, thread or CUDA state of
+  the model's process goes with it), it forks once more and the middle process exits, so the reaper is
+  adopted by init: a kill of the model's process and all its descendants (vLLM's) does not reach it. Its own
+  session: nor does a signal to the model's process group. It imports the segment protocol only, not torch
+  (``python -I -S``), closes every descriptor it inherited but its end of one socket, writes to
+  ``/dev/null``, and tells its pid back (the start's handshake: no pid within ``_START_S``, no reaper).
+* **Told what the process holds.** The process writes a line on the socket for each segment it opens and
+  each it lets go (path, device and inode), counted: a segment opened twice is held until let go of twice.
+  It holds the socket's only end (close-on-exec; closed at once in a forked child); a write never blocks it
+  and never raises ``SIGPIPE`` (a non-blocking socket, ``MSG_NOSIGNAL``); a reaper that cannot be reached
+  is a warning, once.
+* **Waiting for the process to be gone.** End-of-file on the socket means the process is ending; the reaper
+  then waits on a pidfd of the process until its exit is complete (its files, mappings and the GPU driver's
+  references released, and with them its locks; at most ``_EXIT_WAIT_S``). Then it does what the process's
+  last detach would have done, for each segment it still held (:func:`.segments.remove_unused`): under the
+  namespace lock, remove the name if it still names the same file and no process holds the attach lock.
+  A segment another live process holds (a replica; a child the process forked, which shares its mapping) is
+  tried again, less and less often, until that holder lets go (its own detach removes the name, or the
+  holder dies and this reaper removes it) or the name names another file.
 
-Nothing here is on a lookup's path: a process writes to the pipe when it opens or lets go of a segment.
+What it cannot help: the reaper killed too (a stop of the whole container or cgroup, ``pkill python``):
+the segment stays, for the next ``HostTable.shared`` of that name to attach or replace, or for
+``uvaple shm clean``. A process that ends normally has let go of its segments itself; its reaper finds
+nothing held and exits. Nothing here is on a lookup's path: the process writes to the socket when it opens
+or lets go of a segment.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -37,89 +50,144 @@ log = logging.getLogger("uvaple.uva")
 
 __all__ = ["watch", "forget", "reaper_pid"]
 
-# How long a reaper waits for a dead parent's locks on a segment to drop before it leaves the segment to
-# whoever holds it (a live process: another replica, a forked child).
-_LOCKS_DROP_S = 10.0
-_RETRY_S = 0.02
+_START_S = 10.0  # for the reaper's pid to come back at its start
+_EXIT_WAIT_S = 120.0  # for a dead process's exit to complete (a large registered table's release)
+_RETRY_MIN_S, _RETRY_MAX_S = 0.02, 1.0  # trying a segment another process holds again
+_NAMESPACE_WAIT_S = 10.0  # for the namespace lock, at each try
 
-# The reaper's entry: the package ``uvaple.uva`` is made a bare namespace at this module's directory, so that
-# its ``__init__`` (which imports torch) does not run; the descriptors it may have inherited are closed.
+# The reaper's start. Run as ``python -I -S -c _BOOT <uvaple.uva's directory> <parent pid>``, the socket on
+# descriptor 0 and the handshake's pipe on 1. The package ``uvaple.uva`` is made a bare namespace at its
+# directory, so that its ``__init__`` (which imports torch) does not run.
 _BOOT = (
     "import os, sys, types\n"
     "os.closerange(3, os.sysconf('SC_OPEN_MAX'))\n"
+    "child = os.fork()\n"
+    "if child:\n"
+    "    os.write(1, b'%d\\n' % child)\n"
+    "    os._exit(0)\n"
+    "os.setsid()\n"
+    "null = os.open(os.devnull, os.O_RDWR)\n"
+    "os.dup2(null, 1); os.dup2(null, 2); os.close(null)\n"
     "os.chdir('/')\n"
     "for n, p in (('uvaple', []), ('uvaple.uva', [sys.argv[1]])):\n"
     "    m = types.ModuleType(n); m.__path__ = p; sys.modules[n] = m\n"
     "from uvaple.uva import reaper\n"
-    "reaper.serve(sys.stdin.buffer)\n"
+    "reaper.serve(0, int(sys.argv[2]))\n"
 )
 
-_lock = threading.Lock()
-_pid: int | None = None  # the reaper of this process
-_fd: int | None = None  # the pipe's write end
-_owner: int | None = None  # the process that started it (a forked child has none until it starts its own)
+_lock = threading.RLock()  # re-entrant: a finalizer that detaches a segment may run inside a call here
+_sock: socket.socket | None = None  # this process's end
+_pid: int | None = None  # its reaper
+_owner: int | None = None  # the process that started it (a forked child starts its own)
+_starting = False
+_failed = False  # the reaper could not be started or reached: warned once, not tried again
 _hook = False
-_warned = False
 
 
 def _after_fork_in_child() -> None:
-    """A forked child drops its copy of the parent's pipe (else the parent's death would not be seen while the
-    child lives) and starts a reaper of its own if it opens a segment itself."""
-    global _pid, _fd, _owner, _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-    if _fd is not None:
+    """A forked child closes its copy of the parent's socket (else the parent's end would not be seen while
+    the child lives) and starts a reaper of its own if it opens a segment itself."""
+    global _sock, _pid, _owner, _lock, _starting, _failed
+    _lock = threading.RLock()  # another thread of the parent may have held it at the fork
+    if _sock is not None:
         try:
-            os.close(_fd)
+            _sock.close()
         except OSError:
             pass
-    _pid = _fd = _owner = None
+    _sock = _pid = _owner = None
+    _starting = _failed = False
+
+
+def _python() -> str:
+    exe = sys.executable
+    if getattr(sys, "frozen", False) or not exe or not os.path.basename(exe).startswith(("python", "pypy")):
+        raise OSError(f"this process's executable ({exe or 'none'}) is not a Python interpreter to start it with")
+    return exe
 
 
 def _start() -> None:
-    """Start this process's reaper (lock held)."""
-    global _pid, _fd, _owner, _hook
+    """Start this process's reaper (``_lock`` held)."""
+    global _sock, _pid, _owner, _hook
     if not _hook:
         _hook = True
         os.register_at_fork(after_in_child=_after_fork_in_child)
-    if not sys.executable:
-        raise OSError("this interpreter has no sys.executable to start the reaper with")
-    read_end, write_end = os.pipe()  # both close-on-exec
+    exe = _python()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec, both
+    _sock = ours  # set at once: a fork from another thread from here on closes it in the child
+    hand_r, hand_w = os.pipe()
+    middle = None
     try:
-        pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", _BOOT,
-                                              os.path.dirname(os.path.abspath(__file__))],
-                             dict(os.environ), setsid=True,
-                             file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0),
-                                           (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                                           (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+        middle = os.posix_spawn(exe, [exe, "-I", "-S", "-c", _BOOT, os.path.dirname(os.path.abspath(__file__)),
+                                      str(os.getpid())], dict(os.environ),
+                                file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0),
+                                              (os.POSIX_SPAWN_DUP2, hand_w, 1),
+                                              (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+        theirs.close()
+        os.close(hand_w)
+        hand_w = None
+        pid = _read_pid(hand_r, middle)
     except BaseException:
-        os.close(write_end)
+        _sock = None
+        ours.close()
         raise
     finally:
-        os.close(read_end)
-    _pid, _fd, _owner = pid, write_end, os.getpid()
+        theirs.close()
+        if hand_w is not None:
+            os.close(hand_w)
+        os.close(hand_r)
+        if middle is not None:
+            _reap_child(middle)
+    ours.setblocking(False)
+    _pid, _owner = pid, os.getpid()
 
 
-def _send(message: dict) -> None:
-    line = (json.dumps(message) + "\n").encode()
-    os.write(_fd, line)  # one line, far under PIPE_BUF: written whole or not at all
+def _read_pid(fd: int, middle: int) -> int:
+    got = b""
+    deadline = time.monotonic() + _START_S
+    while not got.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            os.kill(middle, 9)
+            raise OSError(f"it did not start within {_START_S:g} s")
+        chunk = os.read(fd, 32)
+        if not chunk:
+            raise OSError("it ended at its start")
+        got += chunk
+    return int(got)
+
+
+def _reap_child(pid: int) -> None:
+    """Collect the middle process (it exits as soon as it has forked the reaper)."""
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _tell(op: str, path: str, fd: int) -> None:
-    global _warned
-    st = os.fstat(fd)
-    with _lock:
-        try:
+    """Tell the reaper; never raises (a detach must go on whatever happens here)."""
+    global _starting, _failed
+    try:
+        st = os.fstat(fd)
+        line = (json.dumps({"op": op, "path": path, "dev": st.st_dev, "ino": st.st_ino}) + "\n").encode()
+        with _lock:
             if _owner != os.getpid():
-                if op != "open":
-                    return
-                _start()
-            _send({"op": op, "path": path, "dev": st.st_dev, "ino": st.st_ino})
-        except OSError as e:
-            if not _warned:
-                _warned = True
-                log.warning("the watcher that removes this process's shared segments if it is killed could not "
-                            "be started or reached (%s); if it is killed, remove what it leaves with "
-                            "`uvaple shm clean`", e)
+                if op != "open" or _starting or _failed:
+                    return  # (a close before any open of this process's; a finalizer inside the start)
+                _starting = True
+                try:
+                    _start()
+                finally:
+                    _starting = False
+            sent = 0
+            while sent < len(line):
+                sent += _sock.send(line[sent:], socket.MSG_NOSIGNAL)
+    except Exception as e:  # noqa: BLE001 - a detach must go on
+        if not _failed:
+            _failed = True
+            log.warning("the watcher that removes this process's shared segments if it is killed could not be "
+                        "started or reached (%s); if this process is killed, remove what it leaves with "
+                        "`uvaple shm clean`", e)
 
 
 def watch(path: str, fd: int) -> None:
@@ -133,36 +201,50 @@ def forget(path: str, fd: int) -> None:
 
 
 def reaper_pid() -> int | None:
-    """The pid of this process's reaper, or None before it opened a segment."""
+    """The pid of this process's reaper, or None before it opened a segment (or when it could not start)."""
     return _pid if _owner == os.getpid() else None
 
 
 # ---------------------------------------------------------------------------------------- the reaper
-def serve(pipe) -> None:
-    """The reaper's loop: follow the parent's segments until its pipe ends, then remove what it held."""
+def serve(fd: int, parent: int | None) -> None:
+    """The reaper's loop: follow the parent's segments on ``fd`` until it ends and the ``parent``'s exit is
+    complete, then remove what it held."""
     from . import segments  # (segments imports this module)
 
-    held: dict[tuple[int, int], str] = {}
-    for line in pipe:
-        try:
-            m = json.loads(line)
-            key = (int(m["dev"]), int(m["ino"]))
-            if m["op"] == "open":
-                held[key] = str(m["path"])
-            else:
-                held.pop(key, None)
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line of a parent killed mid-write
-    deadline = time.monotonic() + _LOCKS_DROP_S
-    while held:
-        for key, path in list(held.items()):
+    try:
+        exited = os.pidfd_open(parent) if parent is not None else None
+    except (AttributeError, OSError):
+        exited = None  # (no pidfd: before Linux 5.3, or the parent already gone)
+    held: dict[tuple[int, int], list] = {}  # (dev, ino) -> [path, times opened]
+    with os.fdopen(fd, "rb") as f:
+        for line in f:
             try:
-                done = segments.remove_unused(path, key, deadline)
-            except Exception:  # noqa: BLE001 - one segment's failure must not keep the others
-                done = True  # (an unreadable file, the namespace lock held past the deadline: left alone)
+                m = json.loads(line)
+                key = (int(m["dev"]), int(m["ino"]))
+                if m["op"] == "open":
+                    held.setdefault(key, [str(m["path"]), 0])[1] += 1
+                elif key in held:
+                    held[key][1] -= 1
+                    if held[key][1] <= 0:
+                        del held[key]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by the parent's death
+    if not held:
+        return
+    if exited is not None:
+        select.select([exited], [], [], _EXIT_WAIT_S)  # readable once the exit is complete
+        os.close(exited)
+    delay = _RETRY_MIN_S
+    while held:
+        for key, (path, _) in list(held.items()):
+            try:
+                done = segments.remove_unused(path, key, time.monotonic() + _NAMESPACE_WAIT_S)
+            except segments.SharedSegmentTimeout:
+                done = False  # the namespace lock was held the whole wait: later
+            except Exception:  # noqa: BLE001 - a file it cannot read: left alone, as `shm clean` would
+                done = True
             if done:
                 del held[key]
-        if held and time.monotonic() >= deadline:
-            return  # held by a live process now: its own detach removes it
         if held:
-            time.sleep(_RETRY_S)
+            time.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX_S)

@@ -34,8 +34,8 @@ Fork. A shared table's pages stay shared: a child's inherited views read the tab
 keeps that mapping the segment counts as attached (closing the child's copy of the table object lets go
 of it). A child forked after the parent registered a shared table also inherits the GPU driver's device
 descriptors, and with them the parent's registration, which references the segment: it then counts as
-attached until that child exits as well, even if the parent is gone (``uvaple shm clean`` removes it
-after that).
+attached until that child exits as well, even if the parent is gone; the parent's watcher
+(:mod:`.reaper`) removes it after both, if the parent was killed.
 """
 
 from __future__ import annotations
