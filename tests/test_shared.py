@@ -510,9 +510,9 @@ def test_a_killed_process_leaves_what_another_still_holds(name):
     time.sleep(1.0)  # the reaper has seen a's end and found b holding the table
     assert os.path.exists(path_of(name)) and torch.equal(b.tensor, expected())
     assert running(a.reaper)  # waiting for b to let go
-    b.close()  # the last one out
-    assert not os.path.exists(path_of(name))
-    assert wait_until(lambda: not running(a.reaper), 10)  # nothing left to it
+    b.close()  # the last one out (or, if a's locks outlive its exit for a moment, a's reaper after it)
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
+    assert wait_until(lambda: not running(a.reaper), REAPER_WAIT_S)  # nothing left to it
 
 
 @pytest.mark.timeout(120)
@@ -561,12 +561,13 @@ def test_a_forked_child_does_not_hide_its_parents_death_from_the_reaper(name):
     (child,) = run_and_kill("""
         import os, sys, time, torch
         from uvaple.uva import HostTable
-        HostTable.shared(sys.argv[1] + "-first", 8, 8, torch.float32).close()  # this process's reaper starts
+        # unregistered: a child forked after a GPU registration would hold the segment through the driver
+        HostTable.shared(sys.argv[1] + "-first", 8, 8, torch.float32, register=False).close()  # the reaper starts
         child = os.fork()
         if child == 0:
             time.sleep(120)
             os._exit(0)
-        t = HostTable.shared(sys.argv[1], 8, 8, torch.float32)
+        t = HostTable.shared(sys.argv[1], 8, 8, torch.float32, register=False)
         print(child, flush=True)
         time.sleep(120)
     """, name)
@@ -598,6 +599,41 @@ def test_a_forked_child_sharing_the_table_keeps_it_until_it_ends(name):
         os.kill(child, signal.SIGKILL)
     assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
     assert wait_until(lambda: not running(reaper_pid), 10)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_with_many_descriptors_open_starts_its_reaper(name):
+    """Descriptors past 1,023 (a busy engine's) break a select(); the start polls, and the reaper closes them."""
+    (reaper_pid, fds) = run_and_kill("""
+        import os, resource, sys, time, torch
+        from uvaple.uva import HostTable, reaper
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < 1200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(1200, hard), hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        t = HostTable.shared(sys.argv[1], 8, 8, torch.float32, register=False)
+        print(reaper.reaper_pid(), max(held), flush=True)
+        time.sleep(120)
+    """, name)
+    assert fds >= 1024 and running(reaper_pid)
+    kept = {int(f): os.readlink(f"/proc/{reaper_pid}/fd/{f}") for f in os.listdir(f"/proc/{reaper_pid}/fd")}
+    assert all(fd <= 2 or "pidfd" in what for fd, what in kept.items()), kept  # nothing inherited kept
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
+
+
+@pytest.mark.timeout(120)
+def test_the_reaper_outlives_the_stop_signals_of_its_process_group(name):
+    """A stop that signals the whole group (or cgroup) first, then kills the process: the reaper stays for it."""
+    a = Worker(name, "hold")
+    a.start()
+    a.line()
+    a.line()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(a.reaper, sig)
+    time.sleep(0.2)
+    assert running(a.reaper)
+    a.kill_tree()
+    assert wait_until(lambda: not os.path.exists(path_of(name)), REAPER_WAIT_S), f"{path_of(name)} was left"
 
 
 @pytest.mark.parametrize("executable", ["/usr/bin/env", ""])

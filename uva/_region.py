@@ -34,8 +34,8 @@ Three situations make the release wait or shrink:
   target, which runs no ``atexit`` handler, and a table a captured graph reads lives until that exit, so
   without it every stopped engine would leave its table's pages in ``/dev/shm``. A process killed
   (``SIGKILL``, or a signal it does not handle) runs none of it: its watcher (:mod:`.reaper`) removes what
-  it held. Only if the watcher is killed too does a segment stay; the next ``HostTable.shared`` of that
-  name attaches or replaces it, and ``uvaple shm clean`` removes it.
+  it held. Where the watcher dies too or could not start (:mod:`.reaper` says when) a segment stays; the
+  next ``HostTable.shared`` of that name attaches or replaces it, and ``uvaple shm clean`` removes it.
 * **In a forked child** the region belongs to the parent: the child's copy of a table refuses use
   (:class:`~uvaple.uva.errors.TableForkedError`) and its release only unmaps this address space's
   range and closes inherited descriptors: no CUDA call, no unlink. A private mapping is advised

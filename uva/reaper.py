@@ -10,29 +10,35 @@ So the first segment a process creates or attaches starts its **reaper**, a watc
 
 * **Out of the process's tree.** Started with ``exec`` (not a bare fork: no lock, thread or CUDA state of
   the model's process goes with it), it forks once more and the middle process exits, so the reaper is
-  adopted by init: a kill of the model's process and all its descendants (vLLM's) does not reach it. Its own
-  session: nor does a signal to the model's process group. It imports the segment protocol only, not torch
+  adopted by init (or the nearest child subreaper; if that is the model's process itself, a warning says so):
+  a kill of the model's process and all its descendants (vLLM's) does not reach it. Its own session, and it
+  ignores ``SIGTERM``, ``SIGINT``, ``SIGHUP`` and ``SIGQUIT``: a stop signalled to a whole process group or
+  cgroup before it kills them does not end it first. It imports the segment protocol only, not torch
   (``python -I -S``), closes every descriptor it inherited but its end of one socket, writes to
-  ``/dev/null``, and tells its pid back (the start's handshake: no pid within ``_START_S``, no reaper).
+  ``/dev/null``, and tells its pid back once it has imported what it runs (the start's handshake, bounded
+  by ``_START_S``: no pid, no reaper, a warning). It is started before the process's first segment is made.
 * **Told what the process holds.** The process writes a line on the socket for each segment it opens and
-  each it lets go (path, device and inode), counted: a segment opened twice is held until let go of twice.
-  It holds the socket's only end (close-on-exec; closed at once in a forked child); a write never blocks it
-  and never raises ``SIGPIPE`` (a non-blocking socket, ``MSG_NOSIGNAL``); a reaper that cannot be reached
-  is a warning, once.
+  each it lets go (path, device and inode; a let-go after the name's removal), counted: a segment opened
+  twice is held until let go of twice. It holds the socket's only end (close-on-exec; closed at once in a
+  forked child); a write never blocks it and never raises ``SIGPIPE`` (a non-blocking socket,
+  ``MSG_NOSIGNAL``); a reaper that cannot be reached is a warning, once, and is not written to again.
 * **Waiting for the process to be gone.** End-of-file on the socket means the process is ending; the reaper
-  then waits on a pidfd of the process until its exit is complete (its files, mappings and the GPU driver's
-  references released, and with them its locks; at most ``_EXIT_WAIT_S``). Then it does what the process's
-  last detach would have done, for each segment it still held (:func:`.segments.remove_unused`): under the
-  namespace lock, remove the name if it still names the same file and no process holds the attach lock.
-  A segment another live process holds (a replica; a child the process forked, which shares its mapping) is
-  tried again, less and less often, until that holder lets go (its own detach removes the name, or the
-  holder dies and this reaper removes it) or the name names another file.
+  then waits (at most ``_EXIT_WAIT_S``) on a pidfd of the process, readable once its exit is complete, so that
+  a first try seldom finds the dead process's own locks. Then it does what the process's last detach would
+  have done, for each segment it still held (:func:`.segments.remove_unused`): under the namespace lock,
+  remove the name if it still names the same file and no process holds the attach lock. A segment still
+  held (a replica; a child the process forked, which shares its mapping or, on a GPU, its registration; a
+  driver's deferred release) is tried again, less and less often (up to every ``_RETRY_MAX_S``), until that
+  holder lets go (its own detach removes the name, or it dies and this reaper removes it) or the name names
+  another file. The retries, not the pidfd, are what make the removal certain.
 
-What it cannot help: the reaper killed too (a stop of the whole container or cgroup, ``pkill python``):
-the segment stays, for the next ``HostTable.shared`` of that name to attach or replace, or for
-``uvaple shm clean``. A process that ends normally has let go of its segments itself; its reaper finds
-nothing held and exits. Nothing here is on a lookup's path: the process writes to the socket when it opens
-or lets go of a segment.
+What it cannot help: the reaper killed too (a stop of the whole cgroup with ``SIGKILL``, ``pkill -9
+python``; a container whose PID 1 is the server, whose end kills every process of its PID namespace at once,
+while ``/dev/shm`` is the host's or the pod's: ``--ipc=host``), a reaper that could not start (warned), a
+process killed in the microseconds between making a segment and telling its reaper. Such a segment stays,
+for the next ``HostTable.shared`` of that name to attach or replace, or for ``uvaple shm clean``. A process
+that ends normally has let go of its segments itself; its reaper finds nothing held and exits. Nothing here is
+on a lookup's path: the process writes to the socket when it opens or lets go of a segment.
 """
 
 from __future__ import annotations
@@ -48,19 +54,34 @@ import time
 
 log = logging.getLogger("uvaple.uva")
 
-__all__ = ["watch", "forget", "reaper_pid"]
+__all__ = ["start", "watch", "forget", "reaper_pid"]
 
 _START_S = 10.0  # for the reaper's pid to come back at its start
 _EXIT_WAIT_S = 120.0  # for a dead process's exit to complete (a large registered table's release)
-_RETRY_MIN_S, _RETRY_MAX_S = 0.02, 1.0  # trying a segment another process holds again
+_RETRY_MIN_S, _RETRY_MAX_S = 0.02, 5.0  # trying a segment another process holds again
 _NAMESPACE_WAIT_S = 10.0  # for the namespace lock, at each try
 
 # The reaper's start. Run as ``python -I -S -c _BOOT <uvaple.uva's directory> <parent pid>``, the socket on
-# descriptor 0 and the handshake's pipe on 1. The package ``uvaple.uva`` is made a bare namespace at its
-# directory, so that its ``__init__`` (which imports torch) does not run.
+# descriptor 0 and the handshake's pipe on 1. The first process ignores the signals a stop sends a whole group
+# or cgroup (the reaper ends by itself), closes what it inherited (the descriptors ``/proc`` lists: a limit of
+# 2^30 descriptors makes a loop over all of them minutes long), opens a pidfd of its parent (which is checked
+# to be the model's process: a pid reused in between is not waited on), makes the package ``uvaple.uva`` a bare
+# namespace at its directory (its ``__init__`` imports torch) and imports this module; only then does it fork
+# the reaper and hand its pid back, and exit.
 _BOOT = (
-    "import os, sys, types\n"
-    "os.closerange(3, os.sysconf('SC_OPEN_MAX'))\n"
+    "import os, signal, sys, types\n"
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):\n"
+    "    signal.signal(s, signal.SIG_IGN)\n"
+    "for fd in [int(f) for f in os.listdir('/proc/self/fd')]:\n"
+    "    if fd > 2:\n"
+    "        try: os.close(fd)\n"
+    "        except OSError: pass\n"
+    "parent = int(sys.argv[2])\n"
+    "try: exited = os.pidfd_open(parent) if os.getppid() == parent else None\n"
+    "except (AttributeError, OSError): exited = None\n"
+    "for n, p in (('uvaple', []), ('uvaple.uva', [sys.argv[1]])):\n"
+    "    m = types.ModuleType(n); m.__path__ = p; sys.modules[n] = m\n"
+    "from uvaple.uva import reaper\n"
     "child = os.fork()\n"
     "if child:\n"
     "    os.write(1, b'%d\\n' % child)\n"
@@ -69,10 +90,7 @@ _BOOT = (
     "null = os.open(os.devnull, os.O_RDWR)\n"
     "os.dup2(null, 1); os.dup2(null, 2); os.close(null)\n"
     "os.chdir('/')\n"
-    "for n, p in (('uvaple', []), ('uvaple.uva', [sys.argv[1]])):\n"
-    "    m = types.ModuleType(n); m.__path__ = p; sys.modules[n] = m\n"
-    "from uvaple.uva import reaper\n"
-    "reaper.serve(0, int(sys.argv[2]))\n"
+    "reaper.serve(0, exited)\n"
 )
 
 _lock = threading.RLock()  # re-entrant: a finalizer that detaches a segment may run inside a call here
@@ -80,7 +98,7 @@ _sock: socket.socket | None = None  # this process's end
 _pid: int | None = None  # its reaper
 _owner: int | None = None  # the process that started it (a forked child starts its own)
 _starting = False
-_failed = False  # the reaper could not be started or reached: warned once, not tried again
+_failed = False  # the reaper could not be started or reached: warned once, not tried (or written to) again
 _hook = False
 
 
@@ -136,58 +154,93 @@ def _start() -> None:
             os.close(hand_w)
         os.close(hand_r)
         if middle is not None:
-            _reap_child(middle)
+            _collect(middle)
     ours.setblocking(False)
     _pid, _owner = pid, os.getpid()
+    if _parent_of(pid) == _owner:
+        log.warning("this process is a child subreaper: the watcher of its shared segments (pid %d) is its child, "
+                    "and a kill of its whole tree kills the watcher too (then `uvaple shm clean` removes what it "
+                    "leaves)", pid)
 
 
 def _read_pid(fd: int, middle: int) -> int:
     got = b""
     deadline = time.monotonic() + _START_S
+    ready = select.poll()
+    ready.register(fd, select.POLLIN)
     while not got.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not ready.poll(left * 1000):
             os.kill(middle, 9)
             raise OSError(f"it did not start within {_START_S:g} s")
         chunk = os.read(fd, 32)
         if not chunk:
-            raise OSError("it ended at its start")
+            raise OSError("it ended at its start (its interpreter could not import this module)")
         got += chunk
     return int(got)
 
 
-def _reap_child(pid: int) -> None:
-    """Collect the middle process (it exits as soon as it has forked the reaper)."""
+def _collect(pid: int) -> None:
+    """Collect the middle process (it exits as soon as it has forked the reaper), waiting a bounded time."""
+    deadline = time.monotonic() + _START_S
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
+                return  # (one stuck past the deadline is left a zombie: never a wait without end)
+        except ChildProcessError:
+            return
+        time.sleep(0.001)
+
+
+def _parent_of(pid: int) -> int | None:
     try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start() -> None:
+    """Start this process's reaper now if it has none (before a segment is made: the start's wait, or an
+    interrupt in it, then comes before there is anything to leave behind). Never raises an ``Exception``."""
+    global _starting, _failed
+    try:
+        with _lock:
+            if _owner == os.getpid() or _starting or _failed:
+                return  # (running; a finalizer inside the start; could not start)
+            _starting = True
+            try:
+                _start()
+            finally:
+                _starting = False
+    except Exception as e:  # noqa: BLE001 - the segment works without it
+        _give_up(e)
+
+
+def _give_up(e: Exception) -> None:
+    global _failed
+    if not _failed:
+        _failed = True
+        log.warning("the watcher that removes this process's shared segments if it is killed could not be "
+                    "started or reached (%s); if this process is killed, remove what it leaves with "
+                    "`uvaple shm clean`", e)
 
 
 def _tell(op: str, path: str, fd: int) -> None:
-    """Tell the reaper; never raises (a detach must go on whatever happens here)."""
-    global _starting, _failed
+    """Tell the reaper (started if ``op`` is an open and it is not); never raises an ``Exception``."""
+    if op == "open":
+        start()
     try:
         st = os.fstat(fd)
         line = (json.dumps({"op": op, "path": path, "dev": st.st_dev, "ino": st.st_ino}) + "\n").encode()
         with _lock:
-            if _owner != os.getpid():
-                if op != "open" or _starting or _failed:
-                    return  # (a close before any open of this process's; a finalizer inside the start)
-                _starting = True
-                try:
-                    _start()
-                finally:
-                    _starting = False
+            if _owner != os.getpid() or _failed:
+                return
             sent = 0
             while sent < len(line):
                 sent += _sock.send(line[sent:], socket.MSG_NOSIGNAL)
     except Exception as e:  # noqa: BLE001 - a detach must go on
-        if not _failed:
-            _failed = True
-            log.warning("the watcher that removes this process's shared segments if it is killed could not be "
-                        "started or reached (%s); if this process is killed, remove what it leaves with "
-                        "`uvaple shm clean`", e)
+        _give_up(e)  # (and no more lines: one torn by a partial send would swallow the next)
 
 
 def watch(path: str, fd: int) -> None:
@@ -206,15 +259,11 @@ def reaper_pid() -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- the reaper
-def serve(fd: int, parent: int | None) -> None:
-    """The reaper's loop: follow the parent's segments on ``fd`` until it ends and the ``parent``'s exit is
-    complete, then remove what it held."""
+def serve(fd: int, exited: int | None) -> None:
+    """The reaper's loop: follow the parent's segments on ``fd`` until it ends and the parent's exit is complete
+    (``exited``, a pidfd of it, readable then; None: not waited on), then remove what it held."""
     from . import segments  # (segments imports this module)
 
-    try:
-        exited = os.pidfd_open(parent) if parent is not None else None
-    except (AttributeError, OSError):
-        exited = None  # (no pidfd: before Linux 5.3, or the parent already gone)
     held: dict[tuple[int, int], list] = {}  # (dev, ino) -> [path, times opened]
     with os.fdopen(fd, "rb") as f:
         for line in f:
@@ -232,7 +281,9 @@ def serve(fd: int, parent: int | None) -> None:
     if not held:
         return
     if exited is not None:
-        select.select([exited], [], [], _EXIT_WAIT_S)  # readable once the exit is complete
+        gone = select.poll()
+        gone.register(exited, select.POLLIN)
+        gone.poll(_EXIT_WAIT_S * 1000)  # readable once the exit is complete
         os.close(exited)
     delay = _RETRY_MIN_S
     while held:

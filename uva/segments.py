@@ -303,10 +303,10 @@ class Segment:
             log.warning("marking shared table %r failed did not work: %s", self.name, e)
         finally:
             try:
-                reaper.forget(self.path, self.fd)
                 with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"removing {self.name!r}",
                             self.directory):
                     _unlink_if_same(self.path, self.fd)
+                reaper.forget(self.path, self.fd)
             except Exception as e:  # noqa: BLE001
                 log.warning("removing the failed shared table %r did not work: %s", self.name, e)
             finally:
@@ -347,7 +347,6 @@ class Segment:
             return
         try:
             if self.pid == os.getpid():
-                reaper.forget(self.path, self.fd)
                 with _namespace(time.monotonic() + _DETACH_LOCK_TIMEOUT_S, f"detaching {self.name!r}",
                             self.directory):
                     try:
@@ -359,6 +358,7 @@ class Segment:
                         _ofd(self.fd, fcntl.F_UNLCK, _BUILD_BYTE)
                         if not self.others_attached():
                             _unlink_if_same(self.path, self.fd)
+                        reaper.forget(self.path, self.fd)  # last: killed before it, the reaper does the above
                     finally:
                         self.close_descriptor()
         finally:
@@ -553,6 +553,7 @@ def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, tim
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout
+    reaper.start()  # before there is a segment to leave behind
     while True:
         got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok, attach_ok=attach_ok,
                     replace_orphan=replace_orphan, attach_building=attach_building)
@@ -578,6 +579,7 @@ def attach(name: str, want: dict, *, timeout: float = _DETACH_LOCK_TIMEOUT_S,
     """Attach to the ready segment ``name`` (no wait for a creator: that is ``create_or_attach``)."""
     path = segment_path(name, directory)
     deadline = time.monotonic() + timeout
+    reaper.start()  # before there is a segment to leave behind
     got = _step(name, path, {}, want, 0, deadline, create_ok=False, attach_ok=True, replace_orphan=False)
     if isinstance(got, Segment):
         reaper.watch(got.path, got.fd)
