@@ -52,6 +52,8 @@ import sys
 import threading
 import time
 
+from .errors import SharedSegmentTimeout
+
 log = logging.getLogger("uvaple.uva")
 
 __all__ = ["start", "watch", "forget", "reaper_pid"]
@@ -66,8 +68,8 @@ _NAMESPACE_WAIT_S = 10.0  # for the namespace lock, at each try
 # or cgroup (the reaper ends by itself), closes what it inherited (the descriptors ``/proc`` lists: a limit of
 # 2^30 descriptors makes a loop over all of them minutes long), opens a pidfd of its parent (which is checked
 # to be the model's process: a pid reused in between is not waited on), makes the package ``uvaple.uva`` a bare
-# namespace at its directory (its ``__init__`` imports torch) and imports this module; only then does it fork
-# the reaper and hand its pid back, and exit.
+# namespace at its directory (its ``__init__`` imports torch) and imports this module and the protocol; only
+# then does it fork the reaper and hand its pid back, and exit.
 _BOOT = (
     "import os, signal, sys, types\n"
     "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):\n"
@@ -81,7 +83,7 @@ _BOOT = (
     "except (AttributeError, OSError): exited = None\n"
     "for n, p in (('uvaple', []), ('uvaple.uva', [sys.argv[1]])):\n"
     "    m = types.ModuleType(n); m.__path__ = p; sys.modules[n] = m\n"
-    "from uvaple.uva import reaper\n"
+    "from uvaple.uva import reaper, segments\n"
     "child = os.fork()\n"
     "if child:\n"
     "    os.write(1, b'%d\\n' % child)\n"
@@ -90,7 +92,7 @@ _BOOT = (
     "null = os.open(os.devnull, os.O_RDWR)\n"
     "os.dup2(null, 1); os.dup2(null, 2); os.close(null)\n"
     "os.chdir('/')\n"
-    "reaper.serve(0, exited)\n"
+    "reaper.serve(0, exited, segments.remove_unused)\n"
 )
 
 _lock = threading.RLock()  # re-entrant: a finalizer that detaches a segment may run inside a call here
@@ -259,11 +261,10 @@ def reaper_pid() -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- the reaper
-def serve(fd: int, exited: int | None) -> None:
+def serve(fd: int, exited: int | None, remove) -> None:
     """The reaper's loop: follow the parent's segments on ``fd`` until it ends and the parent's exit is complete
-    (``exited``, a pidfd of it, readable then; None: not waited on), then remove what it held."""
-    from . import segments  # (segments imports this module)
-
+    (``exited``, a pidfd of it, readable then; None: not waited on), then remove what it held with ``remove``
+    (:func:`.segments.remove_unused`, passed in: the protocol imports this module)."""
     held: dict[tuple[int, int], list] = {}  # (dev, ino) -> [path, times opened]
     with os.fdopen(fd, "rb") as f:
         for line in f:
@@ -289,8 +290,8 @@ def serve(fd: int, exited: int | None) -> None:
     while held:
         for key, (path, _) in list(held.items()):
             try:
-                done = segments.remove_unused(path, key, time.monotonic() + _NAMESPACE_WAIT_S)
-            except segments.SharedSegmentTimeout:
+                done = remove(path, key, time.monotonic() + _NAMESPACE_WAIT_S)
+            except SharedSegmentTimeout:
                 done = False  # the namespace lock was held the whole wait: later
             except Exception:  # noqa: BLE001 - a file it cannot read: left alone, as `shm clean` would
                 done = True
