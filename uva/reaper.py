@@ -229,9 +229,7 @@ def _give_up(e: Exception) -> None:
 
 
 def _tell(op: str, path: str, fd: int) -> None:
-    """Tell the reaper (started if ``op`` is an open and it is not); never raises an ``Exception``."""
-    if op == "open":
-        start()
+    """Tell this process's reaper, if it has one (:func:`start`); never raises an ``Exception``."""
     try:
         st = os.fstat(fd)
         line = (json.dumps({"op": op, "path": path, "dev": st.st_dev, "ino": st.st_ino}) + "\n").encode()
@@ -246,7 +244,8 @@ def _tell(op: str, path: str, fd: int) -> None:
 
 
 def watch(path: str, fd: int) -> None:
-    """This process has segment ``path`` (open as ``fd``): remove its name if the process dies holding it."""
+    """This process has segment ``path`` (open as ``fd``): remove its name if the process dies holding it
+    (the reaper started with :func:`start` before the segment was made)."""
     _tell("open", path, fd)
 
 
