@@ -97,6 +97,15 @@ class Worker:
         self.reaper = None  # its reaper's pid, once a line named it
         assert self.p.stdout.readline().strip() == "loaded", self.p.stderr.read()
 
+    @classmethod
+    def holding(cls, name, **kw) -> Worker:
+        """A ``hold`` worker that has opened and filled the table (its two lines read), holding it until told."""
+        w = cls(name, "hold", **kw)
+        w.start()
+        w.line()  # filling
+        w.line()  # ready
+        return w
+
     def start(self):
         self.say("start")
 

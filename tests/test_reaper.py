@@ -47,10 +47,7 @@ def test_a_killed_process_leaves_no_segment(name, when):
 
 @pytest.mark.timeout(120)
 def test_a_killed_process_leaves_what_another_still_holds(name):
-    a = Worker(name, "hold")
-    a.start()
-    a.line()
-    a.line()
+    a = Worker.holding(name)
     b = HostTable.attach(name)
     a.kill_tree()
     time.sleep(1.0)  # the reaper has seen a's end and found b holding the table
@@ -63,10 +60,7 @@ def test_a_killed_process_leaves_what_another_still_holds(name):
 
 @pytest.mark.timeout(120)
 def test_a_process_ending_normally_ends_its_reaper(name):
-    a = Worker(name, "hold")
-    a.start()
-    a.line()
-    a.line()
+    a = Worker.holding(name)
     a.finish()  # closes its table and exits
     assert not os.path.exists(path_of(name))
     assert wait_until(lambda: not running(a.reaper), 10)
@@ -176,10 +170,7 @@ def test_a_process_with_many_descriptors_open_starts_its_reaper(name):
 @pytest.mark.timeout(120)
 def test_the_reaper_outlives_the_stop_signals_of_its_process_group(name):
     """A stop that signals the whole group (or cgroup) first, then kills the process: the reaper stays for it."""
-    a = Worker(name, "hold")
-    a.start()
-    a.line()
-    a.line()
+    a = Worker.holding(name)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         os.kill(a.reaper, sig)
     time.sleep(0.2)

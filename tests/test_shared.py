@@ -227,10 +227,7 @@ def test_mismatches_are_named_while_in_use(name):
 
 @pytest.mark.timeout(120)
 def test_orphan_of_another_shape_is_replaced_by_shared(name):
-    a = Worker(name, "hold")
-    a.start()
-    a.line()
-    a.line()
+    a = Worker.holding(name)
     a.kill_with_its_reaper()  # a ready orphan of shape ROWS x COLS
     with HostTable.shared(name, 7, 3, torch.float32, fill=lambda t: t.write_rows(torch.ones(7, 3))) as t:
         assert t.created and torch.equal(t.tensor, torch.ones(7, 3))
@@ -252,10 +249,7 @@ def test_a_file_that_is_not_ours_is_refused_and_left_alone(name):
 
 @pytest.mark.timeout(120)
 def test_a_truncated_segment_is_named_on_attach_and_replaced_when_orphaned(name):
-    a = Worker(name, "hold")
-    a.start()
-    a.line()
-    a.line()
+    a = Worker.holding(name)
     a.kill_with_its_reaper()
     os.truncate(path_of(name), segments.DATA_OFFSET + 4096)
     with pytest.raises(SharedSegmentError, match="truncated"):
@@ -296,10 +290,7 @@ def test_use_after_close_and_double_close(name):
 def test_shm_list_and_clean_commands(name, capsys):
     from uvaple.commands.cli import main
 
-    a = Worker(name, "hold")
-    a.start()
-    a.line()
-    a.line()
+    a = Worker.holding(name)
     assert main(["shm", "list"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(name))
