@@ -42,12 +42,13 @@ than ``custom_op``, whose Python wrapper costs ~20 us a call where the plain lib
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 import triton.language as tl
 
-from . import capture, jit, registry
+from . import capture, eager_call, jit, registry
 from . import rows as _rows
 from .checks import (
     OOB_MODES,
@@ -227,13 +228,28 @@ class DirectGather:
         self.item = out_dtype.itemsize if a.dequant else table.element_size()
         self.config = config
         self._by_cols: dict[int, tuple[LaunchConfig, KernelLaunch, int]] = {}  # config, launcher, tiles a row
+        self._eager = None  # (the eager C call, its first column, its column count): serve_eager
+        #: why a call key's compiled kernel was not handed to the eager C call (by key), for diagnostics
+        self.eager_refused: dict = {}
 
     def _for_cols(self, ncols: int) -> tuple[LaunchConfig, KernelLaunch, int]:
         cfg = self.config or launch_config(ncols * self.item, self.item, 0)
         constants = dict(self.args.constants, BLOCK=cfg.block, ROW_TILES=cfg.row_tiles, num_warps=cfg.num_warps)
         launch = KernelLaunch(self.kernels.gather_rows_kernel, constants, interpret=self.interpret, views=self.views)
         entry = self._by_cols[ncols] = cfg, launch, -(-ncols // cfg.block)
+        if self._eager is not None and self._eager[2] == ncols:
+            call, col_start, _ = self._eager
+            # bound to what it needs, not to this launcher's owner (which holds the launcher: a cycle)
+            launch.on_compile = functools.partial(_teach, call, col_start, self.eager_refused, entry[2],
+                                                  bool(cfg.row_tiles))
         return entry
+
+    def serve_eager(self, call, col_start: int, ncols: int) -> None:
+        """Teach ``call`` (:class:`~uvaple.kernels.eager_call` 's EagerCall) every variant of the calls of
+        ``ncols`` columns from ``col_start`` as Triton compiles it (before any call of that column count)."""
+        if ncols in self._by_cols:
+            raise RuntimeError("serve_eager: calls of this column count were launched already")
+        self._eager = (call, col_start, ncols)
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, col_start: int, n: int) -> None:
         # launch_of's launch, written out: one frame less on the eager hot path
@@ -261,6 +277,19 @@ class DirectGather:
         work (:meth:`~uvaple.kernels.launch.KernelLaunch.bare`)."""
         launch, grid, args, key, device = self.launch_of(ids, out, col_start)
         return launch.bare(grid, args, key, device)
+
+
+def _teach(call, col_start: int, refused: dict, tiles: int, row_tiles: bool, key, kernel, args: tuple) -> None:
+    """A direct gather launcher's ``on_compile``: hand a whole-row key's compiled kernel to the eager C call
+    ``call`` (:func:`~uvaple.kernels.eager_call.teach`); why one is not kept goes into ``refused`` by key."""
+    if key[3] != col_start:
+        return
+    try:
+        why = eager_call.teach(call, kernel, args, key, tiles, row_tiles)
+    except Exception as e:  # noqa: BLE001 - a variant not kept is a call the Python path serves
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        refused[key] = why
 
 
 # ------------------------------------------------------------------ operator

@@ -89,7 +89,7 @@ class KernelLaunch:
     takes every parameter positionally and skips the constexprs).
     """
 
-    __slots__ = ("fn", "constants", "interpret", "_values", "_views", "_compiled")
+    __slots__ = ("fn", "constants", "interpret", "_values", "_views", "_compiled", "on_compile")
 
     def __init__(self, fn, constants: dict, *, interpret: bool, views: tuple[tuple[int, torch.dtype], ...] = ()):
         self.fn = fn
@@ -99,6 +99,9 @@ class KernelLaunch:
         self._values = tuple(self.constants[n] for n in names)
         self._views = views
         self._compiled: dict = {}
+        #: called ``on_compile(key, kernel, args)`` after Triton launched a key's first compiled call on a device
+        #: and its kernel was kept (the eager C call learns the variant: :mod:`uvaple.kernels.eager_call`)
+        self.on_compile = None
 
     def _viewed(self, args: tuple) -> tuple:
         if not self._views:
@@ -136,7 +139,10 @@ class KernelLaunch:
         kernel = self.fn[grid](*self._viewed(args), **self.constants)
         kernel = kernel.result() if hasattr(kernel, "result") and not hasattr(kernel, "function") else kernel
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
+            first = (device, key) not in self._compiled
             self.keep(device, key, kernel.run, kernel.function, kernel.packed_metadata, kernel)
+            if first and self.on_compile is not None:
+                self.on_compile(key, kernel, args)
 
     def keep(self, device: int, key, run, function, metadata, kernel) -> None:
         """Key ``key``'s calls on ``device`` launch by ``run(..., function, metadata, ...)`` from now on. The compiled

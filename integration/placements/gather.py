@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from uvaple.kernels import eager_call
 from uvaple.kernels.encodings import ENCODINGS as _REGISTRY
 from uvaple.kernels.gather_ngram import NgramGather
 from uvaple.kernels.ngram import check_eos, check_history
@@ -153,6 +154,7 @@ class GatherLookup(Lookup):
         self._workspace = new_workspace(max_rows, self.device) if self._sort_from <= (max_rows or 0) else None
         # The plan: made here, or, for a lookup built while torch.compile traces (a module's lazy one), at its
         # first eager call (compiled calls take the operators' own path until then)
+        self._eager = None  # the whole-row eager call below Python (kernels/eager_call.py), made with the plan
         self._plan = None if torch.compiler.is_compiling() else self._make_plan()
         self._ngram: NgramGather | None = None  # lookup_ngrams' launcher, for the last layer hash it served
 
@@ -164,6 +166,7 @@ class GatherLookup(Lookup):
             counters=self._counters, dq_scale=self._dq_scale, hot_rows=None if hot is None else hot.rows,
             slot_map=None if hot is None else hot.slot_map, id_counts=None if hot is None else hot.id_counts,
             order=self.order, dedup=self.dedup, max_rows=self.max_rows, workspace=self._workspace)
+        self._eager = eager_call.for_lookup(self._plan, self.device, spec.output_dtype, self._whole, self.max_rows)
         return self._plan
 
     @property
@@ -182,8 +185,15 @@ class GatherLookup(Lookup):
         return n >= self._sort_from
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None, *, columns=None) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
+        if columns is None and not compiling:
+            eager = self._eager  # whole rows, eager: the C call, which declines what it is unsure of (None)
+            if eager is not None:
+                done = eager(ids, out)
+                if done is not None:
+                    return done
         ids, out, c0, _ = self._prepare(ids, out, columns)
-        if torch.compiler.is_compiling():
+        if compiling:
             self._operator(ids, out, c0)
         else:
             (self._plan or self._make_plan()).run(ids, out, c0)
@@ -273,6 +283,9 @@ class GatherLookup(Lookup):
         return 0
 
     def close(self) -> None:
+        if self._eager is not None:
+            self._eager.close()  # a call holding it from another thread declines from now on
+            self._eager = None
         self._arg = None
         self._workspace = None
         self._plan = self._ngram = None
