@@ -55,7 +55,8 @@ if has doctor; then
 fi
 # the whole suite in groups of about equal time side by side (measured on an H100 and the H200, 2026-12-05)
 SUITE_GROUPS="tests/test_fuzz.py tests/test_sorted_gather.py;tests/test_gather.py tests/test_gpu_lookup.py tests/test_reaper.py \
-tests/test_ngram_hash.py tests/test_gather_ngram.py;tests/test_lookup.py tests/test_cli.py tests/test_gpu_uva.py;\
+tests/test_ngram_hash.py tests/test_gather_ngram.py;tests/test_lookup.py tests/test_cli.py tests/test_gpu_uva.py \
+tests/test_eager_call.py tests/test_eager_call_gpu.py;\
 tests/test_gpu_lifetime.py tests/test_copy_backend.py;tests/test_copy_backend_gpu.py tests/test_metrics.py \
 tests/test_equivalence.py;tests/test_host_table.py tests/test_encodings.py tests/test_layers.py tests/test_quantize.py \
 tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py \

@@ -172,3 +172,38 @@ def test_the_hot_sorted_kernel_of_fp8_rows_with_their_scale_compiles_as_launched
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32))
     assert out.asm.get("cubin")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dequant,count,hot", [(0, False, False), (0, True, True), (3, True, False), (1, False, True)])
+def test_the_eager_c_calls_block_is_the_compiled_kernels_parameter_list(dequant, count, hot, tmp_path, monkeypatch):
+    """What the eager C call writes (:func:`uvaple.kernels.eager_call.program`, from the compiled kernel's own
+    signature, Triton's constants left out) is the PTX entry's parameter list, in order and size, before Triton's
+    hidden trailing pointers: the GPU's driver checks the same against ``cuFuncGetParamInfo`` when it is taught."""
+    import re
+
+    import torch
+
+    from uvaple.kernels import eager_call
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = jit.variant(gather, False).gather_rows_kernel
+    unused = {"counters_ptr": not count, "hot_ptr": not hot, "slot_ptr": not hot, "id_counts_ptr": True,
+              "dq_scale_ptr": dequant != 1}
+    cx = {"HAS_SCALE": False, "CONVERT": bool(dequant), "OOB_ROW0": False, "NEG_ZERO": False, **_dq(dequant),
+          "COUNT": count, "HOT": hot, "COUNT_IDS": False, "SCALE_WORD": dequant == 3, "BLOCK": 256, "ROW_TILES": True}
+    constants = {name: None for name, gone in unused.items() if gone}
+    sig = _signature(fn, dequant, {**cx, **constants})
+    sig["n_ids"] = "i32"  # a count within int32, as the launches of the C call have it
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**cx, **constants}),
+                         target=GPUTarget("cuda", 90, 32))
+    t = torch.zeros(4)
+    args = tuple(None if name in constants else t if name.endswith("_ptr") else 3
+                 for name in fn.arg_names if name not in cx)
+    kinds, values = eager_call.program(out.src.signature.values(), args)
+    entry = re.search(r"\.entry\s+gather_rows_kernel\s*\((.*?)\)", out.asm["ptx"], re.S).group(1)
+    ptx = re.findall(r"\.param\s+\.([usb](?:32|64))", entry)
+    want = ["u32" if k in b"In" else "u64" for k in kinds]
+    assert [p[1:] for p in ptx[:len(want)]] == [w[1:] for w in want]
+    assert all(p.endswith("64") for p in ptx[len(want):]) and len(ptx) - len(want) <= 2  # the hidden pointers
+    assert kinds.count(b"i") == kinds.count(b"o") == kinds.count(b"n") == 1
