@@ -5,8 +5,11 @@ step's few rows the device work is a few microseconds, so the host's time is the
 provider gathers the same rows of the same registered host table (``--cols`` bf16 columns) into the same
 ``out``:
 
-* ``lookup``: ``make_lookup("uva", table).lookup(ids, out)``: the lookup's per-call checks, then its plan's
-  launch (the compiled kernel kept per call key);
+* ``lookup``: ``make_lookup("uva", table).lookup(ids, out)``: on a GPU the eager C call
+  (:mod:`uvaple.kernels.eager_call`: the call's checks and its launch below Python), elsewhere the Python path;
+* ``alloc``: ``lookup(ids)``, its ``out`` allocated (``torch.empty``) by the call, as ``F.embedding``'s is;
+* ``python``: the same call on the Python path (a lookup whose C call is off): the lookup's per-call checks,
+  then its plan's launch (the compiled kernel kept per call key);
 * ``operator``: ``torch.ops.uvaple.gather_rows(..., plan)``, the call a compiled model makes (the
   dispatcher, the operator's checks of what the call brings, the same plan's launch);
 * ``gather_rows``: the functional entry point (every check and a launcher made for every call);
@@ -51,10 +54,11 @@ import torch
 from . import command
 from .timing import quantiles
 
-PROVIDERS = ("lookup", "operator", "gather_rows", "plan", "direct", "bare", "index_select", "embedding")
+PROVIDERS = ("lookup", "alloc", "python", "operator", "gather_rows", "plan", "direct", "bare", "index_select",
+             "embedding")
 
 
-def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
+def _providers(h, lk, lk_py, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
     from uvaple.kernels import gather_rows
 
     plan = lk.plan
@@ -63,10 +67,13 @@ def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
     table = lk._arg
     policy = (spec.scale_arg, spec.has_scale, 0, spec.id_offset, 0, spec.oob_mode, spec.dequant)
     counters = lk._counters
-    lk.lookup(ids, out)  # the call key's compiled kernel, which the bare launch binds
+    lk.lookup(ids, out)  # the call key's compiled kernel, which the bare launch binds (and the C call is taught)
+    lk.lookup(ids)
     bare = plan.direct.bare(ids, out)
     return {
         "lookup": lambda: lk.lookup(ids, out),
+        "alloc": lambda: lk.lookup(ids),
+        "python": lambda: lk_py.lookup(ids, out),
         "operator": lambda: torch.ops.uvaple.gather_rows(table, ids, out, counters, None, *policy, handle),
         "gather_rows": lambda: gather_rows(view, ids, out),
         "plan": lambda: plan.run(ids, out),
@@ -77,7 +84,7 @@ def _providers(h, lk, view, ids: torch.Tensor, out: torch.Tensor) -> dict:
     }
 
 
-STUBBED = ("lookup", "plan", "direct", "bare")  # --stub-launch's providers
+STUBBED = ("lookup", "plan", "direct", "bare")  # --stub-launch's providers (on the CPU "lookup" is the Python path)
 
 
 def _queries(device: int) -> dict:
@@ -143,6 +150,7 @@ def run(a, result: dict | None = None) -> dict:
     """Every provider at every row count of ``a.rows``; the figures go into ``result`` (a new dict by default)
     as they are made, so a caller keeps what a failed run measured."""
     from uvaple.integration import make_lookup
+    from uvaple.kernels import eager_call
     from uvaple.uva import HostTable
 
     cuda = torch.cuda.is_available() and not a.smoke and not a.stub_launch  # the CPU, as every workload's smoke
@@ -154,14 +162,17 @@ def run(a, result: dict | None = None) -> dict:
         "cpu, launch stubbed (the project's Python above Triton's launcher)"
     result.update({"device": torch.cuda.get_device_name() if cuda else on, "stub_launch": a.stub_launch,
                    "torch": torch.__version__, "cols": a.cols, "table_rows": a.table_rows, "calls": a.calls,
-                   "rows": {}})
+                   "eager_call": (eager_call.unavailable() or "used") if cuda else "not on the CPU", "rows": {}})
     with HostTable.from_tensor(src) as h:
         view = h.cuda_view() if cuda else h.tensor
-        with make_lookup("uva", h, device=device) as lk:
+        with make_lookup("uva", h, device=device) as lk, make_lookup("uva", h, device=device) as lk_py:
+            if lk_py._eager is not None:  # the Python path alone: this lookup's C call off
+                lk_py._eager.close()
+                lk_py._eager = None
             for n in command.bar(a.rows, desc="ids per call", unit="n"):
                 ids = torch.randint(0, a.table_rows, (n,), generator=g).to(device)
                 out = torch.empty(n, a.cols, dtype=torch.bfloat16, device=device)
-                fns = _providers(h, lk, view, ids, out)
+                fns = _providers(h, lk, lk_py, view, ids, out)
                 want = torch.index_select(view, 0, ids).view(torch.int16).cpu()
                 exact = {}
                 for name, fn in fns.items():

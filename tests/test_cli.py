@@ -132,8 +132,10 @@ def test_doctor_says_what_runs_here_and_ends_with_its_verdict(capsys):
     last = out.rstrip().splitlines()[-1]
     if HAS_CUDA:
         assert code == 0 and last == "uvaple doctor: exit 0: the UVA path is usable here"
+        assert "eager lookup call in C        : built" in out  # the GPU machine has a compiler and Python.h
     else:
         assert code == 3 and "What runs here instead:" in out
+        assert "eager lookup call in C" not in out  # a GPU's line
         assert last.startswith("uvaple doctor: exit 3: no usable GPU for the UVA path here: no CUDA GPU is visible")
         assert "copy placement" not in out  # --no-measure: no CPU figures
         assert "CUDA build of torch" in out and "every lookup placement on CPU tensors" in out

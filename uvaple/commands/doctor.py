@@ -61,6 +61,7 @@ class Capabilities:
     torch_build: str | None = None  # "cuda 13.0" or "cpu"
     cpu_copy_gbps: float | None = None  # without a usable GPU: the copy placement on the CPU
     cpu_interpreter_rows_per_s: float | None = None  # without a usable GPU: the Triton gather, interpreted
+    eager_call: str | None = None  # with a GPU: the eager C call built, or why eager calls take the Python path
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -172,6 +173,11 @@ def capabilities(measure: bool = True, seconds: float = 2.0, device: int | None 
     caps.host_register_supported = attr("cudaDevAttrHostRegisterSupported")
     caps.read_only_register = attr("cudaDevAttrHostRegisterReadOnlySupported")
     caps.pcie_link = (gpu_info(dev) or {}).get("pcie_link")
+    from uvaple.kernels import eager_call
+
+    say("building the eager call (C, once: cached)")
+    why = eager_call.unavailable()
+    caps.eager_call = "built" if why is None else f"not used ({why}): eager calls take the Python path"
     if not caps.uva_usable:
         missing = [n for n, v in [("unified addressing", caps.unified_addressing),
                                   ("can map host memory", caps.can_map_host_memory),
@@ -223,6 +229,8 @@ def format_report(caps: Capabilities) -> str:
         f"host memory available         : {_limit(caps.mem_available_bytes)}",
         f"shared tables in /dev/shm     : {_shm_pages(caps.shm_huge_pages)}",
     ]
+    if caps.eager_call is not None:
+        lines.append(f"eager lookup call in C        : {caps.eager_call}")
     if caps.h2d_ceiling_gbps is not None:
         lines.append(f"pinned H2D copy ceiling       : {caps.h2d_ceiling_gbps:.1f} GB/s")
         lines.append(f"zero-copy gather read         : {caps.zero_copy_read_gbps:.1f} GB/s "
