@@ -267,10 +267,10 @@ def test_the_host_workloads_queries_are_the_direct_gathers_own_and_each_is_timed
 
 
 def test_host_workload_smoke_is_exact(tmp_path, capsys):
-    """``uvaple bench --workload host --smoke``: every provider (the lookup, the operator given the lookup's
-    plan, the functional gather, the plan alone, its direct gather alone, the bare launch, torch's index_select
-    and embedding) gives index_select's rows, and the run writes its figures with the lookup's cost above the
-    bare launch."""
+    """``uvaple bench --workload host --smoke``: every provider (the lookup, the lookup allocating its output, the
+    lookup on the Python path, the operator given the lookup's plan, the functional gather, the plan alone, its
+    direct gather alone, the bare launch, torch's index_select and embedding) gives index_select's rows, and the
+    run writes its figures with the lookup's cost above the bare launch."""
     import json
 
     from uvaple.perf import bench
@@ -279,8 +279,8 @@ def test_host_workload_smoke_is_exact(tmp_path, capsys):
     rows = json.loads((tmp_path / "host_cost.json").read_text())["rows"]
     assert set(rows) == {"1", "7"}
     for row in rows.values():
-        assert set(row) == {"lookup", "operator", "gather_rows", "plan", "direct", "bare", "index_select",
-                            "embedding"}
+        assert set(row) == {"lookup", "alloc", "python", "operator", "gather_rows", "plan", "direct", "bare",
+                            "index_select", "embedding"}
         assert all(r["exact"] and r["median_us"] > 0 for r in row.values())
         assert row["lookup"]["above_bare_us"] == round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
     assert "lk-bare us" in capsys.readouterr().out
