@@ -7,8 +7,9 @@
  * it declines: it returns None, launches nothing, and the Python path runs the call with its named errors.
  *
  * It needs Python.h only: the driver's entry points are found with dlsym in the libcuda the process has
- * loaded, and everything torch is reached through the Python objects handed to the constructor. Every call
- * into Python happens before the variant is read, so a close() that runs meanwhile (another thread) is seen.
+ * loaded, and everything torch is reached through the Python objects handed to the constructor. The variant
+ * is looked up before the calls into Python (a call that will decline does no Python work) and again after the
+ * last of them, so a close() or a teach() that runs meanwhile (another thread) is seen.
  * An Exception raised by such a call declines (the Python path raises its own, named); any other
  * BaseException (KeyboardInterrupt) is the caller's and propagates.
  */
@@ -400,6 +401,10 @@ static int EagerCall_init(EagerCall *self, PyObject *args, PyObject *kw) {
     Py_ssize_t ncols, max_n;
     if (kw && PyDict_GET_SIZE(kw)) {
         PyErr_SetString(PyExc_TypeError, "EagerCall(...) takes no keywords");
+        return -1;
+    }
+    if (self->tensor_type) {
+        PyErr_SetString(PyExc_TypeError, "EagerCall is initialised once");
         return -1;
     }
     if (!PyArg_ParseTuple(args, "OOOOlOnnOOOO", &tensor_type, &out_dtype, &int32, &int64, &device, &device_obj,

@@ -38,16 +38,17 @@ the Python path, and :func:`unavailable` says why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
@@ -78,7 +79,7 @@ def _module():
         return None, "turned off (UVAPLE_EAGER_CALL=0)"
     try:
         return _build_and_load()
-    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, ImportError, ValueError, subprocess.SubprocessError) as e:
         return None, f"the eager call could not be built or loaded: {type(e).__name__}: {e}"
 
 
@@ -96,20 +97,17 @@ def _build_and_load():
     so = folder / f"{_NAME}{suffix}"
     if not so.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=suffix)
-        os.close(fd)
+        # a name of this build alone, made by the linker (its mode follows the umask, as any build's does)
+        tmp = folder / f".{_NAME}.{os.getpid()}.{secrets.token_hex(8)}{suffix}"
         try:
-            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE), f"-I{include}", "-ldl",
-                                   "-lpthread"], capture_output=True, text=True, timeout=120)
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), f"-I{include}", "-ldl",
+                                   "-lpthread"], capture_output=True, text=True, errors="replace", timeout=120)
             if done.returncode != 0:
                 return None, f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}"
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o755 & ~umask)  # readable by whoever shares the cache, as the compiler would leave it
             os.replace(tmp, so)  # whole or not at all: another process may be loading the same key
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
     loader = importlib.machinery.ExtensionFileLoader(_NAME, str(so))
     spec = importlib.util.spec_from_file_location(_NAME, so, loader=loader)
     module = importlib.util.module_from_spec(spec)

@@ -198,6 +198,8 @@ def run(a, result: dict | None = None) -> dict:
                         row[name]["x_index_select"] = round(row[name]["median_us"] / bar, 2)
                 row["lookup"]["above_bare_us"] = round(row["lookup"]["median_us"] - row["bare"]["median_us"], 2)
                 result["rows"][str(n)] = row
+                if lk._eager is not None:
+                    result["eager_call_stats"] = {**lk._eager.stats(), "taught": lk._eager.taught()}
                 command.say(_line(n, row))
             if cuda:  # the launcher is loaded now (the rows above launched compiled kernels)
                 times = measure(_queries(torch.cuda.current_device()), a.calls, a.block, a.sync_every, cuda)

@@ -110,6 +110,7 @@ def test_what_it_declines_gets_the_python_paths_named_errors(table):
         lk.lookup(ids)
         lk.lookup(ids)
         calls = served(lk)
+        assert calls == 1  # taught, then served: what follows is declined, not merely never taught
         with pytest.raises(ValueError, match="ids are on cpu"):
             lk.lookup(ids.cpu())
         with pytest.raises(TypeError, match="int32 or int64"):
@@ -218,12 +219,15 @@ def test_a_sorted_size_call_is_the_sorted_gathers(table):
         assert lk._eager is None  # every call sorted: nothing for the direct C call
     with make_lookup("uva", h, max_rows=4096, order="auto", dedup=True) as lk:
         big = torch.randint(0, h.rows, (4096,), device=DEV)
-        assert lk.uses_sorted(4096)
+        assert lk.uses_sorted(4096) and not lk.uses_sorted(8)
+        lk.lookup(big[:8])
+        lk.lookup(big[:8])
+        assert served(lk) == 1  # the direct variant taught and served
         for _ in range(2):
             got = lk.lookup(big)
         torch.cuda.synchronize()
         assert torch.equal(bits(got.cpu()), bits(reference_gather(t, big.cpu())))
-        assert lk._eager is not None and served(lk) == 0  # past the direct bound: declined both times
+        assert served(lk) == 1  # past the direct bound: declined both times, the sorted gather's
 
 
 def test_a_lookup_over_the_tables_host_view_is_served_by_the_python_path(table):
