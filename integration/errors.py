@@ -68,5 +68,5 @@ class DiskStepTimeout(BackendError, TimeoutError):
 
 
 class DiskStreamError(BackendError, RuntimeError):
-    """A disk lookup was called on another stream than its first call's, or under CUDA graph capture: its row
-    cache's completion word is written in one stream's order, on the host's schedule."""
+    """A disk lookup was called under CUDA graph capture: each call plans and reads its rows on the host, which a
+    graph cannot replay."""

@@ -506,8 +506,8 @@ def test_gpu_hot_rows_outlive_a_close_while_their_gathers_are_queued_on_another_
 @pytest.mark.gpu
 def test_gpu_steps_queued_behind_a_busy_stream_wait_for_their_slots_and_stay_exact(tmp_path):
     """Many steps queued while the stream sleeps, through a cache that only holds two steps' rows: each call waits on
-    the completion word (no synchronisation) for the slots it evicts; every output exact. Another stream and a
-    capture are refused by name."""
+    the completion word (no synchronisation) for the slots it evicts; every output exact. A capture is refused by
+    name."""
     device = torch.device("cuda")
     t = rand(5000, 160, torch.bfloat16, seed=12)
     write_table_file(tmp_path / "t.uvt", t)
@@ -525,10 +525,45 @@ def test_gpu_steps_queued_behind_a_busy_stream_wait_for_their_slots_and_stay_exa
         torch.cuda.synchronize()
         for ids, out in zip(calls, outs, strict=True):
             assert torch.equal(bits(out), bits(t[ids]))
-        with pytest.raises(RuntimeError, match="this disk lookup's calls run on"):
-            with torch.cuda.stream(torch.cuda.Stream()):
-                lk.lookup(calls[0])
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="CUDA graphs cannot capture it"):
             with torch.cuda.graph(graph):
                 lk.lookup(calls[0], outs[0])
+
+
+@pytest.mark.gpu
+def test_gpu_a_call_on_another_stream_completes_after_the_last_calls_step(tmp_path):
+    """Steps queued on one stream behind a sleep, then calls on an idle stream through a cache that holds four
+    steps' rows (the third call fits beside the two queued and the JIT's, the fifth waits for a slot): the new
+    stream's completion word waits for the old stream's (the host sees no step completed while the old stream
+    sleeps), so no slot a queued gather reads is handed to another row, and every output is exact. Without the
+    wait the idle stream writes its word at once and the next plan evicts rows the sleeping gathers read."""
+    device = torch.device("cuda")
+    t = rand(4000, 160, torch.bfloat16, seed=21)
+    write_table_file(tmp_path / "t.uvt", t)
+    with make_lookup("disk", str(tmp_path / "t.uvt"), device=device, max_rows=64, slots=256,
+                     steps_in_flight=8, wait_s=30) as lk:
+        g = torch.Generator().manual_seed(22)
+        calls = [torch.randperm(4000, generator=g)[:64] for _ in range(6)]  # 64 distinct rows a call
+        outs = [torch.full((64, 160), POISON, dtype=torch.bfloat16, device=device) for _ in calls]
+        lk.lookup(torch.arange(64), torch.empty(64, 160, dtype=torch.bfloat16, device=device))  # the gather's JIT
+        torch.cuda.synchronize()
+        first, second = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(first):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s
+            lk.lookup(calls[0], outs[0])
+            lk.lookup(calls[1], outs[1])
+        done = lk.cache.done()
+        with torch.cuda.stream(second):  # idle: without the wait its words would be written at once
+            lk.lookup(calls[2], outs[2])
+            time.sleep(0.05)
+            assert lk.cache.done() == done  # the first stream still sleeps: no later step completed
+            for ids, out in zip(calls[3:], outs[3:], strict=True):  # each evicts what an earlier step read
+                lk.lookup(ids, out)
+        assert lk.stats()["waits"] > 0
+        torch.cuda.synchronize()
+        assert lk.cache.done() == lk.stats()["planned_step"]
+        for ids, out in zip(calls, outs, strict=True):
+            assert torch.equal(bits(out), bits(t[ids]))
+        with torch.cuda.stream(first):  # and back: the first stream now waits for the second's word
+            assert torch.equal(bits(lk.lookup(calls[0])), bits(t[calls[0]]))

@@ -38,8 +38,11 @@ and the next call takes the next number.
 
 So the only order between the host's reads and the GPU's is the stream's: the host writes a slot only after
 the completion word (written by the stream after the last gather that read it) says so (seed 004's race),
-and launches a gather only after its rows are read in. Calls of one lookup run on one stream (the first
-call's; a call on another is a named error): the completion word is that stream's. The steps' host work
+and launches a gather only after its rows are read in. The completion word must be written in the steps' order,
+so a call on another stream than the last call's (vLLM's async scheduling runs its steps on a stream of its own
+after a warm-up on the default one) first makes its stream wait, on the GPU, for an event recorded right after
+the last call's word: its own word lands after that one, and the caller's later work on the old stream is not
+waited for. The steps' host work
 (plan, reads) is on the calling thread, so CUDA graphs cannot capture a call
 (:data:`~uvaple.integration.factory.PLACEMENTS`), and ``torch.compile`` never traces one: a compiled model calls
 it eagerly (a graph break; ``fullgraph=True`` refuses it, naming why).
@@ -228,7 +231,8 @@ class DiskLookup(Lookup):
             raise
         self._lo, self._hi = spec.window
         self._step = 0
-        self._stream = None  # the stream of the first call: every call's (the completion word is written there)
+        self._stream = None  # the last call's stream
+        self._last_word = None  # an event recorded on it right after its completion word (its first call makes it)
         self._lock = threading.Lock()
         # waits: for earlier steps; hot_hits: ids read from the hot rows
         self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0, "hot_hits": 0}
@@ -322,6 +326,8 @@ class DiskLookup(Lookup):
                 if self.cache.planned >= step:  # its rows are marked as this step's, read in or not: the step
                     self._step = step  # completes in stream order, after what it launched (if anything)
                     word.fill_(step)
+                    if self._last_word is not None:  # (a call on another stream waits for it)
+                        self._last_word.record(self._stream)
             self._counts["lookups"] += 1
             self._counts["rows"] += n
             self._counts["out_of_range_ids"] += outside
@@ -340,16 +346,17 @@ class DiskLookup(Lookup):
         return (hot, at) if hot.any() else (None, None)
 
     def _check_stream(self) -> None:
+        """Refuse a capture; on another stream than the last call's, make it wait (on the GPU) for the last
+        completion word, so that the words stay in the steps' order."""
         if torch.cuda.is_current_stream_capturing():
             raise DiskStreamError("a disk lookup plans and reads each call on the host: CUDA graphs cannot capture "
                                   "it (use the uva placement inside a graph)")
         stream = torch.cuda.current_stream(self.device)
-        if self._stream is None:
-            self._stream = stream
+        if self._stream is None:  # the first call (a Stream compared with None is never unequal to it)
+            self._last_word = torch.cuda.Event()
         elif stream != self._stream:
-            raise DiskStreamError(f"this disk lookup's calls run on {self._stream} (its first call's: the "
-                                  f"completion word of its row cache is written in that stream's order); this call "
-                                  f"is on {stream}")
+            stream.wait_event(self._last_word)  # (never recorded yet: a no-op, no word written before)
+        self._stream = stream
 
     def _ids_to_host(self, ids: torch.Tensor, ids_in: torch.Tensor) -> torch.Tensor:
         """The call's device ids in the pinned buffer ``ids_in``: copied in this lookup's stream, after the work that
