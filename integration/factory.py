@@ -104,11 +104,7 @@ PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
                             "calling stream"),
     Placement("disk", _disk, mapped=True, gather_options=False, reads_file=True, option_check=DiskLookup.check_options,
               graph_refusal="a disk call plans its rows on the host and reads the missing ones from the file on "
-                            "the calling thread",
-              engine_refusal="the disk placement serves table files, and the plugin builds each table in host memory "
-                             "as vLLM loads the checkpoint: use 'uva' (the GPU reads the rows it needs from host "
-                             "memory), or serve the model with transformers (load_qwen4_exp_with_host_ple with "
-                             "backend='disk' writes the table files once)"),
+                            "the calling thread"),
 )}
 
 #: Placements :func:`make_lookup` builds.

@@ -169,12 +169,11 @@ def test_what_each_placement_serves_is_read_from_its_entry_alone(device, monkeyp
         h.close()
     with pytest.raises(ValueError, match="unknown placement 'tpu'; choose one of \\['uva', 'device', 'split', 'copy'"):
         placement("tpu")
-    # what the consumers offer, from the entries: split is refused to model layers (its ids are on the host), disk
-    # to the vLLM plugin (which builds its tables in host memory as vLLM loads them), the copy placement is the
-    # fallback where the GPU cannot map host memory (its rows are read by the CPU)
-    assert BACKENDS == ("uva", "device", "copy", "disk") and vllm_config.PLACEMENTS == ("uva", "device", "copy")
-    assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split", "disk"]
-    assert vllm_config.REFUSED_PLACEMENTS["disk"] == PLACEMENTS["disk"].engine_refusal
+    # what the consumers offer, from the entries: split is refused to model layers (its ids are on the host), the
+    # copy placement is the fallback where the GPU cannot map host memory (its rows are read by the CPU)
+    assert BACKENDS == ("uva", "device", "copy", "disk")
+    assert vllm_config.PLACEMENTS == ("uva", "device", "copy", "disk")
+    assert vllm_config.FALLBACKS == ("none", "copy") and list(vllm_config.REFUSED_PLACEMENTS) == ["split"]
     # an entry checks the options its lookups would refuse, before work that a bad one would waste
     PLACEMENTS["disk"].check_options({"slots": 8, "read_depth": 4, "hot_rows": [1]}, max_rows=8, row_bytes=16)
     with pytest.raises(ValueError, match="holds 7 rows of 16 B, and a call may bring 8 distinct rows: give "

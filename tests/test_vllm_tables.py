@@ -155,16 +155,14 @@ def test_bad_settings_are_named(entry, match):
 @pytest.mark.parametrize("entry,match", [
     ({"placement": "split"}, "placement: 'split' cannot serve vLLM: .*ids on the host.*use 'uva'"),
     ({"placement": " SPLIT "}, "'split' cannot serve vLLM"),
-    ({"placement": "disk"}, "placement: 'disk' cannot serve vLLM: .*serves table files.*use 'uva'.*transformers"),
     ({"quantize": "fp8"}, "quantize: expected one of \\['none', 'fp8_row'\\]"),
     ({"quantize": True}, "quantize: expected one of"),
     ({"quantize": "fp8_row", "placement": "copy"},
-     "quantize 'fp8_row' with placement 'copy'.*dequantises in the gather \\(\\['uva', 'device'\\]\\)"),
+     "quantize 'fp8_row' with placement 'copy'.*dequantises in the gather \\(\\['uva', 'device', 'disk'\\]\\)"),
     ({"quantize": "fp8_row", "fallback": "copy"}, "quantize 'fp8_row' with fallback 'copy'"),
 ])
 def test_what_the_plugin_cannot_serve_is_named(entry, match):
-    """A library placement vLLM cannot use (split gathers from host ids; disk serves table files, which the plugin
-    does not write) and a quantised table through the copy
+    """A library placement vLLM cannot use (split gathers from host ids) and a quantised table through the copy
     placement (it serves rows as stored) are refused when the settings are read, naming what to use."""
     with pytest.raises(PluginConfigError, match=match):
         from_sources({"uvaple": entry}, {})

@@ -357,8 +357,8 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     return layout
 
 
-def remove_dead_partials(path: str | os.PathLike) -> list[str]:
-    """Remove the partial files a writer of ``path`` left when it was killed (``PATH.partial.<pid>`` of a process
+def remove_dead_partials(path: str | os.PathLike, kind: str = "partial") -> list[str]:
+    """Remove the partial files a writer of ``path`` left when it was killed (``PATH.<kind>.<pid>`` of a process
     that no longer runs; a live writer's is kept); returns their paths."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
@@ -367,7 +367,7 @@ def remove_dead_partials(path: str | os.PathLike) -> list[str]:
         entries = os.listdir(folder)
     except OSError:
         return removed
-    prefix = name + ".partial."
+    prefix = f"{name}.{kind}."
     for entry in entries:
         pid = entry[len(prefix):]
         if not entry.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):

@@ -101,6 +101,10 @@ CONFIGS: dict[str, dict] = {
     "uva_sync": dict(plugin=True, uvaple={"placement": "uva"}, modes=("graph",), engine={"async_scheduling": False},
                      ref="hbm_sync"),
     "uva_dedup": dict(plugin=True, uvaple={"placement": "uva", "dedup": True}),
+    # a table file per shard in the engine's own cache folder, behind a row cache of 60 MB: about half of each toy
+    # table, and more than a step of vLLM's largest batch of tokens brings (checked at start-up)
+    "disk": dict(plugin=True, uvaple={"placement": "disk", "disk_cache_gb": 0.06},
+                 expect={"graph": "placement 'disk' cannot run inside vLLM's CUDA graphs"}),
     "uva_hot": dict(plugin=True, uvaple={"placement": "uva", "hot_cache_gb": 0.01}, models=("gemma3n",)),
     "uva_fp8row": dict(plugin=True, uvaple={"placement": "uva", "quantize": "fp8_row"}, models=("qwen4exp_bf16",),
                        ref="device_fp8row"),
@@ -200,6 +204,8 @@ def engine_kwargs(spec: dict) -> dict:
         additional["uvaple"] = dict(c["uvaple"], segment=spec["segment"])
         if "hot_cache_gb" in c["uvaple"]:
             additional["uvaple"]["hot_profile"] = spec["hot_profile"]
+        if c["uvaple"].get("placement") == "disk":
+            additional["uvaple"]["disk_dir"] = os.path.join(spec["cache_root"], "uvaple_tables")
     if additional:
         kw["additional_config"] = additional
     if spec["model"] == "gemma3n":

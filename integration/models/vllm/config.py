@@ -11,9 +11,12 @@ key                     environment                    meaning
 ``placement``           ``UVAPLE_PLACEMENT``           ``uva`` (default): rows read from host memory in the model's
                                                        stream; ``copy``: the copy-based path (a host wait per
                                                        call: eager engines only, see below); ``device``: the
-                                                       table copied into HBM (the reference). ``split`` is
-                                                       refused: it gathers from ids on the host, and vLLM hands
-                                                       the PLE layer its ids on the GPU.
+                                                       table copied into HBM (the reference); ``disk``: a table
+                                                       file on local disk behind a host row cache, for tables
+                                                       larger than host memory (eager engines only; needs
+                                                       ``disk_dir``). ``split`` is refused: it gathers from ids
+                                                       on the host, and vLLM hands the PLE layer its ids on the
+                                                       GPU.
 ``fallback``            ``UVAPLE_FALLBACK``            ``none`` (default): UVA unusable is an error at startup;
                                                        ``copy``: use the copy placement then (eager engines).
 ``quantize``            ``UVAPLE_QUANTIZE``            ``none`` (default): rows stored as the checkpoint has
@@ -46,6 +49,14 @@ key                     environment                    meaning
 ``hot_profile``         ``UVAPLE_HOT_PROFILE``         A ``.npy`` file or a text file of token ids (a tokenised
                                                        text like the served one): each rank counts the ids of
                                                        its vocabulary shard and holds the most frequent rows.
+``disk_dir``            ``UVAPLE_DISK_DIR``            The ``disk`` placement's folder on a local disk (made if
+                                                       missing): a table file per shard, named by the model, its
+                                                       revision and dtype, reused by later engines of the same
+                                                       checkpoint (:mod:`.disk_shard`). Needs about twice the
+                                                       table's size free while the engine starts.
+``disk_cache_gb``       ``UVAPLE_DISK_CACHE_GB``       The ``disk`` placement's row cache: 10^9 bytes of pinned
+                                                       host memory per shard (default 4; at least a batch's
+                                                       distinct rows: checked at start-up).
 ======================  =============================  ============================================================
 
 What the engine runs is checked too, when the model is built (:func:`check_engine`): a setting that cannot
@@ -68,7 +79,7 @@ from uvaple.integration.errors import BackendError
 from uvaple.integration.factory import PLACEMENTS as _ALL_PLACEMENTS
 from uvaple.integration.factory import model_placements, placement
 
-__all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "from_sources", "check_engine"]
+__all__ = ["PluginConfig", "PluginConfigError", "ENV_VARS", "DEFAULT_DISK_CACHE_GB", "from_sources", "check_engine"]
 
 #: the placements the plugin serves: the library's, less those model layers cannot serve
 PLACEMENTS = model_placements(engine=True)
@@ -90,7 +101,9 @@ ENV_VARS = {"placement": "UVAPLE_PLACEMENT", "fallback": "UVAPLE_FALLBACK", "sha
             "segment": "UVAPLE_SEGMENT", "timeout_s": "UVAPLE_TIMEOUT_S", "segment_dir": "UVAPLE_SEGMENT_DIR",
             "metrics_interval_s": "UVAPLE_METRICS_INTERVAL_S", "dedup": "UVAPLE_DEDUP",
             "hot_cache_gb": "UVAPLE_HOT_CACHE_GB", "hot_profile": "UVAPLE_HOT_PROFILE",
-            "quantize": "UVAPLE_QUANTIZE"}
+            "quantize": "UVAPLE_QUANTIZE", "disk_dir": "UVAPLE_DISK_DIR", "disk_cache_gb": "UVAPLE_DISK_CACHE_GB"}
+#: the disk placement's row cache per shard when ``disk_cache_gb`` is not given (10^9 bytes)
+DEFAULT_DISK_CACHE_GB = 4.0
 
 
 class PluginConfigError(BackendError, ValueError):
@@ -112,6 +125,8 @@ class PluginConfig:
     hot_cache_gb: float = 0.0
     hot_profile: str | None = None
     quantize: str = "none"
+    disk_dir: str | None = None
+    disk_cache_gb: float | None = None  # None: DEFAULT_DISK_CACHE_GB
 
 
 def _bool(value, where: str) -> bool:
@@ -173,6 +188,16 @@ def _check(key: str, value, where: str):
             return segments.segment_dir(value)
         except SharedSegmentError as e:
             raise PluginConfigError(f"{where}: {e}") from None
+    if key == "disk_dir":
+        if not isinstance(value, str) or not value.strip():
+            raise PluginConfigError(f"{where}: expected a folder on a local disk for the table files, got {value!r}")
+        return os.path.abspath(os.path.expanduser(value.strip()))
+    if key == "disk_cache_gb":
+        gb = _number(value)
+        if not (gb > 0 and math.isfinite(gb)):
+            raise PluginConfigError(f"{where}: expected a positive number of gigabytes (10^9 bytes of pinned host "
+                                    f"memory per shard), got {value!r}")
+        return gb
     if key == "timeout_s":
         t = _number(value)
         if not (t > 0 and math.isfinite(t)):
@@ -226,6 +251,18 @@ def from_sources(additional: Mapping | None, environ: Mapping[str, str] | None =
         served = [name for name in PLACEMENTS if placement(name).hot_set]
         raise PluginConfigError(f"hot_cache_gb: a hot set stands in front of rows in host memory that the GPU reads "
                                 f"(placement {served}), not of placement {cfg.placement!r}")
+    reads_file = placement(cfg.placement).reads_file
+    if reads_file and cfg.disk_dir is None:
+        raise PluginConfigError(f"placement {cfg.placement!r} needs disk_dir: a folder on a local disk for its table "
+                                f"files (environment variable {ENV_VARS['disk_dir']})")
+    given = [k for k in ("disk_dir", "disk_cache_gb") if getattr(cfg, k) is not None]
+    if given and not reads_file:
+        served = [name for name in PLACEMENTS if placement(name).reads_file]
+        raise PluginConfigError(f"{' and '.join(given)}: settings of the placement that serves table files "
+                                f"({served}), not of placement {cfg.placement!r}")
+    if reads_file and cfg.fallback != "none":
+        raise PluginConfigError(f"fallback {cfg.fallback!r}: the {cfg.placement} placement needs no fallback (its row "
+                                "cache is registered like any pinned buffer); leave fallback unset")
     if cfg.quantize != "none":
         for which in ("placement", "fallback"):
             name = getattr(cfg, which)

@@ -1,0 +1,206 @@
+"""The plugin's ``disk`` placement: a rank's PLE shard served from a table file on local disk.
+
+For tables larger than the host memory a server can give them. vLLM's loader (or its dummy fill) writes the
+shard as it writes any other (:class:`~uvaple.integration.models.vllm.tables.ShardTable`'s ``write``, its checks,
+the ``fp8_row`` quantiser); here the rows it writes land in a **staging file**, a sparse file of the shard's size
+on the disk of the table files, mapped shared: the kernel writes its pages back, so no host memory of the
+table's size is held. After loading, the table file (:mod:`uvaple.uva.table_file`: the project's row layout, a
+checksum a page) is written from the staging file, the staging file's blocks are given back to the filesystem
+(``MADV_REMOVE``: vLLM's parameter still maps it and reads zeros), and the lookup is a
+:class:`~uvaple.integration.placements.disk.DiskLookup`: a row cache of ``disk_cache_gb`` of pinned host memory
+in front of the file, each call planned and read on the host, in vLLM's eager mode only (CUDA graphs cannot hold
+a call: refused at start-up by :func:`~uvaple.integration.models.vllm.config.check_engine`).
+
+Files, by the model's identity. A shard's table file is ``<disk_dir>/<base>.<layer>.r<rank>of<size>.uvt`` (the
+segment names' rules, :func:`~uvaple.integration.models.vllm.tables.segment_name`), its header naming what it was
+written from (the model's identity, the layer, the rank, the encoding). A later engine of the same checkpoint
+finds the file complete and reuses it: its loader's rows are checked, not written, and nothing is staged. Dummy
+weights are never reused (written at each start). Processes writing the same file (data-parallel replicas) write
+one at a time (a lock on the folder), the later ones reusing the first's. Files of another identity (the weights
+changed) are written beside the old ones; delete those by hand.
+
+Disk space: the staging file and the table file both exist while the file is written (about twice the shard);
+then the staging file's blocks go. A staging file left by a killed process (``<file>.loading.<pid>``) is removed
+by the next start that stages the same shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from uvaple.uva import RowSource, TableFileError
+from uvaple.uva.table_file import remove_dead_partials
+from uvaple.uva.workers import chunks, default_threads, parallel
+
+from .config import DEFAULT_DISK_CACHE_GB, PluginConfigError
+from .tables import PluginLoadError, ShardTable, export_metrics, segment_name
+
+__all__ = ["DiskShard", "StagingFile"]
+
+log = logging.getLogger("uvaple.vllm")
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class StagingFile:
+    """``rows x cols`` of ``dtype`` in a sparse file at ``path``, mapped shared; the name is removed at once (the
+    mapping holds the file). The part of a host table's interface a :class:`ShardTable` writes through."""
+
+    name = None  # no shared segment: the table file is what processes share
+    created = True
+
+    def __init__(self, path: str, rows: int, cols: int, dtype: torch.dtype) -> None:
+        self.rows, self.cols, self.dtype = rows, cols, dtype
+        self.row_bytes = cols * dtype.itemsize
+        nbytes = rows * self.row_bytes
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise TableFileError(f"cannot create the staging file {path}: {e.strerror or e}") from None
+        try:
+            os.ftruncate(fd, nbytes)  # sparse: blocks are taken as rows are written
+            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise TableFileError(f"cannot map the staging file {path} ({nbytes} bytes): {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(dtype).view(rows, cols)
+        self.shape = (rows, cols)
+        self.released = False
+
+    def write_rows(self, src: torch.Tensor, row_start: int = 0) -> None:
+        """Rows ``row_start ..`` from ``src`` (cast to the table's dtype), in blocks on several threads."""
+        dst = self.tensor[row_start:row_start + src.shape[0]]
+        block = max(1, (64 << 20) // max(1, self.row_bytes))
+
+        def copy(a: int, n: int) -> None:
+            dst[a:a + n].copy_(src[a:a + n])
+
+        parallel(copy, chunks(src.shape[0], block), default_threads(), name="uvaple-staging")
+
+    def writable_bytes(self, row_start: int, n: int) -> np.ndarray:
+        """numpy ``uint8`` ``[n, row_bytes]`` over rows ``row_start .. row_start + n`` (a quantiser writes them)."""
+        if not 0 <= row_start <= row_start + n <= self.rows:
+            raise ValueError(f"rows {row_start}..{row_start + n} do not fit a table of {self.rows} rows")
+        return np.frombuffer(self._map, dtype=np.uint8).reshape(self.rows, self.row_bytes)[row_start:row_start + n]
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Private: always ready."""
+
+    def release(self) -> None:
+        """Give the file's blocks (and their page cache) back; the mapping stays valid and reads zeros. Idempotent;
+        where the filesystem cannot punch holes they stay until the process ends (logged)."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            self._map.madvise(mmap.MADV_REMOVE)
+        except (OSError, AttributeError, ValueError) as e:
+            log.warning("uvaple: the staging file's %d bytes stay on disk until this process ends (%s)",
+                        len(self._map), e)
+
+    def close(self) -> None:
+        self.release()
+
+
+class DiskShard(ShardTable):
+    """A :class:`ShardTable` whose rows are served from a table file on local disk (see the module docstring).
+    Takes ShardTable's parameters; the settings ``disk_dir`` and ``disk_cache_gb`` place the file and size its
+    row cache."""
+
+    def __init__(self, cfg, **kw) -> None:
+        self._identity = kw["identity"]
+        self.file = None
+        super().__init__(cfg, **kw)
+        self.source_id = None if not self.check_loaded else \
+            f"vllm {self._identity} {self.layer} {self.rank}/{self.size} {self.file_encoding}"
+        from uvaple.integration.file_embedding import reusable
+
+        self.file = reusable(self.path, RowSource(self.table.rows, self.table.cols, self.table.dtype, None),
+                             self.file_encoding, self.source_id)
+        if self.file is not None:  # written by an earlier engine of the same checkpoint: the loader's rows unused
+            self.fills = False
+            log.info("uvaple: %s[%d/%d] <- %s (written before, from the same checkpoint)", self.layer, self.rank,
+                     self.size, self.path)
+
+    def _open(self, rows, cols, dtype, rank, size, identity, register):
+        """The staging file (``register`` unused: the row cache is registered when the lookup is built)."""
+        from uvaple.integration.file_embedding import make_folder
+
+        folder = self.cfg.disk_dir
+        try:
+            make_folder(folder)
+        except TableFileError as e:
+            raise PluginConfigError(f"disk_dir: {e}") from None
+        base = self.cfg.segment or f"vllm-{identity[:16]}"
+        self.path = os.path.join(folder, segment_name(base, self.layer, rank, size) + ".uvt")
+        # how the file stores the rows: quantised on load, an fp8 checkpoint's codes (one global scale), or as given
+        self.file_encoding = "fp8_row" if self.encoding == "fp8_row" else "fp8_global" if dtype in _FP8 else "raw"
+        remove_dead_partials(self.path, kind="loading")
+        return StagingFile(f"{self.path}.loading.{os.getpid()}", rows, cols, dtype)
+
+    def finish(self) -> None:
+        """After loading: every row written (real weights), dummy fp8_row rows drawn, as a host shard does; the
+        table file is written by :meth:`lookup`, once the lookup's encoding is known. Idempotent."""
+        if self.finished:
+            return
+        if self.fills:
+            super().finish()
+        else:  # the file holds the rows: only the loader's coverage is checked
+            missing = self.missing_rows() if self.check_loaded else 0
+            if missing:
+                raise PluginLoadError(f"{self.layer}: the checkpoint left {missing} of {self.loaded_rows} rows of this "
+                                      "shard unwritten; check that it holds the whole table")
+            self._finished = True
+
+    def lookup(self, spec, *, dequant_scale: torch.Tensor | None = None, max_rows: int | None = None,
+               id_start: int = 0, token_ids: bool = True):
+        """The disk lookup of this shard's table file (written here from the staging file unless reused), with a
+        row cache of ``disk_cache_gb``; ``spec`` as for a host shard (its encoding must be the file's)."""
+        from uvaple.integration import make_lookup
+        from uvaple.integration.file_embedding import table_file_for
+        from uvaple.integration.placements.disk import DiskLookup
+
+        if spec.encoding != self.file_encoding:
+            raise PluginLoadError(f"{self.layer}: the lookup reads {spec.encoding} rows; the table file holds "
+                                  f"{self.file_encoding}")
+        if max_rows is None:
+            raise PluginConfigError(f"{self.layer}: the disk placement needs the most ids a call brings")
+        if self.cfg.dedup:
+            log.warning("uvaple: %s is served through the disk placement: dedup is not used", self.layer)
+        gb = self.cfg.disk_cache_gb or DEFAULT_DISK_CACHE_GB
+        budget = int(gb * 1e9)
+        try:
+            DiskLookup.check_options({"budget_bytes": budget}, max_rows=max_rows,
+                                     row_bytes=self.table.row_bytes)
+        except ValueError as e:
+            raise PluginConfigError(f"disk_cache_gb={gb:g} for {self.layer}: {e}") from None
+        name = f"{self.layer}[{self.rank}/{self.size}]"
+        if self.file is None:
+            try:
+                self.file = table_file_for(self.path, RowSource.of(self.table.tensor), encoding=self.file_encoding,
+                                           source_id=self.source_id, what=name)
+            except TableFileError as e:
+                raise PluginLoadError(f"{name}: writing its table file failed: {e}") from None
+        self.table.release()  # its rows are in the file
+        spec = dataclasses.replace(spec, stride=self.file.stride)
+        lk = make_lookup("disk", self.file, device=self.device, spec=spec, max_rows=max_rows, budget_bytes=budget,
+                         dequant_scale=dequant_scale)
+        log.info("uvaple: %s served by the disk placement from %s (row cache %s GB)", name, self.path, f"{gb:g}")
+        export_metrics(name, lk, self.cfg.metrics_interval_s)
+        return lk
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.table.close()
+
