@@ -202,3 +202,29 @@ def test_a_staging_file_left_by_a_killed_process_is_removed(tmp_path):
     s.close()
     disk_shard(cfg_in(tmp_path)).close()
     assert not os.path.exists(left)
+
+
+def test_a_disk_too_full_for_the_staging_file_is_named_at_once_and_a_reused_file_stages_nothing(tmp_path,
+                                                                                              monkeypatch):
+    """The staging file's blocks are reserved when it is made: a full disk is a named error before the loader
+    writes (a write into a hole of a full disk would be a SIGBUS). A reused file reserves nothing."""
+    import errno
+
+    w = rand(90, 40, torch.bfloat16, seed=9)
+    s = loaded(disk_shard(cfg_in(tmp_path)), w)
+    s.lookup(TableSpec.of(s.table), max_rows=8).close()
+    s.close()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    again = loaded(disk_shard(cfg_in(tmp_path)), w)  # reused: nothing reserved
+    lk = again.lookup(TableSpec.of(again.table), max_rows=90)
+    assert torch.equal(bits(lk.lookup(torch.arange(90))), bits(w))
+    lk.close()
+    again.close()
+    with pytest.raises(PluginLoadError, match="m.layers.0.ple: the staging file of 7.50 KiB does not fit in .*No space "
+                                              "left on device.*free about twice that.*or give another disk_dir"):
+        disk_shard(cfg_in(tmp_path), identity="f" * 64)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(s.path)]  # nothing left of the refused one

@@ -19,15 +19,18 @@ weights are never reused (written at each start). Processes writing the same fil
 one at a time (a lock on the folder), the later ones reusing the first's. Files of another identity (the weights
 changed) are written beside the old ones; delete those by hand.
 
-Disk space: the staging file and the table file both exist while the file is written (about twice the shard);
-then the staging file's blocks go. A staging file left by a killed process (``<file>.loading.<pid>``) is removed
-by the next start that stages the same shard.
+Disk space: the staging file's blocks are taken when it is made (a disk too full is a named error then, never a
+fault as the loader writes), and the staging file and the table file both exist while the file is written (about
+twice the shard); then the staging file's blocks go. A reused file stages nothing. A staging file left by a
+killed process between its making and the removal of its name (``<file>.loading.<pid>``) is removed by the next
+start of the same shard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import mmap
 import os
@@ -35,6 +38,7 @@ import os
 import numpy as np
 import torch
 
+from uvaple.dtypes import fmt_bytes
 from uvaple.uva import RowSource, TableFileError
 from uvaple.uva.table_file import remove_dead_partials
 from uvaple.uva.workers import chunks, default_threads, parallel
@@ -56,7 +60,7 @@ class StagingFile:
     name = None  # no shared segment: the table file is what processes share
     created = True
 
-    def __init__(self, path: str, rows: int, cols: int, dtype: torch.dtype) -> None:
+    def __init__(self, path: str, rows: int, cols: int, dtype: torch.dtype, *, reserve: bool = True) -> None:
         self.rows, self.cols, self.dtype = rows, cols, dtype
         self.row_bytes = cols * dtype.itemsize
         nbytes = rows * self.row_bytes
@@ -65,7 +69,15 @@ class StagingFile:
         except OSError as e:
             raise TableFileError(f"cannot create the staging file {path}: {e.strerror or e}") from None
         try:
-            os.ftruncate(fd, nbytes)  # sparse: blocks are taken as rows are written
+            os.ftruncate(fd, nbytes)
+            if reserve:  # its blocks taken now: a full disk is this named error, never a SIGBUS as the loader writes
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise TableFileError(f"the staging file of {fmt_bytes(nbytes)} does not fit in "
+                                             f"{os.path.dirname(path)} ({e.strerror or e}): free about twice that "
+                                             "(the table file is written from it), or give another disk_dir") from None
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise TableFileError(f"cannot map the staging file {path} ({nbytes} bytes): {e.strerror or e}") from None
@@ -118,23 +130,17 @@ class DiskShard(ShardTable):
     row cache."""
 
     def __init__(self, cfg, **kw) -> None:
-        self._identity = kw["identity"]
         self.file = None
         super().__init__(cfg, **kw)
-        self.source_id = None if not self.check_loaded else \
-            f"vllm {self._identity} {self.layer} {self.rank}/{self.size} {self.file_encoding}"
-        from uvaple.integration.file_embedding import reusable
-
-        self.file = reusable(self.path, RowSource(self.table.rows, self.table.cols, self.table.dtype, None),
-                             self.file_encoding, self.source_id)
         if self.file is not None:  # written by an earlier engine of the same checkpoint: the loader's rows unused
             self.fills = False
             log.info("uvaple: %s[%d/%d] <- %s (written before, from the same checkpoint)", self.layer, self.rank,
                      self.size, self.path)
 
     def _open(self, rows, cols, dtype, rank, size, identity, register):
-        """The staging file (``register`` unused: the row cache is registered when the lookup is built)."""
-        from uvaple.integration.file_embedding import make_folder
+        """The table file written before from the same checkpoint, if any (``self.file``), and the staging file
+        (``register`` unused: the row cache is registered when the lookup is built)."""
+        from uvaple.integration.file_embedding import make_folder, reusable
 
         folder = self.cfg.disk_dir
         try:
@@ -145,8 +151,14 @@ class DiskShard(ShardTable):
         self.path = os.path.join(folder, segment_name(base, self.layer, rank, size) + ".uvt")
         # how the file stores the rows: quantised on load, an fp8 checkpoint's codes (one global scale), or as given
         self.file_encoding = "fp8_row" if self.encoding == "fp8_row" else "fp8_global" if dtype in _FP8 else "raw"
+        self.source_id = f"vllm {identity} {self.layer} {rank}/{size} {self.file_encoding}" if self.check_loaded \
+            else None  # dummy weights: never reused
+        self.file = reusable(self.path, RowSource(rows, cols, dtype, None), self.file_encoding, self.source_id)
         remove_dead_partials(self.path, kind="loading")
-        return StagingFile(f"{self.path}.loading.{os.getpid()}", rows, cols, dtype)
+        try:
+            return StagingFile(f"{self.path}.loading.{os.getpid()}", rows, cols, dtype, reserve=self.file is None)
+        except TableFileError as e:
+            raise PluginLoadError(f"{self.layer}: {e}") from None
 
     def finish(self) -> None:
         """After loading: every row written (real weights), dummy fp8_row rows drawn, as a host shard does; the
