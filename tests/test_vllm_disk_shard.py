@@ -105,7 +105,8 @@ def test_a_disk_shard_is_staged_written_to_its_file_and_read(tmp_path):
     lk.lookup(ids, out)
     assert torch.equal(bits(out[:3]), bits(want[[0, 89, 5]]))
     assert torch.equal(bits(out[3:]), bits(torch.zeros(4, 40, dtype=torch.bfloat16)))
-    assert lk.stats()["lookups"] == 1 and TableFile.open(s.path).source.startswith("vllm " + "d" * 64)
+    with TableFile.open(s.path) as f:
+        assert lk.stats()["lookups"] == 1 and f.source.startswith("vllm " + "d" * 64)
     lk.close()
     s.close()
 
@@ -121,9 +122,9 @@ def test_a_later_engine_of_the_same_checkpoint_reuses_the_file_and_another_write
     assert again.file is not None and not again.fills
     with pytest.raises(PluginLoadError, match="do not fit"):
         again.write(torch.zeros(3, 41), 0)  # shapes are still checked
-    other = rand(90, 40, torch.bfloat16, seed=3)
-    loaded(again, other)  # (the loader's rows, not written: the file holds the checkpoint's)
+    loaded(again, w)  # the loader's rows: compared with the file's, not staged
     assert int(again.table.tensor.view(torch.int16).count_nonzero()) == 0  # nothing staged
+    other = rand(90, 40, torch.bfloat16, seed=3)
     ids = torch.arange(90)
     lk = again.lookup(TableSpec.of(again.table), max_rows=90)
     assert torch.equal(bits(lk.lookup(ids)), bits(w))
@@ -177,15 +178,16 @@ def test_an_fp8_row_disk_shard_serves_the_host_shards_bits(tmp_path, dtype):
     got = lk.lookup(ids)
     assert torch.equal(bits(got[:5]), bits(ENCODINGS["fp8_row"].dequantise(want[ids[:5]], torch.bfloat16)))
     assert torch.equal(bits(got[5:]), bits(torch.zeros(1, 37, dtype=torch.bfloat16)))
-    assert TableFile.open(s.path).encoding == "fp8_row"
+    with TableFile.open(s.path) as f:
+        assert f.encoding == "fp8_row"
     lk.close()
     s.close()
 
 
 def test_a_row_cache_too_small_and_a_lookup_of_another_encoding_are_named(tmp_path):
     s = loaded(disk_shard(cfg_in(tmp_path, disk_cache_gb=1e-6)), rand(90, 40, torch.bfloat16, seed=8))
-    with pytest.raises(PluginConfigError, match="disk_cache_gb=1e-06 for m.layers.0.ple: the disk placement's row "
-                                                "cache holds .* rows.*give budget_bytes >="):
+    with pytest.raises(PluginConfigError, match="disk_cache_gb=1e-06 for m.layers.0.ple: a step of vLLM's may bring "
+                                                "64 distinct rows of 80 B.*give disk_cache_gb >= 5.12e-06"):
         s.lookup(TableSpec.of(s.table), max_rows=64)
     with pytest.raises(PluginLoadError, match="reads fp8_global rows; the table file holds raw"):
         s.lookup(TableSpec(96, 40, torch.float8_e4m3fn, encoding="fp8_global", out_dtype=torch.bfloat16),
@@ -228,3 +230,60 @@ def test_a_disk_too_full_for_the_staging_file_is_named_at_once_and_a_reused_file
                                               "left on device.*free about twice that.*or give another disk_dir"):
         disk_shard(cfg_in(tmp_path), identity="f" * 64)
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(s.path)]  # nothing left of the refused one
+
+
+def test_a_reused_file_of_other_weights_under_the_same_identity_is_never_served(tmp_path):
+    """A hub model without a revision keeps its identity when its weights change: each block the loader hands over is
+    compared (its first row) with the file. At the first block the shard stages the checkpoint after all and writes
+    the file again; a later block that differs is a named error, and the file is removed for the next start."""
+    w, v = rand(90, 40, torch.bfloat16, seed=10), rand(90, 40, torch.bfloat16, seed=11)
+    s = loaded(disk_shard(cfg_in(tmp_path)), w)
+    s.lookup(TableSpec.of(s.table), max_rows=8).close()
+    s.close()
+    changed = loaded(disk_shard(cfg_in(tmp_path)), v)  # differs from its first block on
+    assert changed.fills
+    lk = changed.lookup(TableSpec.of(changed.table), max_rows=90)
+    assert torch.equal(bits(lk.lookup(torch.arange(90))), bits(v))
+    lk.close()
+    changed.close()
+    late = disk_shard(cfg_in(tmp_path))
+    mixed = v.clone()
+    mixed[37:] = w[37:]  # the same first block, then other rows
+    late.write(mixed[:37], 0)
+    with pytest.raises(PluginLoadError, match="holds rows other than this checkpoint's at row 37.*name a revision.*it "
+                                              "is removed: start the engine again"):
+        late.write(mixed[37:], 37)
+    assert not os.path.exists(late.path)
+    late.close()
+    again = loaded(disk_shard(cfg_in(tmp_path)), mixed)  # the next start writes it
+    lk = again.lookup(TableSpec.of(again.table), max_rows=90)
+    assert torch.equal(bits(lk.lookup(torch.arange(90))), bits(mixed))
+    lk.close()
+    again.close()
+
+
+def test_an_fp8_row_file_is_reused_and_checked_in_its_encoding(tmp_path):
+    w = rand(90, 37, torch.bfloat16, seed=12)
+    for n in range(2):
+        s = loaded(disk_shard(cfg_in(tmp_path), cols=37, encoding="fp8_row"), w)
+        assert s.fills == (n == 0)  # the quantised first rows match the file's: reused
+        lk = s.lookup(TableSpec.of(s.table, encoding="fp8_row", out_dtype=torch.bfloat16), max_rows=8, token_ids=False)
+        lk.close()
+        s.close()
+
+
+def test_an_fp8_checkpoint_is_served_with_its_global_scale(tmp_path):
+    """An fp8 checkpoint's codes are stored as they are (fp8_global) and dequantised with the scale parameter."""
+    from uvaple.kernels.encodings import ENCODINGS
+
+    codes = rand(90, 40, torch.bfloat16, seed=13).to(torch.float8_e4m3fn)
+    s = loaded(disk_shard(cfg_in(tmp_path), dtype=torch.float8_e4m3fn), codes)
+    assert s.file_encoding == "fp8_global"
+    scale = torch.tensor([0.037], dtype=torch.float32)
+    lk = s.lookup(TableSpec.of(s.table, encoding="fp8_global", out_dtype=torch.bfloat16), max_rows=8,
+                  dequant_scale=scale, token_ids=False)
+    ids = torch.tensor([0, 89, 5])
+    want = ENCODINGS["fp8_global"].dequantise(codes[ids], torch.bfloat16, scale)
+    assert torch.equal(bits(lk.lookup(ids)), bits(want))
+    lk.close()
+    s.close()

@@ -34,12 +34,13 @@ import errno
 import logging
 import mmap
 import os
+import shutil
 
 import numpy as np
 import torch
 
 from uvaple.dtypes import fmt_bytes
-from uvaple.uva import RowSource, TableFileError
+from uvaple.uva import HostMemoryError, RowSource, TableFileError, row_stride_bytes
 from uvaple.uva.table_file import remove_dead_partials
 from uvaple.uva.workers import chunks, default_threads, parallel
 
@@ -68,26 +69,40 @@ class StagingFile:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise TableFileError(f"cannot create the staging file {path}: {e.strerror or e}") from None
+        self._fd, self._folder = fd, os.path.dirname(path)  # kept open: reserve() may take the blocks later
         try:
             os.ftruncate(fd, nbytes)
             if reserve:  # its blocks taken now: a full disk is this named error, never a SIGBUS as the loader writes
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise TableFileError(f"the staging file of {fmt_bytes(nbytes)} does not fit in "
-                                             f"{os.path.dirname(path)} ({e.strerror or e}): free about twice that "
-                                             "(the table file is written from it), or give another disk_dir") from None
+                self._reserve(nbytes)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise TableFileError(f"cannot map the staging file {path} ({nbytes} bytes): {e.strerror or e}") from None
-        finally:
+        except (OSError, ValueError) as e:  # (ValueError: an empty shard, which no table has)
             os.close(fd)
+            raise TableFileError(f"cannot map the staging file {path} ({nbytes} bytes): {e.strerror or e}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(dtype).view(rows, cols)
         self.shape = (rows, cols)
         self.released = False
+
+    def reserve(self) -> None:
+        """Take the file's blocks now (a shard that was to be reused is staged after all)."""
+        self._reserve(len(self._map))
+
+    def _reserve(self, nbytes: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, 0, nbytes)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                log.warning("uvaple: %s cannot reserve blocks (%s): the staging file is sparse, and a disk that fills "
+                            "up as the loader writes ends the process", self._folder, e)
+                return
+            raise TableFileError(f"the staging file of {fmt_bytes(nbytes)} does not fit in {self._folder} "
+                                 f"({e.strerror or e}): free about twice that (the table file is written from it), or "
+                                 "give another disk_dir") from None
 
     def write_rows(self, src: torch.Tensor, row_start: int = 0) -> None:
         """Rows ``row_start ..`` from ``src`` (cast to the table's dtype), in blocks on several threads."""
@@ -122,6 +137,9 @@ class StagingFile:
 
     def close(self) -> None:
         self.release()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class DiskShard(ShardTable):
@@ -147,18 +165,81 @@ class DiskShard(ShardTable):
             make_folder(folder)
         except TableFileError as e:
             raise PluginConfigError(f"disk_dir: {e}") from None
+        if register:
+            _check_mapping(self.device, self.layer)
         base = self.cfg.segment or f"vllm-{identity[:16]}"
-        self.path = os.path.join(folder, segment_name(base, self.layer, rank, size) + ".uvt")
+        # dummy weights (never reused) have files of their own: a dummy engine leaves a real one's file alone
+        kind = "" if self.check_loaded else ".dummy"
+        self.path = os.path.join(folder, segment_name(base, self.layer, rank, size) + kind + ".uvt")
         # how the file stores the rows: quantised on load, an fp8 checkpoint's codes (one global scale), or as given
         self.file_encoding = "fp8_row" if self.encoding == "fp8_row" else "fp8_global" if dtype in _FP8 else "raw"
         self.source_id = f"vllm {identity} {self.layer} {rank}/{size} {self.file_encoding}" if self.check_loaded \
-            else None  # dummy weights: never reused
+            else None
         self.file = reusable(self.path, RowSource(rows, cols, dtype, None), self.file_encoding, self.source_id)
         remove_dead_partials(self.path, kind="loading")
         try:
+            if self.file is None:
+                self._check_space(folder, rows, cols, dtype)
             return StagingFile(f"{self.path}.loading.{os.getpid()}", rows, cols, dtype, reserve=self.file is None)
         except TableFileError as e:
+            if self.file is not None:
+                self.file.close()
             raise PluginLoadError(f"{self.layer}: {e}") from None
+
+    def _check_space(self, folder: str, rows: int, cols: int, dtype: torch.dtype) -> None:
+        """A TableFileError where ``folder``'s disk cannot hold the staging file and the table file at once."""
+        from uvaple.uva.table_file import FileLayout
+
+        need = rows * cols * dtype.itemsize + FileLayout.of(rows, cols, dtype, self.file_encoding).file_bytes
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise TableFileError(f"{folder} has {fmt_bytes(free)} free; the staging file and the table file of this "
+                                 f"shard take {fmt_bytes(need)} while the engine starts (the staging file's go after): "
+                                 "free that much, or give another disk_dir")
+
+    def write(self, rows: torch.Tensor, start: int) -> None:
+        """As :meth:`ShardTable.write`; where the table file is reused, the block's first row is compared with the
+        file's, so that a file of other weights under the same identity (a hub model without a revision whose
+        weights changed) is not served: at the first block the shard stages the checkpoint after all, later it
+        is a named error (the file is removed; the next start writes it)."""
+        if not self.fills and rows.dim() == 2 and rows.shape[0] and 0 <= start < self.table.rows \
+                and rows.shape[1] == self.cols and not self._same_as_file(rows[:1], start):
+            if not self._written:
+                log.warning("uvaple: %s holds other rows than this checkpoint's %s: writing it again", self.path,
+                            self.layer)
+                self.file.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)  # (its source names this checkpoint: it would be found again)
+                self.file, self.fills = None, True
+                self._check_space(os.path.dirname(self.path), self.table.rows, self.table.cols, self.table.dtype)
+                self.table.reserve()
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                raise PluginLoadError(f"{self.layer}: the table file {self.path} holds rows other than this "
+                                      f"checkpoint's at row {start}, though it was written from a checkpoint of the "
+                                      "same name, revision and dtype (name a revision to tell them apart); it is "
+                                      "removed: start the engine again to write it from this checkpoint")
+        super().write(rows, start)
+
+    def _same_as_file(self, row: torch.Tensor, start: int) -> bool:
+        """Whether checkpoint ``row`` (one, at shard row ``start``) stored as this shard stores it is the file's."""
+        stored = np.zeros((1, self.table.row_bytes), dtype=np.uint8)
+        if self.encoding == "fp8_row":
+            from uvaple.integration.quantize import quantize_fp8_rows_into
+
+            from .tables import FP8_ROW_FORMAT
+
+            try:
+                quantize_fp8_rows_into(row, stored, FP8_ROW_FORMAT, out_dtype=self.source_dtype,
+                                       slice_cols=self.cols, threads=1)
+            except ValueError:  # a row no fp8 scale holds: ShardTable.write names it
+                return True
+        else:
+            cast = row.detach().to("cpu", self.table.dtype).contiguous()
+            stored[0] = cast.view(torch.uint8).reshape(-1).numpy()
+        in_file = self.file.read_rows(torch.tensor([start])).contiguous().view(torch.uint8).reshape(-1)
+        return bool(np.array_equal(in_file.numpy()[:self.table.row_bytes], stored[0]))
 
     def finish(self) -> None:
         """After loading: every row written (real weights), dummy fp8_row rows drawn, as a host shard does; the
@@ -194,8 +275,11 @@ class DiskShard(ShardTable):
         try:
             DiskLookup.check_options({"budget_bytes": budget}, max_rows=max_rows,
                                      row_bytes=self.table.row_bytes)
-        except ValueError as e:
-            raise PluginConfigError(f"disk_cache_gb={gb:g} for {self.layer}: {e}") from None
+        except ValueError:
+            need = max_rows * row_stride_bytes(self.table.row_bytes) / 1e9
+            raise PluginConfigError(f"disk_cache_gb={gb:g} for {self.layer}: a step of vLLM's may bring {max_rows} "
+                                    f"distinct rows of {self.table.row_bytes} B, which the row cache must hold at "
+                                    f"once: give disk_cache_gb >= {need:.3g}") from None
         name = f"{self.layer}[{self.rank}/{self.size}]"
         if self.file is None:
             try:
@@ -205,8 +289,12 @@ class DiskShard(ShardTable):
                 raise PluginLoadError(f"{name}: writing its table file failed: {e}") from None
         self.table.release()  # its rows are in the file
         spec = dataclasses.replace(spec, stride=self.file.stride)
-        lk = make_lookup("disk", self.file, device=self.device, spec=spec, max_rows=max_rows, budget_bytes=budget,
-                         dequant_scale=dequant_scale)
+        try:
+            lk = make_lookup("disk", self.file, device=self.device, spec=spec, max_rows=max_rows,
+                             budget_bytes=budget, dequant_scale=dequant_scale)
+        except HostMemoryError as e:
+            raise PluginConfigError(f"disk_cache_gb={gb:g} for {name}: its row cache does not fit in pinned host "
+                                    f"memory ({e}); give a smaller disk_cache_gb") from None
         log.info("uvaple: %s served by the disk placement from %s (row cache %s GB)", name, self.path, f"{gb:g}")
         export_metrics(name, lk, self.cfg.metrics_interval_s)
         return lk
@@ -216,3 +304,18 @@ class DiskShard(ShardTable):
             self.file.close()
         self.table.close()
 
+
+def _check_mapping(device: torch.device, layer: str) -> None:
+    """A named error now, before loading, where the GPU cannot map pinned host memory (the row cache is
+    registered only when the lookup is built, after the table file is written)."""
+    from uvaple.uva import HostTable
+    from uvaple.uva.errors import DeviceCapabilityError, RegistrationError
+
+    from .tables import UvaUnavailable
+
+    try:
+        HostTable.empty(1, 4096, torch.uint8, register=True, device=device.index).close()
+    except (RegistrationError, DeviceCapabilityError) as e:
+        raise UvaUnavailable(f"{layer}: the disk placement's row cache is pinned host memory the GPU maps, and "
+                             f"{device} cannot map it: {e} (`uvaple doctor` shows the checks); use the copy "
+                             "placement with enforce_eager, or fix the cause") from e
