@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import bits, rand
@@ -94,6 +96,26 @@ def test_copy_placement_gives_the_same_bits_and_leaves_fp8_to_vllm():
             assert ours(ids).dtype == torch.float8_e4m3fn  # rows as stored, vLLM's method dequantises
         assert torch.equal(bits(run(ours, ids)), bits(run(ref, ids)))
         ours._uvaple_lookup.close()
+
+
+@pytest.mark.parametrize("kind,quantize", [("bf16", "none"), ("fp8", "none"), ("bf16", "fp8_row")])
+def test_the_disk_placement_serves_the_host_tables_bits_from_a_table_file(tmp_path, kind, quantize):
+    """placement disk: vLLM's loader writes the staging file, the layer's first lookup writes the table file, and
+    the rows are the uva placement's (vLLM's own for bf16 and fp8; the encoding's for fp8_row), ids outside the
+    table zero rows; a second layer of the same checkpoint reuses the file."""
+    ids = torch.randint(0, VOCAB, (MAX_TOKENS, HEADS), generator=torch.Generator().manual_seed(41))
+    ids[0] = torch.tensor([0, VOCAB - 1, VOCAB, -1])
+    _, host, _ = pair(kind, seed=40, quantize=quantize)
+    want = run(host, ids)
+    for n in range(2):
+        _, disk, _ = pair(kind, seed=40, quantize=quantize, placement="disk", disk_dir=str(tmp_path),
+                          disk_cache_gb=0.01)
+        shard = disk._uvaple_shard
+        assert shard.placement == "disk" and shard.fills == (n == 0)
+        assert torch.equal(bits(run(disk, ids)), bits(want))
+        assert [f for f in os.listdir(tmp_path) if f.endswith(".uvt")] == [os.path.basename(shard.path)]
+        disk._uvaple_lookup.close()
+        shard.close()
 
 
 def test_fp8_row_quantises_on_load_and_dequantises_in_the_kernel():
