@@ -11,9 +11,10 @@ import torch
 from helpers import bits, rand
 
 from uvaple.integration import TableSpec
+from uvaple.integration.models.vllm._build import shard_table
 from uvaple.integration.models.vllm.config import PluginConfig, PluginConfigError, check_engine, from_sources
 from uvaple.integration.models.vllm.disk_shard import DiskShard
-from uvaple.integration.models.vllm.tables import PluginLoadError, shard_table
+from uvaple.integration.models.vllm.tables import PluginLoadError
 from uvaple.uva import TableFile
 
 CPU = torch.device("cpu")

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from uvaple.integration.factory import placement
+
 from .config import PluginConfig, check_engine, from_sources
-from .tables import model_identity
+from .disk_shard import DiskShard
+from .tables import ShardTable, model_identity
 
 _BUILD_LOCK = threading.RLock()
 UNSET: str = "\0unset"  # an omitted ``prefix`` argument (the parent class's default applies)
@@ -69,6 +72,13 @@ def context_for(vllm_config, cfg: PluginConfig, graphs: bool) -> BuildContext:
         max_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
         cuda_graphs=graphs,
     )
+
+
+def shard_table(cfg: PluginConfig, **kw) -> ShardTable:
+    """The shard of the configured placement: a :class:`~uvaple.integration.models.vllm.tables.ShardTable` in host
+    memory, or for a placement that reads table files a
+    :class:`~uvaple.integration.models.vllm.disk_shard.DiskShard` (``kw``: ShardTable's)."""
+    return DiskShard(cfg, **kw) if placement(cfg.placement).reads_file else ShardTable(cfg, **kw)
 
 
 def current() -> BuildContext:

@@ -24,7 +24,7 @@ from uvaple.integration.spec import TableSpec
 
 from . import _build
 from .config import PluginConfigError
-from .tables import PluginLoadError, ShardTable, shard_table
+from .tables import PluginLoadError, ShardTable
 
 __all__ = ["UvapleEmbeddingMethod", "UvapleGemma3nForCausalLM", "UvapleGemma3nForConditionalGeneration",
            "PLE_PREFIX_SUFFIX"]
@@ -52,7 +52,7 @@ class UvapleEmbeddingMethod(QuantizeMethodBase):
         if si.added_vocab_end_index != si.added_vocab_start_index:
             raise PluginConfigError(f"{layer.prefix}: uvaple serves PLE tables without added vocabulary rows")
         rows = sum(output_partition_sizes)
-        self.shard = shard_table(self.ctx.cfg, layer=layer.prefix, rows=rows, cols=input_size_per_partition,
+        self.shard = _build.shard_table(self.ctx.cfg, layer=layer.prefix, rows=rows, cols=input_size_per_partition,
                                 dtype=params_dtype, loaded_rows=si.org_vocab_end_index - si.org_vocab_start_index,
                                 rank=layer.tp_rank, size=layer.tp_size, identity=self.ctx.identity,
                                 device=self.ctx.device, check_loaded=self.ctx.check_loaded)

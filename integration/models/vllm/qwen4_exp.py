@@ -41,7 +41,6 @@ from uvaple.integration.spec import TableSpec
 
 from . import _build
 from .config import PluginConfigError
-from .tables import shard_table
 
 __all__ = ["UvaplePLEEmbedding", "UvapleQwen4ExpForCausalLM", "UvapleQwen4ExpForConditionalGeneration"]
 
@@ -84,7 +83,7 @@ class UvaplePLEEmbedding(Qwen4ExpPLEEmbedding):
         """The rank's shard as a host table (called by the embedding method's ``create_weights``)."""
         ctx = _build.current()
         si = self.shard_indices
-        shard = shard_table(ctx.cfg, layer=self.prefix, rows=num_embeddings, cols=embedding_dim, dtype=dtype,
+        shard = _build.shard_table(ctx.cfg, layer=self.prefix, rows=num_embeddings, cols=embedding_dim, dtype=dtype,
                            loaded_rows=si.org_vocab_end_index - si.org_vocab_start_index, rank=self.tp_rank,
                            size=self.tp_size, identity=ctx.identity, device=ctx.device,
                            check_loaded=ctx.check_loaded, cuda_graphs=ctx.cuda_graphs,

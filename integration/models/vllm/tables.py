@@ -78,8 +78,7 @@ DUMMY_CODE = 0.5
 #: vLLM's dummy range for 16-bit weights (``initialize_single_dummy_weight``: uniform in +-1e-3)
 DUMMY_RANGE = 1e-3
 
-__all__ = ["ShardTable", "shard_table", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name",
-           "export_metrics"]
+__all__ = ["ShardTable", "PluginLoadError", "UvaUnavailable", "model_identity", "segment_name", "export_metrics"]
 
 log = logging.getLogger("uvaple.vllm")
 
@@ -387,12 +386,3 @@ class ShardTable:
     def close(self) -> None:
         self.table.close()
 
-
-def shard_table(cfg: PluginConfig, **kw) -> ShardTable:
-    """The shard of the configured placement: a :class:`ShardTable` in host memory, or for a placement that reads
-    table files a :class:`~uvaple.integration.models.vllm.disk_shard.DiskShard` (``kw``: ShardTable's)."""
-    if placement(cfg.placement).reads_file:
-        from .disk_shard import DiskShard
-
-        return DiskShard(cfg, **kw)
-    return ShardTable(cfg, **kw)
