@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -554,11 +555,24 @@ def test_the_cores_an_engine_runs_on_are_read_and_checked(monkeypatch, capsys):
 
 # ------------------------------------------------------------------ engine_check: stopping a server
 def _server(code: str) -> subprocess.Popen:
-    """A stand-in server in its own process group: ``code`` runs, then it prints ready and waits."""
-    p = subprocess.Popen([sys.executable, "-c", code + "\nimport sys,time\nprint('ready', flush=True)\n"
-                          "while True: time.sleep(0.05)"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    """A stand-in server started as engine_check starts ``vllm serve``: ``code`` runs, then it prints ready and
+    waits."""
+    p = ec.start_server([sys.executable, "-c", code + "\nimport sys,time\nprint('ready', flush=True)\n"
+                         "while True: time.sleep(0.05)"], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
+
+
+def test_a_server_started_where_ctrl_c_is_ignored_still_stops_at_ctrl_c():
+    """A run started from a background job (or nohup) ignores SIGINT, and its children inherit that across exec:
+    the server's SIGINT is set back to its default before its command runs."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        p = _server("")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    rec = ec._stop_server(p, sigint_wait_s=5)
+    assert rec["by"] == "SIGINT" and rec["exit_status"] != 0
 
 
 def test_a_server_is_stopped_as_ctrl_c_does_and_the_record_says_which_signal_did_it():

@@ -732,7 +732,7 @@ print("ENV" + json.dumps(out))
         log_path = os.path.join(self.runs_dir, "serve.log")
         f = open(log_path, "w")
         self.log(f"serve: {out['cmd']}")
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = start_server(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         base = f"http://127.0.0.1:{port}"
         try:
             t0 = time.monotonic()
@@ -788,7 +788,7 @@ print("ENV" + json.dumps(out))
         t0 = time.monotonic()
         wait_s = min(float(self.BAD_SETTING_WAIT_S), self.left() - 20)
         with open(log_path, "w") as f:
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            p = start_server(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             try:
                 code = p.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
@@ -889,6 +889,19 @@ def _names_the_bad_placement(log_text: str) -> bool:
     carrying the plugin's message)."""
     return ("PluginConfigError" in log_text or "validation error for VllmConfig" in log_text) and \
         '"uvaple".placement: expected one of' in log_text
+
+
+#: run before a server's command: SIGINT back to its default, then the command (a process started from a background
+#: job, or under nohup, inherits SIGINT ignored, and an ignored signal stays ignored across exec: the server would
+#: then never see the Ctrl-C that stops it)
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def start_server(cmd: list[str], **popen) -> subprocess.Popen:
+    """``cmd`` in a process group of its own, SIGINT at its default whatever this process's is (see
+    :data:`_SIGINT_DEFAULT`); ``popen``: Popen's other arguments."""
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT, *cmd], start_new_session=True, **popen)
 
 
 def _stop_server(p: subprocess.Popen, sigint_wait_s: float = 30.0, group_wait_s: float = 15.0) -> dict:
