@@ -79,8 +79,10 @@ if has tests && [ -n "${TEST_GROUPS:-}" ]; then
   for g in "${groups[@]}"; do
     i=$((i + 1))
     # at the deadline pytest is interrupted (SIGINT), so it still prints the failures so far and their summary
-    # (a SIGTERM would lose them with the process); killed 30 s later if it has not stopped
-    ( timeout -s INT -k 30 ${TESTS_TIMEOUT_S:-480} python3 -m pytest -q -ra --timeout 150 --durations=8 \
+    # (a SIGTERM would lose them with the process); killed 30 s later if it has not stopped. Inductor compiles in
+    # each group's own process (TORCHINDUCTOR_COMPILE_THREADS=1): a pool of compile workers per group, a dozen
+    # groups on 16 cores, once left a group waiting 150 s on a worker that never answered, and hung at its exit
+    ( TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 ${TESTS_TIMEOUT_S:-480} python3 -m pytest -q -ra --timeout 150 --durations=8 \
       -p no:cacheprovider $g > "$R/pytest_group$i.log" 2>&1; echo "group $i ($g) exit $?" >> "$R/pytest_group$i.log" ) &
     pids+=($!)
   done

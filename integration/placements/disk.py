@@ -223,8 +223,9 @@ class DiskLookup(Lookup):
                               dq_scale=scale, **hot)
             # what a call uses, one tuple that each call takes whole and close() drops whole: the gather's plan,
             # the staging as numpy and as the gather reads it, the gather's views of the staging rows by (row, the
-            # ids' shape), made once each; the cache's completion word; the pinned buffer of ids from the device
-            self._call = (plan, host_ids, dev_ids, {}, word, ids_in)
+            # ids' shape), made once each; the cache's completion word; the pinned buffer of ids from the device;
+            # the hot rows and their slot map in device memory (recorded on each stream a call runs on)
+            self._call = (plan, host_ids, dev_ids, {}, word, ids_in, self._hot_buffers)
         except BaseException:
             host_ids = dev_ids = ids_in = word = rows_view = None  # (a traceback kept would hold them mapped)
             self._release()
@@ -232,6 +233,7 @@ class DiskLookup(Lookup):
         self._lo, self._hi = spec.window
         self._step = 0
         self._stream = None  # the last call's stream
+        self._streams = []  # every stream a call ran on
         self._last_word = None  # an event recorded on it right after its completion word (its first call makes it)
         self._lock = threading.Lock()
         # waits: for earlier steps; hot_hits: ids read from the hot rows
@@ -292,9 +294,11 @@ class DiskLookup(Lookup):
             held = self._call
             if held is None:
                 raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
-            plan, host_ids, dev_ids, dev_views, word, ids_in = held
+            plan, host_ids, dev_ids, dev_views, word, ids_in, hot_buffers = held
             if self.device.type == "cuda":
-                self._check_stream()
+                if self._check_stream():
+                    for t in hot_buffers:  # its gathers read them: their blocks wait for this stream when freed
+                        t.record_stream(self._stream)
                 if ids.is_cuda:
                     ids = self._ids_to_host(ids, ids_in)
             step = self._step + 1
@@ -345,9 +349,9 @@ class DiskLookup(Lookup):
         hot = table[at] == rows
         return (hot, at) if hot.any() else (None, None)
 
-    def _check_stream(self) -> None:
+    def _check_stream(self) -> bool:
         """Refuse a capture; on another stream than the last call's, make it wait (on the GPU) for the last
-        completion word, so that the words stay in the steps' order."""
+        completion word, so that the words stay in the steps' order. Whether no call ran on this stream before."""
         if torch.cuda.is_current_stream_capturing():
             raise DiskStreamError("a disk lookup plans and reads each call on the host: CUDA graphs cannot capture "
                                   "it (use the uva placement inside a graph)")
@@ -356,7 +360,11 @@ class DiskLookup(Lookup):
             self._last_word = torch.cuda.Event()
         elif stream != self._stream:
             stream.wait_event(self._last_word)  # (never recorded yet: a no-op, no word written before)
+        new = (self._stream is None or stream != self._stream) and all(stream != s for s in self._streams)
+        if new:
+            self._streams.append(stream)
         self._stream = stream
+        return new
 
     def _ids_to_host(self, ids: torch.Tensor, ids_in: torch.Tensor) -> torch.Tensor:
         """The call's device ids in the pinned buffer ``ids_in``: copied in this lookup's stream, after the work that
@@ -417,10 +425,8 @@ class DiskLookup(Lookup):
 
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
-        stream = getattr(self, "_stream", None)
-        for t in getattr(self, "_hot_buffers", ()):
-            if stream is not None and t.is_cuda:  # gathers still queued there read them: not reused before they run
-                t.record_stream(stream)
+        # (the hot rows were recorded on each stream a call ran on, by that call: gathers still queued there read
+        # them, so their blocks are not reused before those run, whichever thread drops them last)
         self._hot_buffers = ()
         # the plan and the views of the staging, the cache's word and the pinned ids: dropped, so that their memory
         # goes with the tables (a call on another thread holds its own until it returns)
