@@ -41,7 +41,8 @@ Configurations (``--configs``), one engine each, alone on the GPU, in this order
 * ``hbm``: vLLM without the plugin, ``engram_config={"cpu_offload": False}``: vLLM's device table, the ceiling.
 * ``uva``: the plugin, ``{"placement": "uva"}``: rows read from host memory by the gather in the model's stream.
 * ``host``: vLLM without the plugin, its default ``engram_config`` (``cpu_offload=True``): the table pinned in
-  host memory, read on a side stream started a layer early, eager breaks in the CUDA graphs.
+  host memory, read on a side stream started a layer early (here the PLE layer is layer 0's: its gather is
+  started just before the layer loop and joined by the layer's first operation), inside the FULL decode graphs.
 * ``uva_fp8row``: the plugin, ``{"placement": "uva", "quantize": "fp8_row"}``: half the host bytes.
 * ``device``: the plugin, ``{"placement": "device"}``: the plugin's kernel over an HBM copy (kernel vs placement).
 * ``uva_dedup``: the plugin, uva with ``dedup`` (prefill calls read each distinct n-gram id once).
