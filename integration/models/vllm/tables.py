@@ -385,4 +385,3 @@ class ShardTable:
 
     def close(self) -> None:
         self.table.close()
-
