@@ -207,6 +207,44 @@ def test_jit_lines_are_counted_inside_the_timed_runs_only(tmp_path):
     assert list(got) == ["8", "64"] and len(got["8"]) == 1 and got["64"] == []
 
 
+def test_jit_count_counts_the_monitors_lines_logged_so_far(tmp_path):
+    log = tmp_path / "c.log"
+    assert db.jit_count(str(log)) == 0 and db.jit_count(None) == 0  # no log yet, or none named
+    log.write_text("INFO a\nWARNING Triton kernel JIT compilation during inference: k (x)\nINFO b\n")
+    assert db.jit_count(str(log)) == 1
+    with open(log, "a") as f:
+        f.write("WARNING Triton kernel JIT compilation during inference: k (y)\n")
+    assert db.jit_count(str(log)) == 2
+
+
+def test_warm_up_repeats_a_shape_until_a_pass_compiles_nothing():
+    compiles = [3, 2, 0, 5]  # what each pass would compile; the fourth is never run
+    seen, runs = [0], []
+
+    def one_pass():
+        runs.append(len(runs))
+        seen[0] += compiles[len(runs) - 1]
+
+    assert db.warm_up(one_pass, lambda: seen[0], most=4) == 3 and len(runs) == 3
+
+
+def test_warm_up_stops_at_its_most_passes_and_runs_once_when_nothing_compiles():
+    runs = []
+    assert db.warm_up(lambda: runs.append(1), lambda: len(runs), most=2) == 2 and len(runs) == 2
+    runs.clear()
+    assert db.warm_up(lambda: runs.append(1), lambda: 0, most=4) == 1 and len(runs) == 1
+
+
+def test_a_saved_spec_that_differs_only_in_its_logs_path_is_the_same_measurement(tmp_path):
+    spec = {"config": "uva", "call": "vllm.LLM(...)", "kwargs": {}, "batches": [8], "log": "/a/uva.log",
+            "warmup_passes": 4}
+    saved = tmp_path / "uva.spec.json"
+    saved.write_text(json.dumps({**spec, "log": "/b/uva.log", "call": "other"}))
+    assert db.spec_changes(str(saved), spec) == []
+    saved.write_text(json.dumps({k: v for k, v in spec.items() if k != "warmup_passes"}))
+    assert db.spec_changes(str(saved), spec) == ["warmup_passes"]
+
+
 # ------------------------------------------------------------------ trace_summary: where a step's time goes
 def _x(name, cat, ts, dur, **kw):
     return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, **kw)

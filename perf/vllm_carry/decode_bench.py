@@ -56,19 +56,18 @@ vLLM's JIT monitor verbose: every Triton or CuTe compile after its warm-up is lo
 (``VLLM_CACHE_ROOT``, ``TRITON_CACHE_DIR``) are shared under ``--work``: a later configuration reuses the
 kernels an earlier one compiled.
 
-Timing, per batch ``B`` (``--batches``): ``B`` prompts of ``--prompt`` random token ids, greedy, ``ignore_eos``.
-A warm-up of the shape first (both calls below, once); then ``--reps`` times (``--reps-batch1`` at batch 1,
-default 15: its steps are partly host-bound and spread most): ``T1`` =
-``generate(max_tokens=1)`` (time to first token of the batch: its prefill step and one sample, wall clock),
-then ``generate(max_tokens=N)``, whose requests' engine-core timestamps give the decode step: (last token -
-first token) / (N - 1), the median over the batch's requests (they decode in the same steps). Decode tokens/s
-= B / step. Reported per batch: median, min and max over the repetitions; ratios to ``hbm`` and ``host``
-from the medians of this run; the GPU's utilisation while it decoded (NVML, sampled every 20 ms: near 100%
-means the step is GPU-bound); lines of vLLM's JIT monitor logged between the timed runs' markers (any is a
-flaw of that configuration's figures, flagged in the table). Per configuration: the engine's start (``LLM()``
-wall time), host memory taken (``MemAvailable`` before and after), GPU memory for weights, and the plugin's
-segments the engine left in ``/dev/shm`` when it stopped (named, then removed: every engine starts with the
-host memory the first had).
+Timing, per batch ``B`` (``--batches``): ``B`` prompts of ``--prompt`` random token ids, greedy, ``ignore_eos``. A
+warm-up of the shape first (both calls below, repeated until a pass compiles nothing, at most 4 times); then
+``--reps`` times (``--reps-batch1`` at batch 1, default 15: its steps are partly host-bound and spread most): ``T1``
+= ``generate(max_tokens=1)`` (time to first token of the batch: its prefill step and one sample, wall clock), then
+``generate(max_tokens=N)``, whose requests' engine-core timestamps give the decode step: (last token - first token)
+/ (N - 1), the median over the batch's requests (they decode in the same steps). Decode tokens/s = B / step.
+Reported per batch: median, min and max over the repetitions; ratios to ``hbm`` and ``host`` from the medians of
+this run; the GPU's utilisation while it decoded (NVML, sampled every 20 ms: near 100% means the step is GPU-bound);
+lines of vLLM's JIT monitor logged between the timed runs' markers (any is a flaw of that configuration's figures,
+flagged in the table). Per configuration: the engine's start (``LLM()`` wall time), host memory taken
+(``MemAvailable`` before and after), GPU memory for weights, and the plugin's segments the engine left in
+``/dev/shm`` when it stopped (named, then removed: every engine starts with the host memory the first had).
 
 Profile (``--profile B``): after the timings, the engine's worker runs the torch profiler (vLLM's
 ``profiler_config``, no stacks) over one more ``generate`` of ``--profile-tokens`` tokens at batch ``B``;
@@ -425,11 +424,14 @@ def run_child(spec_path: str) -> int:
             stage = f"batch {b}"
             ps = [TokensPrompt(prompt_token_ids=prompt_ids(rng, spec["prompt"], vocab, spec.get("zipf", False)))
                   for _ in range(b)]
-            # warm-up of this shape, both calls as they are timed (on the H200 a warm-up of the long call alone left
-            # fused-MoE kernels to compile in the first timed one-token call, at batch 8)
-            llm.generate(ps, one, use_tqdm=False)
-            llm.generate(ps, many, use_tqdm=False)
-            entry = {"ttft_s": [], "step_ms": [], "decode_wall_s": [], "gpu_util": []}
+            # warm-up of this shape, both calls as they are timed, until a pass compiles nothing (on the H200 one
+            # pass left fused-MoE kernels to compile in the first timed repetitions at batch 8)
+            def both(ps=ps) -> None:
+                llm.generate(ps, one, use_tqdm=False)
+                llm.generate(ps, many, use_tqdm=False)
+
+            passes = warm_up(both, lambda: jit_count(spec.get("log")), spec.get("warmup_passes", WARMUP_PASSES))
+            entry = {"ttft_s": [], "step_ms": [], "decode_wall_s": [], "gpu_util": [], "warmup_passes": passes}
             print(f"=== uvaple-bench timed start batch {b}", flush=True)
             for _ in range(max(spec["reps"], spec["reps_batch1"]) if b == 1 else spec["reps"]):
                 t0 = time.perf_counter()
@@ -480,6 +482,31 @@ def summary(values: list[float]) -> dict:
             "max": round(max(values), 4), "n": len(values)}
 
 
+JIT_MARK = "during inference"  # in every line vLLM's JIT monitor logs for a compile after its own warm-up
+WARMUP_PASSES = 4
+
+
+def jit_count(log_path: str | None) -> int:
+    """How many lines of vLLM's JIT monitor the engine's log holds so far (the engine's processes log to it)."""
+    if not log_path or not os.path.exists(log_path):
+        return 0
+    with open(log_path, errors="replace") as f:
+        return sum(JIT_MARK in line for line in f)
+
+
+def warm_up(one_pass, jit_seen, most: int = WARMUP_PASSES) -> int:
+    """Run ``one_pass`` (a shape's calls, as they are timed) until a pass adds no line to ``jit_seen()`` (no kernel
+    compiled), at most ``most`` times; the passes run. Which kernels a shape compiles is not all fixed by the shape:
+    Triton specialises integer arguments and pointers on their divisibility by 16, and fused MoE's arguments follow
+    the routing, so one pass can leave a compile to the timed runs."""
+    for n in range(1, most + 1):
+        before = jit_seen()
+        one_pass()
+        if jit_seen() == before:
+            return n
+    return most
+
+
 def jit_lines(log_path: str) -> dict[str, list[str]]:
     """vLLM's JIT-monitor lines logged between each batch's timed markers."""
     out: dict[str, list[str]] = {}
@@ -492,7 +519,7 @@ def jit_lines(log_path: str) -> dict[str, list[str]]:
             out.setdefault(batch, [])
         elif "=== uvaple-bench timed end batch" in line:
             batch = None
-        elif batch is not None and "during inference" in line:
+        elif batch is not None and JIT_MARK in line:
             out[batch].append(line.strip()[:300])
     return out
 
@@ -646,8 +673,8 @@ def spec_changes(spec_path: str, spec: dict) -> list[str]:
 
 def _measured(spec: dict) -> dict:
     """``spec`` without what names a call rather than what it measures: the plugin's segment (its name holds the
-    call's pid) and the call's text (made from the engine's arguments)."""
-    spec = {k: v for k, v in spec.items() if k != "call"}
+    call's pid), the call's text (made from the engine's arguments) and its log's path."""
+    spec = {k: v for k, v in spec.items() if k not in ("call", "log")}
     plugin = ((spec.get("kwargs") or {}).get("additional_config") or {}).get("uvaple")
     if isinstance(plugin, dict) and "segment" in plugin:
         kw = dict(spec["kwargs"])
@@ -781,7 +808,8 @@ def main(argv: list[str] | None = None) -> int:
                 "decode": a.decode, "reps": a.reps, "reps_batch1": a.reps_batch1,
                 "vocab": GEMMA3N["ple_vocab"] if a.model == "gemma3n" else REAL["vocab_size"],
                 "zipf": a.model == "gemma3n",
-                "profile": a.profile, "profile_tokens": a.profile_tokens, "cpus": a.cpus, "result": result_path}
+                "profile": a.profile, "profile_tokens": a.profile_tokens, "cpus": a.cpus, "result": result_path,
+                "log": log_path, "warmup_passes": WARMUP_PASSES}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
         if os.path.exists(result_path) and not a.force:
             r = json.load(open(result_path))
