@@ -43,6 +43,16 @@ def test_the_planned_model_keeps_the_served_widths_and_fits_the_hbm_baseline():
     assert db.plan_model(24.0, "fit", 64)["layers"] > plan["layers"]  # fewer experts: more layers fit
     with pytest.raises(ValueError, match="multiple of 4"):
         db.plan_model(24.0, 6, 512)
+    later = db.plan_model(24.0, "fit", 512, ple_layer=5)  # a layer for vLLM's host path to hide its gather behind
+    assert db.model_config(later)["ple_layer_ids"] == [5] and later["layers"] == plan["layers"]
+    assert db.model_config(later)["layer_types"][4] == "linear_attention"
+
+
+def test_a_result_measured_on_another_model_is_measured_again(tmp_path):
+    spec = {"config": "uva", "kwargs": {}, "batches": [8], "model": db.plan_model(24.0, 8, 512)}
+    saved = tmp_path / "uva.spec.json"
+    saved.write_text(json.dumps({**spec, "model": db.plan_model(24.0, 8, 512, ple_layer=5)}))
+    assert db.spec_changes(str(saved), spec) == ["model"]
 
 
 def test_the_model_config_is_written_by_transformers():
@@ -92,7 +102,10 @@ def test_each_configuration_is_the_engine_it_names(tmp_path):
     (["--batches", "0"], "--batches: positive"),
     (["--reps", "0"], "--reps must be at least 1"),
     (["--decode", "1"], "--decode must be at least 2"),
-    (["--layers", "6"], "--layers '6': --layers must be a multiple of 4"),
+    (["--layers", "6"], "--layers 6: a multiple of 4"),
+    (["--ple-layer", "4"], "--ple-layer 4: a gated-delta-net layer of the 20, 1-based \\(not a multiple of 4"),
+    (["--ple-layer", "0"], "--ple-layer 0: a gated-delta-net layer"),
+    (["--layers", "8", "--ple-layer", "9"], "--ple-layer 9: a gated-delta-net layer of the 8"),
     (["--table-gib", "-1"], "--table-gib must be in"),
     (["--batches", "64", "--engine-batches", "1,8"], "--engine-batches \\[1, 8\\]: the engine must hold"),
     (["--batches", "1,8", "--profile", "9"], "--profile 9: a batch from 1 to 8"),
@@ -740,6 +753,7 @@ def test_gemma3ns_prompts_and_hot_profile_follow_one_zipf_law(tmp_path):
     (["--model", "gemma3n", "--configs", "uva,uva_fp8row"], "--configs uva_fp8row with --model gemma3n: the plugin "
                                                             "quantises Qwen4Exp's n-gram tables only"),
     (["--model", "gemma3n", "--layers", "8"], "--layers with --model gemma3n: they shape Qwen4Exp"),
+    (["--model", "gemma3n", "--ple-layer", "5"], "--ple-layer with --model gemma3n: they shape Qwen4Exp"),
     (["--model", "gemma"], "--model: invalid choice: 'gemma'"),
 ])
 def test_a_configuration_that_is_not_the_models_is_named(argv, match):

@@ -16,7 +16,7 @@ show of the served model (``vllm/models/qwen4_exp/nvidia/low_latency_gemm.py``, 
 hidden 2,560 (the HC down projection's K = 4 x 2,560 = 10,240, N = 320 + 4), 512 experts (the router 512 x
 2,560), shared expert 640, gated delta net of 16 key and 48 value heads of 128 (QKVZ 16,384 and output 6,144 at
 TP = 1), attention of 24 query and 2 KV heads of 256 (the fused QKV/gate 6,656 at TP = 2); top-10 experts of
-512 and the vocabulary of 248,320 as transformers' defaults. One PLE layer (the model's layer 1) of 16 n-gram
+512 and the vocabulary of 248,320 as transformers' defaults. One PLE layer (layer 1; ``--ple-layer``) of 16 n-gram
 heads x 160 values (``ple_embed_dim`` 2,560: the 160-B fp8 rows of the field's reports), each head's rows set by
 ``--table-gib`` of bf16 (24 GiB: 5.03 M a head; the real model's 20 M a head make 95.4 GiB, for which vLLM's own
 host path pins the next power of two, 128 GiB, more than the H200 host has). Layers: ``--layers fit`` takes the
@@ -41,8 +41,9 @@ Configurations (``--configs``), one engine each, alone on the GPU, in this order
 * ``hbm``: vLLM without the plugin, ``engram_config={"cpu_offload": False}``: vLLM's device table, the ceiling.
 * ``uva``: the plugin, ``{"placement": "uva"}``: rows read from host memory by the gather in the model's stream.
 * ``host``: vLLM without the plugin, its default ``engram_config`` (``cpu_offload=True``): the table pinned in
-  host memory, read on a side stream started a layer early (here the PLE layer is layer 0's: its gather is
-  started just before the layer loop and joined by the layer's first operation), inside the FULL decode graphs.
+  host memory, read on a side stream started a layer early (with the default ``--ple-layer 1`` its gather is
+  started just before the layer loop and joined by the layer's first operation; ``--ple-layer 5`` gives it a
+  layer to hide behind), inside the FULL decode graphs.
 * ``uva_fp8row``: the plugin, ``{"placement": "uva", "quantize": "fp8_row"}``: half the host bytes.
 * ``device``: the plugin, ``{"placement": "device"}``: the plugin's kernel over an HBM copy (kernel vs placement).
 * ``uva_dedup``: the plugin, uva with ``dedup`` (prefill calls read each distinct n-gram id once).
@@ -116,7 +117,7 @@ REAL = dict(hidden_size=2560, num_experts=512, num_experts_per_tok=10, moe_inter
             head_dim=256, hc_count=4, hc_lowrank=320, vocab_size=248320, ngram_size=3, heads_per_ngram=8,
             ple_embed_dim=2560, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=512)
 PERIOD = 4  # three gated-delta-net layers, then one attention layer (transformers' layer_types)
-PLE_LAYER = 1  # the model's 1-based index of its PLE layer (vLLM reads ``ple_layer_ids`` 1-based)
+PLE_LAYER = 1  # the model's 1-based index of its PLE layer (vLLM reads ``ple_layer_ids`` 1-based); --ple-layer
 
 #: configuration -> (the plugin loaded, engram_config or None for vLLM's default, the plugin's settings or None)
 CONFIGS = {
@@ -173,8 +174,9 @@ def layer_bytes(experts: int) -> int:
     return 2 * (moe + gdn + hc)
 
 
-def plan_model(table_gib: float, layers: str | int, experts: int) -> dict:
-    """The model's sizes; ``layers="fit"``: the most whole periods whose HBM baseline fits on one GPU."""
+def plan_model(table_gib: float, layers: str | int, experts: int, ple_layer: int = PLE_LAYER) -> dict:
+    """The model's sizes; ``layers="fit"``: the most whole periods whose HBM baseline fits on one GPU;
+    ``ple_layer``: its PLE layer's 1-based index (a gated-delta-net layer's, as the served model's)."""
     base = table_base(table_gib)
     table = base * heads() * (REAL["ple_embed_dim"] // heads()) * 2  # about: the primes above base differ a little
     fixed = 2 * 2 * REAL["vocab_size"] * REAL["hidden_size"]  # embedding and LM head
@@ -183,10 +185,14 @@ def plan_model(table_gib: float, layers: str | int, experts: int) -> dict:
     fit = max(PERIOD, int(room // per_layer) // PERIOD * PERIOD)
     n = fit if layers == "fit" else int(layers)
     if n < PLE_LAYER + 1 or n % PERIOD:
-        raise ValueError(f"--layers must be a multiple of {PERIOD} (three gated-delta-net layers, one attention "
-                         f"layer), got {n}")
+        raise ValueError(f"--layers {n}: a multiple of {PERIOD} (three gated-delta-net layers, one attention "
+                         "layer)")
+    if not 1 <= ple_layer <= n or ple_layer % PERIOD == 0:
+        raise ValueError(f"--ple-layer {ple_layer}: a gated-delta-net layer of the {n}, 1-based (not a multiple of "
+                         f"{PERIOD}: those are the attention layers)")
     weights = fixed + n * per_layer
-    return {"layers": n, "layers_that_fit": fit, "experts": experts, "ngram_vocab_size_base": base,
+    return {"layers": n, "layers_that_fit": fit, "experts": experts, "ple_layer": ple_layer,
+            "ngram_vocab_size_base": base,
             "table_bytes_about": table, "weights_bytes_about": weights,
             "hbm_total_gib_about": round((weights + table + KV_CACHE_BYTES) / GIB, 1)}
 
@@ -270,7 +276,8 @@ def model_config(plan: dict, attention: str = "indexed_attention") -> dict:
     """``Qwen4ExpTextConfig`` keyword arguments for the planned model (``attention``: the attention layers'
     type name, which transformers 5.18 changed from ``qwen_sparse_attention``)."""
     n = plan["layers"]
-    kw = dict(REAL, num_experts=plan["experts"], num_hidden_layers=n, ple_layer_ids=[PLE_LAYER],
+    kw = dict(REAL, num_experts=plan["experts"], num_hidden_layers=n,
+              ple_layer_ids=[plan.get("ple_layer", PLE_LAYER)],
               ngram_vocab_size_base=plan["ngram_vocab_size_base"],
               layer_types=[("linear_attention" if (i + 1) % PERIOD else attention) for i in range(n)],
               max_position_embeddings=4096, eos_token_id=248044, bos_token_id=248044, pad_token_id=248044,
@@ -572,9 +579,9 @@ def markdown(table: dict, results: dict, plan: dict, a: argparse.Namespace) -> s
                 f"{plan['ple_rows']:,} ids x {plan['ple_row_values']:,} (bf16 "
                 f"{plan['table_bytes_about'] / GIB:.1f} GiB), prompts of Zipf-distributed token ids")
     else:
-        what = (f"Qwen4Exp, {plan['layers']} layers x {plan['experts']} experts (hidden 2,560), one PLE layer of "
-                f"16 heads x {plan['ngram_vocab_size_base']:,} rows x 160 (bf16 {plan['table_bytes_about'] / GIB:.1f} "
-                "GiB)")
+        what = (f"Qwen4Exp, {plan['layers']} layers x {plan['experts']} experts (hidden 2,560), one PLE layer "
+                f"(layer {plan.get('ple_layer', PLE_LAYER)}) of 16 heads x {plan['ngram_vocab_size_base']:,} rows "
+                f"x 160 (bf16 {plan['table_bytes_about'] / GIB:.1f} GiB)")
     lines = [f"{what}; prompts {a.prompt} tokens, {a.decode} decoded, {a.reps} repetitions "
              f"({max(a.reps, getattr(a, 'reps_batch1', a.reps))} at batch 1): median [min-max]", "",
              "| config | batch | decode tok/s | x hbm | x host | step ms | TTFT ms | TTFT x hbm | GPU util % | JIT |",
@@ -710,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table-gib", type=float, default=24.0, help="the n-gram table's bf16 size (Qwen4Exp)")
     p.add_argument("--layers", default="fit", help="'fit' or a multiple of 4 (Qwen4Exp)")
     p.add_argument("--experts", type=int, default=512, help="(Qwen4Exp)")
+    p.add_argument("--ple-layer", type=int, default=PLE_LAYER, help="the PLE layer, 1-based (Qwen4Exp; default "
+                   "1, the first: vLLM's host path starts a later one's gather a layer early, on a side stream)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="start no configuration after this long")
     p.add_argument("--force", action="store_true", help="repeat configurations already measured in --work")
     p.add_argument("--plan", action="store_true", help="print the model, sizes and engine calls; run nothing")
@@ -737,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{a.model}'s are {list(MODELS[a.model]['configs'])}")
     if a.model != "qwen4exp":
         given = [f for f, v, d in (("--table-gib", a.table_gib, 24.0), ("--layers", a.layers, "fit"),
-                                   ("--experts", a.experts, 512)) if v != d]
+                                   ("--experts", a.experts, 512),
+                                   ("--ple-layer", a.ple_layer, PLE_LAYER)) if v != d]
         if given:
             p.error(f"{', '.join(given)} with --model {a.model}: they shape Qwen4Exp; {a.model} is E4B's real "
                     "size")
@@ -760,9 +770,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--table-gib must be in (0, 1024) and --experts at least the 10 experts a token takes")
     try:
         plan = plan_gemma3n() if a.model == "gemma3n" else \
-            plan_model(a.table_gib, a.layers if a.layers == "fit" else int(a.layers), a.experts)
+            plan_model(a.table_gib, a.layers if a.layers == "fit" else int(a.layers), a.experts, a.ple_layer)
     except ValueError as e:
-        p.error(f"--layers {a.layers!r}: {e}")
+        p.error(str(e) if str(e).startswith("--") else f"--layers {a.layers!r}: {e}")
     a.out, a.work = os.path.abspath(a.out), os.path.abspath(a.work)
     if a.plan:
         print(json.dumps({"plan": plan, "config": GEMMA3N if a.model == "gemma3n" else model_config(plan),
@@ -809,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vocab": GEMMA3N["ple_vocab"] if a.model == "gemma3n" else REAL["vocab_size"],
                 "zipf": a.model == "gemma3n",
                 "profile": a.profile, "profile_tokens": a.profile_tokens, "cpus": a.cpus, "result": result_path,
-                "log": log_path, "warmup_passes": WARMUP_PASSES}
+                "model": plan, "log": log_path, "warmup_passes": WARMUP_PASSES}
         spec_path = os.path.join(a.work, "results", f"{config}.spec.json")
         if os.path.exists(result_path) and not a.force:
             r = json.load(open(result_path))
