@@ -280,7 +280,10 @@ def _stub_host(monkeypatch):
 
 STUBS = {"ple": (_stub_ple, ["--no-plots"], "results.json"), "ngram": (_stub_ngram, [], "ngram.json"),
          "hotset": (_stub_hotset, [], "hotset.json"), "host": (_stub_host, [], "host_cost.json"),
-         "disk": (lambda monkeypatch: None, [], "disk.json")}  # disk's smoke run is real: 64 MiB, a few seconds
+         # disk's run is real, cut to one depth and one row count and no decode steps (the whole smoke run is
+         # test_disk_bench.py's): this test is of where the results go
+         "disk": (lambda monkeypatch: None, ["--no-steps", "--depths", "1", "--rows", "1", "--read-depths", "8",
+                                             "--file-gib", "0.01"], "disk.json")}
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
