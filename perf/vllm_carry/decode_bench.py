@@ -504,8 +504,9 @@ def jit_count(log_path: str | None) -> int:
 def warm_up(one_pass, jit_seen, most: int = WARMUP_PASSES) -> int:
     """Run ``one_pass`` (a shape's calls, as they are timed) until a pass adds no line to ``jit_seen()`` (no kernel
     compiled), at most ``most`` times; the passes run. Which kernels a shape compiles is not all fixed by the shape:
-    Triton specialises integer arguments and pointers on their divisibility by 16, and fused MoE's arguments follow
-    the routing, so one pass can leave a compile to the timed runs."""
+    the tokens of a step follow when the requests reach the engine core (``generate`` hands them over while the
+    core already steps: a batch's prefill may be split over two steps), and Triton specialises integer arguments on
+    their divisibility by 16, so one pass can leave a compile to the timed runs."""
     for n in range(1, most + 1):
         before = jit_seen()
         one_pass()
