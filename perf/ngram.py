@@ -29,11 +29,10 @@ Providers, all in one run, each output compared bit for bit with a CPU reference
 GPU providers are timed in CUDA graphs (fresh ids written before each replay, outside the timed
 region); medians. Every timed call reads ids of its own: the id sets rotate, and enough of them that the
 rows read between two uses of one set exceed the host's last-level cache and the GPU's L2
-(``SET_ROTATE_BYTES``); the host-id providers run in blocks of consecutive calls that take turns. ``--sweep`` also times
-the direct and the sorted gather on raw bytes by row size (32 B - 2 KiB, and 17,920 B), table span and
-``n``: the data behind
-:func:`uvaple.kernels.tuning.use_sorted`. ``--smoke`` runs tiny tables on the CPU (interpreted
-kernels, correctness only).
+(``SET_ROTATE_BYTES``); the host-id providers run in blocks of consecutive calls that take turns. ``--sweep``
+also times the direct and the sorted gather on raw bytes by row size (``SWEEP_ROW_BYTES``: 32 B - 2 KiB, 320 B
+among them, and 17,920 B), table span and ``n``: the data behind :func:`uvaple.kernels.tuning.use_sorted`.
+``--smoke`` runs tiny tables on the CPU (interpreted kernels, correctness only).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ HEADS = 16
 VOCAB = 151_936
 SCALE = 0.0173
 N_DEFAULT = (256, 1024, 4096, 16384, 65536, 262144, 1048576)
-SWEEP_ROW_BYTES = (32, 160, 512, 2048, 17920)
+SWEEP_ROW_BYTES = (32, 160, 320, 512, 2048, 17920)  # 320: an n-gram head's bf16 row, as vLLM serves a bf16 table
 SWEEP_SPANS_GIB = (0.25, 1.0, 4.0, None)  # None: the whole table
 SWEEP_N = (1024, 4096, 16384, 65536, 262144)
 SWEEP_MAX_CALL_BYTES = 1 << 30  # a sweep point moves at most this much per call
