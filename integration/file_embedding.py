@@ -78,7 +78,8 @@ def check_options(backend: str, backend_options: dict | None, *, max_rows: int |
 
 def reusable(path: str | os.PathLike, rows: RowSource, encoding: str, source_id: str | None) -> TableFile | None:
     """The table file at ``path``, opened, where it is complete and holds ``rows`` as its header says (written from
-    ``source_id``, in ``encoding``, of their shape and dtype); else None (also without a ``source_id``)."""
+    ``source_id``, in ``encoding``, of their shape and dtype); else None (also without a ``source_id``). A file
+    reused has its modification time set to now: ``uvaple table prune`` removes the files unused for days."""
     if source_id is None or not os.path.exists(path):
         return None
     try:
@@ -88,6 +89,8 @@ def reusable(path: str | os.PathLike, rows: RowSource, encoding: str, source_id:
         return None
     if (file.source, file.shape, file.dtype, file.encoding) == (source_id, (rows.rows, rows.cols), rows.dtype,
                                                                 encoding):
+        with contextlib.suppress(OSError):  # reused now: its modification time says so (uvaple table prune)
+            os.utime(path)
         return file
     file.close()
     return None

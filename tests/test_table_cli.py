@@ -154,7 +154,7 @@ def test_refusals_of_the_destination_the_source_and_the_options(tmp_path, checkp
                        (["write", ckpt, "--tensor", "x", "--out", out, "--fp8=e4m3fn"], "add --encoding fp8_row"),
                        (["write", ckpt, "--tensor", "x", "--out", out, "--threads", "0"], "--threads 0"),
                        (["write", ckpt, "--tensor", "x", "--out", out, "--threads", "100000"], "from 1 to 256"),
-                       ([], "say what to do: write, info or verify")]:
+                       ([], "say what to do: write, info, verify or prune")]:
         with pytest.raises(SystemExit) as e:
             cli.main(["table", *map(str, argv)])
         assert e.value.code == 2 and says in capsys.readouterr().err
@@ -256,3 +256,92 @@ def test_an_interrupt_leaves_no_file_and_says_so(tmp_path, checkpoint, capsys, m
                             "--threads", 3)
     assert code == table_cmd.EXIT_FAILED and err == "uvaple table write: interrupted (no file is left at --out)\n"
     assert stdout == "" and not out.exists() and not list(tmp_path.glob("*.partial*"))
+
+
+# ------------------------------------------------------------------ prune: the files no load uses any more
+def _table(path, seed, source="a checkpoint"):
+    from uvaple.uva import write_table_file
+
+    write_table_file(path, rand(64, 40, torch.bfloat16, seed=seed), source_id=source)
+    return path
+
+
+def _age(path, days):
+    t = os.path.getmtime(path) - days * 86400
+    os.utime(path, (t, t))
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_prune_removes_the_table_files_unused_for_days_that_no_process_holds(tmp_path, capsys):
+    old = _table(tmp_path / "old.r0of1.uvt", 1, "an earlier revision")
+    held = _table(tmp_path / "held.r0of1.uvt", 2)
+    recent = _table(tmp_path / "recent.uvtable", 3)
+    for p in (old, held):
+        _age(p, 10)
+    notes = tmp_path / "notes.uvt"  # not a table file, however old: left alone
+    notes.write_text("mine")
+    _age(notes, 30)
+    dead = tmp_path / f"old.r0of1.uvt.loading.{_dead_pid()}"  # a staging file of an engine that was killed
+    dead.write_bytes(os.urandom(4096))
+    live = tmp_path / f"recent.uvtable.partial.{os.getpid()}"  # a writer still at work: this process
+    live.write_bytes(os.urandom(100))
+    other = tmp_path / f"mine.txt.partial.{_dead_pid()}"  # not beside a table file's name: not this command's
+    other.write_text("x")
+    everything = sorted(p.name for p in tmp_path.iterdir())
+    with TableFile.open(held):  # a process holds it open (here, this one)
+        code, out, err = run(capsys, "prune", tmp_path, "--unused-days", 7, "--dry-run")
+        assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == everything, err  # nothing removed
+        assert "would remove old.r0of1.uvt (" in out and "an earlier revision" in out
+        assert f"would remove {dead.name} (4.00 KiB): left by a writer that no longer runs" in out
+        assert f"kept held.r0of1.uvt: in use (process {os.getpid()})" in out
+        assert "kept recent.uvtable: last written or reused" in out
+        assert "would remove 2 files" in out and "kept 2 table files" in out
+        assert "notes.uvt" not in out and live.name not in out and other.name not in out
+        code, out, err = run(capsys, "prune", tmp_path, "--unused-days", 7)
+        assert code == 0, err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(set(everything) - {old.name, dead.name}), out
+    assert "removed 2 files" in out and "removed old.r0of1.uvt (" in out
+    code, out, _ = run(capsys, "prune", tmp_path, "--unused-days", 0)  # 0 days: every file no process holds
+    assert code == 0 and not held.exists() and not recent.exists() and notes.exists() and live.exists()
+
+
+def test_a_reused_table_file_is_stamped_as_used_now(tmp_path):
+    from uvaple.integration.file_embedding import reusable
+
+    path = _table(tmp_path / "emb.uvt", 4, "the checkpoint")
+    _age(path, 30)
+    before = os.path.getmtime(path)
+    assert reusable(path, RowSource.of(rand(64, 40, torch.bfloat16, seed=4)), "raw", "another checkpoint") is None
+    assert os.path.getmtime(path) == before  # not reused: not stamped
+    f = reusable(path, RowSource.of(rand(64, 40, torch.bfloat16, seed=4)), "raw", "the checkpoint")
+    assert f is not None
+    f.close()
+    assert os.path.getmtime(path) > before + 29 * 86400
+
+
+@pytest.mark.parametrize("args,says", [
+    (["prune", "MISSING", "--unused-days", "1"], "MISSING: no such folder; give the folder of the table files"),
+    (["prune", "HERE", "--unused-days", "-1"], "--unused-days -1: give a number of days, 0 or more"),
+    (["prune", "HERE", "--unused-days", "nan"], "--unused-days nan: give a number of days"),
+    (["prune", "HERE"], "the following arguments are required: --unused-days"),
+])
+def test_prune_refuses_a_missing_folder_and_a_bad_count_of_days(tmp_path, capsys, args, says):
+    args = [str(tmp_path / "missing") if a == "MISSING" else str(tmp_path) if a == "HERE" else a for a in args]
+    kept = _table(tmp_path / "t.uvt", 5)
+    _age(kept, 10)
+    try:
+        code = cli.main(["table", *args])
+    except SystemExit as e:
+        code = e.code
+    _, err = capsys.readouterr()
+    assert code == 2 and says.replace("MISSING", str(tmp_path / "missing")) in err, err
+    assert kept.exists()

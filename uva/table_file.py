@@ -357,9 +357,9 @@ def write_table_file(path: str | os.PathLike, source, *, encoding: str = "raw", 
     return layout
 
 
-def remove_dead_partials(path: str | os.PathLike, kind: str = "partial") -> list[str]:
+def remove_dead_partials(path: str | os.PathLike, kind: str = "partial", dry_run: bool = False) -> list[str]:
     """Remove the partial files a writer of ``path`` left when it was killed (``PATH.<kind>.<pid>`` of a process
-    that no longer runs; a live writer's is kept); returns their paths."""
+    that no longer runs; a live writer's is kept); returns their paths (``dry_run``: found, not removed)."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     removed = []
@@ -371,6 +371,9 @@ def remove_dead_partials(path: str | os.PathLike, kind: str = "partial") -> list
     for entry in entries:
         pid = entry[len(prefix):]
         if not entry.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if dry_run:
+            removed.append(os.path.join(folder, entry))
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(folder, entry))

@@ -13,7 +13,8 @@ COMMANDS = {
     "bench": ("uvaple.perf.bench", "benchmarks: --workload ple (default), ngram, hotset, host or disk; --smoke runs "
                                    "any of them small on a CPU; results in --out (default ./uvaple-results/...)"),
     "table": ("uvaple.commands.table", "table files for the disk placement: write one from a checkpoint's tensor "
-                                       "(write), print its header (info), check every page (verify)"),
+                                       "(write), print its header (info), check every page (verify), remove the "
+                                       "ones no load has used for days (prune)"),
     "shm": ("uvaple.commands.shm", "list the named shared tables in /dev/shm (list); remove the ones nobody uses "
                                    "(clean)"),
 }

@@ -9,6 +9,15 @@ block by block on several threads (a table larger than host memory goes through)
 :func:`uvaple.integration.quantize.fp8_row_source`), half the bytes of bf16 rows. The file's size is checked
 against the free space of its disk before any write; the file appears at ``PATH`` whole or not at all.
 ``info PATH`` prints the header (no data read); ``verify PATH`` reads every page and checks its sum.
+
+``prune FOLDER --unused-days N`` removes the table files of a folder (the vLLM plugin's ``disk_dir``, a loader's
+``table_dir``) that no loader has written or reused for ``N`` days (a load that reuses a file stamps its
+modification time: :func:`uvaple.integration.file_embedding.reusable`) and that no process holds open, and the
+partial files of writers that were killed; files that are not table files are left alone. A model whose identity
+changed (other weights, another revision) writes new files beside the old ones: this is how the old ones go.
+Open files are found in ``/proc/*/fd``, which shows another user's processes only to root; a file removed while
+a process reads it stays readable to that process, and its blocks are freed when the process closes it.
+``--dry-run`` says what it would remove.
 """
 
 from __future__ import annotations
@@ -22,13 +31,14 @@ import re
 import shutil
 import sys
 import time
+from datetime import datetime
 
 import torch
 
 from uvaple.dtypes import fmt_bytes
 from uvaple.perf import command
 from uvaple.uva import CheckpointError, RowSource, TableFile, TableFileError, UvapleError, write_table_file
-from uvaple.uva.table_file import FileLayout, fitting_source
+from uvaple.uva.table_file import FileLayout, fitting_source, remove_dead_partials
 
 EXIT_DONE, EXIT_DAMAGED, EXIT_REFUSED, EXIT_FAILED = 0, 1, 2, 3
 EXITS = (f"exit status: {EXIT_DONE} done; {EXIT_DAMAGED} verify found a page that does not match its sum; "
@@ -175,6 +185,106 @@ def verify(a) -> int:
     return EXIT_DONE
 
 
+#: the files a writer of a table file keeps beside it while it works (``PATH.<kind>.<pid>``): the table file's own
+#: writer's, and the vLLM plugin's staging file
+PARTIAL_KINDS = ("partial", "loading")
+DAY_S = 86400.0
+
+
+def _held_paths() -> dict[str, int]:
+    """The real paths of the files some process holds open, each with one such process's pid (``/proc/*/fd``:
+    another user's processes are seen by root only)."""
+    held: dict[str, int] = {}
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return held
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/"):
+                held.setdefault(target, pid)
+    return held
+
+
+#: the names the project gives table files (the vLLM plugin's, the transformers loaders'); a partial file is
+#: pruned only beside a name of these
+TABLE_SUFFIXES = (".uvt", ".uvtable")
+
+
+def _partial_of(name: str) -> tuple[str, str] | None:
+    """``(table file's name, kind)`` where ``name`` is a writer's partial file (``NAME.<kind>.<pid>``, ``NAME`` a
+    table file's name), else None."""
+    base, _, pid = name.rpartition(".")
+    base, _, kind = base.rpartition(".")
+    return (base, kind) if base.endswith(TABLE_SUFFIXES) and kind in PARTIAL_KINDS and pid.isdigit() else None
+
+
+def prune(a) -> int:
+    folder = os.path.abspath(a.folder)
+    if not os.path.isdir(folder):
+        raise _Refused(f"{a.folder}: no such folder; give the folder of the table files (the plugin's disk_dir, a "
+                       "loader's table_dir)")
+    cutoff = time.time() - a.unused_days * DAY_S
+    held = _held_paths()
+    verb = "would remove" if a.dry_run else "removed"
+    freed = removed = kept = 0
+    names = sorted(os.listdir(folder))
+    dead = set()  # partial files of writers that no longer run
+    for base, kind in {p for p in map(_partial_of, names) if p is not None}:
+        dead.update(remove_dead_partials(os.path.join(folder, base), kind=kind, dry_run=True))
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or os.path.islink(path):
+            continue
+        if _partial_of(name) is not None:
+            if path in dead:
+                try:
+                    size = os.path.getsize(path)
+                    if not a.dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:  # removed meanwhile (by the next writer of its table file)
+                    continue
+                print(f"{verb} {name} ({fmt_bytes(size)}): left by a writer that no longer runs")
+                freed, removed = freed + size, removed + 1
+            continue
+        try:
+            with TableFile.open(path) as f:
+                source = f.source or "source not recorded"
+        except (TableFileError, OSError):
+            continue  # not a table file (or not readable): not this command's
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        used = datetime.fromtimestamp(st.st_mtime).strftime("%Y-%m-%d %H:%M")
+        holder = held.get(os.path.realpath(path))
+        if holder is not None:
+            print(f"kept {name}: in use (process {holder})")
+            kept += 1
+        elif st.st_mtime >= cutoff:
+            print(f"kept {name}: last written or reused {used}")
+            kept += 1
+        else:
+            if not a.dry_run:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+            print(f"{verb} {name} ({fmt_bytes(st.st_size)}): last written or reused {used}; {source}")
+            freed, removed = freed + st.st_size, removed + 1
+    print(f"{folder}: {verb} {removed} file{'s' * (removed != 1)} ({fmt_bytes(freed)}), kept {kept} table "
+          f"file{'s' * (kept != 1)}")
+    return EXIT_DONE
+
+
 def _open(path: str) -> TableFile:
     try:
         return TableFile.open(path)
@@ -184,7 +294,7 @@ def _open(path: str) -> TableFile:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="uvaple table", description=__doc__.split("\n\n")[0], epilog=EXITS)
-    sub = p.add_subparsers(dest="cmd", metavar="{write,info,verify}")
+    sub = p.add_subparsers(dest="cmd", metavar="{write,info,verify,prune}")
     w = sub.add_parser("write", help="write a table file from a checkpoint's 2-D tensor", epilog=EXITS)
     w.add_argument("source", help="a .safetensors file or a checkpoint directory (sharded or not)")
     w.add_argument("--tensor", required=True, action="append",
@@ -205,9 +315,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v = sub.add_parser("verify", help="read every page of a table file and check it against its sum", epilog=EXITS)
     v.add_argument("path")
     v.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    r = sub.add_parser("prune", help="remove a folder's table files unused for some days and held by no process",
+                       epilog=EXITS)
+    r.add_argument("folder", help="the folder of the table files (the vLLM plugin's disk_dir, a loader's table_dir)")
+    r.add_argument("--unused-days", type=float, required=True,
+                   help="remove the table files no load has written or reused for this many days (0: every one no "
+                        "process holds open)")
+    r.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     a = p.parse_args(argv)
     if a.cmd is None:
-        p.error("say what to do: write, info or verify (uvaple table --help)")
+        p.error("say what to do: write, info, verify or prune (uvaple table --help)")
+    if a.cmd == "prune" and not (a.unused_days >= 0 and a.unused_days < float("inf")):
+        r.error(f"--unused-days {a.unused_days:g}: give a number of days, 0 or more")
     if a.cmd == "write" and a.threads is not None and not 1 <= a.threads <= MAX_THREADS:
         w.error(f"--threads {a.threads}: give a count of threads from 1 to {MAX_THREADS}")
     if a.cmd == "write" and a.encoding == "raw" and a.fp8 is not None:
@@ -218,7 +337,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
-        return {"write": write, "info": info, "verify": verify}[a.cmd](a)
+        return {"write": write, "info": info, "verify": verify, "prune": prune}[a.cmd](a)
     except _Refused as e:
         print(f"uvaple table {a.cmd}: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -17,7 +17,8 @@ written from (the model's identity, the layer, the rank, the encoding). A later 
 finds the file complete and reuses it: its loader's rows are checked, not written, and nothing is staged. Dummy
 weights are never reused (written at each start). Processes writing the same file (data-parallel replicas) write
 one at a time (a lock on the folder), the later ones reusing the first's. Files of another identity (the weights
-changed) are written beside the old ones; delete those by hand.
+changed) are written beside the old ones: ``uvaple table prune DISK_DIR --unused-days N`` removes those no engine
+has reused for ``N`` days and none holds open (a reuse stamps the file's modification time).
 
 Disk space: the staging file's blocks are taken when it is made (a disk too full is a named error then, never a
 fault as the loader writes), and the staging file and the table file both exist while the file is written (about
