@@ -89,8 +89,11 @@ def reusable(path: str | os.PathLike, rows: RowSource, encoding: str, source_id:
         return None
     if (file.source, file.shape, file.dtype, file.encoding) == (source_id, (rows.rows, rows.cols), rows.dtype,
                                                                 encoding):
-        with contextlib.suppress(OSError):  # reused now: its modification time says so (uvaple table prune)
+        try:  # reused now: its modification time says so (uvaple table prune)
             os.utime(path)
+        except OSError as e:
+            log.warning("uvaple: %s is reused but cannot be stamped as used (%s): uvaple table prune will count it "
+                        "unused", path, e.strerror or e)
         return file
     file.close()
     return None

@@ -4,6 +4,7 @@ before any work, with no file left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -272,15 +273,40 @@ def _age(path, days):
 
 
 def _dead_pid() -> int:
+    """The pid of a process that has ended (and whose pid no process has taken since)."""
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+    for _ in range(100):
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        try:
+            os.kill(child.pid, 0)
+        except ProcessLookupError:
+            return child.pid
+    raise AssertionError("every ended child's pid was taken again at once")
+
+
+@contextlib.contextmanager
+def _holder(*paths):
+    """Another process that holds ``paths`` open (and runs) until the block ends; yields its pid."""
+    import subprocess
+    import sys
+
+    code = "import sys; fs = [open(p, 'rb') for p in sys.argv[1:]]; print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code, *map(str, paths)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        yield child.pid
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
 
 
 def test_prune_removes_the_table_files_unused_for_days_that_no_process_holds(tmp_path, capsys):
+    from uvaple.uva.table_file import MAGIC
+
     old = _table(tmp_path / "old.r0of1.uvt", 1, "an earlier revision")
     held = _table(tmp_path / "held.r0of1.uvt", 2)
     recent = _table(tmp_path / "recent.uvtable", 3)
@@ -288,30 +314,76 @@ def test_prune_removes_the_table_files_unused_for_days_that_no_process_holds(tmp
         _age(p, 10)
     notes = tmp_path / "notes.uvt"  # not a table file, however old: left alone
     notes.write_text("mine")
-    _age(notes, 30)
+    garbage = tmp_path / "garbage.uvt"  # the magic, then a header no JSON parser survives: not a table file either
+    garbage.write_bytes(MAGIC + b"[" * 100_000)
+    for p in (notes, garbage):
+        _age(p, 30)
     dead = tmp_path / f"old.r0of1.uvt.loading.{_dead_pid()}"  # a staging file of an engine that was killed
     dead.write_bytes(os.urandom(4096))
-    live = tmp_path / f"recent.uvtable.partial.{os.getpid()}"  # a writer still at work: this process
-    live.write_bytes(os.urandom(100))
     other = tmp_path / f"mine.txt.partial.{_dead_pid()}"  # not beside a table file's name: not this command's
     other.write_text("x")
-    everything = sorted(p.name for p in tmp_path.iterdir())
-    with TableFile.open(held):  # a process holds it open (here, this one)
+    with _holder(held) as writer:  # a writer at work: its pid runs
+        live = tmp_path / f"recent.uvtable.partial.{writer}"
+        live.write_bytes(os.urandom(100))
+        everything = sorted(p.name for p in tmp_path.iterdir())
         code, out, err = run(capsys, "prune", tmp_path, "--unused-days", 7, "--dry-run")
         assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == everything, err  # nothing removed
         assert "would remove old.r0of1.uvt (" in out and "an earlier revision" in out
         assert f"would remove {dead.name} (4.00 KiB): left by a writer that no longer runs" in out
-        assert f"kept held.r0of1.uvt: in use (process {os.getpid()})" in out
+        assert f"kept held.r0of1.uvt: in use (process {writer})" in out  # held by another process, by its inode
         assert "kept recent.uvtable: last written or reused" in out
-        assert "would remove 2 files" in out and "kept 2 table files" in out
-        assert "notes.uvt" not in out and live.name not in out and other.name not in out
+        assert "would remove 2 files" in out and "kept 2" in out
+        assert "notes.uvt" not in out and "garbage" not in out and live.name not in out and other.name not in out
         code, out, err = run(capsys, "prune", tmp_path, "--unused-days", 7)
         assert code == 0, err
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(set(everything) - {old.name, dead.name}), out
-    assert "removed 2 files" in out and "removed old.r0of1.uvt (" in out
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted(set(everything) - {old.name, dead.name}), out
+        assert "removed 2 files" in out and "removed old.r0of1.uvt (" in out
     code, out, _ = run(capsys, "prune", tmp_path, "--unused-days", 0)  # 0 days: every file no process holds
-    assert code == 0 and not held.exists() and not recent.exists() and notes.exists() and live.exists()
+    assert code == 0 and not held.exists() and not recent.exists() and notes.exists() and garbage.exists()
+    assert other.exists()
+
+
+def test_prune_keeps_a_file_written_again_while_it_checked_and_waits_for_no_loader(tmp_path, capsys, monkeypatch):
+    from uvaple.integration import file_embedding
+
+    old = _table(tmp_path / "t.r0of1.uvt", 6, "the first")
+    _age(old, 10)
+    real = table_cmd._open_files
+
+    def written_again():  # between the candidate's opening and its removal a loader writes the file again
+        fresh = tmp_path / "fresh"
+        _table(fresh, 7, "the second")
+        _age(fresh, 10)  # (as old as the first: only the file's identity tells them apart)
+        os.replace(fresh, old)
+        return real()
+
+    monkeypatch.setattr(table_cmd, "_open_files", written_again)
+    code, out, _ = run(capsys, "prune", tmp_path, "--unused-days", 1)
+    assert code == 0 and "kept t.r0of1.uvt: written again just now" in out
+    with TableFile.open(old) as f:
+        assert f.source == "the second"
+    monkeypatch.setattr(table_cmd, "_open_files", real)
+    with file_embedding._folder_lock(str(tmp_path)):  # a loader at work in the folder: refused, nothing removed
+        code, out, err = run(capsys, "prune", tmp_path, "--unused-days", 1)
+    assert code == 2 and "holds the folder's lock): run prune again when it is done" in err and old.exists()
+
+
+def test_prune_names_a_file_it_cannot_remove_and_goes_on(tmp_path, capsys, monkeypatch):
+    a, b = _table(tmp_path / "a.uvt", 8), _table(tmp_path / "b.uvt", 9)
+    for p in (a, b):
+        _age(p, 10)
+    unlink = os.unlink
+
+    def refused(path, *args, **kw):
+        if str(path).endswith("a.uvt"):
+            raise PermissionError(13, "Permission denied")
+        return unlink(path, *args, **kw)
+
+    monkeypatch.setattr(table_cmd.os, "unlink", refused)
+    code, out, _ = run(capsys, "prune", tmp_path, "--unused-days", 1)
+    assert code == table_cmd.EXIT_FAILED and "could not remove a.uvt: Permission denied" in out
+    assert "removed 1 file" in out and "could not remove 1" in out and a.exists() and not b.exists()
 
 
 def test_a_reused_table_file_is_stamped_as_used_now(tmp_path):

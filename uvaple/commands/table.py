@@ -12,23 +12,29 @@ against the free space of its disk before any write; the file appears at ``PATH`
 
 ``prune FOLDER --unused-days N`` removes the table files of a folder (the vLLM plugin's ``disk_dir``, a loader's
 ``table_dir``) that no loader has written or reused for ``N`` days (a load that reuses a file stamps its
-modification time: :func:`uvaple.integration.file_embedding.reusable`) and that no process holds open, and the
-partial files of writers that were killed; files that are not table files are left alone. A model whose identity
-changed (other weights, another revision) writes new files beside the old ones: this is how the old ones go.
-Open files are found in ``/proc/*/fd``, which shows another user's processes only to root; a file removed while
-a process reads it stays readable to that process, and its blocks are freed when the process closes it.
-``--dry-run`` says what it would remove.
+modification time: :func:`uvaple.integration.file_embedding.reusable`) and that no other process holds open, and
+the partial files of writers that no longer run; files that are not table files are left alone. A model whose
+identity changed (other weights, another revision) writes new files beside the old ones: this is how the old
+ones go. It holds the folder's lock (a loader at work there: refused), opens each candidate, then reads which
+files processes hold open (``/proc/*/fd``, by device and inode: whatever path or mount namespace they reached the
+file by; another user's processes are seen by root only, and a note says when some could not be read), and
+checks each file again just before removing it (the same file at its path, not stamped meanwhile). A loader that
+opens a file after that check keeps reading it (a removed file stays readable to whoever holds it, its blocks
+freed when the last one closes it) and writes it again at its next start. ``--dry-run`` says what it would
+remove.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import fnmatch
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from datetime import datetime
@@ -188,35 +194,40 @@ def verify(a) -> int:
 #: the files a writer of a table file keeps beside it while it works (``PATH.<kind>.<pid>``): the table file's own
 #: writer's, and the vLLM plugin's staging file
 PARTIAL_KINDS = ("partial", "loading")
-DAY_S = 86400.0
-
-
-def _held_paths() -> dict[str, int]:
-    """The real paths of the files some process holds open, each with one such process's pid (``/proc/*/fd``:
-    another user's processes are seen by root only)."""
-    held: dict[str, int] = {}
-    try:
-        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return held
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # gone, or another user's
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/"):
-                held.setdefault(target, pid)
-    return held
-
-
 #: the names the project gives table files (the vLLM plugin's, the transformers loaders'); a partial file is
 #: pruned only beside a name of these
 TABLE_SUFFIXES = (".uvt", ".uvtable")
+DAY_S = 86400.0
+
+
+def _open_files() -> tuple[dict[tuple[int, int], int], int]:
+    """The files other processes hold open, by ``(device, inode)`` (the file itself, whatever path or mount
+    namespace the process reached it by), each with one such process's pid; and how many processes' descriptors
+    could not be read (another user's, unless this process is root's)."""
+    held: dict[tuple[int, int], int] = {}
+    unreadable = 0
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return held, 0
+    for pid in pids:
+        if pid == os.getpid():  # this command's own (the candidates it holds open while it checks them)
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            unreadable += 1
+            continue
+        except OSError:  # gone
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                held.setdefault((st.st_dev, st.st_ino), pid)
+    return held, unreadable
 
 
 def _partial_of(name: str) -> tuple[str, str] | None:
@@ -227,62 +238,104 @@ def _partial_of(name: str) -> tuple[str, str] | None:
     return (base, kind) if base.endswith(TABLE_SUFFIXES) and kind in PARTIAL_KINDS and pid.isdigit() else None
 
 
+@contextlib.contextmanager
+def _folder_held(folder: str):
+    """The folder's lock (the one a loader holds while it checks and writes a table file there), taken without
+    waiting: refused while a loader is at work."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _Refused(f"a process is checking or writing table files in {folder} (it holds the folder's lock): "
+                           "run prune again when it is done") from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def prune(a) -> int:
+    """The table files of ``a.folder`` unused for ``a.unused_days`` and held by no other process removed, and the
+    partial files of writers that no longer run. Each file is opened first and checked again just before it goes:
+    the same file still at its path, not stamped meanwhile, held by no process (a loader that opens it after that
+    keeps reading it: its blocks are freed when it closes it)."""
     folder = os.path.abspath(a.folder)
     if not os.path.isdir(folder):
         raise _Refused(f"{a.folder}: no such folder; give the folder of the table files (the plugin's disk_dir, a "
                        "loader's table_dir)")
     cutoff = time.time() - a.unused_days * DAY_S
-    held = _held_paths()
     verb = "would remove" if a.dry_run else "removed"
-    freed = removed = kept = 0
-    names = sorted(os.listdir(folder))
-    dead = set()  # partial files of writers that no longer run
-    for base, kind in {p for p in map(_partial_of, names) if p is not None}:
-        dead.update(remove_dead_partials(os.path.join(folder, base), kind=kind, dry_run=True))
-    for name in names:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path) or os.path.islink(path):
-            continue
-        if _partial_of(name) is not None:
-            if path in dead:
-                try:
-                    size = os.path.getsize(path)
-                    if not a.dry_run:
-                        os.unlink(path)
-                except FileNotFoundError:  # removed meanwhile (by the next writer of its table file)
-                    continue
-                print(f"{verb} {name} ({fmt_bytes(size)}): left by a writer that no longer runs")
-                freed, removed = freed + size, removed + 1
-            continue
-        try:
-            with TableFile.open(path) as f:
-                source = f.source or "source not recorded"
-        except (TableFileError, OSError):
-            continue  # not a table file (or not readable): not this command's
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        used = datetime.fromtimestamp(st.st_mtime).strftime("%Y-%m-%d %H:%M")
-        holder = held.get(os.path.realpath(path))
-        if holder is not None:
-            print(f"kept {name}: in use (process {holder})")
-            kept += 1
-        elif st.st_mtime >= cutoff:
-            print(f"kept {name}: last written or reused {used}")
-            kept += 1
-        else:
-            if not a.dry_run:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-            print(f"{verb} {name} ({fmt_bytes(st.st_size)}): last written or reused {used}; {source}")
-            freed, removed = freed + st.st_size, removed + 1
-    print(f"{folder}: {verb} {removed} file{'s' * (removed != 1)} ({fmt_bytes(freed)}), kept {kept} table "
-          f"file{'s' * (kept != 1)}")
-    return EXIT_DONE
+    freed = removed = kept = failed = 0
+
+    def remove(path: str, name: str, size: int, why: str) -> None:
+        nonlocal freed, removed, failed
+        if not a.dry_run:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                print(f"could not remove {name}: {e.strerror or e}")
+                failed += 1
+                return
+        print(f"{verb} {name} ({fmt_bytes(size)}): {why}")
+        freed, removed = freed + size, removed + 1
+
+    with _folder_held(folder), contextlib.ExitStack() as opened:
+        names = sorted(os.listdir(folder))
+        dead = set()  # partial files whose writer no longer runs (in this pid namespace)
+        for base, kind in {p for p in map(_partial_of, names) if p is not None}:
+            dead.update(remove_dead_partials(os.path.join(folder, base), kind=kind, dry_run=True))
+        tables, partials = [], []
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            if _partial_of(name) is not None:
+                if path in dead:
+                    with contextlib.suppress(OSError):
+                        partials.append((name, path, os.stat(path)))
+                continue
+            try:
+                f = opened.enter_context(TableFile.open(path))
+            except Exception:  # noqa: BLE001 - not a table file (or not readable): not this command's
+                continue
+            tables.append((name, path, f))
+        held, unreadable = _open_files()  # after the candidates were opened: whoever opened one before is seen
+        for name, path, st in partials:
+            holder = held.get((st.st_dev, st.st_ino))
+            if holder is not None:
+                print(f"kept {name}: its writer runs (process {holder} holds it open)")
+                kept += 1
+            else:
+                remove(path, name, st.st_size, "left by a writer that no longer runs")
+        for name, path, f in tables:
+            st = os.fstat(f.fileno())  # now: a loader that reused it since it was opened has stamped it
+            used = datetime.fromtimestamp(st.st_mtime).strftime("%Y-%m-%d %H:%M")
+            holder = held.get((st.st_dev, st.st_ino))
+            if holder is not None:
+                print(f"kept {name}: in use (process {holder})")
+                kept += 1
+                continue
+            if st.st_mtime >= cutoff:
+                print(f"kept {name}: last written or reused {used}")
+                kept += 1
+                continue
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # written again meanwhile: not this one
+                print(f"kept {name}: written again just now")
+                kept += 1
+                continue
+            remove(path, name, st.st_size, f"last written or reused {used}; {f.source or 'source not recorded'}")
+    print(f"{folder}: {verb} {removed} file{'s' * (removed != 1)} ({fmt_bytes(freed)}), kept {kept}"
+          + (f", could not remove {failed}" if failed else ""))
+    if unreadable:
+        print(f"note: the open files of {unreadable} process{'es' * (unreadable != 1)} could not be read (another "
+              "user's): a file only they hold counts as unused; run as root to see them")
+    return EXIT_FAILED if failed else EXIT_DONE
 
 
 def _open(path: str) -> TableFile:
