@@ -46,7 +46,8 @@ from .embedding import BACKENDS, QUANTIZE, HostScaledEmbedding, _exact_scale, _e
 from .factory import placement
 from .spec import TableSpec
 
-__all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "make_folder", "FILE_ENCODINGS",
+__all__ = ["FileEmbedding", "table_file_for", "reusable", "check_options", "make_folder", "folder_lock",
+           "FILE_ENCODINGS",
            "MODULE_OPTIONS", "LOADER_OPTIONS"]
 
 log = logging.getLogger("uvaple.integration.file_embedding")
@@ -110,7 +111,7 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     make_folder(folder)
-    with _folder_lock(folder):  # one writer a folder: another process loading the same files waits, then reuses
+    with folder_lock(folder):  # one writer a folder: another process loading the same files waits, then reuses
         file = reusable(path, rows, encoding, source_id)  # (written before, or by that process meanwhile)
         if file is not None:
             log.info("uvaple: %s <- %s (the table file written before, from the same source)", what, path)
@@ -133,14 +134,17 @@ def table_file_for(path: str | os.PathLike, rows: RowSource, *, encoding: str = 
 
 
 @contextlib.contextmanager
-def _folder_lock(folder: str) -> Iterator[None]:
+def folder_lock(folder: str, wait: bool = True) -> Iterator[None]:
     """An exclusive lock on ``folder`` (``flock`` on the folder itself: released by the kernel when this process
-    ends, however it ends), held while a table file there is checked and written."""
+    ends, however it ends), held while a table file there is checked and written, or pruned (``uvaple table
+    prune``). Held by another process: waited for, or (``wait=False``) BlockingIOError."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if not wait:
+                raise
             log.warning("uvaple: another process is writing table files in %s: waiting for it", folder)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield

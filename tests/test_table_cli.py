@@ -364,7 +364,7 @@ def test_prune_keeps_a_file_written_again_while_it_checked_and_waits_for_no_load
     with TableFile.open(old) as f:
         assert f.source == "the second"
     monkeypatch.setattr(table_cmd, "_open_files", real)
-    with file_embedding._folder_lock(str(tmp_path)):  # a loader at work in the folder: refused, nothing removed
+    with file_embedding.folder_lock(str(tmp_path)):  # a loader at work in the folder: refused, nothing removed
         code, out, err = run(capsys, "prune", tmp_path, "--unused-days", 1)
     assert code == 2 and "holds the folder's lock): run prune again when it is done" in err and old.exists()
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import fnmatch
 import json
 import os
@@ -240,18 +239,17 @@ def _partial_of(name: str) -> tuple[str, str] | None:
 
 @contextlib.contextmanager
 def _folder_held(folder: str):
-    """The folder's lock (the one a loader holds while it checks and writes a table file there), taken without
-    waiting: refused while a loader is at work."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
+    """The folder's lock (:func:`~uvaple.integration.file_embedding.folder_lock`, which a loader holds while it
+    checks and writes a table file there), taken without waiting: refused while a loader is at work."""
+    from uvaple.integration.file_embedding import folder_lock
+
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stack.enter_context(folder_lock(folder, wait=False))
         except BlockingIOError:
-            raise _Refused(f"a process is checking or writing table files in {folder} (it holds the folder's lock): "
-                           "run prune again when it is done") from None
+            raise _Refused(f"a process is checking or writing table files in {folder} (it holds the folder's "
+                           "lock): run prune again when it is done") from None
         yield
-    finally:
-        os.close(fd)
 
 
 def prune(a) -> int:
