@@ -15,7 +15,7 @@ against the free space of its disk before any write; the file appears at ``PATH`
 modification time: :func:`uvaple.integration.file_embedding.reusable`) and that no other process holds open, and
 the partial files of writers that no longer run; files that are not table files are left alone. A model whose
 identity changed (other weights, another revision) writes new files beside the old ones: this is how the old
-ones go. It holds the folder's lock (a loader at work there: refused), opens each candidate, then reads which
+ones go. It holds the folder's lock (a loader at work there: refused), reads each candidate's header, then which
 files processes hold open (``/proc/*/fd``, by device and inode: whatever path or mount namespace they reached the
 file by; another user's processes are seen by root only, and a note says when some could not be read), and
 checks each file again just before removing it (the same file at its path, not stamped meanwhile). A loader that
@@ -254,9 +254,10 @@ def _folder_held(folder: str):
 
 def prune(a) -> int:
     """The table files of ``a.folder`` unused for ``a.unused_days`` and held by no other process removed, and the
-    partial files of writers that no longer run. Each file is opened first and checked again just before it goes:
-    the same file still at its path, not stamped meanwhile, held by no process (a loader that opens it after that
-    keeps reading it: its blocks are freed when it closes it)."""
+    partial files of writers that no longer run. Each file's header is read first, then which files processes hold
+    open, then each is checked again just before it goes: the same file (inode) still at its path, not stamped
+    meanwhile, held by no process (a loader that opens it after that keeps reading it: its blocks are freed when
+    it closes it)."""
     folder = os.path.abspath(a.folder)
     if not os.path.isdir(folder):
         raise _Refused(f"{a.folder}: no such folder; give the folder of the table files (the plugin's disk_dir, a "
@@ -279,7 +280,7 @@ def prune(a) -> int:
         print(f"{verb} {name} ({fmt_bytes(size)}): {why}")
         freed, removed = freed + size, removed + 1
 
-    with _folder_held(folder), contextlib.ExitStack() as opened:
+    with _folder_held(folder):
         names = sorted(os.listdir(folder))
         dead = set()  # partial files whose writer no longer runs (in this pid namespace)
         for base, kind in {p for p in map(_partial_of, names) if p is not None}:
@@ -295,11 +296,12 @@ def prune(a) -> int:
                         partials.append((name, path, os.stat(path)))
                 continue
             try:
-                f = opened.enter_context(TableFile.open(path))
+                with TableFile.open(path) as f:
+                    st = os.fstat(f.fileno())
+                    tables.append((name, path, (st.st_dev, st.st_ino), f.source))
             except Exception:  # noqa: BLE001 - not a table file (or not readable): not this command's
                 continue
-            tables.append((name, path, f))
-        held, unreadable = _open_files()  # after the candidates were opened: whoever opened one before is seen
+        held, unreadable = _open_files()  # after the candidates were read: whoever opened one before is seen
         for name, path, st in partials:
             holder = held.get((st.st_dev, st.st_ino))
             if holder is not None:
@@ -307,10 +309,17 @@ def prune(a) -> int:
                 kept += 1
             else:
                 remove(path, name, st.st_size, "left by a writer that no longer runs")
-        for name, path, f in tables:
-            st = os.fstat(f.fileno())  # now: a loader that reused it since it was opened has stamped it
+        for name, path, file_id, source in tables:
+            try:
+                st = os.stat(path)  # now: a loader that reused it since it was read has stamped it
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) != file_id:  # written again meanwhile: not the file read
+                print(f"kept {name}: written again just now")
+                kept += 1
+                continue
             used = datetime.fromtimestamp(st.st_mtime).strftime("%Y-%m-%d %H:%M")
-            holder = held.get((st.st_dev, st.st_ino))
+            holder = held.get(file_id)
             if holder is not None:
                 print(f"kept {name}: in use (process {holder})")
                 kept += 1
@@ -319,15 +328,7 @@ def prune(a) -> int:
                 print(f"kept {name}: last written or reused {used}")
                 kept += 1
                 continue
-            try:
-                now = os.stat(path)
-            except FileNotFoundError:
-                continue
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # written again meanwhile: not this one
-                print(f"kept {name}: written again just now")
-                kept += 1
-                continue
-            remove(path, name, st.st_size, f"last written or reused {used}; {f.source or 'source not recorded'}")
+            remove(path, name, st.st_size, f"last written or reused {used}; {source or 'source not recorded'}")
     print(f"{folder}: {verb} {removed} file{'s' * (removed != 1)} ({fmt_bytes(freed)}), kept {kept}"
           + (f", could not remove {failed}" if failed else ""))
     if unreadable:
