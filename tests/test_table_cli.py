@@ -417,3 +417,19 @@ def test_prune_refuses_a_missing_folder_and_a_bad_count_of_days(tmp_path, capsys
     _, err = capsys.readouterr()
     assert code == 2 and says.replace("MISSING", str(tmp_path / "missing")) in err, err
     assert kept.exists()
+
+
+def test_prune_says_when_another_users_open_files_could_not_be_read(tmp_path, capsys, monkeypatch):
+    t = _table(tmp_path / "t.uvt", 10)
+    _age(t, 10)
+    listdir = os.listdir
+
+    def guarded(path="."):
+        if str(path).startswith("/proc/") and str(path).endswith("/fd") and str(path) != f"/proc/{os.getpid()}/fd":
+            raise PermissionError(13, "Permission denied")
+        return listdir(path)
+
+    monkeypatch.setattr(table_cmd.os, "listdir", guarded)
+    code, out, _ = run(capsys, "prune", tmp_path, "--unused-days", 1, "--dry-run")
+    assert code == 0 and "would remove t.uvt" in out and t.exists()
+    assert "could not be read (another user's): a file only they hold counts as unused; run as root" in out
