@@ -343,6 +343,34 @@ def test_a_torn_header_read_is_retried_not_called_foreign(name, monkeypatch):
         seg.fail(RuntimeError("test"))
 
 
+
+def test_a_creator_finishing_between_a_waiters_two_reads_is_attached_not_replaced(name, monkeypatch):
+    """The creator marks the table ready and lets go of its build lock outside the namespace lock. A waiter
+    that reads the header just before that and the lock just after must attach, not call the table stale,
+    remove it and build a second copy (seen as two creators among four processes on a loaded machine)."""
+    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
+    creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    assert creator.created
+    read_header, finished = segments._read_header, []
+
+    def header_then_the_creator_finishes(fd):
+        got = read_header(fd)
+        if fd != creator.fd and not finished:  # the waiter's first read: the creator finishes right after it
+            finished.append(got and got.get("state"))
+            creator.ready()
+        return got
+
+    monkeypatch.setattr(segments, "_read_header", header_then_the_creator_finishes)
+    waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    try:
+        assert finished == ["building"]  # the interleaving happened
+        assert not waiter.created
+        assert os.fstat(waiter.fd).st_ino == os.fstat(creator.fd).st_ino == os.stat(path_of(name)).st_ino
+    finally:
+        waiter.detach()
+        creator.detach()
+    assert not os.path.exists(path_of(name))
+
 def test_a_fill_error_too_long_for_the_header_still_cleans_up(name):
     live = len(_region.live_regions())
     with pytest.raises(ValueError, match="é" * 50):

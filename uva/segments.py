@@ -397,12 +397,18 @@ def _new_file(name: str, path: str, meta: dict, total_bytes: int) -> Segment:
 
 def _classify(fd: int) -> tuple[str, dict | None]:
     """What an existing segment file is: ``ready``, ``failed``, ``building`` (creator alive), ``stale``
-    (creator dead before ready) or ``foreign`` (not a uvaple file)."""
+    (creator dead before ready) or ``foreign`` (not a uvaple file).
+
+    The build lock is read before the header. A creator writes ``ready`` (or ``failed``) and only then lets
+    go of the lock, outside the namespace lock: read the other way round, a header read just before that
+    write and a lock read just after it would call a live creator's finished table stale, and the caller
+    would remove it and build a second copy."""
+    building = _held_by_other(fd, _BUILD_BYTE)
     meta = _read_header(fd)
     if meta is None:
         # A creator dies between creating the file and writing the header only inside the namespace lock,
         # and leaves an all-zero head; anything else there is somebody else's file.
-        if _magic_of(fd).strip(b"\0") or _held_by_other(fd, _BUILD_BYTE):
+        if building or _magic_of(fd).strip(b"\0"):
             return "foreign", None
         return "stale", None
     state = meta.get("state")
@@ -410,9 +416,7 @@ def _classify(fd: int) -> tuple[str, dict | None]:
         return "ready", meta
     if state == "failed":
         return "failed", meta
-    if _held_by_other(fd, _BUILD_BYTE):
-        return "building", meta
-    return "stale", meta
+    return ("building" if building else "stale"), meta
 
 
 def _mismatch(meta: dict, want: dict, size: int) -> list[str]:
