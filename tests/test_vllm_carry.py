@@ -48,6 +48,17 @@ def test_the_planned_model_keeps_the_served_widths_and_fits_the_hbm_baseline():
     assert db.model_config(later)["layer_types"][4] == "linear_attention"
 
 
+@pytest.mark.parametrize("gpu_gib", [79.2, 93.1, 139.8])  # H100 80 GB, H100 NVL, H200 as CUDA reports them
+def test_fit_takes_the_layers_the_gpu_at_hand_holds(gpu_gib):
+    plan = db.plan_model(24.0, "fit", 512, gpu_gib=gpu_gib)
+    assert plan["gpu_gib"] == gpu_gib and plan["layers"] % db.PERIOD == 0
+    assert plan["hbm_total_gib_about"] <= gpu_gib - db.RESERVE_GIB
+    more = db.plan_model(24.0, plan["layers"] + db.PERIOD, 512, gpu_gib=gpu_gib)
+    assert (more["weights_bytes_about"] + more["table_bytes_about"] + db.KV_CACHE_BYTES) / GIB > \
+        gpu_gib - db.RESERVE_GIB
+    assert plan["layers"] < db.plan_model(24.0, "fit", 512)["layers"] or gpu_gib == db.GPU_GIB
+
+
 def test_a_result_measured_on_another_model_is_measured_again(tmp_path):
     spec = {"config": "uva", "kwargs": {}, "batches": [8], "model": db.plan_model(24.0, 8, 512)}
     saved = tmp_path / "uva.spec.json"

@@ -21,8 +21,9 @@ heads x 160 values (``ple_embed_dim`` 2,560: the 160-B fp8 rows of the field's r
 ``--table-gib`` of bf16 (24 GiB: 5.03 M a head; the real model's 20 M a head make 95.4 GiB, for which vLLM's own
 host path pins the next power of two, 128 GiB, more than the H200 host has). Layers: ``--layers fit`` takes the
 most, in whole periods of three gated-delta-net layers and one attention layer, for which the HBM baseline (the
-table in HBM) fits on the GPU with the KV cache; experts, widths and the table stay real. The QSA indexer is left
-out (its fields unset: vLLM then builds plain attention for those layers, as ``checkpoints.py`` does).
+table in HBM) fits on the GPU with the KV cache (the run's GPU; ``--plan`` shows an H200's); experts, widths
+and the table stay real. The QSA indexer is left out (its fields unset: vLLM then builds plain attention for
+those layers, as ``checkpoints.py`` does).
 
 ``--model gemma3n``: Gemma 3n E4B as vLLM serves it (``Gemma3nForConditionalGeneration``, the class a Gemma 3n
 checkpoint names: vLLM 0.33's text-only class never reads the per-layer table). Its text model is transformers'
@@ -148,7 +149,7 @@ GEMMA3N = dict(layers=35, hidden=2048, intermediate=16384, vocab=262400, ple_voc
                q_heads=8, kv_heads=2, head_dim=256)
 TRACE_KEEP_BYTES = 4 << 20  # a profile's trace larger than this stays on the GPU machine (results come back small)
 KV_CACHE_BYTES = 8 * GIB  # the same for every configuration: the largest batch's KV and GDN state, with room
-GPU_GIB = 139.8  # an H200's memory as CUDA reports it (143,771 MiB)
+GPU_GIB = 139.8  # an H200's memory as CUDA reports it (143,771 MiB): --plan's; a run fits its own GPU's
 RESERVE_GIB = 14.0  # CUDA context, activations of a prefill step, CUDA graphs, the allocator's slack
 
 
@@ -174,14 +175,16 @@ def layer_bytes(experts: int) -> int:
     return 2 * (moe + gdn + hc)
 
 
-def plan_model(table_gib: float, layers: str | int, experts: int, ple_layer: int = PLE_LAYER) -> dict:
-    """The model's sizes; ``layers="fit"``: the most whole periods whose HBM baseline fits on one GPU;
-    ``ple_layer``: its PLE layer's 1-based index (a gated-delta-net layer's, as the served model's)."""
+def plan_model(table_gib: float, layers: str | int, experts: int, ple_layer: int = PLE_LAYER,
+               gpu_gib: float = GPU_GIB) -> dict:
+    """The model's sizes; ``layers="fit"``: the most whole periods whose HBM baseline fits on a GPU of
+    ``gpu_gib`` (an H200's by default; a run passes its own GPU's); ``ple_layer``: its PLE layer's 1-based
+    index (a gated-delta-net layer's, as the served model's)."""
     base = table_base(table_gib)
     table = base * heads() * (REAL["ple_embed_dim"] // heads()) * 2  # about: the primes above base differ a little
     fixed = 2 * 2 * REAL["vocab_size"] * REAL["hidden_size"]  # embedding and LM head
     per_layer = layer_bytes(experts)
-    room = (GPU_GIB - RESERVE_GIB) * GIB - table - fixed - KV_CACHE_BYTES
+    room = (gpu_gib - RESERVE_GIB) * GIB - table - fixed - KV_CACHE_BYTES
     fit = max(PERIOD, int(room // per_layer) // PERIOD * PERIOD)
     n = fit if layers == "fit" else int(layers)
     if n < PLE_LAYER + 1 or n % PERIOD:
@@ -191,7 +194,8 @@ def plan_model(table_gib: float, layers: str | int, experts: int, ple_layer: int
         raise ValueError(f"--ple-layer {ple_layer}: a gated-delta-net layer of the {n}, 1-based (not a multiple of "
                          f"{PERIOD}: those are the attention layers)")
     weights = fixed + n * per_layer
-    return {"layers": n, "layers_that_fit": fit, "experts": experts, "ple_layer": ple_layer,
+    return {"layers": n, "layers_that_fit": fit, "gpu_gib": round(gpu_gib, 1), "experts": experts,
+            "ple_layer": ple_layer,
             "ngram_vocab_size_base": base,
             "table_bytes_about": table, "weights_bytes_about": weights,
             "hbm_total_gib_about": round((weights + table + KV_CACHE_BYTES) / GIB, 1)}
@@ -786,6 +790,15 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_bench: no CUDA GPU here; this benchmark runs vLLM's engine on a GPU (--plan shows what it "
               "would run)", file=sys.stderr)
         return 2
+    if a.model == "qwen4exp" and a.layers == "fit":  # the most layers this GPU holds, not an H200's
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        try:
+            plan = plan_model(a.table_gib, "fit", a.experts, a.ple_layer, gpu_gib)
+        except ValueError as e:
+            print(f"decode_bench: {e}; on this GPU ({gpu_gib:.1f} GiB) --layers fit gives "
+                  f"{plan_model(a.table_gib, 'fit', a.experts, PLE_LAYER, gpu_gib)['layers']}: give a PLE layer "
+                  "within them, or --layers N", file=sys.stderr)
+            return 2
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(os.path.join(a.work, "results"), exist_ok=True)
     log = Log(os.path.join(a.out, "decode_bench.log"))
@@ -862,6 +875,10 @@ def main(argv: list[str] | None = None) -> int:
         r["uvaple_lines"] = [ln.strip()[:300] for ln in text.splitlines() if "uvaple" in ln][:12]
         if not r.get("ok"):
             r["log_tail"] = _tail(log_path, 40)
+            if "CUDA out of memory" in text:
+                r["error"] = (f"out of GPU memory starting the engine ({plan['layers']} layers, "
+                              f"{plan['hbm_total_gib_about']} GiB with the table in HBM): give fewer --layers "
+                              f"or a smaller --table-gib; vLLM said: {r.get('error')}")
         if r.get("profiled"):
             r["profile"] = profile_summary(profile_dir(a.work, config), a.out, config)
         with open(result_path, "w") as f:
