@@ -326,7 +326,7 @@ def test_a_torn_header_read_is_retried_not_called_foreign(name, monkeypatch):
                                  "data_offset": segments.DATA_OFFSET}, segments.DATA_OFFSET + 4096)
     try:
         good = os.pread(seg.fd, 4096, 0)
-        os.pwrite(seg.fd, b'{"torn', 16)  # the JSON half rewritten
+        os.pwrite(seg.fd, b'\x00{{[[', 16)  # the JSON half rewritten
 
         def finish():
             time.sleep(0.01)
@@ -351,7 +351,7 @@ def test_a_creator_finishing_between_a_waiters_two_reads_is_attached_not_replace
     meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
     creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
     assert creator.created
-    read_header, finished = segments._read_header, []
+    read_header, finished = segments._read_header_or_torn, []
 
     def header_then_the_creator_finishes(fd):
         got = read_header(fd)
@@ -360,7 +360,7 @@ def test_a_creator_finishing_between_a_waiters_two_reads_is_attached_not_replace
             creator.ready()
         return got
 
-    monkeypatch.setattr(segments, "_read_header", header_then_the_creator_finishes)
+    monkeypatch.setattr(segments, "_read_header_or_torn", header_then_the_creator_finishes)
     waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
     try:
         assert finished == ["building"]  # the interleaving happened
@@ -370,6 +370,49 @@ def test_a_creator_finishing_between_a_waiters_two_reads_is_attached_not_replace
         waiter.detach()
         creator.detach()
     assert not os.path.exists(path_of(name))
+
+def test_a_header_torn_for_longer_than_the_retries_by_a_live_creator_is_waited_for(name, monkeypatch):
+    """A creator preempted between the header's two writes (a loaded machine) leaves it torn for longer than
+    a reader retries: with the build lock held that is a creator at work, not somebody else's file."""
+    monkeypatch.setattr(segments, "_TORN_RETRIES", 2)
+    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
+    creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    good = os.pread(creator.fd, 4096, 0)
+    os.pwrite(creator.fd, b'\x00{{[[', 16)  # the JSON half rewritten; the creator stopped there
+    read, seen = segments._read_header_or_torn, []
+
+    def read_then_the_creator_resumes(fd):
+        got = read(fd)
+        if fd != creator.fd and got is segments._TORN and not seen:  # the waiter saw it torn: resume
+            seen.append(fd)
+            os.pwrite(creator.fd, good, 0)
+            creator.ready()
+        return got
+
+    monkeypatch.setattr(segments, "_read_header_or_torn", read_then_the_creator_resumes)
+    waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    try:
+        assert seen and not waiter.created
+        assert os.fstat(waiter.fd).st_ino == os.fstat(creator.fd).st_ino
+    finally:
+        waiter.detach()
+        creator.detach()
+
+
+def test_a_header_left_torn_by_a_creator_that_died_is_replaced(name, monkeypatch):
+    monkeypatch.setattr(segments, "_TORN_RETRIES", 2)
+    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
+    dead = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    os.pwrite(dead.fd, b'\x00{{[[', 16)
+    dead._let_go_of_build()  # its build lock gone with it, between the header's two writes
+    new = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    try:
+        assert new.created and os.fstat(new.fd).st_ino != os.fstat(dead.fd).st_ino
+        assert os.stat(path_of(name)).st_ino == os.fstat(new.fd).st_ino
+    finally:
+        dead.close_descriptor()
+        new.detach()
+
 
 def test_a_fill_error_too_long_for_the_header_still_cleans_up(name):
     live = len(_region.live_regions())
@@ -504,6 +547,49 @@ def test_deferred_ready_maps_at_once_and_waits_later(name):
         t.close()
     with pytest.raises(TypeError, match="exclude each other"):
         HostTable.shared(name, 4, 4, torch.float32, defer_ready=True, fill=lambda t: None)
+
+
+def test_the_creator_waiting_for_its_own_table_is_told_to_mark_it_ready(name):
+    a = HostTable.shared(name, 10, 4, torch.float32, defer_ready=True)
+    try:
+        with pytest.raises(SharedSegmentError, match=r"this process created it .*mark_ready\(\)"):
+            a.wait_ready(5)
+        a.write_rows(expected(6)[:10, :4].contiguous())
+        a.mark_ready()
+        a.wait_ready(0.1)  # ready: at once
+        assert a.ready
+    finally:
+        a.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_creator_killed_after_forking_a_worker_is_replaced_at_once(name):
+    """A child forked while the creator fills keeps the table mapped, and a mapping keeps its open file, with
+    that file's locks, alive: the build lock is on a descriptor of its own, never mapped, so it dies with the
+    creator and the next process replaces the stale table instead of waiting for the child to exit."""
+    code = textwrap.dedent(f"""
+        import os, sys, time, torch
+        from uvaple.uva import HostTable
+        t = HostTable.shared({name!r}, 10, 4, torch.float32, defer_ready=True)
+        if os.fork() == 0:  # a worker forked before the fill ends: it keeps the mapping
+            os.write(1, b"forked\\n")
+            time.sleep(600)
+            os._exit(0)
+        time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "forked"
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        t0 = time.monotonic()
+        t = HostTable.shared(name, 10, 4, torch.float32, fill=lambda t: t.write_rows(expected(7)[:10, :4]),
+                             timeout=20)
+        assert t.created and time.monotonic() - t0 < 10
+        t.close()
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # the forked worker too
+        p.stdout.close()
 
 
 def test_deferred_ready_delivers_the_creators_failure(name):

@@ -19,7 +19,10 @@ Locks. Two byte-range locks on the segment file, held through open-file-descript
 which includes the death of the process, so a dead holder never leaves a lock behind.
 
 * byte 0, **build** (exclusive): held by the creator from creation until the segment is ``ready`` or
-  ``failed``. A segment ``building`` whose build lock nobody holds has a dead creator: it is stale.
+  ``failed``, on a descriptor of its own that is never mapped (a mapping keeps its open file, and with it
+  the file's locks, alive in a child forked while the creator fills; the build lock must die with the
+  creator). A segment ``building`` whose build lock nobody holds has a dead creator: it is stale. Readers
+  look at the lock before the header: the creator writes ``ready`` or ``failed`` before it lets go.
 * byte 1, **attach** (shared): held by every process that has the segment open, for as long as it has.
   The process that finds nobody else holding it when it detaches unlinks the name. A process killed before
   it detaches has a watcher that does it then (:mod:`.reaper`, :func:`remove_unused`).
@@ -209,6 +212,16 @@ _TORN_WAIT_S = 1e-3
 
 def _read_header(fd: int) -> dict | None:
     """The header of an open segment file, or None when it is not a (complete) uvaple header."""
+    meta = _read_header_or_torn(fd)
+    return None if meta is _TORN else meta
+
+
+_TORN = object()  # our magic, and JSON that did not parse in any of the retries
+
+
+def _read_header_or_torn(fd: int):
+    """The header of an open segment file; None when it is not a uvaple header; ``_TORN`` when it has our
+    magic but its JSON stayed torn through every retry (its writer stopped between its two writes)."""
     for _ in range(_TORN_RETRIES):
         raw = os.pread(fd, _HEADER_BYTES, 0)
         if len(raw) < _HEAD.size:
@@ -223,7 +236,7 @@ def _read_header(fd: int) -> dict | None:
             except (ValueError, UnicodeDecodeError):
                 pass
         time.sleep(_TORN_WAIT_S)  # our magic, a torn header: its writer is mid-rewrite
-    return None
+    return _TORN
 
 
 def _magic_of(fd: int) -> bytes:
@@ -258,12 +271,20 @@ def _pid_alive(pid) -> bool:
 
 
 class Segment:
-    """One segment file open in this process: its descriptor (which carries the locks) and header."""
+    """One segment file open in this process: its descriptor (which is mapped and carries the attach lock) and
+    header; a creator's build lock is on a second descriptor of the file, ``build_fd``, never mapped.
+
+    The two locks live on two open files because a mapping keeps its open file alive: a child forked while the
+    table is mapped holds the mapped file's locks until it unmaps or exits, even after it closed its copy of
+    the descriptor. For the attach lock that is right (the child can read the table); the build lock must end
+    with the creator, or a creator killed after forking its workers would look alive to every waiter until its
+    last child exits."""
 
     def __init__(self, name: str, path: str, fd: int, created: bool) -> None:
         self.name = name
         self.path = path
         self.fd: int | None = fd
+        self.build_fd: int | None = None  # the creator's, until ready or failed
         self.created = created
         self.pid = os.getpid()
 
@@ -293,7 +314,15 @@ class Segment:
     def ready(self) -> None:
         """The rows are complete: mark the header ``ready`` and let go of the build lock."""
         self.set_state("ready")
-        _ofd(self.fd, fcntl.F_UNLCK, _BUILD_BYTE)
+        self._let_go_of_build()
+
+    def _let_go_of_build(self) -> None:
+        fd, self.build_fd = self.build_fd, None
+        if fd is not None:
+            try:
+                _ofd(fd, fcntl.F_UNLCK, _BUILD_BYTE)
+            finally:
+                os.close(fd)
 
     def fail(self, error: BaseException) -> None:
         """The fill failed: waiters get ``error``; the file is removed (nobody can use it). Never raises."""
@@ -329,6 +358,10 @@ class Segment:
         timeout, or an error when it died before (the segment cannot become ready any more)."""
         if self.fd is None:
             raise SharedSegmentError(f"shared table {self.name!r} is detached")
+        if self.build_fd is not None:
+            raise SharedSegmentError(
+                f"shared table {self.name!r}: this process created it and is to fill it; mark it ready when "
+                "filled (HostTable.mark_ready()); wait_ready() is for the processes that attached to it")
         head = self.header() or {}
         if head.get("state") == "ready":
             return
@@ -355,7 +388,7 @@ class Segment:
                         # its open file description, and with it the locks, alive after close() (at exit
                         # the table stays mapped).
                         _ofd(self.fd, fcntl.F_UNLCK, _ATTACH_BYTE)
-                        _ofd(self.fd, fcntl.F_UNLCK, _BUILD_BYTE)
+                        self._let_go_of_build()
                         if not self.others_attached():
                             _unlink_if_same(self.path, self.fd)
                         reaper.forget(self.path, self.fd)  # last: killed before it, the reaper does the above
@@ -365,12 +398,16 @@ class Segment:
             self.close_descriptor()
 
     def close_descriptor(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Close this process's descriptors of the file (a forked child's copies too: closing a copy releases
+        nothing the parent holds)."""
+        for attr in ("build_fd", "fd"):
+            fd = getattr(self, attr)
+            setattr(self, attr, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {'created' if self.created else 'attached'})"
@@ -384,7 +421,8 @@ def _new_file(name: str, path: str, meta: dict, total_bytes: int) -> Segment:
         raise SharedSegmentError(f"creating shared table {name!r} at {path} failed: {e.strerror}") from e
     seg = Segment(name, path, fd, created=True)
     try:
-        if not (_ofd(fd, fcntl.F_WRLCK, _BUILD_BYTE) and _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE)):
+        seg.build_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the same file, opened anew: never mapped
+        if not (_ofd(seg.build_fd, fcntl.F_WRLCK, _BUILD_BYTE) and _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE)):
             raise SharedSegmentError(f"locking the new shared table {name!r} failed")
         os.ftruncate(fd, total_bytes)
         seg.write_header(dict(meta, state="building", creator_pid=os.getpid(), created_unix=time.time()))
@@ -404,7 +442,11 @@ def _classify(fd: int) -> tuple[str, dict | None]:
     write and a lock read just after it would call a live creator's finished table stale, and the caller
     would remove it and build a second copy."""
     building = _held_by_other(fd, _BUILD_BYTE)
-    meta = _read_header(fd)
+    meta = _read_header_or_torn(fd)
+    if meta is _TORN:
+        # Our magic, the JSON mid-rewrite for longer than the retries: a creator stopped between its two
+        # writes (preempted on a loaded machine) is still building; one that died there left a stale file.
+        return ("building", {}) if building else ("stale", None)
     if meta is None:
         # A creator dies between creating the file and writing the header only inside the namespace lock,
         # and leaves an all-zero head; anything else there is somebody else's file.
@@ -488,7 +530,7 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                         raise SharedSegmentError(
                             f"a shared table named {name!r} is being created by pid {head.get('creator_pid')}; "
                             f"attach to it with HostTable.shared({name!r}, ...), which waits, or pick another name")
-                    if attach_building:  # map it now, wait for it later (Segment.wait_ready)
+                    if attach_building and head:  # map it now, wait for it later (Segment.wait_ready)
                         bad = _mismatch(head, want, os.fstat(fd).st_size)
                         if bad:
                             raise SharedSegmentError(f"shared table {name!r} does not match: " + "; ".join(bad) +
@@ -498,7 +540,7 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                         keep = True
                         return Segment(name, path, fd, created=False)
                     keep = True
-                    return fd, head
+                    return fd, head  # (a header mid-rewrite, {}: the state is changing, so wait for it)
                 # ready
                 if not attach_ok:
                     raise SharedSegmentError(
@@ -534,8 +576,8 @@ def _wait_built(name: str, fd: int, head: dict, deadline: float, timeout: float)
             return False
         now = time.monotonic()
         if now >= deadline:
-            pid = (meta or head).get("creator_pid")
-            age = time.time() - float((meta or head).get("created_unix", time.time()))
+            pid = (meta or head or {}).get("creator_pid")
+            age = time.time() - float((meta or head or {}).get("created_unix", time.time()))
             alive = "alive" if _pid_alive(pid) else "not found"
             raise SharedSegmentTimeout(
                 f"HostTable.shared({name!r}): waited {timeout:.3g} s for pid {pid} ({alive}) to fill the "
