@@ -371,6 +371,32 @@ def test_a_creator_finishing_between_a_waiters_two_reads_is_attached_not_replace
         creator.detach()
     assert not os.path.exists(path_of(name))
 
+def test_a_creator_that_lets_go_as_soon_as_it_is_ready_leaves_the_table_to_its_waiter(name, monkeypatch):
+    """A waiter waits attached: the creator's last detach then leaves the name, and the waiter attaches to
+    the rows instead of filling the table a second time."""
+    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
+    creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    read, reads = segments._read_header_or_torn, []
+
+    def read_then_the_creator_finishes_and_goes(fd):
+        got = read(fd)
+        if creator.fd is not None and fd != creator.fd:
+            reads.append(fd)
+            if len(reads) == 2:  # the waiter's first look while it waits (the first was its decision)
+                creator.ready()
+                creator.detach()
+        return got
+
+    monkeypatch.setattr(segments, "_read_header_or_torn", read_then_the_creator_finishes_and_goes)
+    waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    try:
+        assert len(reads) >= 2 and creator.fd is None
+        assert not waiter.created and waiter.header()["state"] == "ready"
+    finally:
+        waiter.detach()
+    assert not os.path.exists(path_of(name))
+
+
 def test_a_header_torn_for_longer_than_the_retries_by_a_live_creator_is_waited_for(name, monkeypatch):
     """A creator preempted between the header's two writes (a loaded machine) leaves it torn for longer than
     a reader retries: with the build lock held that is a creator at work, not somebody else's file."""

@@ -458,7 +458,9 @@ def _classify(fd: int) -> tuple[str, dict | None]:
         return "ready", meta
     if state == "failed":
         return "failed", meta
-    return ("building" if building else "stale"), meta
+    # Free before the header said "building": a dead creator, or (outside the namespace lock: `shm list`) one
+    # that created the file and took the lock between the two reads.
+    return ("building" if building or _held_by_other(fd, _BUILD_BYTE) else "stale"), meta
 
 
 def _mismatch(meta: dict, want: dict, size: int) -> list[str]:
@@ -539,6 +541,10 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                             raise SharedSegmentError(f"taking the attach lock of shared table {name!r} failed")
                         keep = True
                         return Segment(name, path, fd, created=False)
+                    # Wait on it attached: a creator that marks it ready and lets go at once then leaves
+                    # the name to this waiter, instead of removing it for this waiter to build again.
+                    if not _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE):
+                        raise SharedSegmentError(f"taking the attach lock of shared table {name!r} failed")
                     keep = True
                     return fd, head  # (a header mid-rewrite, {}: the state is changing, so wait for it)
                 # ready
@@ -600,18 +606,25 @@ def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, tim
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout
     reaper.start()  # before there is a segment to leave behind
-    while True:
-        got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok, attach_ok=attach_ok,
-                    replace_orphan=replace_orphan, attach_building=attach_building)
-        if isinstance(got, Segment):
-            reaper.watch(got.path, got.fd)
-            return got
-        fd, head = got
-        try:
-            _wait_built(name, fd, head, deadline, timeout)
-        finally:
-            os.close(fd)
-        # ready, or the creator died: decide again under the namespace lock (the file may be gone)
+    waited = None  # the file last waited on, still open: its attach lock is let go after the next decision
+    try:
+        while True:
+            try:
+                got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok,
+                            attach_ok=attach_ok, replace_orphan=replace_orphan, attach_building=attach_building)
+            finally:
+                if waited is not None:
+                    os.close(waited)
+                    waited = None
+            if isinstance(got, Segment):
+                reaper.watch(got.path, got.fd)
+                return got
+            waited, head = got
+            _wait_built(name, waited, head, deadline, timeout)
+            # ready, or the creator died: decide again under the namespace lock (the file may be gone)
+    finally:
+        if waited is not None:
+            os.close(waited)
 
 
 def create(name: str, meta: dict, total_bytes: int, *, timeout: float = _DETACH_LOCK_TIMEOUT_S,
