@@ -425,6 +425,21 @@ def test_a_header_torn_for_longer_than_the_retries_by_a_live_creator_is_waited_f
         creator.detach()
 
 
+def test_a_failed_table_whose_creator_died_before_removing_it_is_replaced(name):
+    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
+    dead = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    dead.set_state("failed", "ValueError: the checkpoint is unreadable")
+    with pytest.raises(SharedSegmentError, match="checkpoint is unreadable"):  # its creator alive: its error
+        segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    dead.close_descriptor()  # killed between marking it failed and removing it: its locks go, the file stays
+    assert os.path.exists(path_of(name))
+    new = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    try:
+        assert new.created and new.header()["state"] == "building"
+    finally:
+        new.fail(RuntimeError("test"))
+
+
 def test_a_header_left_torn_by_a_creator_that_died_is_replaced(name, monkeypatch):
     monkeypatch.setattr(segments, "_TORN_RETRIES", 2)
     meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}

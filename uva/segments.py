@@ -42,6 +42,7 @@ no file                                 create it (this process fills it)
 ``building``, build lock held           wait for ``ready`` / ``failed`` (bounded by the timeout)
 ``building``, build lock free           the creator died: remove the file, create it again
 ``failed``                              raise the creator's error (the creator removes the file)
+``failed``, nobody holds it             its creator died before removing it: remove it, create it again
 ``ready``                               attach; shape, dtype, stride and tag must match
 ``ready``, mismatched, nobody attached  an orphan: replaced by ``create_or_attach``, an error else
 not a uvaple file                       an error; nothing is removed
@@ -526,6 +527,9 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                     _unlink_if_same(path, fd)  # namespace lock held: this is the file we classified
                     continue
                 if kind == "failed":
+                    if not _held_by_other(fd, _ATTACH_BYTE):  # its creator died before removing it
+                        _unlink_if_same(path, fd)
+                        continue
                     raise _failed_error(name, head)
                 if kind == "building":
                     if not attach_ok:
