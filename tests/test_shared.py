@@ -6,6 +6,7 @@ name left in ``/dev/shm``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -371,35 +372,12 @@ def test_a_creator_finishing_between_a_waiters_two_reads_is_attached_not_replace
         creator.detach()
     assert not os.path.exists(path_of(name))
 
-def test_a_creator_that_lets_go_as_soon_as_it_is_ready_leaves_the_table_to_its_waiter(name, monkeypatch):
-    """A waiter waits attached: the creator's last detach then leaves the name, and the waiter attaches to
-    the rows instead of filling the table a second time."""
-    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
-    creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
-    read, reads = segments._read_header_or_torn, []
-
-    def read_then_the_creator_finishes_and_goes(fd):
-        got = read(fd)
-        if creator.fd is not None and fd != creator.fd:
-            reads.append(fd)
-            if len(reads) == 2:  # the waiter's first look while it waits (the first was its decision)
-                creator.ready()
-                creator.detach()
-        return got
-
-    monkeypatch.setattr(segments, "_read_header_or_torn", read_then_the_creator_finishes_and_goes)
-    waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
-    try:
-        assert len(reads) >= 2 and creator.fd is None
-        assert not waiter.created and waiter.header()["state"] == "ready"
-    finally:
-        waiter.detach()
-    assert not os.path.exists(path_of(name))
-
-
-def test_a_header_torn_for_longer_than_the_retries_by_a_live_creator_is_waited_for(name, monkeypatch):
+@pytest.mark.parametrize("attach_building", [False, True], ids=["shared", "deferred"])
+def test_a_header_torn_for_longer_than_the_retries_by_a_live_creator_is_waited_for(name, monkeypatch,
+                                                                                   attach_building):
     """A creator preempted between the header's two writes (a loaded machine) leaves it torn for longer than
-    a reader retries: with the build lock held that is a creator at work, not somebody else's file."""
+    a reader retries: with the build lock held that is a creator at work, not somebody else's file (and a
+    deferred attacher, which checks the header before it maps, waits for it to read whole)."""
     monkeypatch.setattr(segments, "_TORN_RETRIES", 2)
     meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
     creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
@@ -416,7 +394,8 @@ def test_a_header_torn_for_longer_than_the_retries_by_a_live_creator_is_waited_f
         return got
 
     monkeypatch.setattr(segments, "_read_header_or_torn", read_then_the_creator_resumes)
-    waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    waiter = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10,
+                                       attach_building=attach_building)
     try:
         assert seen and not waiter.created
         assert os.fstat(waiter.fd).st_ino == os.fstat(creator.fd).st_ino
@@ -438,6 +417,28 @@ def test_a_failed_table_whose_creator_died_before_removing_it_is_replaced(name):
         assert new.created and new.header()["state"] == "building"
     finally:
         new.fail(RuntimeError("test"))
+
+
+def test_a_build_lock_taken_between_the_two_reads_is_a_creator_at_work(name, monkeypatch):
+    """Outside the namespace lock (``shm list``) a reader can find the lock free and then the header of a
+    creator that took it meanwhile: the lock is looked at again before the table is called stale."""
+    meta = {"rows": 4, "cols": 4, "dtype": "F32", "stride_bytes": 16, "data_offset": segments.DATA_OFFSET}
+    creator = segments.create_or_attach(name, meta, {}, segments.DATA_OFFSET + 4096, timeout=10)
+    fd = os.open(path_of(name), os.O_RDONLY)
+    try:
+        assert segments._ofd(creator.build_fd, fcntl.F_UNLCK, segments._BUILD_BYTE)  # not taken yet
+        read = segments._read_header_or_torn
+
+        def read_then_the_creator_locks(f):
+            got = read(f)
+            assert segments._ofd(creator.build_fd, fcntl.F_WRLCK, segments._BUILD_BYTE)
+            return got
+
+        monkeypatch.setattr(segments, "_read_header_or_torn", read_then_the_creator_locks)
+        assert segments._classify(fd)[0] == "building"
+    finally:
+        os.close(fd)
+        creator.fail(RuntimeError("test"))
 
 
 def test_a_header_left_torn_by_a_creator_that_died_is_replaced(name, monkeypatch):
@@ -603,21 +604,31 @@ def test_the_creator_waiting_for_its_own_table_is_told_to_mark_it_ready(name):
         a.close()
 
 
+_CREATORS = {  # a creator that has mapped its table, and one forking before it maps it
+    "mapped": "from uvaple.uva import HostTable\n"
+              "t = HostTable.shared({name!r}, 10, 4, torch.float32, defer_ready=True)",
+    "not_yet_mapped": "from uvaple.uva import segments\n"
+                      "meta = dict(rows=10, cols=4, dtype='F32', stride_bytes=16, data_offset=segments.DATA_OFFSET)\n"
+                      "t = segments.create_or_attach({name!r}, meta, {{}}, segments.DATA_OFFSET + 4096, timeout=10)",
+}
+
+
 @pytest.mark.timeout(120)
-def test_a_creator_killed_after_forking_a_worker_is_replaced_at_once(name):
+@pytest.mark.parametrize("creator", list(_CREATORS))
+def test_a_creator_killed_after_forking_a_worker_is_replaced_at_once(name, creator):
     """A child forked while the creator fills keeps the table mapped, and a mapping keeps its open file, with
-    that file's locks, alive: the build lock is on a descriptor of its own, never mapped, so it dies with the
-    creator and the next process replaces the stale table instead of waiting for the child to exit."""
-    code = textwrap.dedent(f"""
+    that file's locks, alive: the build lock is on a descriptor of its own, never mapped and closed in a forked
+    child, so it dies with the creator and the next process replaces the stale table instead of waiting for
+    the child to exit."""
+    code = textwrap.dedent("""
         import os, sys, time, torch
-        from uvaple.uva import HostTable
-        t = HostTable.shared({name!r}, 10, 4, torch.float32, defer_ready=True)
+        {creator}
         if os.fork() == 0:  # a worker forked before the fill ends: it keeps the mapping
             os.write(1, b"forked\\n")
             time.sleep(600)
             os._exit(0)
         time.sleep(600)
-    """)
+    """).format(creator=_CREATORS[creator].format(name=name))
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert p.stdout.readline().strip() == "forked"

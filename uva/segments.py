@@ -60,6 +60,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,12 +144,15 @@ def _held_by_other(fd: int, byte: int, ltype: int = fcntl.F_WRLCK) -> bool:
 
 _held = threading.local()  # this thread's namespace-lock depth per directory (a finalizer may re-enter)
 _ns_fds: set[int] = set()  # namespace-lock descriptors open in this process (closed in a forked child)
+_open_segments: weakref.WeakSet = weakref.WeakSet()  # segments with descriptors open in this process
 _fork_hook = False
 
 
 def _close_inherited() -> None:
-    """In a forked child: drop the copies of the parent's namespace-lock descriptors (closing a copy never
-    releases the parent's lock; keeping it would hold the lock after the parent is gone)."""
+    """In a forked child: drop the copies of the parent's namespace-lock and segment descriptors (closing a
+    copy never releases the parent's lock; keeping it would hold the lock after the parent is gone: a build
+    lock kept so would make a killed creator look alive). A fork by C code that runs no Python fork hook and
+    does not exec keeps them: only its exit lets go."""
     global _held
     for fd in list(_ns_fds):
         try:
@@ -156,6 +160,8 @@ def _close_inherited() -> None:
         except OSError:
             pass
     _ns_fds.clear()
+    for seg in list(_open_segments):
+        seg.close_descriptor()
     _held = threading.local()
 
 
@@ -288,6 +294,7 @@ class Segment:
         self.build_fd: int | None = None  # the creator's, until ready or failed
         self.created = created
         self.pid = os.getpid()
+        _open_segments.add(self)  # its descriptors are closed in a forked child (_close_inherited)
 
     @property
     def directory(self) -> str:
@@ -318,12 +325,14 @@ class Segment:
         self._let_go_of_build()
 
     def _let_go_of_build(self) -> None:
-        fd, self.build_fd = self.build_fd, None
-        if fd is not None:
-            try:
-                _ofd(fd, fcntl.F_UNLCK, _BUILD_BYTE)
-            finally:
-                os.close(fd)
+        fd = self.build_fd
+        if fd is None:
+            return
+        try:
+            _ofd(fd, fcntl.F_UNLCK, _BUILD_BYTE)  # explicitly: a forked child not yet exec'd shares the file
+        finally:
+            self.build_fd = None
+            os.close(fd)
 
     def fail(self, error: BaseException) -> None:
         """The fill failed: waiters get ``error``; the file is removed (nobody can use it). Never raises."""
@@ -545,10 +554,6 @@ def _step(name: str, path: str, meta: dict, want: dict, total_bytes: int, deadli
                             raise SharedSegmentError(f"taking the attach lock of shared table {name!r} failed")
                         keep = True
                         return Segment(name, path, fd, created=False)
-                    # Wait on it attached: a creator that marks it ready and lets go at once then leaves
-                    # the name to this waiter, instead of removing it for this waiter to build again.
-                    if not _ofd(fd, fcntl.F_RDLCK, _ATTACH_BYTE):
-                        raise SharedSegmentError(f"taking the attach lock of shared table {name!r} failed")
                     keep = True
                     return fd, head  # (a header mid-rewrite, {}: the state is changing, so wait for it)
                 # ready
@@ -610,25 +615,18 @@ def create_or_attach(name: str, meta: dict, want: dict, total_bytes: int, *, tim
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout
     reaper.start()  # before there is a segment to leave behind
-    waited = None  # the file last waited on, still open: its attach lock is let go after the next decision
-    try:
-        while True:
-            try:
-                got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok,
-                            attach_ok=attach_ok, replace_orphan=replace_orphan, attach_building=attach_building)
-            finally:
-                if waited is not None:
-                    os.close(waited)
-                    waited = None
-            if isinstance(got, Segment):
-                reaper.watch(got.path, got.fd)
-                return got
-            waited, head = got
-            _wait_built(name, waited, head, deadline, timeout)
-            # ready, or the creator died: decide again under the namespace lock (the file may be gone)
-    finally:
-        if waited is not None:
-            os.close(waited)
+    while True:
+        got = _step(name, path, meta, want, total_bytes, deadline, create_ok=create_ok, attach_ok=attach_ok,
+                    replace_orphan=replace_orphan, attach_building=attach_building)
+        if isinstance(got, Segment):
+            reaper.watch(got.path, got.fd)
+            return got
+        fd, head = got
+        try:
+            _wait_built(name, fd, head, deadline, timeout)
+        finally:
+            os.close(fd)
+        # ready, or the creator died: decide again under the namespace lock (the file may be gone)
 
 
 def create(name: str, meta: dict, total_bytes: int, *, timeout: float = _DETACH_LOCK_TIMEOUT_S,
