@@ -9,10 +9,17 @@ default set also makes, and the longer smokes) is left out of a run without CUDA
 extended`` the rest, ``-m "extended or not extended"`` both. With CUDA (compiled kernels) every run
 includes it, as ``perf/gpu_check.sh`` expects. ``tests/README.md`` lists what it holds.
 
+Workers (``-n auto``, pytest-xdist, the README's test command): without CUDA one worker process a core, at
+most four, each running whole test files (a file's module fixtures are built once, and its tests run in
+their order); with CUDA one process, since ``perf/gpu_check.sh`` runs its own groups of files side by side on
+the one GPU. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets the count; ``-n 0`` runs in one process.
+
 Hypothesis: the default profile (``uvaple``) is derandomised with no example database, so every run of
 the suite (CI's included) draws the same examples; ``--hypothesis-profile=explore`` draws fresh random
 examples (``--hypothesis-seed=N`` to replay one).
 """
+
+import os
 
 import pytest
 import torch
@@ -23,6 +30,23 @@ settings.register_profile("explore", derandomize=False, database=None)
 settings.load_profile("uvaple")
 
 HAS_CUDA = torch.cuda.is_available()
+MAX_WORKERS = 4  # the interpreted suite's largest files bound it beyond that; each worker imports torch
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own reading of it
+    if HAS_CUDA:
+        return 0
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
