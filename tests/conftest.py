@@ -39,7 +39,8 @@ def pytest_xdist_auto_num_workers(config):
         return None  # pytest-xdist's own reading of it
     if HAS_CUDA:
         return 0
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux, others
+    return max(1, min(cores or 1, MAX_WORKERS))
 
 
 @pytest.hookimpl(optionalhook=True)
