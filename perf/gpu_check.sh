@@ -5,9 +5,11 @@
 #   usage: bash perf/gpu_check.sh [steps...], from the repository root (the studies, probes and tuners run as
 #   scripts from perf/studies/, which is not installed; the benchmarks through `uvaple bench`)
 #   steps: doctor tests soak memcheck memlock lifetime host tunecopy tiles ready probe ngram hotset rates prefetch
-#   split costs vllm startup bench e2e levers ngramlayer disk vllm_engine vllm_decode
-#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, ngramlayer, disk, vllm_engine
-#   and vllm_decode)
+#   split costs vllm startup bench e2e levers ngramlayer disk vllm_engine vllm_decode qwen4e2e
+#   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, ngramlayer, disk, vllm_engine,
+#   vllm_decode and qwen4e2e)
+#   qwen4e2e: perf/studies/qwen4_exp_e2e.py with QWEN4_E2E_ARGS, started in the background by the lease's first call
+#   of it; each call waits up to QWEN4_E2E_WAIT_S (540) and brings back what it wrote so far
 #   vllm_engine: vLLM 0.33's real engine with the plugin (perf/vllm_carry/engine_check.py), once the parts that
 #   perf/vllm_carry/build.py made were carried and unpacked by perf/vllm_carry/assemble.sh in the same lease:
 #   installs them (pip --no-deps --target /tmp/vllm_site), then Gemma 3n and Qwen4Exp against HBM: vLLM's host
@@ -237,6 +239,33 @@ fi
 if has e2e; then
   step "Gemma 3n E2B end to end"
   timeout 500 python3 perf/studies/gemma3n_e2e.py --out "$R/e2e" ${E2E_ARGS:-} 2>&1 | tail -60
+fi
+if has qwen4e2e; then
+  # Qwen4Exp in transformers at its default dimensions with a real-size n-gram table (perf/studies/qwen4_exp_e2e.py):
+  # longer than one call, so the first call of a lease starts it in its own session (it outlives the call) and
+  # every call, this one too, waits up to QWEN4_E2E_WAIT_S for it and brings back its log and JSON so far (the
+  # study saves the JSON after every stage). flash-linear-attention, where carried as .fla-carry, is installed.
+  W=/tmp/qwen4_e2e
+  step "Qwen4Exp end to end in transformers (${QWEN4_E2E_ARGS:-defaults}), in the background"
+  mkdir -p "$W" "$R/qwen4e2e"
+  if [ ! -e "$W/args" ]; then
+    FLA=""
+    if ls .fla-carry/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-deps --no-compile --target /tmp/fla_site .fla-carry/*.whl && FLA=/tmp/fla_site:
+    fi
+    echo "${QWEN4_E2E_ARGS:-}" > "$W/args"
+    PYTHONPATH="$FLA${PYTHONPATH:-}" setsid bash -c "python3 perf/studies/qwen4_exp_e2e.py ${QWEN4_E2E_ARGS:-} \
+      --json $W/e2e.json > $W/e2e.log 2>&1; echo \$? > $W/rc" < /dev/null > /dev/null 2>&1 &
+    echo "started (pid $!)"
+  else
+    echo "started by an earlier call of this lease, with: $(cat "$W/args")"
+  fi
+  end=$((SECONDS + ${QWEN4_E2E_WAIT_S:-540}))
+  while [ ! -e "$W/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+  cp "$W/e2e.log" "$W/e2e.json" "$R/qwen4e2e/" 2>/dev/null
+  grep -v "it/s\]" "$W/e2e.log" | tail -30
+  if [ -e "$W/rc" ]; then echo "qwen4_exp_e2e exit: $(cat "$W/rc")"
+  else echo "still running: the same step in another call of this lease waits on (bash perf/gpu_check.sh qwen4e2e)"; fi
 fi
 if has levers; then
   step "Gemma 3n E4B levers: hot set, sorted+dedup, fp8 rows vs the table in HBM (graph decode, greedy tokens, logits)"

@@ -797,3 +797,32 @@ def test_the_e2e_studys_disk_phase_serves_uvas_tokens_from_files_and_counts_the_
     assert small["slots"] < large["slots"] == -(-large["of_rows"] // 2)  # a hundredth: a forward's rows at least
     assert small["cache"]["evictions"] > 0 == large["cache"]["evictions"]  # the small cache evicted, served alike
     assert not any(p.name.startswith("uvaple_disk_phase") for p in tmp_path.iterdir())  # the files are removed
+
+
+def test_the_e2e_study_refuses_an_fp8_table_from_a_host_build_before_building(tmp_path):
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--smoke-cpu",
+                          "--phases", "main", "--build", "host", "--table", "fp8", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--table fp8 resolved to fp8" in run.stderr and "pass --table bf16" in run.stderr
+    assert "[build]" not in run.stderr and not out.exists()  # named before anything was built or written
+
+
+@pytest.mark.extended  # ~50 s on 2 cores: transformers' path and ours on the toy config, a 16-token prefill
+@pytest.mark.timeout(600)
+def test_the_e2e_studys_host_build_gives_transformers_tokens_from_tables_never_on_the_device(tmp_path):
+    out = tmp_path / "host.json"
+    run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--smoke-cpu",
+                          "--phases", "main", "--build", "host", "--batches", "", "--json", str(out)],
+                         capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and res["build_kind"] == "host" and res["table"] == "bf16"
+    assert res["build"]["gpu_memory_saved_gib"] == res["real_table_gib"] > 0
+    assert 0.015 < res["table_sample_std"] < 0.025  # filled from the generator, normal(0, initializer_range)
+    bf16 = res["bf16"]
+    assert "swap" not in bf16  # served from the tables it was built with: nothing copied
+    assert bf16["transformers_cpu_path_equals_its_hbm_path"] is None  # no HBM table to compare with
+    assert bf16["tokens_equal_transformers"] is True and bf16["prefill_logits_bit_identical"] is True
+    assert bf16["prefill_ms"]["16"]["logits_equal"] is True

@@ -9,10 +9,17 @@ Phases (``--phases``), all in one process, every figure from this run:
 ``main`` (one table precision a run, ``--table``: a captured graph keeps its host table until exit, so
 bf16 and fp8 at real size do not fit one 128 GiB host together; run it twice for both):
 
-1. Build on the GPU (the tables in HBM for the moment). The reference tokens: transformers' greedy
-   ``generate()`` with its tables in HBM.
+1. Build (``--build``). ``gpu``: on the GPU, the tables in HBM for the moment; the reference tokens are
+   transformers' greedy ``generate()`` with its tables in HBM. ``host``: where the tables do not fit the
+   GPU beside the model (95.4 GiB on an 80 GB H100), the model is built on the GPU with transformers' own
+   init but each n-gram table made on the meta device, then filled in a pinned host table from the GPU's
+   random generator (normal, ``initializer_range``: transformers' init, another stream of draws); the
+   reference tokens are transformers' own path on those bytes (below). ``auto`` (the default): ``gpu``
+   where the tables and the rest of the model fit the GPU's free memory with 8 GiB to spare, else ``host``.
+   A host build serves bf16 only (``fp8`` is quantised from the HBM table).
 2. ``bf16``: the live model swapped (:func:`apply_uvaple_to_qwen4_exp`: each table copied to host memory,
-   HBM freed; seconds and memory before/after). transformers' own path is its original module whose
+   HBM freed; seconds and memory before/after; in a host build each layer is served from the host table it
+   was filled in, nothing copied). transformers' own path is its original module whose
    ``weight`` aliases our host table (the same bytes; its forward copies the ids to the CPU, gathers there,
    copies back): greedy tokens and the prefill logits against uvaple eager (bit for bit), and uvaple
    captured (static cache + ``torch.compile(mode="reduce-overhead")``: CUDA graphs; skips and graph breaks
@@ -51,6 +58,13 @@ Failures are caught, logged and reported in the JSON; none ends the run. Usage (
     python3 perf/studies/qwen4_exp_e2e.py --table fp8 --json perf/results/qwen4_exp_e2e_fp8.json
     python3 perf/studies/qwen4_exp_e2e.py --table bf16 --phases main --json perf/results/qwen4_exp_e2e_bf16.json
 
+On an 80 GB H100 the real-size tables do not fit the GPU: ``--build auto`` builds them in host memory (bf16).
+Longer than one device call, so ``bash perf/gpu_check.sh qwen4e2e`` starts it in the background and waits;
+the same step in a later call of the lease waits on (``QWEN4_E2E_ARGS``, ``QWEN4_E2E_WAIT_S``)::
+
+    QWEN4_E2E_ARGS="--table bf16 --phases main,ceiling --batches 1,8,64 --prefill 8192 --repeats 5" \
+        bash perf/gpu_check.sh qwen4e2e
+
 Without CUDA it refuses (exit 2); ``--smoke-cpu`` runs a toy config on the CPU (Triton interpreter) to check
 the script itself.
 """
@@ -72,6 +86,7 @@ import time
 import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from uvaple.perf.timing import cuda_missing
 
@@ -282,6 +297,104 @@ def build(args, device, base):
     return model
 
 
+class _TablesOnMeta(TorchFunctionMode):
+    """Inside: a ``torch.empty`` of one of ``shapes`` (the n-gram tables') is made on the meta device; every
+    other tensor where it was asked for. transformers' ``nn.Embedding`` allocates its table with
+    ``torch.empty`` and then initialises it in place, which on the meta device does nothing."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = {tuple(s) for s in shapes}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.empty:
+            size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            if tuple(int(n) for n in size) in self.shapes:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def planned_bytes(args, base) -> tuple[int, int]:
+    """The model's n-gram tables' bytes and every other parameter's and buffer's (bf16), from a build on the
+    meta device (nothing allocated)."""
+    from transformers import Qwen4ExpForCausalLM
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Qwen4ExpForCausalLM(make_config(args, base))
+    finally:
+        torch.set_default_dtype(old)
+    tables = {id(p.ple_embedding.ngram_embedding.weight) for p in ngram_children(model)}
+    sizes = {id(t): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
+    table = sum(n for k, n in sizes.items() if k in tables)
+    return table, sum(sizes.values()) - table
+
+
+def build_host_tables(args, device, base):
+    """The model on ``device`` with transformers' init, but each n-gram table on the meta device, and a pinned
+    host table a PLE layer, filled block by block from ``device``'s generator, normal(0, initializer_range)
+    (transformers' init for an embedding; another stream of draws). Returns the model and the host tables."""
+    from transformers import Qwen4ExpForCausalLM
+
+    from uvaple.uva import HostTable
+
+    cfg = make_config(args, base)
+    with torch.device("meta"):
+        probe = Qwen4ExpForCausalLM(cfg)
+    shapes = [p.ple_embedding.ngram_embedding.weight.shape for p in ngram_children(probe)]
+    del probe
+    torch.manual_seed(args.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device), _TablesOnMeta(shapes):
+            model = Qwen4ExpForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    std = float(getattr(cfg, "initializer_range", 0.02))
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    tables = []
+    try:
+        for ple in ngram_children(model):
+            emb = ple.ple_embedding.ngram_embedding
+            if emb.weight.device.type != "meta":
+                raise RuntimeError(f"layer {ple.ple_embedding.layer_idx}'s n-gram table was allocated on "
+                                   f"{emb.weight.device}, not left on the meta device: its shape was not foreseen")
+            table = HostTable.empty(emb.num_embeddings, emb.embedding_dim, torch.bfloat16)
+            tables.append(table)
+            block = max(1, (256 << 20) // (emb.embedding_dim * 4))
+            for a in range(0, emb.num_embeddings, block):
+                rows = table.tensor[a:a + block]
+                rows.copy_(torch.empty(rows.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen))
+    except BaseException:
+        for table in tables:
+            table.close()
+        raise
+    sync(device)
+    return model, tables
+
+
+def serve_host_tables(model, tables, max_tokens) -> list:
+    """Each PLE layer's module (its table still on the meta device) replaced by uvaple's, served from the host
+    table built for it (attached, not copied); the originals' tables then alias the same bytes, so that
+    :func:`hf_path` runs transformers' own path on them. Returns the originals."""
+    from uvaple.integration.models.qwen4_exp import ngram_embedding_class
+
+    cls = ngram_embedding_class()
+    originals = []
+    for ple, table in zip(ngram_children(model), tables, strict=True):
+        orig = ple.ple_embedding
+        new = cls.from_module(orig, max_tokens=max_tokens)  # a meta table: an empty drop-in, nothing copied
+        new.ngram_embedding.attach_table(table, own=True)
+        orig.ngram_embedding.weight = torch.nn.Parameter(table.tensor, requires_grad=False)
+        ple.ple_embedding = new
+        originals.append(orig)
+    return originals
+
+
 def table_bytes(model) -> int:
     return sum(p.ple_embedding.ngram_embedding.weight.numel() * 2 for p in ngram_children(model))
 
@@ -357,18 +470,20 @@ def decode_and_ple_steps(run, model, device, res, tag, originals=None):
                 p.setdefault("uvaple_captured", {})[b] = ple_step_us(layer, b, model, device, compiled=True)
 
 
-def phase_bf16(run, model, device, ids, ref_tokens):
-    """Swap the live model's tables into host memory; transformers' CPU-table path against uvaple's."""
+def phase_bf16(run, model, device, ids, ref_tokens, originals=None):
+    """Swap the live model's tables into host memory (``originals`` given: a host build, already served from
+    its host tables); transformers' CPU-table path against uvaple's."""
     from uvaple.integration.models.qwen4_exp import apply_uvaple_to_qwen4_exp
 
     res, args = run.res.setdefault("bf16", {}), run.args
-    originals = [ple.ple_embedding for ple in ngram_children(model)]
-    before = memory(device)
-    t = time.perf_counter()
-    apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens)
-    sync(device)
-    res["swap"] = {"seconds": time.perf_counter() - t, "before": before, "after": memory(device)}
-    alias_tables(originals, model)  # transformers' modules read our host tables' bytes on the CPU
+    if originals is None:
+        originals = [ple.ple_embedding for ple in ngram_children(model)]
+        before = memory(device)
+        t = time.perf_counter()
+        apply_uvaple_to_qwen4_exp(model, max_tokens=run.max_tokens)
+        sync(device)
+        res["swap"] = {"seconds": time.perf_counter() - t, "before": before, "after": memory(device)}
+        alias_tables(originals, model)  # transformers' modules read our host tables' bytes on the CPU
     with run.step("bf16 correctness"):
         with hf_path(model, originals), torch.no_grad():
             ref = greedy(model, ids, args.new_tokens)
@@ -376,7 +491,8 @@ def phase_bf16(run, model, device, ids, ref_tokens):
         got = greedy(model, ids, args.new_tokens)
         with torch.no_grad():
             logits = model(ids).logits
-        res["transformers_cpu_path_equals_its_hbm_path"] = bool(torch.equal(ref, ref_tokens))
+        res["transformers_cpu_path_equals_its_hbm_path"] = (None if run.res.get("build_kind") == "host"
+                                                             else bool(torch.equal(ref, ref_tokens)))
         res["tokens_equal_transformers"] = bool(torch.equal(got, ref))
         res["prefill_logits_bit_identical"] = bool(torch.equal(logits.view(torch.int16), ref_logits.view(torch.int16)))
         if device.type == "cuda":
@@ -531,6 +647,26 @@ def phase_startup(run):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def main_plan(args, device, table: int, rest: int) -> tuple[str, str]:
+    """(build, table precision) for the main phase: ``--build`` and ``--table``, ``auto`` resolved from the GPU's
+    free memory and the host's; a combination that cannot run is named on stderr before anything is built (exit 2)."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    build_kind = args.build
+    if build_kind == "auto":
+        build_kind = "gpu" if free is None or table + rest + 8 * GiB <= free else "host"
+    kind = args.table
+    if kind == "auto":  # bf16 where host memory holds it with room to spare, else fp8
+        kind = "bf16" if _mem_available() > table + 16 * GiB else "fp8"
+    if build_kind == "host" and kind == "fp8":
+        gpu = "?" if free is None else f"{free / GiB:.1f}"
+        print(f"qwen4_exp_e2e.py: --table {args.table} resolved to fp8, which is quantised from the tables in HBM, "
+              f"and --build {args.build} resolved to host ({table / GiB:.1f} GiB of tables and {rest / GiB:.1f} GiB "
+              f"of the rest against {gpu} GiB free on the GPU): pass --table bf16 on a host with "
+              f"{(table + 16 * GiB) / GiB:.0f} GiB available, or a smaller --ngram-base", file=sys.stderr)
+        raise SystemExit(2)
+    return build_kind, kind
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="where the results go ('-': stdout)")
@@ -539,6 +675,9 @@ def main(argv=None) -> int:
                     help="the real-size table's precision (auto: bf16 where host memory holds it, else fp8); one a "
                          "run: a captured graph keeps its host table until the process exits")
     ap.add_argument("--phases", default="main,ceiling,startup")
+    ap.add_argument("--build", default="auto", choices=["auto", "gpu", "host"],
+                    help="where the main phase's n-gram tables are built: gpu (in HBM, then swapped), host (never "
+                         "on the GPU: bf16 only); auto: gpu where they fit beside the model with 8 GiB to spare")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--ple-layers", type=int, default=1)
     ap.add_argument("--ple-dim", type=int, default=2560, help="values a token's 16 heads give (160 a head)")
@@ -586,23 +725,39 @@ def main(argv=None) -> int:
                       "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()}
     phases = [p for p in args.phases.split(",") if p]
     if "main" in phases:
-        model = None
+        table, rest = planned_bytes(args, args.ngram_base)
+        build_kind, kind = main_plan(args, device, table, rest)
+        run.res.update(real_table_gib=table / GiB, other_weights_gib=rest / GiB, build_kind=build_kind, table=kind)
+        print(f"[plan] n-gram tables {table / GiB:.1f} GiB, the rest {rest / GiB:.1f} GiB: {build_kind} build, "
+              f"{kind} table", file=sys.stderr)
+        model = originals = tables = None
         with run.step("build"):
             t = time.perf_counter()
             run.res["memory_empty"] = memory(device)
-            model = build(args, device, args.ngram_base)
-            run.res["real_table_gib"] = table_bytes(model) / GiB
+            if build_kind == "host":
+                model, tables = build_host_tables(args, device, args.ngram_base)
+                originals = serve_host_tables(model, tables, run.max_tokens)
+                pick = torch.randint(0, tables[0].rows, (4096,), generator=torch.Generator().manual_seed(0))
+                run.res["table_sample_std"] = float(tables[0].tensor[pick].float().std())  # the fill: ~init_std
+            else:
+                model = build(args, device, args.ngram_base)
             run.res["build"] = {"seconds": time.perf_counter() - t, "memory": memory(device)}
-        kind = args.table
-        if kind == "auto":  # bf16 where host memory holds it with room to spare, else fp8
-            kind = "bf16" if _mem_available() > run.res.get("real_table_gib", 0) * GiB + 16 * GiB else "fp8"
-        run.res["table"] = kind
+            if build_kind == "host":
+                run.res["build"]["gpu_memory_saved_gib"] = table / GiB  # the tables never were on the GPU
+        ref_tokens = None
         if model is not None:
             ids = prompts(4, args.prompt_len, model.config.vocab_size, device, 1)
-            ref_tokens = greedy(model, ids, args.new_tokens)  # transformers, tables in HBM: the reference tokens
+            with run.step("reference tokens"), \
+                    hf_path(model, originals) if originals is not None else contextlib.nullcontext():
+                # transformers' own path: the tables in HBM (a GPU build) or read on the CPU (a host build)
+                ref_tokens = greedy(model, ids, args.new_tokens)
+        if ref_tokens is not None:
             with run.step(f"{kind} phase"):
-                (phase_fp8 if kind == "fp8" else phase_bf16)(run, model, device, ids, ref_tokens)
-        del model
+                if kind == "fp8":
+                    phase_fp8(run, model, device, ids, ref_tokens)
+                else:
+                    phase_bf16(run, model, device, ids, ref_tokens, originals)
+        del model, originals, tables  # the host tables go with the last reference
         gc.collect()
         torch._dynamo.reset()
     if "ceiling" in phases and args.ceiling_base:
