@@ -64,7 +64,7 @@ tests/test_equivalence.py;tests/test_host_table.py tests/test_encodings.py tests
 tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py \
 tests/test_page_reader.py tests/test_table_cli.py tests/test_file_embedding.py tests/test_qwen4_exp_disk.py;\
 tests/test_shared.py;tests/test_lifetime.py tests/test_fork.py tests/test_vllm_tables.py tests/test_vllm_config.py tests/test_vllm_disk_shard.py;\
-tests/test_perf_tools.py tests/test_bench.py;tests/test_vllm_perf.py tests/test_compile_sm90.py \
+tests/test_perf_tools.py tests/test_bench.py tests/test_qwen4_exp_e2e_study.py;tests/test_vllm_perf.py tests/test_compile_sm90.py \
 tests/test_vllm_carry.py tests/test_disk_bench.py tests/test_uring.py;tests/test_qwen4_exp.py;tests/test_gemma3n.py \
 tests/test_gemma3n_e2e.py tests/test_gemma3n_fp8.py tests/test_gemma3n_levers.py"
 if has tests && [ -n "${TEST_GROUPS:-}" ]; then

@@ -16,8 +16,6 @@ import copy
 import inspect
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -768,61 +766,3 @@ def test_gpu_generate_compiled_by_transformers_with_a_static_cache_gives_the_eag
     assert counters["stats"]["unique_graphs"] > 0
     patch.revert()
     torch._dynamo.reset()
-
-
-# ---------------------------------------------------------------------- the GPU study
-def test_the_e2e_study_refuses_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("the study runs here; perf/studies/qwen4_exp_e2e.py is measured on the GPU machine")
-    run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--json", "-"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
-
-
-@pytest.mark.extended  # ~30 s on 2 cores, up to 150 s on a loaded 16-core host: three eager models of the toy config
-@pytest.mark.timeout(600)
-def test_the_e2e_studys_disk_phase_serves_uvas_tokens_from_files_and_counts_the_cache(tmp_path):
-    out = tmp_path / "disk.json"
-    run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--smoke-cpu",
-                          "--phases", "disk", "--disk-fractions", "0.5,0.01", "--batches", "2", "--scratch",
-                          str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=540)
-    assert run.returncode == 0, run.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert res["errors"] == [] and set(res["disk"]) >= {"uva", "disk_0.5", "disk_0.01"}
-    for name in ("disk_0.5", "disk_0.01"):
-        r = res["disk"][name]
-        assert r["tokens_equal_uva"] is True and set(r["decode_tok_s"]) == set(r["ple_layer_step_us"]) == {"2"}
-        assert r["cache"]["misses"] > 0 and r["cache"]["pages_read"] > 0 and 0 <= r["cache"]["hit_rate"] < 1
-    small, large = res["disk"]["disk_0.01"], res["disk"]["disk_0.5"]
-    assert small["slots"] < large["slots"] == -(-large["of_rows"] // 2)  # a hundredth: a forward's rows at least
-    assert small["cache"]["evictions"] > 0 == large["cache"]["evictions"]  # the small cache evicted, served alike
-    assert not any(p.name.startswith("uvaple_disk_phase") for p in tmp_path.iterdir())  # the files are removed
-
-
-def test_the_e2e_study_refuses_an_fp8_table_from_a_host_build_before_building(tmp_path):
-    out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--smoke-cpu",
-                          "--phases", "main", "--build", "host", "--table", "fp8", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2, run.stderr[-2000:]
-    assert "--table fp8 resolved to fp8" in run.stderr and "pass --table bf16" in run.stderr
-    assert "[build]" not in run.stderr and not out.exists()  # named before anything was built or written
-
-
-@pytest.mark.extended  # ~50 s on 2 cores: transformers' path and ours on the toy config, a 16-token prefill
-@pytest.mark.timeout(600)
-def test_the_e2e_studys_host_build_gives_transformers_tokens_from_tables_never_on_the_device(tmp_path):
-    out = tmp_path / "host.json"
-    run = subprocess.run([sys.executable, str(ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"), "--smoke-cpu",
-                          "--phases", "main", "--build", "host", "--batches", "", "--json", str(out)],
-                         capture_output=True, text=True, timeout=540)
-    assert run.returncode == 0, run.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert res["errors"] == [] and res["build_kind"] == "host" and res["table"] == "bf16"
-    assert res["build"]["gpu_memory_saved_gib"] == res["real_table_gib"] > 0
-    assert 0.015 < res["table_sample_std"] < 0.025  # filled from the generator, normal(0, initializer_range)
-    bf16 = res["bf16"]
-    assert "swap" not in bf16  # served from the tables it was built with: nothing copied
-    assert bf16["transformers_cpu_path_equals_its_hbm_path"] is None  # no HBM table to compare with
-    assert bf16["tokens_equal_transformers"] is True and bf16["prefill_logits_bit_identical"] is True
-    assert bf16["prefill_ms"]["16"]["logits_equal"] is True
