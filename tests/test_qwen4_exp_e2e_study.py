@@ -24,6 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "perf" / "studies" / "qwen4_exp_e2e.py"
 
 
+def smoke(*args: str, timeout: float = 540) -> subprocess.CompletedProcess:
+    """The study on its toy config on the CPU (``--smoke-cpu``) with ``args``."""
+    return subprocess.run([sys.executable, str(STUDY), "--smoke-cpu", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_the_e2e_study_refuses_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("the study runs here; perf/studies/qwen4_exp_e2e.py is measured on the GPU machine")
@@ -36,9 +42,8 @@ def test_the_e2e_study_refuses_without_cuda():
 @pytest.mark.timeout(600)
 def test_the_e2e_studys_disk_phase_serves_uvas_tokens_from_files_and_counts_the_cache(tmp_path):
     out = tmp_path / "disk.json"
-    run = subprocess.run([sys.executable, str(STUDY), "--smoke-cpu",
-                          "--phases", "disk", "--disk-fractions", "0.5,0.01", "--batches", "2", "--scratch",
-                          str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=540)
+    run = smoke("--phases", "disk", "--disk-fractions", "0.5,0.01", "--batches", "2", "--scratch", str(tmp_path),
+                "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and set(res["disk"]) >= {"uva", "disk_0.5", "disk_0.01"}
@@ -54,9 +59,7 @@ def test_the_e2e_studys_disk_phase_serves_uvas_tokens_from_files_and_counts_the_
 
 def test_the_e2e_study_refuses_an_fp8_table_from_a_host_build_before_building(tmp_path):
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, str(STUDY), "--smoke-cpu",
-                          "--phases", "main", "--build", "host", "--table", "fp8", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = smoke("--phases", "main", "--build", "host", "--table", "fp8", "--json", str(out), timeout=300)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "--table fp8 resolved to fp8" in run.stderr and "pass --table bf16" in run.stderr
     assert "[build]" not in run.stderr and not out.exists()  # named before anything was built or written
@@ -66,9 +69,7 @@ def test_the_e2e_study_refuses_an_fp8_table_from_a_host_build_before_building(tm
 @pytest.mark.timeout(600)
 def test_the_e2e_studys_host_build_gives_transformers_tokens_from_tables_never_on_the_device(tmp_path):
     out = tmp_path / "host.json"
-    run = subprocess.run([sys.executable, str(STUDY), "--smoke-cpu",
-                          "--phases", "main", "--build", "host", "--batches", "", "--json", str(out)],
-                         capture_output=True, text=True, timeout=540)
+    run = smoke("--phases", "main", "--build", "host", "--batches", "", "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["build_kind"] == "host" and res["table"] == "bf16"
