@@ -9,7 +9,7 @@
 #   (default: all but soak, memcheck, memlock, probe, rates, prefetch, split, costs, ngramlayer, disk, vllm_engine,
 #   vllm_decode and qwen4e2e)
 #   qwen4e2e: perf/studies/qwen4_exp_e2e.py with QWEN4_E2E_ARGS, started in the background by the lease's first call
-#   of it; each call waits up to QWEN4_E2E_WAIT_S (540) and brings back what it wrote so far
+#   of it; each call waits until QWEN4_E2E_WAIT_S (540) seconds into the call and brings back what it wrote so far
 #   vllm_engine: vLLM 0.33's real engine with the plugin (perf/vllm_carry/engine_check.py), once the parts that
 #   perf/vllm_carry/build.py made were carried and unpacked by perf/vllm_carry/assemble.sh in the same lease:
 #   installs them (pip --no-deps --target /tmp/vllm_site), then Gemma 3n and Qwen4Exp against HBM: vLLM's host
@@ -19,7 +19,7 @@
 #   the served dimensions: HBM, vLLM's host path, the plugin; VLLM_DECODE_ARGS="--configs hbm,uva"; "--model gemma3n":
 #   Gemma 3n E4B's text model, HBM / uva / the hot set / fp8 rows); continues too
 #   TEST_GROUPS="a.py b.py;c.py": the tests step runs each ';'-separated group in its own process, side by side;
-#   TEST_GROUPS=suite: every test file in the twelve groups below (a file in none of them runs as a thirteenth),
+#   TEST_GROUPS=suite: every test file in the thirteen groups below (a file in none of them runs as a fourteenth),
 #   with TESTS_TIMEOUT_S=560 (in seven groups it took about 7 minutes on the H200, and on a slower H100 host three
 #   of them ran past 540 s: perf/results/h100_2026-12-06/, runs 3 and 4)
 #   PROFILE_ARGS="--by rows --share 0.45": the split step profiles once more with these arguments
@@ -64,7 +64,7 @@ tests/test_equivalence.py;tests/test_host_table.py tests/test_encodings.py tests
 tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py \
 tests/test_page_reader.py tests/test_table_cli.py tests/test_file_embedding.py tests/test_qwen4_exp_disk.py;\
 tests/test_shared.py;tests/test_lifetime.py tests/test_fork.py tests/test_vllm_tables.py tests/test_vllm_config.py tests/test_vllm_disk_shard.py;\
-tests/test_perf_tools.py tests/test_bench.py tests/test_qwen4_exp_e2e_study.py;tests/test_vllm_perf.py tests/test_compile_sm90.py \
+tests/test_perf_tools.py tests/test_bench.py;tests/test_qwen4_exp_e2e_study.py;tests/test_vllm_perf.py tests/test_compile_sm90.py \
 tests/test_vllm_carry.py tests/test_disk_bench.py tests/test_uring.py;tests/test_qwen4_exp.py;tests/test_gemma3n.py \
 tests/test_gemma3n_e2e.py tests/test_gemma3n_fp8.py tests/test_gemma3n_levers.py"
 if has tests && [ -n "${TEST_GROUPS:-}" ]; then
@@ -243,29 +243,46 @@ fi
 if has qwen4e2e; then
   # Qwen4Exp in transformers at its default dimensions with a real-size n-gram table (perf/studies/qwen4_exp_e2e.py):
   # longer than one call, so the first call of a lease starts it in its own session (it outlives the call) and
-  # every call, this one too, waits up to QWEN4_E2E_WAIT_S for it and brings back its log and JSON so far (the
-  # study saves the JSON after every stage). flash-linear-attention, where carried as .fla-carry, is installed.
+  # every call, this one too, waits for it until QWEN4_E2E_WAIT_S seconds into the call, bringing back its log and
+  # JSON as they grow (the study saves the JSON after every stage). Other QWEN4_E2E_ARGS than the running study's,
+  # or QWEN4_E2E_RESTART=1, start afresh once it has ended. flash-linear-attention, where carried as .fla-carry, is
+  # installed for it.
   W=/tmp/qwen4_e2e
   step "Qwen4Exp end to end in transformers (${QWEN4_E2E_ARGS:-defaults}), in the background"
-  mkdir -p "$W" "$R/qwen4e2e"
+  mkdir -p "$R/qwen4e2e"
+  if [ -e "$W/args" ] && { [ "${QWEN4_E2E_RESTART:-0}" = 1 ] || [ "$(cat "$W/args")" != "${QWEN4_E2E_ARGS:-}" ]; }; then
+    if [ -e "$W/rc" ] || ! kill -0 "$(cat "$W/pid" 2>/dev/null)" 2>/dev/null; then
+      echo "the earlier study (with: $(cat "$W/args")) has ended: starting afresh"; mv "$W" "$W.$(date +%s)"
+    else
+      echo "the study started with other arguments ($(cat "$W/args")) is still running: waiting on it, not starting"
+    fi
+  fi
+  mkdir -p "$W"
   if [ ! -e "$W/args" ]; then
     FLA=""
     if ls .fla-carry/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-deps --no-compile --target /tmp/fla_site .fla-carry/*.whl && FLA=/tmp/fla_site:
+      python3 -m pip install -q --no-deps --no-compile --target /tmp/fla_site .fla-carry/*.whl && FLA=/tmp/fla_site
     fi
     echo "${QWEN4_E2E_ARGS:-}" > "$W/args"
-    PYTHONPATH="$FLA${PYTHONPATH:-}" setsid bash -c "python3 perf/studies/qwen4_exp_e2e.py ${QWEN4_E2E_ARGS:-} \
-      --json $W/e2e.json > $W/e2e.log 2>&1; echo \$? > $W/rc" < /dev/null > /dev/null 2>&1 &
+    PYTHONPATH="$FLA${PYTHONPATH:+${FLA:+:}$PYTHONPATH}" setsid bash -c "python3 perf/studies/qwen4_exp_e2e.py \
+      ${QWEN4_E2E_ARGS:-} --json $W/e2e.json > $W/e2e.log 2>&1; echo \$? > $W/rc" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$W/pid"
     echo "started (pid $!)"
   else
     echo "started by an earlier call of this lease, with: $(cat "$W/args")"
   fi
-  end=$((SECONDS + ${QWEN4_E2E_WAIT_S:-540}))
-  while [ ! -e "$W/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
-  cp "$W/e2e.log" "$W/e2e.json" "$R/qwen4e2e/" 2>/dev/null
-  grep -v "it/s\]" "$W/e2e.log" | tail -30
+  while :; do  # until it ends, dies, or the call's own deadline (SECONDS: since this script started)
+    cp "$W/e2e.log" "$W/e2e.json" "$R/qwen4e2e/" 2>/dev/null
+    [ -e "$W/rc" ] && break
+    if ! kill -0 "$(cat "$W/pid")" 2>/dev/null; then echo "the study's process is gone without an exit status"; break; fi
+    [ "$SECONDS" -lt "${QWEN4_E2E_WAIT_S:-540}" ] || break
+    sleep 5
+  done
+  grep -v "it/s\]" "$W/e2e.log" 2>/dev/null | tail -30
   if [ -e "$W/rc" ]; then echo "qwen4_exp_e2e exit: $(cat "$W/rc")"
-  else echo "still running: the same step in another call of this lease waits on (bash perf/gpu_check.sh qwen4e2e)"; fi
+  elif kill -0 "$(cat "$W/pid")" 2>/dev/null; then
+    echo "still running: the same step in another call of this lease waits on (bash perf/gpu_check.sh qwen4e2e)"
+  fi
 fi
 if has levers; then
   step "Gemma 3n E4B levers: hot set, sorted+dedup, fp8 rows vs the table in HBM (graph decode, greedy tokens, logits)"

@@ -365,10 +365,11 @@ def build_host_tables(args, device, base):
                                    f"{emb.weight.device}, not left on the meta device: its shape was not foreseen")
             table = HostTable.empty(emb.num_embeddings, emb.embedding_dim, torch.bfloat16)
             tables.append(table)
-            block = max(1, (256 << 20) // (emb.embedding_dim * 4))
+            block = 97 if args.smoke_cpu else max(1, (256 << 20) // (emb.embedding_dim * 4))  # a smoke: many blocks
             for a in range(0, emb.num_embeddings, block):
                 rows = table.tensor[a:a + block]
-                rows.copy_(torch.empty(rows.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen))
+                draw = torch.empty(rows.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+                rows.copy_(draw.to(torch.bfloat16))  # cast where drawn: bf16 crosses the link, into the pinned rows
     except BaseException:
         for table in tables:
             table.close()
@@ -491,10 +492,13 @@ def phase_bf16(run, model, device, ids, ref_tokens, originals=None):
         got = greedy(model, ids, args.new_tokens)
         with torch.no_grad():
             logits = model(ids).logits
-        res["transformers_cpu_path_equals_its_hbm_path"] = (None if run.res.get("build_kind") == "host"
-                                                             else bool(torch.equal(ref, ref_tokens)))
+        if run.res.get("build_kind") == "host":  # ref_tokens came from the same path: does it repeat itself
+            res["transformers_cpu_path_repeats"] = bool(torch.equal(ref, ref_tokens))
+        else:
+            res["transformers_cpu_path_equals_its_hbm_path"] = bool(torch.equal(ref, ref_tokens))
         res["tokens_equal_transformers"] = bool(torch.equal(got, ref))
         res["prefill_logits_bit_identical"] = bool(torch.equal(logits.view(torch.int16), ref_logits.view(torch.int16)))
+        res["prefill_logits_finite"] = bool(torch.isfinite(ref_logits).all())  # bits equal on NaN would prove nothing
         if device.type == "cuda":
             cap = greedy(model, ids, args.new_tokens, **compiled_kw(device))
             res["captured_tokens_equal"] = bool(torch.equal(cap, ref))
@@ -734,6 +738,8 @@ def main(argv=None) -> int:
         with run.step("build"):
             t = time.perf_counter()
             run.res["memory_empty"] = memory(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             if build_kind == "host":
                 model, tables = build_host_tables(args, device, args.ngram_base)
                 originals = serve_host_tables(model, tables, run.max_tokens)
@@ -742,10 +748,10 @@ def main(argv=None) -> int:
             else:
                 model = build(args, device, args.ngram_base)
             run.res["build"] = {"seconds": time.perf_counter() - t, "memory": memory(device)}
-            if build_kind == "host":
-                run.res["build"]["gpu_memory_saved_gib"] = table / GiB  # the tables never were on the GPU
+            if device.type == "cuda":  # a host build's peak stays below the tables' size: they never were there
+                run.res["build"]["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
         ref_tokens = None
-        if model is not None:
+        if model is not None and (build_kind == "gpu" or originals is not None):  # a host build served, or none
             ids = prompts(4, args.prompt_len, model.config.vocab_size, device, 1)
             with run.step("reference tokens"), \
                     hf_path(model, originals) if originals is not None else contextlib.nullcontext():
@@ -757,9 +763,11 @@ def main(argv=None) -> int:
                     phase_fp8(run, model, device, ids, ref_tokens)
                 else:
                     phase_bf16(run, model, device, ids, ref_tokens, originals)
-        del model, originals, tables  # the host tables go with the last reference
-        gc.collect()
+        # the host tables go with the last reference, unless a captured graph holds them (to the process's exit)
+        del model, originals, tables
         torch._dynamo.reset()
+        gc.collect()
+        run.res["memory_after_main"] = memory(device)
     if "ceiling" in phases and args.ceiling_base:
         with run.step("ceiling phase"):
             phase_ceiling(run, device)
