@@ -315,9 +315,9 @@ class _TablesOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def planned_bytes(args, base) -> tuple[int, int]:
-    """The model's n-gram tables' bytes and every other parameter's and buffer's (bf16), from a build on the
-    meta device (nothing allocated)."""
+def planned_bytes(args, base) -> tuple[int, int, list]:
+    """The model's n-gram tables' bytes, every other parameter's and buffer's (bf16), and the tables' shapes,
+    from a build on the meta device (nothing allocated)."""
     from transformers import Qwen4ExpForCausalLM
 
     old = torch.get_default_dtype()
@@ -330,22 +330,20 @@ def planned_bytes(args, base) -> tuple[int, int]:
     tables = {id(p.ple_embedding.ngram_embedding.weight) for p in ngram_children(model)}
     sizes = {id(t): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     table = sum(n for k, n in sizes.items() if k in tables)
-    return table, sum(sizes.values()) - table
+    shapes = [p.ple_embedding.ngram_embedding.weight.shape for p in ngram_children(model)]
+    return table, sum(sizes.values()) - table, shapes
 
 
-def build_host_tables(args, device, base):
+def build_host_tables(args, device, base, shapes):
     """The model on ``device`` with transformers' init, but each n-gram table on the meta device, and a pinned
     host table a PLE layer, filled block by block from ``device``'s generator, normal(0, initializer_range)
-    (transformers' init for an embedding; another stream of draws). Returns the model and the host tables."""
+    (transformers' init for an embedding; another stream of draws); ``shapes``: the tables' (``planned_bytes``).
+    Returns the model and the host tables."""
     from transformers import Qwen4ExpForCausalLM
 
     from uvaple.uva import HostTable
 
     cfg = make_config(args, base)
-    with torch.device("meta"):
-        probe = Qwen4ExpForCausalLM(cfg)
-    shapes = [p.ple_embedding.ngram_embedding.weight.shape for p in ngram_children(probe)]
-    del probe
     torch.manual_seed(args.seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -729,7 +727,7 @@ def main(argv=None) -> int:
                       "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()}
     phases = [p for p in args.phases.split(",") if p]
     if "main" in phases:
-        table, rest = planned_bytes(args, args.ngram_base)
+        table, rest, shapes = planned_bytes(args, args.ngram_base)
         build_kind, kind = main_plan(args, device, table, rest)
         run.res.update(real_table_gib=table / GiB, other_weights_gib=rest / GiB, build_kind=build_kind, table=kind)
         print(f"[plan] n-gram tables {table / GiB:.1f} GiB, the rest {rest / GiB:.1f} GiB: {build_kind} build, "
@@ -741,7 +739,7 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             if build_kind == "host":
-                model, tables = build_host_tables(args, device, args.ngram_base)
+                model, tables = build_host_tables(args, device, args.ngram_base, shapes)
                 originals = serve_host_tables(model, tables, run.max_tokens)
                 pick = torch.randint(0, tables[0].rows, (4096,), generator=torch.Generator().manual_seed(0))
                 run.res["table_sample_std"] = float(tables[0].tensor[pick].float().std())  # the fill: ~init_std
