@@ -327,11 +327,11 @@ def planned_bytes(args, base) -> tuple[int, int, list]:
             model = Qwen4ExpForCausalLM(make_config(args, base))
     finally:
         torch.set_default_dtype(old)
-    tables = {id(p.ple_embedding.ngram_embedding.weight) for p in ngram_children(model)}
+    weights = [p.ple_embedding.ngram_embedding.weight for p in ngram_children(model)]
+    tables = {id(w) for w in weights}
     sizes = {id(t): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     table = sum(n for k, n in sizes.items() if k in tables)
-    shapes = [p.ple_embedding.ngram_embedding.weight.shape for p in ngram_children(model)]
-    return table, sum(sizes.values()) - table, shapes
+    return table, sum(sizes.values()) - table, [w.shape for w in weights]
 
 
 def build_host_tables(args, device, base, shapes):
