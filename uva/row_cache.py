@@ -34,11 +34,18 @@ already evicted (unmapped, never half-mapped).
 
 The sweep is one numba loop per step: its cost follows the slots it passes, not the cache's size.
 
+Reading ahead. A step may be planned twice: once ahead of its gather, to read its misses early (a read round of
+every layer's table at once), then again by the call that launches the gather, which finds those rows cached
+(and reads any it did not plan ahead). The second plan neither counts nor references again a row the first gave
+the step, so a row read once is still the first to go. A step planned ahead whose gather never comes (a forward
+that stopped between the two) is :meth:`RowCache.release`'d: its slots are handed to the last step whose gather
+was launched, so they free as that one completes; no word written behind the GPU's queue is waited for.
+
 :meth:`RowCache.close` releases the three tables then, not when the object is dropped (the map alone is 1.2 GB
 at the real size): the cache lets go of its own views, and a call running on another thread keeps the views it
 took until it returns (each call takes the state tuple once, :meth:`RowCache._state`, and checks the word and
 the rows' view as it reads them). After it, every call that reads or writes the cache (``plan``, ``fill``,
-``read_in``, ``abandon``, ``slots_of``, ``cache_ids``, ``views``, ``done``, ``complete``, ``row_map``,
+``read_in``, ``abandon``, ``release``, ``slots_of``, ``cache_ids``, ``views``, ``done``, ``complete``, ``row_map``,
 ``completed``) is the closed cache's named error; ``stats`` and ``planned`` stay. Releasing a table synchronises
 the GPUs first, so a queued gather still reads its rows.
 """
@@ -84,11 +91,13 @@ class Misses:
 def _sweep():
     """The plan of a step, compiled as the first cache is built (numba imports slowly). Returns (misses placed,
     the hand, hits, rows evicted, status): status 1, every miss found a slot; 0, one did not; -1, a row is outside
-    the table (nothing read or changed then). ``need`` is scratch of ``len(rows)``."""
+    the table (nothing read or changed then). ``need`` is scratch of ``len(rows)``. ``again``: the step was planned
+    before (a read-ahead, then its call): a row that plan already gave the step is neither a hit again nor
+    referenced again (a row read once stays the first to go)."""
     import numba
 
     @numba.njit(nogil=True, cache=False)
-    def plan(rows, row_map, row_of_slot, last_step, ref, hand, step, completed, need, miss_slots):
+    def plan(rows, row_map, row_of_slot, last_step, ref, hand, step, completed, need, miss_slots, again):
         nslots = row_of_slot.shape[0]
         for i in range(rows.shape[0]):  # every row inside the map before any is looked up
             if rows[i] < 0 or rows[i] >= row_map.shape[0]:
@@ -98,6 +107,8 @@ def _sweep():
         for i in range(rows.shape[0]):  # hits first: every row this step reads is kept from the sweep below
             s = row_map[rows[i]] - 1
             if s >= 0:
+                if again and last_step[s] == step:
+                    continue  # planned for this step before (read ahead): counted and referenced once
                 last_step[s] = step
                 ref[s] = 1
                 hits += 1
@@ -148,7 +159,7 @@ def _compile_sweep() -> None:
     building a cache, not to its first step)."""
     one = np.zeros(1, dtype=np.int64)
     _sweep()(one, np.ones(1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
-             np.zeros(1, dtype=np.uint8), 0, 1, 0, one.copy(), one.copy())
+             np.zeros(1, dtype=np.uint8), 0, 1, 0, one.copy(), one.copy(), False)
 
 
 class RowCache:
@@ -198,6 +209,7 @@ class RowCache:
                         np.zeros(self.slots, dtype=np.int64), np.zeros(self.slots, dtype=np.uint8))
         self._hand = 0
         self._planned = 0
+        self._counted = 0  # the last step whose plan fitted (a plan of it again counts none of its rows twice)
         self._lock = threading.Lock()  # one step planned, filled or abandoned at a time
         self.stats = {"steps": 0, "hits": 0, "misses": 0, "evictions": 0}
         self._closed = False
@@ -309,14 +321,17 @@ class RowCache:
         need = np.empty(ids.size, dtype=np.int64)
         slots = np.full(ids.size, -1, dtype=np.int64)  # the sweep's placed rows: (need[i], slots[i]) where >= 0
         try:
-            placed, self._hand, hits, evicted, status = _sweep()(ids, *arrays, self._hand, step, done, need, slots)
+            again = step == self._counted  # planned before, whole: its rows are counted and referenced
+            placed, self._hand, hits, evicted, status = _sweep()(ids, *arrays, self._hand, step, done, need, slots,
+                                                                 again)
             if status < 0:  # a row outside the table: nothing placed, the step not planned
                 self._planned = before
                 raise ValueError(f"a row cache of a {self.table_rows}-row table was asked for rows "
                                  f"{int(ids.min())} .. {int(ids.max())}")
             self.stats["evictions"] += evicted
             if status:
-                self.stats["steps"] += 1
+                self.stats["steps"] += not again
+                self._counted = step
                 self.stats["hits"] += hits
                 self.stats["misses"] += placed
                 return Misses(step, need[:placed], slots[:placed])  # (views of this call's own arrays)
@@ -363,6 +378,24 @@ class RowCache:
         except BaseException:
             self._unmap(misses.rows, misses.slots, arrays)
             raise
+
+    def release(self, step: int, to: int) -> int:
+        """Step ``step`` was planned (and its misses read in) but its gather will never run (a read-ahead whose call
+        did not come): its slots are handed to step ``to``, the last step whose gather was launched (or was
+        completed), and are free once that one is. Its rows stay cached, each in its slot: they were read in whole.
+        This needs no word from the GPU: the slots a queued gather reads stay held by that gather's own step
+        (``to`` is never before it), and the next plan sees them free as soon as the word passes ``to``. Returns
+        how many slots were handed on."""
+        with self._lock:
+            arrays = self._opened()
+            if isinstance(step, bool) or not isinstance(step, int) or isinstance(to, bool) or not isinstance(to, int) \
+                    or not 0 <= to < step:
+                raise ValueError(f"release(step={step!r}, to={to!r}): a step's slots go to an earlier step (ints, "
+                                 "0 <= to < step)")
+            last_step = arrays[2]
+            mine = last_step == step
+            last_step[mine] = to
+            return int(np.count_nonzero(mine))
 
     def abandon(self, misses: Misses) -> None:
         """The rows of ``misses`` were not read in: unmap them, and free their slots."""

@@ -32,6 +32,15 @@ built, and never planned in the cache: a call stages each hot id as a row past t
 slots, then hot row ``k`` as cache id ``S + 1 + k``), and the same gather reads those from device memory (the
 hot set's slot map names a hot slot for each of them, checked by the plan), the others from their slots.
 
+**Reading ahead** (:meth:`DiskLookup.prefetch`): the next call's step planned with its ids and its misses read
+before the call, so that a model's PLE layers read their rows in one round, all of them in flight together
+(:class:`~uvaple.integration.placements.read_round.ReadRound`), instead of one layer's reads after another's.
+The call plans the same step again and finds the rows cached (:class:`~uvaple.uva.RowCache` counts and
+references them once). A read-ahead whose call never comes is let go by the next read-ahead, on the host: its
+slots go to the last step a call launched (:meth:`~uvaple.uva.RowCache.release`), never waiting on a word the GPU
+writes later. A call takes its step's read-ahead as its own just before it plans (from then on the step completes
+in stream order, whatever happens to the call); one that fails before that leaves the read-ahead to be let go.
+
 A call that fails once its step is planned (a full cache, a failed read, an interrupt) still completes that
 step in stream order (after whatever it launched): its hits are released when the steps before it are done,
 and the next call takes the next number.
@@ -232,12 +241,15 @@ class DiskLookup(Lookup):
             raise
         self._lo, self._hi = spec.window
         self._step = 0
+        self._ahead = 0  # the step read ahead whose call has not come (0: none)
         self._stream = None  # the last call's stream
         self._streams = []  # every stream a call ran on
         self._last_word = None  # an event recorded on it right after its completion word (its first call makes it)
         self._lock = threading.Lock()
         # waits: for earlier steps; hot_hits: ids read from the hot rows
-        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0, "hot_hits": 0}
+        # read_ahead: prefetches that fitted; rows_ahead: the rows they read in
+        self._counts = {"lookups": 0, "rows": 0, "out_of_range_ids": 0, "waits": 0, "hot_hits": 0, "read_ahead": 0,
+                        "rows_ahead": 0}
         self._row_bytes = spec.value_cols * table.dtype.itemsize
 
     @property
@@ -304,21 +316,11 @@ class DiskLookup(Lookup):
             step = self._step + 1
             slot = (step - 1) % self._ring
             self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
-            rows = ids.numpy().reshape(-1).astype(np.int64)
-            if self.spec.id_offset:
-                rows -= self.spec.id_offset
-            valid = (rows >= self._lo) & (rows < self._hi)
-            outside = n - int(np.count_nonzero(valid))
-            if outside:
-                rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
-            masked = outside and self.spec.oob != "row0"  # ids outside read the policy's zero row, not a row
-            hot, at = self._hot_of(rows)
-            cached = valid if masked else None
-            if hot is not None:
-                cached = ~hot if cached is None else cached & ~hot
+            rows, valid, outside, masked, hot, at, cached = self._rows_of(ids)
             try:
+                self._ahead = 0  # a read-ahead of this step is this call's now: the step completes below
                 # planned and read in as one: a failure leaves no row this step placed mapped
-                self._read_in(rows if cached is None else rows[cached], step)
+                self._read_in(cached, step)
                 staged = host_ids[slot, :n]
                 self.cache.cache_ids(rows, staged)
                 if hot is not None:  # past the cache's slots: the hot rows in device memory
@@ -338,6 +340,55 @@ class DiskLookup(Lookup):
             if hot is not None:  # the hot ids read (an id outside the window reads a row only under row0)
                 self._counts["hot_hits"] += int(np.count_nonzero(hot & valid if masked else hot))
         return out
+
+    def _rows_of(self, ids: torch.Tensor) -> tuple:
+        """A call's host ids as table rows: (every id's row, which are inside the window, how many are not, whether
+        those read the zero row, which rows are hot and each one's hot row, the rows the cache serves)."""
+        rows = ids.numpy().reshape(-1).astype(np.int64)
+        if self.spec.id_offset:
+            rows -= self.spec.id_offset
+        valid = (rows >= self._lo) & (rows < self._hi)
+        outside = rows.size - int(np.count_nonzero(valid))
+        if outside:
+            rows = np.where(valid, rows, self._lo)  # inside the table: read under row0, zero-masked otherwise
+        masked = outside and self.spec.oob != "row0"  # ids outside read the policy's zero row, not a row
+        hot, at = self._hot_of(rows)
+        cached = valid if masked else None
+        if hot is not None:
+            cached = ~hot if cached is None else cached & ~hot
+        return rows, valid, outside, masked, hot, at, rows if cached is None else rows[cached]
+
+    @_eager
+    def prefetch(self, ids: torch.Tensor) -> int:
+        """Read ahead the rows of this lookup's next call: plan its step with ``ids`` (host ids, on the CPU: the ids
+        that call will bring) and read the misses into their slots now, on this thread. The next call plans the same
+        step again, finds them cached and reads only what it asks for beyond them; nothing else changes (the bits,
+        the counters but the pages' time). A read-ahead whose call never comes (a forward that stopped between them)
+        is let go by the next read-ahead: its slots are handed to the last step a call launched
+        (:meth:`~uvaple.uva.RowCache.release`). No CUDA work, no stream touched: a thread of a
+        :class:`~uvaple.integration.placements.read_round.ReadRound` runs it beside the other tables'. The call's
+        own errors (a full cache, a failed read, ids it would refuse); a failure leaves no row of it held. Returns
+        the rows read."""
+        ids, _, _, _ = self._prepare(ids, None, None, ids_on="host", allocate=False)
+        if ids.numel() == 0:
+            return 0
+        with self._lock:
+            if self._call is None:
+                raise BackendClosed(f"this {self.kind} lookup was closed; build a new one")
+            step = self._step + 1
+            if self._ahead == step:  # read ahead before, and its call never came: no gather reads those slots
+                self.cache.release(step, self._step)
+            self._ahead = 0
+            try:
+                misses = self._read_in(self._rows_of(ids)[-1], step)
+            except BaseException:
+                if self.cache.planned >= step:  # its hits were marked as the step's: handed back
+                    self.cache.release(step, self._step)
+                raise
+            self._ahead = step
+            self._counts["read_ahead"] += 1
+            self._counts["rows_ahead"] += len(misses)
+        return len(misses)
 
     def _hot_of(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(which of ``rows`` are hot, each one's hot row), or (None, None) without hot rows or without a hot one."""
@@ -374,17 +425,17 @@ class DiskLookup(Lookup):
         self._stream.synchronize()
         return host.view(ids.shape)
 
-    def _read_in(self, rows: np.ndarray, step: int) -> None:
-        """The step planned and its misses read into their slots (:meth:`RowCache.read_in`); a cache too full of
-        steps in flight waits for them (bounded), then is named; a failed read raises the file's named error."""
+    def _read_in(self, rows: np.ndarray, step: int):
+        """The step planned and its misses read into their slots (:meth:`RowCache.read_in`; returns them); a cache
+        too full of steps in flight waits for them (bounded), then is named; a failed read raises the file's named
+        error."""
         try:
-            self.cache.read_in(rows, step, self.file, self._reader)
-            return
+            return self.cache.read_in(rows, step, self.file, self._reader)
         except RowCacheFull:
             if self.cache.done() >= step - 1:
                 raise  # no step in flight: waiting frees nothing
         self._wait_for(step - 1, "slots of the steps in flight")
-        self.cache.read_in(rows, step, self.file, self._reader)
+        return self.cache.read_in(rows, step, self.file, self._reader)
 
     def _wait_for(self, step: int, what: str) -> None:
         """Until the completion word reaches ``step`` (at most ``wait_s``); polls host memory, no CUDA call."""
