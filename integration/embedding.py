@@ -476,7 +476,7 @@ class HostScaledEmbedding(nn.Module):
         With ``max_tokens`` the result is a view of the module's static output (valid until the next
         forward); more than ``max_tokens`` ids is an error.
         """
-        lookup, out = self._serve(input_ids, input_ids.shape)
+        lookup, out = self._serve(input_ids.device, input_ids.shape)
         return lookup.lookup(input_ids, out)
 
     def forward_ngrams(self, history: torch.Tensor, *, multipliers: torch.Tensor, sizes: torch.Tensor,
@@ -487,15 +487,15 @@ class HostScaledEmbedding(nn.Module):
         ``B * last * heads``, as :meth:`forward` does."""
         check_history(history, last)
         heads = sizes.numel() if isinstance(sizes, torch.Tensor) else None  # None: the lookup's named error
-        lookup, out = self._serve(history, None if heads is None else (history.shape[0], last, heads))
+        lookup, out = self._serve(history.device, None if heads is None else (history.shape[0], last, heads))
         return lookup.lookup_ngrams(history, multipliers=multipliers, sizes=sizes, offsets=offsets, eos=eos, last=last,
                                     out=out)
 
-    def _serve(self, ids: torch.Tensor, shape) -> tuple:
-        """(the lookup serving ``ids``' device, the static output viewed as ``shape`` ids' rows, or None)."""
+    def _serve(self, device: torch.device, shape) -> tuple:
+        """(the lookup serving ``device``, the static output viewed as ``shape`` ids' rows, or None)."""
         entry = self._last
-        if entry is None or ids.device != self._last_device:
-            entry = self._lookup_for(ids.device)
+        if entry is None or device != self._last_device:
+            entry = self._lookup_for(device)
         lookup, static = entry
         if static is None or shape is None:
             return lookup, None  # no static output, or a call its lookup refuses by name

@@ -288,6 +288,18 @@ class FileEmbedding(HostScaledEmbedding):
                                "load_qwen4_exp_with_host_ple(path, backend='disk', ...))")
         return super()._lookup_for(device)
 
+    def lookup_on(self, device: torch.device):
+        """The lookup serving ``device`` (built on first use): what a read round reads ahead through
+        (:class:`~uvaple.integration.placements.read_round.ReadRound`)."""
+        return self._lookup_for(device)[0]
+
+    def forward_host_ids(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """:meth:`forward` of ids the host holds already (``ids`` on the CPU, such as a read round's), the rows on
+        ``device``: the ids are not copied there and back, and the call waits for nothing (its lookup plans from
+        them as they are). ``max_tokens`` bounds them as for :meth:`forward`."""
+        lookup, out = self._serve(device, ids.shape)
+        return lookup.lookup(ids, out)
+
     @property
     def weight(self) -> torch.Tensor:
         """A meta tensor: the rows are on disk (:meth:`read_table` reads them)."""

@@ -61,7 +61,7 @@ tests/test_ngram_hash.py tests/test_gather_ngram.py;tests/test_lookup.py tests/t
 tests/test_eager_call.py tests/test_eager_call_gpu.py;\
 tests/test_gpu_lifetime.py tests/test_copy_backend.py;tests/test_copy_backend_gpu.py tests/test_metrics.py \
 tests/test_equivalence.py;tests/test_host_table.py tests/test_encodings.py tests/test_layers.py tests/test_quantize.py \
-tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py \
+tests/test_hotset.py tests/test_table_file.py tests/test_row_cache.py tests/test_disk_lookup.py tests/test_disk_read_ahead.py \
 tests/test_page_reader.py tests/test_table_cli.py tests/test_file_embedding.py tests/test_qwen4_exp_disk.py;\
 tests/test_shared.py;tests/test_lifetime.py tests/test_fork.py tests/test_vllm_tables.py tests/test_vllm_config.py tests/test_vllm_disk_shard.py;\
 tests/test_perf_tools.py tests/test_bench.py;tests/test_qwen4_exp_e2e_study.py;tests/test_vllm_perf.py tests/test_compile_sm90.py \

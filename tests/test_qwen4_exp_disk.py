@@ -1,8 +1,9 @@
 """Qwen4Exp with its n-gram tables in table files (``backend="disk"``): transformers' own bits over a prefill and
 decode steps from a cache too small to hold a table, for a loaded checkpoint (bf16, quantised to fp8_row on the way,
 an fp8 checkpoint as stored) and a live model; the files written once and reused while the checkpoint is the same,
-written again when it changes; every missing option, a disk too small and a model that writes no files named before
-any work. The tiny model and its checkpoint are ``tests/test_qwen4_exp.py``'s."""
+written again when it changes; one read round a forward for every layer's misses, with the bits and counts of
+reading layer by layer; every missing option, a disk too small and a model that writes no files named before any
+work. The tiny model and its checkpoint are ``tests/test_qwen4_exp.py``'s."""
 
 from __future__ import annotations
 
@@ -150,6 +151,9 @@ def test_a_live_model_is_written_to_files_and_reverted_from_them(ref, tmp_path):
         assert len(patch.modules) == 3 and all(isinstance(m, FileEmbedding) for m in patch.modules)
         assert all(c.ngram_embedding.weight.numel() == 0 for c in children)  # the tables in memory are freed
         assert_same_steps(run_steps(model, prompt, 2), run_steps(ref, prompt, 2))
+        reads = ngram_modules(model)[0]._step_reads  # one read round a forward
+        assert reads.stats == {"rounds": 3, "failed": 0, "taken": 9}
+    assert reads._closed and all(getattr(m, "_step_reads", None) is None for m in ngram_modules(model))
     assert len(files(tmp_path)) == 3
     for a, b in zip(ngram_modules(model), ngram_modules(ref), strict=True):
         assert torch.equal(bits(a.ngram_embedding.weight), bits(b.ngram_embedding.weight))
@@ -300,14 +304,19 @@ def test_every_missing_setting_is_named_before_any_work(ref, checkpoint, tmp_pat
 
 @pytest.mark.gpu
 def test_gpu_a_model_on_the_gpu_serves_its_files_with_the_host_tables_bits(checkpoint, tmp_path):
-    """On the GPU: each PLE layer's hashed ids copied to the host, planned, read from the file into the pinned cache
-    and gathered over UVA in the model's stream; the same bits as the tables in host memory over the same steps."""
+    """On the GPU: every PLE layer's hashed ids copied to the host at once, read ahead from the files into the pinned
+    caches in one round, and each layer gathered over UVA in the model's stream; the same bits as the tables in host
+    memory over the same steps."""
     prompt = prompts((2, 5), seed=11).cuda()
     host = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16).cuda()
     model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path)).cuda()
     assert all(m.ngram_embedding.lookups[0].device.type == "cuda" for m in ngram_modules(model))  # built on .cuda()
     assert_same_steps(run_steps(model, prompt, STEPS), run_steps(host, prompt, STEPS))
     assert all(m.ngram_embedding.lookups[0].stats()["cache"]["evictions"] > 0 for m in ngram_modules(model))
+    # one round a forward: the ids of every layer copied to pinned memory at once, each layer's call from them
+    assert reads_of(model).stats == {"rounds": STEPS + 1, "failed": 0, "taken": 3 * (STEPS + 1)}
+    assert all(s["rows_ahead"] == s["cache"]["misses"] for s in
+               (m.ngram_embedding.lookups[0].stats() for m in ngram_modules(model)))
     close(model)
 
 
@@ -333,3 +342,69 @@ def test_gpu_generate_compiled_by_transformers_with_a_static_cache_calls_the_fil
     finally:
         torch._dynamo.reset()
         patch.revert()
+
+
+def reads_of(model):
+    """The model's read round (one :class:`StepReads`, shared by its n-gram layers)."""
+    held = {id(m._step_reads) for m in ngram_modules(model)}
+    assert len(held) == 1
+    return ngram_modules(model)[0]._step_reads
+
+
+def test_a_forward_reads_every_layers_rows_in_one_round_with_the_bits_and_counts_of_layer_by_layer(
+        checkpoint, want, tmp_path):
+    """The loaded model: the first PLE layer's forward hashes all three layers' ids and reads their misses together;
+    every layer takes its ids from the round and reads nothing in its call. transformers' bits; each layer's cache
+    counts the hits, misses and evictions of the same model reading layer by layer (a copy: no round), with the same
+    bits."""
+    model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
+    reads = reads_of(model)
+    assert_same_steps(run_steps(model, prompts((2, 5), seed=7), STEPS), want)
+    forwards = STEPS + 1
+    assert reads.stats == {"rounds": forwards, "failed": 0, "taken": 3 * forwards}
+    stats = [m.ngram_embedding.lookups[0].stats() for m in ngram_modules(model)]
+    for s in stats:
+        assert s["read_ahead"] == forwards and s["lookups"] == forwards
+        assert s["rows_ahead"] == s["cache"]["misses"] and s["cache"]["evictions"] > 0  # every miss read ahead
+    alone = copy.deepcopy(model)
+    assert all(m._step_reads is None for m in ngram_modules(alone))
+    assert_same_steps(run_steps(alone, prompts((2, 5), seed=7), STEPS), want)
+    for m, s in zip(ngram_modules(alone), stats, strict=True):
+        mine = m.ngram_embedding.lookups[0].stats()
+        assert mine["read_ahead"] == 0 and mine["cache"] == s["cache"]
+    close(alone)
+    close(model)
+    assert reads._round is None and reads._closed  # closed with the layers
+
+
+def test_a_failed_round_or_ids_not_the_rounds_leave_each_layer_to_read_its_own(ref, want, checkpoint, tmp_path,
+                                                                              monkeypatch):
+    """A round that fails (a full cache in one table) is dropped: every layer hashes and reads its own rows, with
+    transformers' bits. Ids changed in place after the round, and a layer called on its own, are not the round's."""
+    from uvaple.integration.placements.read_round import ReadRound
+    from uvaple.uva import RowCacheFull
+
+    model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
+    reads = reads_of(model)
+    real, failed = ReadRound.prefetch, []
+
+    def prefetch(self, ids):
+        if not failed:
+            failed.append(1)
+            raise RowCacheFull("no room")
+        return real(self, ids)
+
+    monkeypatch.setattr(ReadRound, "prefetch", prefetch)
+    assert_same_steps(run_steps(model, prompts((2, 5), seed=7), STEPS), want)
+    assert reads.stats == {"rounds": STEPS + 1, "failed": 1, "taken": 3 * STEPS}
+    monkeypatch.undo()
+    first, second = ngram_modules(model)[:2]
+    ids = prompts((1, 3), seed=3)
+    reads.read_ahead(first, ids, None)
+    assert reads.take(second, ids.clone(), None) is None  # another tensor of the same ids
+    reads.read_ahead(first, ids, None)
+    ids.add_(0)  # changed in place (its version)
+    assert reads.take(second, ids, None) is None
+    reads.read_ahead(first, ids, None)
+    assert reads.take(second, ids, None) is not None and reads.take(second, ids, None) is None  # taken once
+    close(model)

@@ -62,8 +62,11 @@ and no table of the source's dtype is kept: a live model's ``revert()`` then giv
 Tables larger than host memory (``backend="disk"``, :mod:`uvaple.integration.file_embedding`): each PLE layer's
 table is a table file in ``backend_options["table_dir"]`` (written once from the checkpoint's shards or the live
 table, :mod:`uvaple.integration.models.ngram_tables`), read through a host row cache. The disk placement plans a
-call on the host, so each PLE layer's forward copies its hashed ids to the host and waits for them: the one
-synchronisation a forward with this placement makes per PLE layer, and no CUDA graph captures it.
+call on the host from host ids, so no CUDA graph captures it. The entry points give the model one read round a
+forward (:mod:`uvaple.integration.models.step_reads`): the first PLE layer's forward hashes every layer's ids,
+copies them to the host and waits once, and reads every layer's misses together; each layer's forward then looks
+its rows up from those host ids. A layer whose ids are not the round's (called on its own, a ``device_map``
+across devices) copies its own hashed ids to the host and waits for them, as every layer does without a round.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from ..file_embedding import LOADER_OPTIONS, FileEmbedding
 from ..quantize import fp8_row_table
 from .hf import apply_uvaple, from_pretrained_with_host_tables
 from .ngram_tables import NoPleLayersError, check_file_options, table_file_path
+from .step_reads import StepReads
 
 __all__ = ["apply_uvaple_to_qwen4_exp", "revert_uvaple_to_qwen4_exp", "load_qwen4_exp_with_host_ple",
            "ngram_embedding_class", "ngram_ids", "layer_multipliers", "NoPleLayersError"]
@@ -197,6 +201,8 @@ class _HostNGram:
     _uvaple_state: dict | None = None
     #: how :class:`~uvaple.integration.models.ngram_tables.NGramTables` finds the modules to give tables to
     uvaple_ngram_table = True
+    #: the model's read round over its disk-served layers (:func:`_wire_step_reads`; None: this layer reads alone)
+    _step_reads: StepReads | None = None
 
     def __init__(self, config, embedding_dim: int, layer_idx: int, ple_layer_index: int = 0, **options):
         opts = dict(self._uvaple_state["opts"]) if self._uvaple_state else {}
@@ -279,6 +285,9 @@ class _HostNGram:
         return [self.ngram_embedding]
 
     def close(self) -> None:
+        reads, self._step_reads = self._step_reads, None
+        if reads is not None:
+            reads.close()
         self.ngram_embedding.close()
 
     def forward(self, input_ids: torch.Tensor, cache=None, past_key_values=None) -> torch.Tensor:
@@ -287,6 +296,11 @@ class _HostNGram:
         ids = input_ids.long()
         ctx = self.context_len
         stored = _cached_context(cache, self.layer_idx)
+        reads, host_ids = self._step_reads, None
+        if reads is not None and not torch.compiler.is_compiling():  # (compiled: each layer reads alone)
+            # before the update below: the round hashes over every layer's stored context
+            reads.read_ahead(self, input_ids, cache)
+            host_ids = reads.take(self, input_ids, stored)
         before = ids.new_full((ids.shape[0], ctx), self.eos_token_id) if stored is None else stored
         history = torch.cat([before, ids], dim=1)  # a copy: the update below overwrites the cache's tensor
         if cache is not None:
@@ -295,9 +309,12 @@ class _HostNGram:
                 keep = F.pad(ids, (ctx - ids.shape[1], 0), value=self.eos_token_id)
             cache.update_conv_state(keep, self.layer_idx, state_idx=2, conv_kernel_size=ctx)
         try:
-            rows = self.ngram_embedding.forward_ngrams(  # the rows of ngram_ids's ids: hash and gather in one launch
-                history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
-                sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets, last=ids.shape[1])
+            if host_ids is not None:  # hashed and read ahead by the forward's read round: looked up from the host
+                rows = self.ngram_embedding.forward_host_ids(host_ids, ids.device)
+            else:  # the rows of ngram_ids's ids: hash and gather in one launch
+                rows = self.ngram_embedding.forward_ngrams(
+                    history, eos=self.eos_token_id, multipliers=self.layer_multipliers,
+                    sizes=self.ngram_heads_vocab_sizes, offsets=self.ngram_heads_offsets, last=ids.shape[1])
         except TooManyIds:  # its max_tokens counts rows, ngram_heads a token: say it in the entry points' tokens
             raise ValueError(f"{ids.numel()} tokens in one forward, but this model's n-gram layers were built for "
                              f"max_tokens={self.ngram_embedding.max_tokens // self.ngram_heads}; load or patch it "
@@ -351,8 +368,20 @@ def apply_uvaple_to_qwen4_exp(model: nn.Module | None = None, *, backend: str = 
         if not getattr(text, "ple_layer_ids", None):
             raise NoPleLayersError(f"{type(model).__name__}'s config has no ple_layer_ids: it has no n-gram table "
                                    "to put in host memory")
-    return apply_uvaple(model, model_type="qwen4_exp_text", backend=backend, oob=oob,
-                        backend_options=backend_options, register=register, max_tokens=max_tokens)
+    patch = apply_uvaple(model, model_type="qwen4_exp_text", backend=backend, oob=oob,
+                         backend_options=backend_options, register=register, max_tokens=max_tokens)
+    if folder is not None and model is not None:
+        _wire_step_reads(model)
+    return patch
+
+
+def _wire_step_reads(model: nn.Module) -> None:
+    """One read round a forward (:class:`StepReads`) over ``model``'s n-gram layers served from table files."""
+    mods = [m for m in model.modules() if isinstance(m, _HostNGram) and isinstance(m.ngram_embedding, FileEmbedding)]
+    if mods:
+        reads = StepReads(mods, _cached_context)
+        for m in mods:
+            m._step_reads = reads
 
 
 def revert_uvaple_to_qwen4_exp(handle) -> None:
@@ -381,6 +410,9 @@ def load_qwen4_exp_with_host_ple(path, *, model_class=None, backend: str = "uva"
     """
     if model_class is None:
         from transformers import Qwen4ExpForCausalLM as model_class
-    return from_pretrained_with_host_tables(model_class, path, model_type="qwen4_exp_text", backend=backend,
-                                            oob=oob, backend_options=backend_options, register=register,
-                                            max_tokens=max_tokens, **from_pretrained_kw)
+    model = from_pretrained_with_host_tables(model_class, path, model_type="qwen4_exp_text", backend=backend,
+                                             oob=oob, backend_options=backend_options, register=register,
+                                             max_tokens=max_tokens, **from_pretrained_kw)
+    if check_file_options(backend, backend_options, max_tokens) is not None:
+        _wire_step_reads(model)
+    return model
