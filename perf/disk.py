@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     steps.add_argument("--blocks", type=command.number(int, meaning="blocks of the steady steps"), default=5)
     steps.add_argument("--text", nargs="+", help="text files the token ids come from (default: this package's own "
                                                  "docs and sources)")
+    steps.add_argument("--layers", type=command.number(int, meaning="PLE layers read a step"), default=0,
+                       help="also time N lookups read a step as N PLE layers are, layer by layer and in one read "
+                            "round, at the smallest budget (N caches of it; default 0: not run)")
     steps.add_argument("--no-pinned", dest="pinned", action="store_false", help="leave out the whole table pinned "
                                                                                   "(it needs the table's size in RAM)")
     steps.add_argument("--no-mmap", dest="mmap", action="store_false", help="leave out the mmap baseline")

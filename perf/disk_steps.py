@@ -19,6 +19,10 @@ synchronised (a decode step waits for its rows):
 * ``disk ... hot``, at the smallest budget, for each fraction of ``--hot``: the same with that fraction of the
   table's rows held in device memory (``hot_rows``): the most frequent rows of a profile, the same number of
   steps of each lane's next tokens, right after the run's (text of the same kind that the run never reads);
+* ``disk ... xN layer by layer`` and ``... xN round`` (``--layers N``), at the smallest budget: N lookups, one a
+  PLE layer (each with its own cache and its own hash of the lanes), a step's rows read as a model reads them,
+  each layer's ids copied and read in its own call, or all layers' ids copied once and read ahead in one round
+  (:class:`Layers`): the same pages and hit rate, and the round's time against layer by layer's;
 * ``mmap``: the file mapped (``np.memmap``, ``MADV_RANDOM``), each step's pages advised ``MADV_WILLNEED`` at
   once (their reads in flight together, as SGLang's prefetcher issues them), then gathered by numpy and copied
   to the device: vLLM's disk-offload and SGLang's file backend, built to win. Its memory cap is the page
@@ -47,6 +51,7 @@ import torch
 
 from uvaple.integration import DiskLookup, make_lookup
 from uvaple.integration.models.qwen4_exp import layer_multipliers, ngram_ids
+from uvaple.integration.placements.read_round import ReadRound
 from uvaple.uva import HostTable, TableFile, system, uring
 from uvaple.uva.table_file import PAGE, page_buffer
 
@@ -185,6 +190,67 @@ class Disk:
         lk.close()
 
 
+class LayerSteps:
+    """The rows of ``layers`` PLE layers a step, ``[layers, batch, HEADS]``: the same lanes hashed by each layer's
+    own multipliers and head sizes (:class:`Steps` of another seed each)."""
+
+    def __init__(self, tokens: np.ndarray, rows: int, batch: int, steps: int, layers: int):
+        self.per = [Steps(tokens, rows, batch, steps, seed=11 + i) for i in range(layers)]
+        self.batch, self.count = batch, steps
+
+    def ids(self, step: int) -> torch.Tensor:
+        return torch.stack([p.ids(step) for p in self.per])
+
+
+class Layers:
+    """``layers`` disk lookups over the file (one a PLE layer, each its own row cache of ``budget``), a step's rows
+    read as a model reads them: the hashed ids on the device, then either each layer's call copies its ids to the
+    host, waits for them and reads its misses in turn (``layer by layer``), or every layer's ids are copied at once,
+    waited for once and read ahead in one :class:`~uvaple.integration.placements.read_round.ReadRound` (``round``),
+    each call then looking up from the host ids."""
+
+    hot = False
+
+    def __init__(self, path: str, device: torch.device, budget: float, max_rows: int, layers: int, together: bool):
+        with TableFile.open(path) as f:
+            nbytes = int(f.layout.rows * f.layout.stride * budget)
+        self.lookups: list[DiskLookup] = []
+        self.round = None
+        try:
+            for _ in range(layers):
+                self.lookups.append(make_lookup("disk", path, device=device, max_rows=max_rows,
+                                                budget_bytes=max(nbytes, 1 << 16)))
+            if together:
+                self.round = ReadRound(self.lookups)
+        except BaseException:
+            self.close()
+            raise
+        self.host = torch.empty((layers, max_rows), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = device
+        self.name = f"disk {budget:g} x{layers} " + ("round" if together else "layer by layer")
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        dev = ids.to(self.device)  # [layers, batch, HEADS]: a model's hashed ids are the GPU's
+        if self.round is None:  # each call copies its ids to the host and waits for them
+            return torch.stack([lk.lookup(d) for lk, d in zip(self.lookups, dev, strict=True)])
+        host = self.host[:, :dev[0].numel()].view(dev.shape)
+        host.copy_(dev, non_blocking=True)
+        _sync(self.device)  # the step's one wait for its ids
+        self.round.prefetch(list(host))
+        return torch.stack([lk.lookup(h) for lk, h in zip(self.lookups, host, strict=True)])
+
+    def counts(self) -> tuple[int, int, int, int]:
+        st = [lk.stats() for lk in self.lookups]
+        return (sum(s["cache"]["hits"] for s in st), sum(s["cache"]["misses"] for s in st),
+                sum(s["pages_read"] for s in st), 0)
+
+    def close(self) -> None:
+        if self.round is not None:
+            self.round.close()
+        for lk in self.lookups:
+            lk.close()
+
+
 def hot_rows(tokens: np.ndarray, rows: int, batch: int, steps: int, fraction: float) -> torch.Tensor:
     """The ``fraction`` of the table's rows most often read by ``steps`` steps of ``batch`` lanes, each starting
     where the run's lane of the same number stops reading (a profile of the same kind of text, never of the
@@ -287,7 +353,7 @@ def time_steps(provider, steps: Steps, src_of, device: torch.device, cold: int, 
     if pages0 is not None:
         hits, misses, pages, hot = (b - a for a, b in zip(pages0, provider.counts(), strict=True))
         r.update(hit_rate=round(hits / max(1, hits + misses), 3), pages_per_step=round(pages / steps.count, 1))
-        if provider.lookup.stats()["hot_rows"]:  # of every id: served from device memory
+        if getattr(provider, "hot", None) is None and provider.lookup.stats()["hot_rows"]:  # of every id: from HBM
             r["hot_hit_rate"] = round(hot / max(1, steps.count * steps.batch * HEADS), 3)
     return r
 
@@ -318,11 +384,14 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                     [lambda h=h, b=b: Disk(path, device, min(a.budgets), b * HEADS,
                                            (h, hot_rows(tokens, rows, b, a.steps, h))) for h in a.hot] + \
                     ([lambda: Mmap(path, device, a.mmap_cap_gib)] if a.mmap else [])
+                layer_steps = LayerSteps(tokens, rows, b, a.steps, a.layers) if a.layers else None
+                providers += [lambda t=t, b=b: Layers(path, device, min(a.budgets), b * HEADS, a.layers, t)
+                              for t in ((False, True) if a.layers else ())]
                 for make in providers:
                     p = make()
                     try:
-                        r = time_steps(p, steps, src_of, device, a.cold_steps, a.blocks,
-                                       1 if pinned is not None else 10)
+                        r = time_steps(p, layer_steps if isinstance(p, Layers) else steps, src_of, device,
+                                       a.cold_steps, a.blocks, 1 if pinned is not None else 10)
                     finally:
                         if p is not pinned:
                             p.close()
@@ -341,6 +410,10 @@ def run(a, path: str, limit_reads_per_s: float, device: torch.device) -> dict:
                             r["added_us"] = round(added, 1)
                             r["added_x_floor"] = round(added / floor, 2) if floor else None
                             line += f", adds {added:,.1f} us over pinned"
+                    if isinstance(p, Layers) and p.round is not None:  # against layer by layer, same run
+                        alone = out[p.name.replace("round", "layer by layer")]
+                        r["x_layer_by_layer"] = round(r["steady_median_us"] / alone["steady_median_us"], 3)
+                        line += f"; {r['x_layer_by_layer']}x the time of layer by layer"
                     command.say(line + ("" if r["exact"] else "  ROWS DIFFER"))
                     command.say("    parts (median us): " + ", ".join(f"{k} {v:,.1f}"
                                                                      for k, v in r["parts_median_us"].items()))

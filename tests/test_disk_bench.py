@@ -30,7 +30,7 @@ def run(capsys, args: list[str]) -> tuple[int, str, str]:
 
 def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_path):
     code, out, _ = run(capsys, ["--smoke", "--depths", "1,4", "--rows", "1,300", "--read-depths", "3",
-                                "--dir", str(tmp_path), "--out", str(tmp_path / "out")])
+                                "--layers", "2", "--dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert code == 0
     res = json.loads((tmp_path / "out" / "disk.json").read_text())
     assert [r["depth"] for r in res["probe"]] == [1, 4]
@@ -55,21 +55,27 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
     steps = res["steps"]  # the disk placement's decode steps, small and interpreted: every provider's rows exact
     assert set(steps["batches"]) == {"1", "3"} and steps["tokens"] >= 1000
     for batch in steps["batches"].values():
-        assert set(batch) == {"pinned", "disk 0.25", "disk 0.25 hot 0.01", "mmap"} | \
-            ({"disk 0.25 threads"} if "rate" in ur else set())
+        assert set(batch) == {"pinned", "disk 0.25", "disk 0.25 hot 0.01", "mmap", "disk 0.25 x2 layer by layer",
+                              "disk 0.25 x2 round"} | ({"disk 0.25 threads"} if "rate" in ur else set())
         assert all(r["exact"] for r in batch.values())
+        alone, together = batch["disk 0.25 x2 layer by layer"], batch["disk 0.25 x2 round"]
+        # two layers' steps read as a model reads them: the same pages and hits in one round as layer by layer
+        assert together["pages_per_step"] == alone["pages_per_step"] > batch["disk 0.25"]["pages_per_step"]
+        assert together["hit_rate"] == alone["hit_rate"] and together["x_layer_by_layer"] > 0
         disk, hot = batch["disk 0.25"], batch["disk 0.25 hot 0.01"]
         assert 0 <= disk["hit_rate"] <= 1 and disk["pages_per_step"] > 0 and disk["io_floor_us"] > 0
         assert "hot_hit_rate" not in disk and 0 <= hot["hot_hit_rate"] <= 1
         for name, r in batch.items():  # where a step goes: the call, then the wait for its rows
             parts = r["parts_median_us"]
             assert parts["call"] > 0 and parts["sync"] >= 0, (name, parts)
-            if name.startswith("disk"):  # the call's parts, each a share of it (medians of the same steps)
+            # a disk provider's call's parts, each a share of it (medians of the same steps)
+            if name.startswith("disk") and " x2 " not in name:
                 assert set(parts) == {"call", "sync", "read_in", "pages", "gather", "plan_copy", "rest"}
                 assert parts["read_in"] > 0 and parts["gather"] > 0 and parts["plan_copy"] > 0, (name, parts)
                 assert 0 <= parts["pages"] <= parts["read_in"] <= parts["call"], (name, parts)
                 assert parts["rest"] > 0, (name, parts)
     assert "batch   3  disk 0.25: steady" in out and "of ids from the hot rows" in out
+    assert "disk 0.25 x2 round: steady" in out and "x the time of layer by layer" in out
     assert "    parts (median us): call " in out and ", read_in " in out
     assert os.listdir(tmp_path) == ["out"]  # the file it wrote is gone (no --keep)
     if not res["file"]["direct"]:
@@ -89,6 +95,7 @@ def test_an_existing_table_file_is_read_as_it_is(capsys, tmp_path):
 
 @pytest.mark.parametrize("args,says", [
     (["--depths", "300"], ["--depths 300: at most 256"]),
+    (["--layers", "0"], ["--layers", "above 0 (PLE layers read a step)"]),
     (["--depths", "0"], ["--depths", "expected comma-separated positive integers"]),
     (["--seconds", "-1"], ["--seconds", "above 0"]),
     (["--file", "/nonexistent/t.uvt"], ["--file /nonexistent/t.uvt: no such file"]),
