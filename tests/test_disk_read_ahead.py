@@ -82,10 +82,11 @@ def test_a_read_ahead_whose_call_never_came_is_let_go_on_the_host(tmp_path, devi
         if device.type == "cuda":
             torch.cuda.synchronize()
         lk.cache.completed.fill_(0)  # step 1 "still on the GPU": its slots are its own
-        with pytest.raises(DiskStepTimeout, match="step 1 has not completed"):
-            lk.prefetch(torch.arange(200, 220))  # waits for step 1's slots as its call would, bounded
+        with pytest.raises(DiskStepTimeout, match="step 1 has not completed"):  # 5 hits of step 1's, 15 misses:
+            lk.prefetch(torch.cat([torch.arange(100, 105), torch.arange(200, 215)]))  # waits as its call would
         assert (lk.cache.slots_of(np.arange(100, 120)) >= 0).all()  # step 1's rows, untouched
-        assert not (lk.cache._state()[2] == 2).any()  # the failed read-ahead holds no slot
+        last_step = lk.cache._state()[2]
+        assert (last_step == 1).all()  # the failed read-ahead's hits handed back to step 1: it holds no slot
         lk.cache.completed.fill_(1)
         ids = torch.arange(200, 220)
         assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
@@ -108,6 +109,21 @@ def test_a_failed_read_ahead_holds_nothing_and_its_call_reads_the_rows(tmp_path,
         assert not (lk.cache._state()[2] == 2).any() and lk.stats()["read_ahead"] == 0
         ids = torch.arange(200, 220)  # every slot
         assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
+
+
+def test_a_call_whose_ids_are_not_its_read_aheads_lets_those_go_when_it_needs_their_slots(tmp_path, device):
+    """A read-ahead of every slot, then a call of other ids that needs every slot: the call lets the read-ahead's
+    rows go and is served, as it would be with no read-ahead; the rows read ahead stay cached until evicted."""
+    t, path = table(tmp_path, rows=300, cols=8, seed=6)
+    with make_lookup("disk", path, device=device, max_rows=20, slots=20, wait_s=0.2) as lk:
+        lk.prefetch(torch.arange(20))
+        ids = torch.arange(100, 120)
+        assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
+        assert lk.stats()["planned_step"] == 1 and (lk.cache.slots_of(np.arange(20)) == -1).all()
+        lk.prefetch(torch.arange(50, 55))  # room beside the call's own rows: both kept
+        ids = torch.tensor([50, 51, 200, 201])
+        assert torch.equal(bits(lk.lookup(ids)), bits(t[ids]))
+        assert (lk.cache.slots_of(np.arange(50, 55)) >= 0).all()
 
 
 def test_bad_read_aheads_are_named(tmp_path, device):
@@ -155,9 +171,14 @@ def test_release_hands_a_steps_slots_to_an_earlier_one(tmp_path):
     try:
         cache.plan([1, 2], 1)
         cache.plan([3], 2)
+        cache.plan([3], 2)  # planned again: a hit of its own step, not referenced
+        assert cache._state()[3][cache.slots_of([3])[0]] == 0
+        cache.plan([1], 2)  # a hit of step 1's row: referenced
+        assert cache._state()[3][cache.slots_of([1])[0]] == 1
         with pytest.raises(RowCacheFull):
             cache.plan([4], 3)  # step 1 is not complete: no slot is free
-        assert cache.release(2, 1) == 1  # step 2's gather never runs: its slot goes to step 1
+        assert cache.release(2, 1) == 2  # step 2's gather never runs: its slots go to step 1, unreferenced
+        assert (cache._state()[3] == 0).all() and (cache._state()[2] <= 1).all()
         with pytest.raises(RowCacheFull):
             cache.plan([4], 3)  # still held, by step 1 now
         cache.complete(1)
@@ -191,7 +212,7 @@ def test_a_round_reads_every_lookups_misses_together_and_the_calls_read_nothing(
                     pages = lk.stats()["pages_read"]
                     assert torch.equal(bits(lk.lookup(i)), bits(t[i]))
                     assert lk.stats()["pages_read"] == pages
-            assert rnd._pool is not None and len(rnd._pool._threads) == 3
+            assert rnd._pool is not None
         assert rnd._pool is None
         with pytest.raises(BackendClosed):
             rnd.prefetch(ids)
@@ -266,6 +287,35 @@ def test_a_round_waits_for_every_read_ahead_before_an_interrupt(tmp_path, device
             lk.close()
 
 
+def test_a_round_interrupted_while_it_hands_out_work_waits_for_what_it_handed_out(tmp_path, device, monkeypatch):
+    made = lookups(tmp_path, device, n=3)
+    done = []
+    real = type(made[0][1]).prefetch
+
+    def slow(self, ids):
+        threading.Event().wait(0.2)
+        done.append(real(self, ids))
+        return done[-1]
+
+    monkeypatch.setattr(type(made[0][1]), "prefetch", slow)
+    real_submit, submitted = cf.ThreadPoolExecutor.submit, []
+
+    def submit(pool, *a, **k):
+        if len(submitted) == 1:
+            raise KeyboardInterrupt
+        submitted.append(1)
+        return real_submit(pool, *a, **k)
+
+    monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", submit)
+    try:
+        with ReadRound([lk for _, lk in made]) as rnd, pytest.raises(KeyboardInterrupt):
+            rnd.prefetch([torch.arange(4)] * 3)
+        assert len(done) == 1  # the one handed out ended before the interrupt was raised
+    finally:
+        for _, lk in made:
+            lk.close()
+
+
 def test_bad_rounds_are_named(tmp_path, device):
     made = lookups(tmp_path, device, n=2)
     try:
@@ -273,6 +323,8 @@ def test_bad_rounds_are_named(tmp_path, device):
             ReadRound([])
         with pytest.raises(TypeError, match="reads ahead through lookups that can.*not object"):
             ReadRound([made[0][1], object()])
+        with pytest.raises(ValueError, match="each lookup once"):
+            ReadRound([made[0][1], made[1][1], made[0][1]])
         rnd = ReadRound([lk for _, lk in made])
         with pytest.raises(ValueError, match="2 lookups was given 1"):
             rnd.prefetch([torch.arange(3)])

@@ -398,8 +398,24 @@ def test_a_failed_round_or_ids_not_the_rounds_leave_each_layer_to_read_its_own(r
     assert_same_steps(run_steps(model, prompts((2, 5), seed=7), STEPS), want)
     assert reads.stats == {"rounds": STEPS + 1, "failed": 1, "taken": 3 * STEPS}
     monkeypatch.undo()
+    # a real failure of one table's read-ahead (the others read theirs ahead), then a failure outside any
+    # read-ahead (the hash): each forward dropped its round and read layer by layer, with transformers' bits
+    from uvaple.integration.models import step_reads
+
+    second_lookup = ngram_modules(model)[1].ngram_embedding.lookups[0]
+    real_prefetch = type(second_lookup).prefetch
+    monkeypatch.setattr(type(second_lookup), "prefetch", lambda self, ids: (_ for _ in ()).throw(
+        RowCacheFull("no room")) if self is second_lookup else real_prefetch(self, ids))
+    assert_same_steps(run_steps(model, prompts((2, 5), seed=7), 0), want[:1])
+    monkeypatch.undo()
+    monkeypatch.setattr(step_reads, "ngram_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("hash")))
+    assert_same_steps(run_steps(model, prompts((2, 5), seed=7), 0), want[:1])
+    monkeypatch.undo()
+    assert reads.stats == {"rounds": STEPS + 3, "failed": 3, "taken": 3 * STEPS}
     first, second = ngram_modules(model)[:2]
     ids = prompts((1, 3), seed=3)
+    reads.read_ahead(first, ids, None)
+    assert reads.take(second, ids, torch.zeros(1, 2, dtype=torch.long)) is None  # another stored context
     reads.read_ahead(first, ids, None)
     assert reads.take(second, ids.clone(), None) is None  # another tensor of the same ids
     reads.read_ahead(first, ids, None)
@@ -407,4 +423,15 @@ def test_a_failed_round_or_ids_not_the_rounds_leave_each_layer_to_read_its_own(r
     assert reads.take(second, ids, None) is None
     reads.read_ahead(first, ids, None)
     assert reads.take(second, ids, None) is not None and reads.take(second, ids, None) is None  # taken once
+    close(model)
+
+
+def test_a_round_under_inference_mode_gives_transformers_bits(checkpoint, want, tmp_path):
+    """Under ``torch.inference_mode`` the ids and the stored contexts keep no version counter: the round takes
+    them by their memory and shape, and every forward after the first is still one round."""
+    model = load_qwen4_exp_with_host_ple(checkpoint, dtype=torch.bfloat16, **disk(tmp_path))
+    with torch.inference_mode():
+        got = run_steps(model, prompts((2, 5), seed=7), STEPS)
+    assert_same_steps(got, want)
+    assert reads_of(model).stats == {"rounds": STEPS + 1, "failed": 0, "taken": 3 * (STEPS + 1)}
     close(model)

@@ -382,19 +382,21 @@ class RowCache:
     def release(self, step: int, to: int) -> int:
         """Step ``step`` was planned (and its misses read in) but its gather will never run (a read-ahead whose call
         did not come): its slots are handed to step ``to``, the last step whose gather was launched (or was
-        completed), and are free once that one is. Its rows stay cached, each in its slot: they were read in whole.
-        This needs no word from the GPU: the slots a queued gather reads stay held by that gather's own step
-        (``to`` is never before it), and the next plan sees them free as soon as the word passes ``to``. Returns
-        how many slots were handed on."""
+        completed), and are free once that one is. Its rows stay cached, each in its slot: they were read in whole
+        (counted as misses; a later plan that reads them counts them as hits), unreferenced. This needs no word from
+        the GPU: the slots a queued gather reads stay held by that gather's own step (``to`` is never before it),
+        and the next plan sees them free as soon as the word passes ``to``. Returns how many slots were handed
+        on."""
         with self._lock:
             arrays = self._opened()
             if isinstance(step, bool) or not isinstance(step, int) or isinstance(to, bool) or not isinstance(to, int) \
                     or not 0 <= to < step:
                 raise ValueError(f"release(step={step!r}, to={to!r}): a step's slots go to an earlier step (ints, "
                                  "0 <= to < step)")
-            last_step = arrays[2]
+            last_step, ref = arrays[2], arrays[3]
             mine = last_step == step
             last_step[mine] = to
+            ref[mine] = 0  # a later plan of the step references what it reads again (a row read once: first to go)
             return int(np.count_nonzero(mine))
 
     def abandon(self, misses: Misses) -> None:

@@ -18,10 +18,12 @@ A layer takes its ids only when they are this forward's: the same ``input_ids`` 
 version), over the same stored context, unchanged since; anything else (a layer called on its own, a forward
 that stopped after the round, a layer on another device under a ``device_map``, a round that failed) leaves the
 layer to hash and read its rows itself, as without a round, with the same bits and its own named errors. A
-round whose read-aheads fail is logged once at debug level and dropped; the lookups whose read-ahead failed hold
-none of its rows. A compiled forward has no round (the layers' forwards do not call it while ``torch.compile``
-traces them: each disk call runs eagerly, a graph break, and reads alone), nor does a CUDA graph capture (the
-disk placement refuses one by name).
+round that fails anywhere (a read-ahead, the pinned buffer, the hash) is logged at debug level and dropped; the
+lookups whose read-ahead failed hold none of its rows, and a call whose ids are not its read-ahead's lets those go
+if it needs their slots. Like the model's forward (its layers' outputs are static buffers), a round serves one
+thread's forwards at a time. A compiled forward has no round (the layers' forwards do not call it while
+``torch.compile`` traces them: each disk call runs eagerly, a graph break, and reads alone), nor does a CUDA graph
+capture (the disk placement refuses one by name).
 
 Built by the Qwen4Exp entry points (``load_qwen4_exp_with_host_ple``, ``apply_uvaple_to_qwen4_exp(model)``) over
 the model's disk-served n-gram modules; closed with them.
@@ -43,9 +45,15 @@ __all__ = ["StepReads"]
 log = logging.getLogger("uvaple.integration.models.step_reads")
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (its in-place writes), or None for a tensor made under ``torch.inference_mode``,
+    which keeps none (nothing but the forward itself writes such a tensor within a forward)."""
+    return None if t.is_inference() else t._version
+
+
 def _stamp(t: torch.Tensor | None) -> tuple | None:
     """What identifies a stored context as unchanged: its memory, shape and version (None before the first)."""
-    return None if t is None else (t.data_ptr(), tuple(t.shape), t._version)
+    return None if t is None else (t.data_ptr(), tuple(t.shape), _version(t))
 
 
 class StepReads:
@@ -76,6 +84,16 @@ class StepReads:
 
     @torch.compiler.disable
     def _run(self, input_ids: torch.Tensor, cache) -> None:
+        self.stats["rounds"] += 1  # rounds begun; failed: those dropped; taken: the layers' calls served by one
+        try:
+            self._round_of(input_ids, cache)
+        except Exception as e:  # each layer's call reads what it still needs, and names any error itself
+            self._taken.clear()
+            self.stats["failed"] += 1
+            log.debug("uvaple: a read round of n-gram tables failed (%s: %s); each layer reads its own rows",
+                      type(e).__name__, e)
+
+    def _round_of(self, input_ids: torch.Tensor, cache) -> None:
         ids = input_ids.long()
         device = ids.device
         mods = [m for m in (r() for r in self._modules) if m is not None and m.layer_multipliers.device == device]
@@ -108,15 +126,8 @@ class StepReads:
         for shape, n in zip(shapes, counts, strict=True):
             views.append(host[at:at + n].view(shape))
             at += n
-        self.stats["rounds"] += 1
-        try:
-            lookups.prefetch(views)
-        except Exception as e:  # each layer's call reads what it still needs, and names any error itself
-            self.stats["failed"] += 1
-            log.debug("uvaple: a read round of %d n-gram tables failed (%s: %s); each layer reads its own rows",
-                      len(mods), type(e).__name__, e)
-            return
-        version = input_ids._version
+        lookups.prefetch(views)
+        version = _version(input_ids)
         for m, stamp, v in zip(mods, stamps, views, strict=True):
             self._taken[id(m)] = (input_ids, version, stamp, v)
 
@@ -146,7 +157,7 @@ class StepReads:
         if entry is None:
             return None
         ids, version, stamp, host = entry
-        if ids is not input_ids or input_ids._version != version or _stamp(stored) != stamp:
+        if ids is not input_ids or _version(input_ids) != version or _stamp(stored) != stamp:
             return None
         self.stats["taken"] += 1
         return host

@@ -39,7 +39,10 @@ The call plans the same step again and finds the rows cached (:class:`~uvaple.uv
 references them once). A read-ahead whose call never comes is let go by the next read-ahead, on the host: its
 slots go to the last step a call launched (:meth:`~uvaple.uva.RowCache.release`), never waiting on a word the GPU
 writes later. A call takes its step's read-ahead as its own just before it plans (from then on the step completes
-in stream order, whatever happens to the call); one that fails before that leaves the read-ahead to be let go.
+in stream order, whatever happens to the call); one that fails before that leaves the read-ahead to be let go. A
+call whose ids differ from its read-ahead's, and which does not fit beside the rows read ahead, lets them go first
+and plans again (as a call with no read-ahead would fit). A call counts its step as launched just before it
+launches, so a read-ahead is never let go once its gather may be queued.
 
 A call that fails once its step is planned (a full cache, a failed read, an interrupt) still completes that
 step in stream order (after whatever it launched): its hits are released when the steps before it are done,
@@ -62,6 +65,7 @@ evictions and the pages read; no synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -318,15 +322,23 @@ class DiskLookup(Lookup):
             self._wait_for(step - self._ring, f"its staging row (step {step - self._ring}'s)")
             rows, valid, outside, masked, hot, at, cached = self._rows_of(ids)
             try:
-                self._ahead = 0  # a read-ahead of this step is this call's now: the step completes below
-                # planned and read in as one: a failure leaves no row this step placed mapped
-                self._read_in(cached, step)
+                ahead, self._ahead = self._ahead == step, 0  # a read-ahead of this step is this call's now: the
+                try:  # step completes below. Planned and read in as one: a failure leaves no row it placed mapped
+                    self._read_in(cached, step)
+                except RowCacheFull:
+                    if not ahead:
+                        raise
+                    # the rows read ahead were not this call's (other ids) and hold the slots it needs: let them
+                    # go (to the last launched step) and plan again, as a call with no read-ahead would
+                    self.cache.release(step, self._step)
+                    self._read_in(cached, step)
                 staged = host_ids[slot, :n]
                 self.cache.cache_ids(rows, staged)
                 if hot is not None:  # past the cache's slots: the hot rows in device memory
                     staged[hot] = self.cache.slots + 1 + at[hot]
                 if masked:
                     staged[~valid] = 0  # outside the cache: the policy's zero row
+                self._step = step  # launched from here on (an interrupt below leaves no read-ahead of it to release)
                 plan.run(_ids_view(dev_views, dev_ids, slot, ids.shape), out, c0)
             finally:
                 if self.cache.planned >= step:  # its rows are marked as this step's, read in or not: the step
@@ -383,7 +395,8 @@ class DiskLookup(Lookup):
                 misses = self._read_in(self._rows_of(ids)[-1], step)
             except BaseException:
                 if self.cache.planned >= step:  # its hits were marked as the step's: handed back
-                    self.cache.release(step, self._step)
+                    with contextlib.suppress(TableClosedError):  # (closed meanwhile: nothing left to hand back)
+                        self.cache.release(step, self._step)
                 raise
             self._ahead = step
             self._counts["read_ahead"] += 1

@@ -39,6 +39,9 @@ class ReadRound:
         self.lookups = tuple(lookups)
         if not self.lookups:
             raise ValueError("a read round needs at least one lookup")
+        if len({id(lk) for lk in self.lookups}) != len(self.lookups):
+            raise ValueError("a read round reads ahead through each lookup once: a lookup given twice would let its "
+                             "first read-ahead go for the second")
         for lk in self.lookups:
             if not callable(getattr(lk, "prefetch", None)):
                 raise TypeError(f"a read round reads ahead through lookups that can (the disk placement's), not "
@@ -65,8 +68,12 @@ class ReadRound:
                 return [self.lookups[0].prefetch(ids[0])]
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(len(self.lookups), thread_name_prefix="uvaple-read-round")
-            futures = [self._pool.submit(lk.prefetch, i) for lk, i in zip(self.lookups, ids, strict=True)]
-            interrupt = None
+            futures, interrupt = [], None
+            try:
+                for lk, i in zip(self.lookups, ids, strict=True):
+                    futures.append(self._pool.submit(lk.prefetch, i))
+            except BaseException as e:  # an interrupt, or a pool that takes no more work: those submitted still end
+                interrupt = e
             while True:  # every read-ahead ends (each is bounded by its reader's and its cache's timeouts)
                 try:
                     cf.wait(futures)
