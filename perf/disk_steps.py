@@ -22,7 +22,8 @@ synchronised (a decode step waits for its rows):
 * ``disk ... xN layer by layer`` and ``... xN round`` (``--layers N``), at the smallest budget: N lookups, one a
   PLE layer (each with its own cache and its own hash of the lanes), a step's rows read as a model reads them,
   each layer's ids copied and read in its own call, or all layers' ids copied once and read ahead in one round
-  (:class:`Layers`): the same pages and hit rate, and the round's time against layer by layer's;
+  (:class:`Layers`): the same pages and hit rate, and the round's time against layer by layer's, with its parts
+  timed apart (the ids' copy, the round, its longest read-ahead and the sum of them, the layers' calls);
 * ``mmap``: the file mapped (``np.memmap``, ``MADV_RANDOM``), each step's pages advised ``MADV_WILLNEED`` at
   once (their reads in flight together, as SGLang's prefetcher issues them), then gathered by numpy and copied
   to the device: vLLM's disk-offload and SGLang's file backend, built to win. Its memory cap is the page
@@ -228,16 +229,44 @@ class Layers:
         self.host = torch.empty((layers, max_rows), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.device = device
         self.name = f"disk {budget:g} x{layers} " + ("round" if together else "layer by layer")
+        # a round's parts a step (us): the ids' copy and wait, the round, its longest read-ahead and their sum (each
+        # timed on its own thread: the round less the longest is the pool's hand-over; the sum against the longest
+        # says how much the read-aheads overlapped), then the layers' calls
+        self.phases: dict[str, list[float]] = {k: [] for k in ("ids", "read_ahead", "read_ahead_longest",
+                                                              "read_ahead_sum", "calls")} if together else {}
+        self._each: list[float] = []
+        if together:
+            for lk in self.lookups:  # on the instance only (the product untouched); close() takes them off
+                lk.prefetch = self._timed(lk.prefetch)
+
+    def _timed(self, fn):
+        def call(ids):
+            t0 = time.perf_counter()
+            try:
+                return fn(ids)
+            finally:
+                self._each.append((time.perf_counter() - t0) * 1e6)  # (list.append is atomic across threads)
+        return call
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         dev = ids.to(self.device)  # [layers, batch, HEADS]: a model's hashed ids are the GPU's
         if self.round is None:  # each call copies its ids to the host and waits for them
             return torch.stack([lk.lookup(d) for lk, d in zip(self.lookups, dev, strict=True)])
+        t0 = time.perf_counter()
         host = self.host[:, :dev[0].numel()].view(dev.shape)
         host.copy_(dev, non_blocking=True)
         _sync(self.device)  # the step's one wait for its ids
+        t1 = time.perf_counter()
+        self._each = []
         self.round.prefetch(list(host))
-        return torch.stack([lk.lookup(h) for lk, h in zip(self.lookups, host, strict=True)])
+        t2 = time.perf_counter()
+        rows = torch.stack([lk.lookup(h) for lk, h in zip(self.lookups, host, strict=True)])
+        t3 = time.perf_counter()
+        for key, value in (("ids", t1 - t0), ("read_ahead", t2 - t1), ("calls", t3 - t2)):
+            self.phases[key].append(value * 1e6)
+        self.phases["read_ahead_longest"].append(max(self._each))
+        self.phases["read_ahead_sum"].append(sum(self._each))
+        return rows
 
     def counts(self) -> tuple[int, int, int, int]:
         st = [lk.stats() for lk in self.lookups]
@@ -248,6 +277,7 @@ class Layers:
         if self.round is not None:
             self.round.close()
         for lk in self.lookups:
+            vars(lk).pop("prefetch", None)  # the timer off first (it held the lookup's own method)
             lk.close()
 
 

@@ -62,6 +62,10 @@ def test_a_smoke_run_reads_at_every_depth_and_the_reader_is_exact(capsys, tmp_pa
         # two layers' steps read as a model reads them: the same pages and hits in one round as layer by layer
         assert together["pages_per_step"] == alone["pages_per_step"] > batch["disk 0.25"]["pages_per_step"]
         assert together["hit_rate"] == alone["hit_rate"] and together["x_layer_by_layer"] > 0
+        parts = together["parts_median_us"]  # the round's own parts, each a share of the step
+        assert {"ids", "read_ahead", "read_ahead_longest", "read_ahead_sum", "calls"} <= set(parts), parts
+        assert 0 < parts["read_ahead_longest"] <= parts["read_ahead"] <= parts["call"], parts
+        assert parts["read_ahead_longest"] <= parts["read_ahead_sum"] and parts["calls"] > 0, parts
         disk, hot = batch["disk 0.25"], batch["disk 0.25 hot 0.01"]
         assert 0 <= disk["hit_rate"] <= 1 and disk["pages_per_step"] > 0 and disk["io_floor_us"] > 0
         assert "hot_hit_rate" not in disk and 0 <= hot["hot_hit_rate"] <= 1
