@@ -136,14 +136,18 @@ class Pinned:
         self.table.close()
 
 
+def disk_lookup(path: str, device: torch.device, budget: float, max_rows: int, **options) -> DiskLookup:
+    """A disk lookup over the file at ``path`` whose row cache holds ``budget`` (a fraction) of the table."""
+    with TableFile.open(path) as f:
+        nbytes = int(f.layout.rows * f.layout.stride * budget)
+    return make_lookup("disk", path, device=device, max_rows=max_rows, budget_bytes=max(nbytes, 1 << 16), **options)
+
+
 class Disk:
     def __init__(self, path: str, device: torch.device, budget: float, max_rows: int, hot: tuple | None = None,
                  engine: str = "auto"):
-        with TableFile.open(path) as f:
-            nbytes = int(f.layout.rows * f.layout.stride * budget)
-        self.lookup: DiskLookup = make_lookup("disk", path, device=device, max_rows=max_rows,
-                                              budget_bytes=max(nbytes, 1 << 16), read_engine=engine,
-                                              **({} if hot is None else {"hot_rows": hot[1]}))
+        self.lookup = disk_lookup(path, device, budget, max_rows, read_engine=engine,
+                                  **({} if hot is None else {"hot_rows": hot[1]}))
         self.name = f"disk {budget:g}" + ("" if hot is None else f" hot {hot[0]:g}") + \
             ("" if engine == "auto" else f" {engine}")
 
@@ -213,14 +217,11 @@ class Layers:
     hot = False
 
     def __init__(self, path: str, device: torch.device, budget: float, max_rows: int, layers: int, together: bool):
-        with TableFile.open(path) as f:
-            nbytes = int(f.layout.rows * f.layout.stride * budget)
         self.lookups: list[DiskLookup] = []
         self.round = None
         try:
             for _ in range(layers):
-                self.lookups.append(make_lookup("disk", path, device=device, max_rows=max_rows,
-                                                budget_bytes=max(nbytes, 1 << 16)))
+                self.lookups.append(disk_lookup(path, device, budget, max_rows))
             if together:
                 self.round = ReadRound(self.lookups)
         except BaseException:
